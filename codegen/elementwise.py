@@ -1,0 +1,69 @@
+"""Elementwise, reshape, gather and normalisation ops as Relax ops (legalised and scheduled by TVM)."""
+from __future__ import annotations
+
+from tvm import relax, te, tirx
+
+
+def emit_add(ctx, node, a, b):
+    return ctx.bb.emit(relax.op.add(a, b))
+
+
+def emit_mul(ctx, node, a, b):
+    return ctx.bb.emit(relax.op.multiply(a, b))
+
+
+def emit_silu(ctx, node, x):
+    return ctx.bb.emit(relax.op.nn.silu(x))
+
+
+def emit_cast(ctx, node, x):
+    return ctx.bb.emit(relax.op.astype(x, node.attrs["dtype"]))
+
+
+def emit_reshape(ctx, node, x):
+    return ctx.bb.emit(relax.op.reshape(x, ctx.shape(node.type.shape)))
+
+
+def emit_embed(ctx, node, ids, table):
+    return ctx.bb.emit(relax.op.take(table, ids, axis=0, mode="clip"))
+
+
+def emit_take_rows(ctx, node, x, rows):
+    return ctx.bb.emit(relax.op.take(x, rows, axis=0, mode="clip"))
+
+
+def emit_rms_norm(ctx, node, x, weight):
+    """Normalise in float32, round to x's dtype, then scale by the weight (as transformers does)."""
+    eps = node.attrs["eps"]
+    dtype = node.type.dtype
+
+    def rms_norm(x, w):
+        h = int(x.shape[-1])
+        k = te.reduce_axis((0, h), "k")
+        sq = te.compute(x.shape[:-1], lambda *i: te.sum(x[i + (k,)].astype("float32") * x[i + (k,)].astype("float32"),
+                                                        axis=k), name="sumsq")
+
+        def out(*i):
+            inv = tirx.rsqrt(sq[i[:-1]] / tirx.const(float(h), "float32") + tirx.const(eps, "float32"))
+            normed = (x[i].astype("float32") * inv).astype(dtype)
+            return (normed.astype("float32") * w[i[-1]].astype("float32")).astype(dtype)
+        return te.compute(x.shape, out, name="rms_norm")
+    return ctx.bb.emit_te(rms_norm, x, weight, primfunc_name_hint="rms_norm")
+
+
+def emit_rope(ctx, node, x, positions, inv_freq):
+    """Rotate-half rotary embedding; angles computed in float32 from positions and inv_freq."""
+    dtype = node.type.dtype
+
+    def rope(x, pos, inv):
+        half = int(x.shape[-1]) // 2
+
+        def out(t, h, i):
+            j = tirx.truncmod(i, half)
+            ang = pos[t].astype("float32") * inv[j]
+            v = x[t, h, i].astype("float32")
+            partner = tirx.if_then_else(i < half, -x[t, h, i + half].astype("float32"),
+                                        x[t, h, i - half].astype("float32"))
+            return (v * tirx.cos(ang) + partner * tirx.sin(ang)).astype(dtype)
+        return te.compute(x.shape, out, name="rope")
+    return ctx.bb.emit_te(rope, x, positions, inv_freq, primfunc_name_hint="rope")

@@ -1,0 +1,135 @@
+"""Lower an IR graph to a TVM IRModule with one Relax function, `forward`.
+
+forward's parameters are the graph's inputs (in order) followed by the stored
+weights (in `LoweredModel.weights` order); it returns the graph's output.
+Weight layouts are chosen here, from the target, so the artifact stores each
+weight the way its kernel reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import relax, tirx
+import tvm
+
+from kiln.errors import KilnError
+from kiln.ir import Graph
+
+from . import elementwise
+from .attention import emit_paged_attention
+from .layouts import stored_shape
+from .linear import emit_linear
+
+
+@dataclass
+class StoredWeight:
+    name: str          # name in the artifact's weights file
+    param: str         # the IR param it is made from
+    layout: str        # codegen.layouts name
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class LoweredModel:
+    module: tvm.IRModule
+    inputs: list[str]
+    weights: list[StoredWeight] = field(default_factory=list)
+
+
+class _Context:
+    """What an op lowering may use: the block builder, symbolic dims, weights and kernels."""
+
+    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder):
+        self.graph, self.target, self.bb = graph, target, bb
+        self.dims: dict[str, tirx.Var] = {}
+        self.inputs: dict[str, relax.Var] = {}
+        self.weights: dict[tuple[str, str], tuple[StoredWeight, relax.Var]] = {}
+        self.kernels: dict[str, tvm.ir.GlobalVar] = {}
+
+    def shape(self, dims) -> list:
+        return [self.dims.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in dims]
+
+    def input(self, name: str) -> relax.Var:
+        return self.inputs[name]
+
+    def weight(self, param: str, layout: str) -> relax.Var:
+        """The forward parameter holding `param` stored in `layout` (created once, in plan order)."""
+        key = (param, layout)
+        if key not in self.weights:
+            ty = self.graph.params[param].type
+            shape = stored_shape(layout, ty.shape)
+            name = param if layout == "nk" else f"{param}@{layout}"
+            var = relax.Var(name, relax.TensorType(shape, ty.dtype))
+            self.weights[key] = (StoredWeight(name, param, layout, shape, ty.dtype), var)
+        return self.weights[key][1]
+
+    def add_kernel(self, func: tirx.PrimFunc, name: str, scheduled: bool = False) -> tvm.ir.GlobalVar:
+        """Add a hand-written kernel once; it is opaque to fusion (op_pattern 8)."""
+        if name not in self.kernels:
+            func = func.with_attr("global_symbol", name).with_attr("op_pattern", 8)
+            if scheduled or func.attrs.get("tirx.is_scheduled") is not None:
+                func = func.with_attr("tirx.is_scheduled", True)
+            self.kernels[name] = self.bb.add_func(func, name)
+        return self.kernels[name]
+
+
+def _emit_linear(ctx, node, x, w, bias=None):
+    n_out, n_in = ctx.graph.params[node.inputs[1]].type.shape
+    layout = _layout_for(node, 1, ctx.graph, ctx.target)
+    return emit_linear(ctx, x, w, bias, layout, n_out, n_in, node.type.dtype)
+
+
+LOWERINGS = {
+    "add": elementwise.emit_add,
+    "mul": elementwise.emit_mul,
+    "silu": elementwise.emit_silu,
+    "cast": elementwise.emit_cast,
+    "reshape": elementwise.emit_reshape,
+    "embed": elementwise.emit_embed,
+    "take_rows": elementwise.emit_take_rows,
+    "rms_norm": elementwise.emit_rms_norm,
+    "rope": elementwise.emit_rope,
+    "linear": _emit_linear,
+    "paged_attention": emit_paged_attention,
+}
+
+
+def _layout_for(node, pos: int, graph: Graph, target) -> str:
+    """The stored layout of the param at input `pos` of `node`: linear weights take the target's."""
+    if node.op == "linear" and pos == 1:
+        return target.linear_layout(*graph.params[node.inputs[pos]].type.shape)
+    return "nk"
+
+
+def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
+    """(param, layout) pairs in first-use order."""
+    plan: list[tuple[str, str]] = []
+    for node in graph.nodes:
+        for pos, name in enumerate(node.inputs):
+            if name in graph.params and (name, _layout_for(node, pos, graph, target)) not in plan:
+                plan.append((name, _layout_for(node, pos, graph, target)))
+    return plan
+
+
+def lower_graph(graph: Graph, target) -> LoweredModel:
+    missing = sorted({n.op for n in graph.nodes} - set(LOWERINGS))
+    if missing:
+        raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")
+    bb = relax.BlockBuilder()
+    ctx = _Context(graph, target, bb)
+    for name, ty in graph.inputs.items():
+        ctx.inputs[name] = relax.Var(name, relax.TensorType(ctx.shape(ty.shape), ty.dtype))
+    weight_vars = [ctx.weight(param, layout) for param, layout in _weight_layouts(graph, target)]
+    with bb.function("forward", list(ctx.inputs.values()) + weight_vars):
+        with bb.dataflow():
+            env: dict = dict(ctx.inputs)
+            for node in graph.nodes:
+                args = [None if i is None else env[i] if i in env else
+                        ctx.weight(i, _layout_for(node, pos, graph, target)) for pos, i in enumerate(node.inputs)]
+                while args and args[-1] is None:
+                    args.pop()
+                env[node.output] = LOWERINGS[node.op](ctx, node, *args)
+            out = bb.emit_output(env[graph.outputs[0]])
+        bb.emit_func_output(out)
+    return LoweredModel(bb.get(), list(graph.inputs), [w for w, _ in ctx.weights.values()])

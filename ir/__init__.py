@@ -1,0 +1,15 @@
+"""kiln's graph IR: typed SSA dataflow at the level of LLM operators.
+
+Plain Python + NumPy; importable without TVM.
+"""
+from .types import TensorType, Dim, DTYPES, IRError
+from .graph import Graph, Node, Param
+from .builder import GraphBuilder
+from .ops import OPS, OpDef
+from .verify import verify
+from .printer import print_graph
+from .serialize import graph_to_json, graph_from_json
+from .interpreter import interpret
+
+__all__ = ["TensorType", "Dim", "DTYPES", "IRError", "Graph", "Node", "Param", "GraphBuilder",
+           "OPS", "OpDef", "verify", "print_graph", "graph_to_json", "graph_from_json", "interpret"]

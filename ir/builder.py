@@ -1,0 +1,53 @@
+"""GraphBuilder: adds inputs, params and nodes, inferring each node's type from the op table."""
+from __future__ import annotations
+
+from .graph import Graph, Node, Param
+from .ops import OPS
+from .types import IRError, TensorType
+
+
+class GraphBuilder:
+    def __init__(self, name: str):
+        self.graph = Graph(name)
+        self._types: dict[str, TensorType] = {}
+        self._counter: dict[str, int] = {}
+
+    def _declare(self, name: str, ty: TensorType) -> str:
+        if name in self._types:
+            raise IRError(f"value %{name} is defined twice")
+        self._types[name] = ty
+        return name
+
+    def input(self, name: str, shape, dtype: str) -> str:
+        ty = TensorType(tuple(shape), dtype)
+        self.graph.inputs[name] = ty
+        return self._declare(name, ty)
+
+    def param(self, name: str, shape, dtype: str) -> str:
+        if name in self.graph.params:  # a weight used twice (tied embeddings) is declared once
+            return name
+        ty = TensorType(tuple(shape), dtype)
+        self.graph.params[name] = Param(name, ty)
+        return self._declare(name, ty)
+
+    def type_of(self, name: str) -> TensorType:
+        return self._types[name]
+
+    def op(self, op: str, *inputs: str | None, name: str | None = None, **attrs) -> str:
+        if op not in OPS:
+            raise IRError(f"unknown op {op!r}")
+        opdef = OPS[op]
+        if name is None:
+            k = self._counter.get(op, 0)
+            self._counter[op] = k + 1
+            name = f"{op}{k}"
+        ins = [i for i in inputs]
+        in_types = [None if i is None else self._types[i] for i in ins]
+        full_attrs = opdef.complete_attrs(attrs, where=f"%{name}")
+        ty = opdef.infer(in_types, full_attrs, where=f"%{name} = {op}")
+        self.graph.nodes.append(Node(op, ins, full_attrs, name, ty))
+        return self._declare(name, ty)
+
+    def output(self, *names: str) -> Graph:
+        self.graph.outputs = list(names)
+        return self.graph

@@ -1,0 +1,284 @@
+"""The op table: every IR op declared once, with its inputs, attributes, type rule and NumPy semantics.
+
+The NumPy functions here *are* the meaning of each op (the reference interpreter
+calls them). They compute in float32 and round to the node's dtype, which is
+what the model code in `transformers` does for these ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .types import FLOAT_DTYPES, IRError, TensorType, numpy_dtype
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    inputs: tuple[str, ...]                 # input names; a trailing "?" marks an optional input
+    attrs: dict                             # attribute name -> default (REQUIRED if none)
+    type_rule: Callable                     # (types, attrs, fail) -> TensorType
+    reference: Callable                     # (arrays, attrs, out_type, dims) -> np.ndarray
+    mutates: tuple[int, ...] = ()           # inputs written in place (the KV pages)
+    doc: str = ""
+
+    def complete_attrs(self, attrs: dict, where: str) -> dict:
+        unknown = set(attrs) - set(self.attrs)
+        if unknown:
+            raise IRError(f"{where}: op {self.name} has no attribute(s) {sorted(unknown)}")
+        out = {}
+        for k, default in self.attrs.items():
+            if k in attrs:
+                out[k] = attrs[k]
+            elif default is REQUIRED:
+                raise IRError(f"{where}: op {self.name} needs attribute {k!r}")
+            else:
+                out[k] = default
+        return out
+
+    def infer(self, types: list, attrs: dict, where: str) -> TensorType:
+        required = [n for n in self.inputs if not n.endswith("?")]
+        if not len(required) <= len(types) <= len(self.inputs):
+            raise IRError(f"{where}: {self.name} takes inputs ({', '.join(self.inputs)}), got {len(types)}")
+        for i, t in enumerate(types):
+            if t is None and not self.inputs[i].endswith("?"):
+                raise IRError(f"{where}: input {self.inputs[i]!r} of {self.name} is missing")
+
+        def fail(rule: str):
+            raise IRError(f"{where}: {rule}")
+        return self.type_rule(types + [None] * (len(self.inputs) - len(types)), attrs, fail)
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def op(name, inputs, attrs=None, mutates=()):
+    def register(fns):
+        type_rule, reference = fns()
+        OPS[name] = OpDef(name, tuple(inputs), dict(attrs or {}), type_rule, reference, tuple(mutates),
+                          (fns.__doc__ or "").strip())
+        return fns
+    return register
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32)
+
+
+def _as(a: np.ndarray, ty: TensorType) -> np.ndarray:
+    return np.asarray(a).astype(numpy_dtype(ty.dtype))
+
+
+def _need_float(t: TensorType, what: str, fail):
+    if t.dtype not in FLOAT_DTYPES:
+        fail(f"{what} must be a float tensor, got {t}")
+
+
+# ---------------------------------------------------------------------------- elementwise
+
+def _same_type_binary(types, attrs, fail):
+    a, b = types
+    if a != b:
+        fail(f"operands must have the same type, got {a} and {b}")
+    _need_float(a, "operand", fail)
+    return a
+
+
+@op("add", ["a", "b"])
+def _add():
+    """a + b (same shapes)."""
+    return _same_type_binary, lambda x, at, ty, dims: _as(_f32(x[0]) + _f32(x[1]), ty)
+
+
+@op("mul", ["a", "b"])
+def _mul():
+    """a * b (same shapes)."""
+    return _same_type_binary, lambda x, at, ty, dims: _as(_f32(x[0]) * _f32(x[1]), ty)
+
+
+@op("silu", ["x"])
+def _silu():
+    """x * sigmoid(x)."""
+    def rule(types, attrs, fail):
+        _need_float(types[0], "x", fail)
+        return types[0]
+
+    def ref(x, at, ty, dims):
+        v = _f32(x[0])
+        return _as(v / (1.0 + np.exp(-v)), ty)
+    return rule, ref
+
+
+@op("cast", ["x"], {"dtype": REQUIRED})
+def _cast():
+    """x converted to another dtype."""
+    def rule(types, attrs, fail):
+        return TensorType(types[0].shape, attrs["dtype"])
+    return rule, lambda x, at, ty, dims: _as(_f32(x[0]), ty)
+
+
+@op("reshape", ["x"], {"shape": REQUIRED})
+def _reshape():
+    """x viewed with a new shape (same element count; symbolic dims must be kept in order)."""
+    def rule(types, attrs, fail):
+        src, dst = types[0].shape, tuple(attrs["shape"])
+        if [d for d in src if isinstance(d, str)] != [d for d in dst if isinstance(d, str)]:
+            fail(f"reshape must keep the symbolic dims of {types[0]}, got {dst}")
+        if np.prod([d for d in src if isinstance(d, int)]) != np.prod([d for d in dst if isinstance(d, int)]):
+            fail(f"reshape of {types[0]} to {dst} changes the element count")
+        return TensorType(dst, types[0].dtype)
+
+    def ref(x, at, ty, dims):
+        return x[0].reshape([dims[d] if isinstance(d, str) else d for d in ty.shape])
+    return rule, ref
+
+
+# ---------------------------------------------------------------------------- model ops
+
+@op("embed", ["ids", "table"])
+def _embed():
+    """table[ids]: one row of the embedding table per token."""
+    def rule(types, attrs, fail):
+        ids, table = types
+        if ids.dtype != "int32" or ids.rank != 1:
+            fail(f"ids must be i32[tokens], got {ids}")
+        if table.rank != 2:
+            fail(f"table must be 2-D [vocab, hidden], got {table}")
+        return TensorType((ids.shape[0], table.shape[1]), table.dtype)
+    return rule, lambda x, at, ty, dims: np.asarray(x[1])[np.asarray(x[0])]
+
+
+@op("linear", ["x", "weight", "bias?"])
+def _linear():
+    """x @ weight.T + bias, with weight [out, in] as transformers stores it."""
+    def rule(types, attrs, fail):
+        x, w, b = types
+        _need_float(x, "x", fail)
+        if w.rank != 2 or x.shape[-1] != w.shape[1]:
+            fail(f"weight must be [out, {x.shape[-1]}], got {w}")
+        if w.dtype != x.dtype:
+            fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
+        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
+            fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
+        return TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+
+    def ref(x, at, ty, dims):
+        y = _f32(x[0]) @ _f32(x[1]).T
+        if len(x) > 2 and x[2] is not None:
+            y = y + _f32(x[2])
+        return _as(y, ty)
+    return rule, ref
+
+
+@op("rms_norm", ["x", "weight"], {"eps": REQUIRED})
+def _rms_norm():
+    """weight * (x / sqrt(mean(x^2) + eps)), normalised in float32 then rounded to x's dtype."""
+    def rule(types, attrs, fail):
+        x, w = types
+        _need_float(x, "x", fail)
+        if w.shape != (x.shape[-1],):
+            fail(f"weight must be [{x.shape[-1]}], got {w}")
+        return x
+
+    def ref(x, at, ty, dims):
+        v = _f32(x[0])
+        normed = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + np.float32(at["eps"]))
+        return _as(_f32(_as(normed, ty)) * _f32(x[1]), ty)
+    return rule, ref
+
+
+@op("rope", ["x", "positions", "inv_freq"])
+def _rope():
+    """Rotary embedding, rotate-half layout: x[t, h] rotated by positions[t] * inv_freq."""
+    def rule(types, attrs, fail):
+        x, pos, inv = types
+        if x.rank != 3:
+            fail(f"x must be [tokens, heads, head_dim], got {x}")
+        if pos.dtype != "int32" or pos.shape != (x.shape[0],):
+            fail(f"positions must be i32[{x.shape[0]}], got {pos}")
+        if inv.dtype != "float32" or inv.shape != (x.shape[2] // 2,):
+            fail(f"inv_freq must be f32[{x.shape[2] // 2}], got {inv}")
+        return x
+
+    def ref(x, at, ty, dims):
+        v = _f32(x[0])
+        ang = np.asarray(x[1], np.float32)[:, None] * _f32(x[2])[None, :]       # [T, D/2]
+        cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
+        sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
+        half = v.shape[-1] // 2
+        rotated = np.concatenate([-v[..., half:], v[..., :half]], -1)
+        return _as(v * cos + rotated * sin, ty)
+    return rule, ref
+
+
+@op("paged_attention",
+    ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len"],
+    {"layer": REQUIRED, "scale": REQUIRED}, mutates=(3,))
+def _paged_attention():
+    """Causal attention of a ragged batch over paged KV.
+
+    First writes k and v of every new token into kv_pages at slot_mapping[t]
+    (page = slot // page_size, row = slot % page_size); then each sequence s
+    (its queries are q[q_indptr[s]:q_indptr[s+1]]) attends over its pages
+    page_values[page_indptr[s]:page_indptr[s+1]], the last one holding
+    last_page_len[s] rows. Query i of n attends to keys j <= kv_len - n + i.
+    kv_pages: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
+    """
+    def rule(types, attrs, fail):
+        q, k, v, pages, slots, qi, pi, pv, lpl = types
+        if q.rank != 3 or k.rank != 3 or k != v:
+            fail(f"q, k, v must be [tokens, heads, head_dim] with k == v, got {q}, {k}, {v}")
+        if q.shape[2] != k.shape[2] or q.shape[0] != k.shape[0] or q.dtype != k.dtype:
+            fail(f"q {q} and k {k} disagree on tokens, head_dim or dtype")
+        if q.shape[1] % k.shape[1]:
+            fail(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
+        if pages.rank != 5 or pages.shape[1] != 2 or pages.shape[2] != k.shape[1] or pages.shape[4] != k.shape[2]:
+            fail(f"kv_pages must be [pages, 2, {k.shape[1]}, page_size, {k.shape[2]}], got {pages}")
+        if pages.dtype != k.dtype:
+            fail(f"kv_pages dtype {pages.dtype} differs from k dtype {k.dtype}")
+        for name, t in zip(("slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len"),
+                           (slots, qi, pi, pv, lpl)):
+            if t.dtype != "int32" or t.rank != 1:
+                fail(f"{name} must be a 1-D i32 tensor, got {t}")
+        return q
+
+    def ref(x, at, ty, dims):
+        q, k, v, pages, slots, qi, pi, pv, lpl = x
+        page_size = pages.shape[3]
+        pages[slots // page_size, 0, :, slots % page_size] = k
+        pages[slots // page_size, 1, :, slots % page_size] = v
+        group = q.shape[1] // k.shape[1]
+        out = np.zeros(q.shape, np.float32)
+        for s in range(len(qi) - 1):
+            rows = slice(int(qi[s]), int(qi[s + 1]))
+            n = rows.stop - rows.start
+            seq_pages = pv[pi[s]:pi[s + 1]]
+            kv_len = (len(seq_pages) - 1) * page_size + int(lpl[s]) if len(seq_pages) else 0
+            keys = _f32(pages[seq_pages, 0].transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])[:kv_len])
+            vals = _f32(pages[seq_pages, 1].transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])[:kv_len])
+            qs = _f32(q[rows])                                                  # [n, Hq, D]
+            kh = np.repeat(keys, group, axis=1)                                 # [L, Hq, D]
+            vh = np.repeat(vals, group, axis=1)
+            scores = np.einsum("nhd,lhd->hnl", qs, kh) * np.float32(at["scale"])
+            visible = np.arange(kv_len)[None, :] <= (kv_len - n + np.arange(n))[:, None]
+            scores = np.where(visible[None], scores, -np.inf)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[rows] = np.einsum("hnl,lhd->nhd", p, vh)
+        return _as(out, ty)
+    return rule, ref
+
+
+@op("take_rows", ["x", "rows"])
+def _take_rows():
+    """x[rows]: the rows of the tokens whose logits are wanted (each sequence's last)."""
+    def rule(types, attrs, fail):
+        x, rows = types
+        if x.rank != 2 or rows.dtype != "int32" or rows.rank != 1:
+            fail(f"take_rows wants x[tokens, hidden] and i32 rows, got {x}, {rows}")
+        return TensorType((rows.shape[0], x.shape[1]), x.dtype)
+    return rule, lambda x, at, ty, dims: np.asarray(x[0])[np.asarray(x[1])]

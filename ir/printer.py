@@ -1,0 +1,25 @@
+"""A readable text form of a graph, one node per line:
+
+    %rms_norm0 = rms_norm(%embed0, @model.norm.weight) {eps=1e-05} : f32[tokens, 64]
+"""
+from __future__ import annotations
+
+from .graph import Graph
+
+
+def _attr(v) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def print_graph(graph: Graph) -> str:
+    lines = [f"graph {graph.name}("]
+    lines += [f"    %{name}: {ty}," for name, ty in graph.inputs.items()]
+    lines.append(") {")
+    lines += [f"  @{p.name}: {p.type}" for p in graph.params.values()]
+    for n in graph.nodes:
+        args = ", ".join("_" if i is None else (f"@{i}" if i in graph.params else f"%{i}") for i in n.inputs)
+        attrs = " {" + ", ".join(f"{k}={_attr(v)}" for k, v in n.attrs.items()) + "}" if n.attrs else ""
+        lines.append(f"  %{n.output} = {n.op}({args}){attrs} : {n.type}")
+    lines.append(f"  return {', '.join('%' + o for o in graph.outputs)}")
+    lines.append("}")
+    return "\n".join(lines)

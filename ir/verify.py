@@ -1,0 +1,38 @@
+"""The verifier: every value defined once before use, every node's type equal to its op's type rule."""
+from __future__ import annotations
+
+from .graph import Graph
+from .ops import OPS
+from .types import IRError
+
+
+def verify(graph: Graph) -> Graph:
+    """Check `graph` and return it; raise IRError naming the first node and rule that fail."""
+    defined = dict(graph.inputs)
+    for p in graph.params.values():
+        if p.name in defined:
+            raise IRError(f"param @{p.name} clashes with an input of the same name")
+        defined[p.name] = p.type
+    for node in graph.nodes:
+        where = f"%{node.output} = {node.op}"
+        if node.op not in OPS:
+            raise IRError(f"{where}: unknown op {node.op!r}")
+        for name in node.inputs:
+            if name is not None and name not in defined:
+                raise IRError(f"{where}: input %{name} is used before it is defined")
+        opdef = OPS[node.op]
+        attrs = opdef.complete_attrs(node.attrs, where)
+        if attrs != node.attrs:
+            raise IRError(f"{where}: attributes {node.attrs} differ from the op's declared set {sorted(opdef.attrs)}")
+        expected = opdef.infer([None if i is None else defined[i] for i in node.inputs], node.attrs, where)
+        if expected != node.type:
+            raise IRError(f"{where}: declared type {node.type} but the type rule gives {expected}")
+        if node.output in defined:
+            raise IRError(f"{where}: %{node.output} is defined twice")
+        defined[node.output] = node.type
+    for out in graph.outputs:
+        if out not in defined:
+            raise IRError(f"output %{out} is not defined")
+    if not graph.outputs:
+        raise IRError(f"graph {graph.name} has no outputs")
+    return graph

@@ -1,0 +1,98 @@
+"""`kiln compile`: HF directory -> IR -> passes -> TVM module -> built library + weights -> artifact."""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from kiln.artifact import WEIGHTS, write_manifest
+from kiln.errors import KilnError
+
+
+class Phases:
+    """Times the compile phases and shows them as they run."""
+
+    def __init__(self, show: Callable[[str], None] | None):
+        self.show = show or (lambda line: None)
+        self.seconds: dict[str, float] = {}
+
+    def run(self, name: str, fn, *args):
+        self.show(f"  {name:<8} ...")
+        t0 = time.perf_counter()
+        result = fn(*args)
+        self.seconds[name] = round(time.perf_counter() - t0, 3)
+        self.show(f"  {name:<8} done in {self.seconds[name]:.1f}s")
+        return result
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
+                  dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
+                  dump: Callable | None = None) -> dict:
+    from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
+    tgt = get_target(target, arch)
+    dtype = dtype or tgt.default_dtype
+    tgt.check_dtype(dtype)
+    out_dir = Path(out_dir)
+    phases = Phases(show)
+
+    from kiln.frontend import load_hf_model
+    model = phases.run("import", load_hf_model, model_dir)
+    graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
+
+    from kiln.passes import run_pipeline
+    graph, pass_records = phases.run("passes", run_pipeline, graph, tgt.name, dump)
+
+    from kiln.codegen import lower_graph
+    lowered = phases.run("codegen", lower_graph, graph, tgt)
+
+    def build():
+        import tvm
+        with tgt.tvm_target():
+            mod = tgt.relax_pipeline()(lowered.module)
+        kernels = sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
+        return tgt.build(mod), kernels
+    executable, kernels = phases.run("build", build)
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    phases.run("export", lambda: executable.export_library(str(out_dir / tgt.library_name)))
+
+    def write_weights():
+        from safetensors.numpy import save_file
+        from kiln.codegen.layouts import apply_layout
+        tensors = {w.name: apply_layout(w.layout, model.weight(w.param, w.dtype)) for w in lowered.weights}
+        for w in lowered.weights:
+            if tuple(tensors[w.name].shape) != tuple(w.shape):
+                raise KilnError(f"weight {w.param} has shape {tensors[w.name].shape}, the graph expects {w.shape}")
+        save_file(tensors, str(out_dir / WEIGHTS))
+        for f in model.tokenizer_files():
+            shutil.copy(f, out_dir / f.name)
+    phases.run("weights", write_weights)
+
+    c = model.config
+    return write_manifest(out_dir, {
+        "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
+        "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
+                   "runs_here": tgt.runs_here},
+        "dtype": dtype,
+        "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
+               "head_dim": c.head_dim, "dtype": dtype},
+        "vocab_size": c.vocab_size,
+        "max_context": c.max_position_embeddings,
+        "library": tgt.library_name,
+        "entry": "forward",
+        "inputs": lowered.inputs,
+        "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
+                    for w in lowered.weights],
+        "kernels": kernels,
+        "passes": [{"name": r.name, "seconds": round(r.seconds, 4)} for r in pass_records],
+        "compile_seconds": phases.seconds,
+        "tokenizer_files": [f.name for f in model.tokenizer_files()],
+    })

@@ -1,0 +1,195 @@
+"""Small random-weight Hugging Face models and a locally trained tokenizer.
+
+No model hub is reachable, so tests, `make demo` and the benchmarks build
+their models here: a byte-level BPE tokenizer trained on Python's own
+docstrings (offline and deterministic), and a transformers model of a
+supported family saved with `save_pretrained`, exactly like a real checkpoint.
+
+transformers' random init (std 0.02) gives nearly flat logits, on which greedy
+decoding flips with every rounding difference; the weights are re-drawn with a
+wider spread so that the top logits are well separated.
+
+    python -m kiln.tiny OUT_DIR [--family llama] [--preset tiny|llama-3.2-1b]
+
+Needs torch and transformers (the `import` extra); the runtime never imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+BOS, EOS, END_OF_TURN = "<s>", "</s>", "<|end|>"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+# The training text: docstrings of these stdlib modules and their public members.
+CORPUS_MODULES = (
+    "abc", "argparse", "array", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv",
+    "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions", "functools", "glob", "gzip",
+    "hashlib", "heapq", "hmac", "html", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math",
+    "operator", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "shlex", "shutil", "socket",
+    "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time",
+    "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
+)
+
+# family -> (transformers config/model class names, config fields that make the family what it is)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama32": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    }),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),          # Qwen2 has q/k/v bias by construction
+}
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=False)
+
+# preset -> (family, config overrides)
+PRESETS = {
+    "tiny": (None, {}),
+    "llama-3.2-1b": ("llama32", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                     vocab_size=128256)),
+}
+
+LOGIT_STD = 4.0   # target std of the logits of a normalised hidden state
+
+
+def corpus() -> list[str]:
+    """Docstrings of CORPUS_MODULES, deduplicated and sorted: the same list on every run."""
+    docs: set[str] = set()
+    for mod_name in CORPUS_MODULES:
+        mod = importlib.import_module(mod_name)
+        objs = [mod] + [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]
+        for obj in objs:
+            members = [obj] + ([vars(obj)[n] for n in sorted(vars(obj)) if not n.startswith("_")]
+                               if inspect.isclass(obj) else [])
+            for m in members:
+                doc = inspect.getdoc(m)
+                if doc:
+                    docs.add(doc)
+    return sorted(docs)
+
+
+def train_tokenizer(out_dir, vocab_size: int = 512) -> None:
+    """Train a byte-level BPE on `corpus()`; write tokenizer.json and the transformers configs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    # Like Llama 3: plain encodes start with <s>; the chat template writes its own.
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                      special_tokens=[(BOS, tok.token_to_id(BOS))]),
+    ])
+    tok.save(str(out / "tokenizer.json"))
+    specials = {"bos_token": BOS, "eos_token": EOS}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+              "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, EOS)],
+              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+              "model_max_length": 131072}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+
+
+def _spread_weights(model, seed: int, hidden: int, tied: bool) -> None:
+    """Re-draw every parameter in place so that logits are a few units apart (see module docstring).
+
+    Logits are head @ (final_norm_weight * unit-rms hidden), so their std is
+    head_std * sqrt(hidden) * final_norm_scale. Untied: the head carries the
+    spread. Tied: the head is the embedding, which also enters the residual
+    stream; a large one would make each token predict itself, so it stays at
+    1/sqrt(hidden) and the final norm's scale carries the spread.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    head_std = LOGIT_STD / math.sqrt(hidden)
+    with torch.no_grad():
+        for name, p in model.named_parameters():     # a tied lm_head is listed once, as embed_tokens
+            if p.ndim == 1 and name.endswith("bias"):
+                p.normal_(0.0, 0.1, generator=gen)
+            elif p.ndim == 1:                          # rms norm scales
+                p.normal_(0.0, 0.1, generator=gen).add_(1.0)
+                if tied and name == "model.norm.weight":
+                    p.mul_(LOGIT_STD)
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, 1.0 / math.sqrt(hidden) if tied else 1.0, generator=gen)
+            elif name.endswith("lm_head.weight"):
+                p.normal_(0.0, head_std, generator=gen)
+            elif p.ndim == 2:                          # linear [out, in]: unit-variance outputs
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=gen)
+            else:
+                raise ValueError(f"no init rule for parameter {name} of shape {tuple(p.shape)}")
+
+
+def make_tiny_model(out_dir, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Train the tokenizer into `out_dir`, then build and save a random `family` model there (float32)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
+    out = Path(out_dir)
+    train_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    config_name, model_name, family_fields = FAMILIES[family]
+    fields = {**TINY, **family_fields, "vocab_size": tok.get_vocab_size(),
+              "bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), **overrides}
+    if fields["vocab_size"] < tok.get_vocab_size():
+        raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {tok.get_vocab_size()}")
+    config = getattr(transformers, config_name)(**fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    _spread_weights(model, seed, config.hidden_size, bool(fields["tie_word_embeddings"]))
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=fields["bos_token_id"],
+        eos_token_id=[fields["eos_token_id"], tok.token_to_id(END_OF_TURN)],   # stop at end of turn too
+        do_sample=False)
+    model.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kiln.tiny", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default=None, help="default: llama (tiny preset)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    preset_family, overrides = PRESETS[args.preset]
+    if preset_family and args.family not in (None, preset_family):
+        ap.error(f"preset {args.preset} is a {preset_family} model, not {args.family}")
+    family = preset_family or args.family or "llama"
+    if not (args.out_dir / "config.json").exists():
+        make_tiny_model(args.out_dir, family, seed=args.seed, **overrides)
+    print(args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

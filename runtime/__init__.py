@@ -1,0 +1,1 @@
+"""The runtime: loads artifacts and generates text. Imports TVM's runtime only (no torch, no compiler)."""

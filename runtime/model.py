@@ -1,0 +1,89 @@
+"""Open an artifact and run its compiled `forward`: weights and KV pages on the device, logits back.
+
+Uses only TVM's runtime (no compiler), NumPy and safetensors.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kiln.artifact import WEIGHTS, read_manifest
+from kiln.errors import KilnError
+
+DEVICES = ("cpu", "cuda")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '1.5g' or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?b?)\s*", str(text).lower())
+    if not m:
+        raise KilnError(f"cannot read a memory size from {text!r} (try 512MiB or 2GiB)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
+class CompiledModel:
+    """The compiled forward of one artifact, with its weights loaded on the device."""
+
+    def __init__(self, artifact_dir: str | Path, verify: bool = True):
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+        self.dir = Path(artifact_dir)
+        self.manifest = m = read_manifest(self.dir, verify=verify)
+        device = m["target"]["device"]
+        if device not in DEVICES:
+            raise KilnError(f"artifact targets device {device!r}, which this runtime cannot drive")
+        self.device = tvm.cpu(0) if device == "cpu" else tvm.cuda(0)
+        if not self.device.exist:
+            raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "
+                            f"but this machine has no {device} device")
+        self.kv = m["kv"]
+        self.page_size = self.kv["page_size"]
+        self.vocab_size = m["vocab_size"]
+        self.max_context = m["max_context"]
+        lib = tvm.runtime.load_module(str(self.dir / m["library"]))
+        self.vm = VirtualMachine(lib, self.device)
+        self.forward_fn = self.vm[m["entry"]]
+        self.weights = self._load_weights()
+        self.kv_pages: list = []
+
+    def _load_weights(self) -> list:
+        import tvm
+        from safetensors import safe_open
+        tensors = []
+        with safe_open(str(self.dir / WEIGHTS), framework="numpy") as f:
+            for w in self.manifest["weights"]:
+                arr = f.get_tensor(w["name"])
+                if list(arr.shape) != w["shape"]:
+                    raise KilnError(f"weight {w['name']} has shape {list(arr.shape)}, manifest says {w['shape']}")
+                tensors.append(tvm.runtime.tensor(arr, self.device))
+        return tensors
+
+    @property
+    def bytes_per_page(self) -> int:
+        kv = self.kv
+        item = 2 if kv["dtype"] in ("float16", "bfloat16") else 4
+        return kv["num_layers"] * 2 * kv["num_kv_heads"] * self.page_size * kv["head_dim"] * item
+
+    def allocate_kv(self, kv_memory_bytes: int) -> int:
+        """Allocate the KV page tensors (one per layer) within the budget; return the page count."""
+        import tvm
+        num_pages = kv_memory_bytes // self.bytes_per_page
+        if num_pages < 1:
+            raise KilnError(f"KV memory budget {kv_memory_bytes} bytes is below one page "
+                            f"({self.bytes_per_page} bytes)")
+        kv = self.kv
+        shape = (num_pages, 2, kv["num_kv_heads"], self.page_size, kv["head_dim"])
+        self.kv_pages = [tvm.runtime.empty(shape, kv["dtype"], self.device) for _ in range(kv["num_layers"])]
+        return num_pages
+
+    def forward(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one ragged step; return f32[seqs, vocab], the logits of each sequence's last new token."""
+        import tvm
+        if not self.kv_pages:
+            raise KilnError("allocate_kv must be called before forward")
+        names = [n for n in self.manifest["inputs"] if not n.startswith("kv_pages")]
+        args = [tvm.runtime.tensor(inputs[n], self.device) for n in names]
+        out = self.forward_fn(*args, *self.kv_pages, *self.weights)
+        return out.numpy()

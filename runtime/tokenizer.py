@@ -1,0 +1,210 @@
+"""Tokenizer and chat template for the runtime, without transformers.
+
+`Tokenizer` reads the files a Hugging Face model directory (or a kiln
+artifact) carries: tokenizer.json, tokenizer_config.json, chat_template.jinja
+and generation_config.json. It reproduces what transformers'
+`AutoTokenizer` (the tokenizers-backed class) does with the same files:
+encode, decode, and the chat template rendered in a sandboxed jinja2
+environment. `IncrementalDetokenizer` turns a stream of generated ids into
+text pieces that never split a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _HFTokenizer
+
+from kiln.errors import KilnError
+
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A model's tokenizer, eos ids and chat template, loaded from its directory."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise KilnError(f"no tokenizer.json in {path}")
+        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        gen_config = _read_json(path / "generation_config.json")
+
+        # Special tokens the config names: bos/eos/unk/pad -> their strings (None when unset).
+        self.special_tokens: dict[str, str | None] = {
+            name: _token_str(config.get(name)) for name in _NAMED_SPECIALS}
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        extra = [_token_str(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
+        # As transformers does: named specials missing from tokenizer.json's added tokens are added
+        # (special, so skip_special_tokens drops them and they are never split by the pre-tokenizer).
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        missing = [t for t in [*self.special_tokens.values(), *extra] if t and t not in added]
+        if missing:
+            self._tok.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing])
+
+        # tokenizer.json's post-processor alone decides whether bos/eos are added; transformers
+        # (v5) likewise ignores tokenizer_config's add_bos_token/add_eos_token when tokenizer.json
+        # exists. Rendered chat templates already hold bos: encode them with add_special_tokens=False.
+        bos_id = self.token_to_id(self.bos_token)
+        self.adds_bos = bos_id is not None and self._tok.encode("").ids[:1] == [bos_id]
+
+        # The cleanup transformers applies on decode is skipped for BPE models, as it does.
+        self._clean_up_spaces = (bool(config.get("clean_up_tokenization_spaces", False))
+                                 and type(self._tok.model).__name__ != "BPE")
+
+        self.eos_token_ids: set[int] = set()
+        if (eos := self.token_to_id(self.special_tokens["eos_token"])) is not None:
+            self.eos_token_ids.add(eos)
+        gen_eos = gen_config.get("eos_token_id")
+        self.eos_token_ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
+        if (path / "chat_template.jinja").is_file():  # the newer file wins, as in transformers
+            self.chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        self._compiled_template: jinja2.Template | None = None
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens["bos_token"]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens["eos_token"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def decode_raw(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Decode without the optional space cleanup; what the incremental detokenizer diffs."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render messages with the model's chat template; extra kwargs (tools=...) reach the template."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (none in tokenizer_config.json or "
+                             "chat_template.jinja); send a plain prompt instead")
+        if self._compiled_template is None:
+            self._compiled_template = _jinja_env().from_string(self.chat_template)
+        names = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables = {"tools": None, "documents": None, **names, **kwargs}
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, fed one at a time, into text pieces that never split a character.
+
+    Prefix-offset scheme (as in vLLM): decode the window ids[prefix:read] and
+    ids[prefix:], emit the difference, then slide the window. Each step decodes
+    only a few recent tokens. A piece is held back while the decoded tail ends in
+    U+FFFD (an incomplete UTF-8 sequence). Invariant: the window always starts
+    at a token where the text decoded so far ended on a whole character, so the
+    emitted pieces plus `flush()` concatenate to `decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = (), context: int = 5):
+        # A few prompt ids give the first generated token its left context, so decoders that
+        # strip a leading space at the start of a decode (SentencePiece) keep it mid-text.
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-context:]) if context > 0 else []
+        self._prefix = 0  # window start
+        self._read = len(self._ids)  # ids before this are already emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode_raw(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the newly printable text (often '')."""
+        self._ids.append(int(token_id))
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._step(final=True)
+
+    def _step(self, final: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
+            return ""
+        # Slide the window; drop ids before it so memory and work stay O(window).
+        del self._ids[:self._read]
+        self._prefix, self._read = 0, len(self._ids)
+        return text[len(prefix_text):]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _pick_template(value: Any) -> str | None:
+    """tokenizer_config.json holds one template, or a list of {name, template}: use "default"."""
+    if isinstance(value, list):
+        named = {t["name"]: t["template"] for t in value}
+        return named.get("default")
+    return value
+
+
+def _clean_up_tokenization(text: str) -> str:
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (used by some templates) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Like transformers: jinja's own tojson escapes HTML characters, which templates do not want.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (templates are untrusted code)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

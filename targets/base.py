@@ -1,0 +1,51 @@
+"""What a target is: its TVM target, page size, dtypes, schedules, kernel choices and how it builds.
+
+Adding a target is adding one small file with a subclass of Target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import KilnError
+
+
+@dataclass
+class Target:
+    name: str = ""
+    arch: str | None = None
+    device: str = "cpu"              # the runtime device kind the artifact runs on
+    page_size: int = 16              # rows per KV page (TVM's paged attention kernels are tuned for 16)
+    default_dtype: str = "float32"
+    dtypes: tuple[str, ...] = ("float32",)
+    runs_here: bool = True           # False where this machine cannot execute the artifact
+
+    def tvm_target(self):
+        raise NotImplementedError
+
+    @property
+    def library_name(self) -> str:
+        return f"model.{self.name}.so"
+
+    def check_dtype(self, dtype: str) -> None:
+        if dtype not in self.dtypes:
+            raise KilnError(f"dtype {dtype} is not supported on target {self.name} (supported: {', '.join(self.dtypes)})")
+
+    # -- kernel choices --------------------------------------------------------------------
+    def attention_kernel(self, kv_heads: int, q_heads: int, head_dim: int, dtype: str):
+        """PrimFunc of paged ragged attention (TVM's kernel factory for this target)."""
+        raise NotImplementedError
+
+    def linear_layout(self, n_out: int, n_in: int) -> str:
+        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB'."""
+        return "nk"
+
+    # -- lowering to machine code ------------------------------------------------------------
+    def relax_pipeline(self):
+        raise NotImplementedError
+
+    def build(self, mod):
+        """Compile a module whose Relax pipeline has already run into a VM executable."""
+        import tvm
+        target = self.tvm_target()
+        with target:
+            return tvm.compile(mod, target=target, relax_pipeline=None)

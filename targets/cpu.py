@@ -1,0 +1,46 @@
+"""The host CPU through LLVM (x86-64 or AArch64), with kiln's packed-weight linear kernels."""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+from tvm.relax.frontend.nn.llm import kv_cache as tvm_llm
+
+from .base import Target
+
+
+def host_cpu_target() -> tvm.target.Target:
+    # "mcpu": "native" is ignored by TVM's LLVM; ask LLVM for the host CPU's name instead.
+    return tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu",
+                              "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+
+
+@dataclass
+class CPUTarget(Target):
+    name: str = "cpu"
+    device: str = "cpu"
+    default_dtype: str = "float32"
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+
+    def tvm_target(self) -> tvm.target.Target:
+        return host_cpu_target()
+
+    def attention_kernel(self, kv_heads, q_heads, head_dim, dtype):
+        return tvm_llm._attention_prefill_cpu(kv_heads, q_heads, head_dim, dtype, False, {})
+
+    def linear_layout(self, n_out, n_in):
+        # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers.
+        for nb in (64, 32, 16, 8):
+            if n_out % nb == 0:
+                return f"packed{nb}"
+        return "nk"
+
+    def relax_pipeline(self):
+        return tvm.transform.Sequential([
+            relax.transform.LegalizeOps(),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(),
+            relax.get_pipeline("default_build"),
+        ])

@@ -1,0 +1,77 @@
+"""NVIDIA GPUs through TVM's CUDA codegen and nvcc; kernels scheduled by dlight.
+
+The artifact holds a real fatbin compiled here with nvcc. TVM only calls nvcc
+when its CUDA runtime module loads, which needs a libcuda.so.1; on a build
+machine without a driver kiln loads a stub library (cuda_stub.c) first.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+from .base import Target
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+
+
+def ensure_cuda_loader() -> None:
+    """Make TVM's CUDA runtime loadable so codegen produces a fatbin; must run before `import tvm`."""
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    out = Path(tempfile.gettempdir()) / f"kiln-cuda-stub-{os.getuid()}" / "libcuda.so.1"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        src = Path(__file__).with_name("cuda_stub.c")
+        cmd = ["gcc", "-shared", "-fPIC", "-o", str(out), str(src), "-Wl,-soname,libcuda.so.1"]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise KilnError(f"cannot build the CUDA loader stub with gcc: {e}") from None
+    ctypes.CDLL(str(out), mode=ctypes.RTLD_GLOBAL)
+
+
+@dataclass
+class CUDATarget(Target):
+    name: str = "cuda"
+    arch: str | None = "sm_80"
+    device: str = "cuda"
+    default_dtype: str = "float16"
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    runs_here: bool = False
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise KilnError(f"CUDA arch {self.arch!r} is not supported (supported: {', '.join(ARCHS)})")
+
+    def tvm_target(self):
+        import tvm
+        return tvm.target.Target({"kind": "cuda", "arch": self.arch, "max_shared_memory_per_block": 49152,
+                                  "max_threads_per_block": 1024, "thread_warp_size": 32,
+                                  "host": {"kind": "llvm"}})
+
+    def attention_kernel(self, kv_heads, q_heads, head_dim, dtype):
+        from tvm.relax.frontend.nn.llm import kv_cache as tvm_llm
+        return tvm_llm._attention_prefill(kv_heads, q_heads, head_dim, dtype, False, {}, self.tvm_target(),
+                                          page_size=self.page_size)
+
+    def relax_pipeline(self):
+        from tvm import relax
+        return relax.get_default_pipeline(self.tvm_target())
+
+    def build(self, mod):
+        import tvm
+        from tvm.support import nvcc  # noqa: F401  (registers the nvcc compile callback)
+        if tvm.get_global_func("ffi.Module.create.cuda", allow_missing=True) is None:
+            raise KilnError("TVM's CUDA runtime did not load, so no CUDA binary can be built "
+                            "(kiln compiles CUDA in a fresh process: use the `kiln compile` command)")
+        return super().build(mod)

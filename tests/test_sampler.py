@@ -1,0 +1,143 @@
+"""Sampler: greedy, top-k/top-p filtering, seeded reproducibility, and sampled frequencies."""
+
+import numpy as np
+import pytest
+
+from kiln.runtime.sampler import SamplerState, SamplingParams, sample, sample_row
+
+
+def _state(**kw) -> SamplerState:
+    return SamplerState(SamplingParams(**kw))
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(rows, vocab)).astype(np.float32) * 3
+
+
+def test_greedy_is_argmax():
+    logits = _logits(8, 50)
+    out = sample(logits, [_state(temperature=0) for _ in range(8)])
+    np.testing.assert_array_equal(out, np.argmax(logits, axis=1))
+    assert out.dtype == np.int64
+
+
+def test_greedy_ties_pick_lowest_id():
+    row = np.array([0.0, 2.0, 1.0, 2.0, 2.0], dtype=np.float32)
+    assert sample_row(row, _state(temperature=0)) == 1
+
+
+@pytest.mark.parametrize("temperature", [0.1, 1.0, 5.0])
+def test_top_k_1_is_greedy(temperature):
+    logits = _logits(16, 40, seed=1)
+    logits[3, [5, 9]] = logits[3].max() + 1  # a tie: lowest id wins, as argmax
+    states = [_state(temperature=temperature, top_k=1, seed=i) for i in range(16)]
+    np.testing.assert_array_equal(sample(logits, states), np.argmax(logits, axis=1))
+
+
+def test_same_seed_same_tokens_alone_or_batched():
+    vocab, steps = 64, 30
+    rng = np.random.default_rng(7)
+    stream = rng.normal(size=(steps, vocab)).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234)
+
+    alone_state = SamplerState(params)
+    alone = [sample(stream[t][None], [alone_state])[0] for t in range(steps)]
+
+    # Same request at row 1, between a greedy row and other sampled rows that come and go.
+    target = SamplerState(params)
+    others = [SamplerState(SamplingParams(temperature=0)), SamplerState(SamplingParams(seed=99)),
+              SamplerState(SamplingParams(temperature=1.3, top_k=5))]
+    batched = []
+    for t in range(steps):
+        rows = [others[0], target] + others[1:1 + t % 3]
+        logits = np.concatenate([rng.normal(size=(1, vocab)), stream[t][None],
+                                 rng.normal(size=(len(rows) - 2, vocab))]).astype(np.float32)
+        batched.append(sample(logits, rows)[1])
+    assert alone == batched
+
+    again = SamplerState(params)
+    assert [sample_row(stream[t], again) for t in range(steps)] == alone
+
+
+def test_no_seed_uses_fresh_entropy():
+    row = np.zeros(1000, dtype=np.float32)
+    draws = [tuple(sample_row(row, s) for _ in range(5)) for s in (_state(), _state())]
+    assert draws[0] != draws[1]
+
+
+def _frequencies(row: np.ndarray, n: int, **kw) -> np.ndarray:
+    state = _state(seed=0, **kw)
+    ids = np.array([sample_row(row, state) for _ in range(n)])
+    return np.bincount(ids, minlength=row.shape[0]) / n
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_frequencies_match_distribution(temperature):
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    row = np.log(probs).astype(np.float32)
+    expected = _softmax(np.log(probs) / temperature)
+    n = 20000
+    freq = _frequencies(row, n, temperature=temperature)
+    # 5 standard errors per token: a false failure is ~1e-6 likely (and the seed is fixed).
+    bound = 5 * np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(freq - expected) <= bound), (freq, expected)
+
+
+def test_top_k_renormalises_over_the_top_k():
+    probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
+    freq = _frequencies(np.log(probs).astype(np.float32), 20000, top_k=3)
+    expected = np.where(probs >= 0.15, probs, 0) / (0.4 + 0.3 + 0.15)
+    assert freq[0] == 0 and freq[2] == 0
+    assert np.max(np.abs(freq - expected)) < 0.01
+
+
+def test_top_p_never_samples_outside_the_nucleus():
+    probs = np.array([0.05, 0.5, 0.02, 0.3, 0.13])
+    # Sorted: 0.5, 0.3, 0.13, ... ; cumulative 0.5, 0.8, 0.93: top_p=0.75 keeps {1, 3}.
+    freq = _frequencies(np.log(probs).astype(np.float32), 20000, top_p=0.75)
+    assert set(np.flatnonzero(freq)) == {1, 3}
+    assert abs(freq[1] - 0.5 / 0.8) < 0.01
+
+
+def test_top_p_keeps_at_least_the_top_token():
+    probs = np.array([0.1, 0.6, 0.3])
+    freq = _frequencies(np.log(probs).astype(np.float32), 500, top_p=0.01)
+    assert freq[1] == 1.0
+
+
+def test_masked_logits_are_never_sampled():
+    row = np.array([0.0, -np.inf, 0.0, -np.inf], dtype=np.float32)
+    freq = _frequencies(row, 2000)
+    assert freq[1] == 0 and freq[3] == 0
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"seed": "x"}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+])
+def test_invalid_params_name_the_parameter(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)
+
+
+def test_top_k_off_values():
+    for k in (0, -1):
+        assert SamplingParams(top_k=k).top_k == k
+
+
+def test_batch_shape_mismatch():
+    with pytest.raises(ValueError):
+        sample(np.zeros((2, 4), dtype=np.float32), [_state()])
