@@ -14,26 +14,26 @@ from kiln.errors import KilnError
 class Phases:
     """Times the compile phases and shows them as they run."""
 
-    def __init__(self, show: Callable[[str], None] | None):
-        self.show = show or (lambda line: None)
+    def __init__(self, show: Callable[[str, bool], None] | None):
+        self.show = show or (lambda text, newline: None)
         self.seconds: dict[str, float] = {}
 
     def run(self, name: str, fn, *args):
-        self.show(f"  {name:<8} ...")
+        self.show(f"  {name:<8}... ", False)
         t0 = time.perf_counter()
         result = fn(*args)
         self.seconds[name] = round(time.perf_counter() - t0, 3)
-        self.show(f"  {name:<8} done in {self.seconds[name]:.1f}s")
+        self.show(f"{self.seconds[name]:.1f}s", True)
         return result
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def _stderr(text: str, newline: bool) -> None:
+    print(text, file=sys.stderr, end="\n" if newline else "", flush=True)
 
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
-                  dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
-                  dump: Callable | None = None) -> dict:
+                  dtype: str | None = None, show: Callable[[str, bool], None] | None = _stderr,
+                  dump: Callable | None = None, print_ir: bool = False) -> dict:
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)
     dtype = dtype or tgt.default_dtype
@@ -47,6 +47,9 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
 
     from kiln.passes import run_pipeline
     graph, pass_records = phases.run("passes", run_pipeline, graph, tgt.name, dump)
+    if print_ir:
+        from kiln.ir import print_graph
+        print(print_graph(graph), file=sys.stderr)
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)

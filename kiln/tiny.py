@@ -20,6 +20,8 @@ import importlib
 import inspect
 import json
 import math
+import sys
+import warnings
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
@@ -33,11 +35,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-# The training text: docstrings of these stdlib modules and their public members.
+# The training text: docstrings of these stdlib modules and their public members
+# (not `inspect`: torch patches inspect.getfile on import).
 CORPUS_MODULES = (
     "abc", "argparse", "array", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv",
     "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions", "functools", "glob", "gzip",
-    "hashlib", "heapq", "hmac", "html", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math",
+    "hashlib", "heapq", "hmac", "html", "io", "ipaddress", "itertools", "json", "logging", "math",
     "operator", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "shlex", "shutil", "socket",
     "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time",
     "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
@@ -73,18 +76,32 @@ LOGIT_STD = 4.0   # target std of the logits of a normalised hidden state
 
 
 def corpus() -> list[str]:
-    """Docstrings of CORPUS_MODULES, deduplicated and sorted: the same list on every run."""
+    """Docstrings of CORPUS_MODULES, deduplicated and sorted: the same list on every run.
+
+    Only stdlib-defined objects count, and submodules are skipped: other
+    packages patch stdlib classes (transformers adds methods to
+    logging.Logger), and whether `unittest.mock` is an attribute of `unittest`
+    depends on what else the process has imported.
+    """
+    def stdlib(obj) -> bool:
+        owner = getattr(obj, "__module__", None)
+        return not isinstance(owner, str) or owner.split(".")[0] in sys.stdlib_module_names
+
     docs: set[str] = set()
-    for mod_name in CORPUS_MODULES:
-        mod = importlib.import_module(mod_name)
-        objs = [mod] + [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]
-        for obj in objs:
-            members = [obj] + ([vars(obj)[n] for n in sorted(vars(obj)) if not n.startswith("_")]
-                               if inspect.isclass(obj) else [])
-            for m in members:
-                doc = inspect.getdoc(m)
-                if doc:
-                    docs.add(doc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # typing.io and friends warn when touched
+        for mod_name in CORPUS_MODULES:
+            mod = importlib.import_module(mod_name)
+            objs = [mod] + [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]
+            for obj in objs:
+                if inspect.ismodule(obj) and obj is not mod:
+                    continue
+                members = [obj] + ([vars(obj)[n] for n in sorted(vars(obj)) if not n.startswith("_")]
+                                   if inspect.isclass(obj) else [])
+                for m in filter(stdlib, members):
+                    doc = inspect.getdoc(m)
+                    if doc:
+                        docs.add(doc)
     return sorted(docs)
 
 
@@ -147,6 +164,14 @@ def _spread_weights(model, seed: int, hidden: int, tied: bool) -> None:
                 raise ValueError(f"no init rule for parameter {name} of shape {tuple(p.shape)}")
 
 
+def _no_init_weights():
+    try:
+        from transformers.initialization import no_init_weights      # transformers >= 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights      # transformers 4.x
+    return no_init_weights()
+
+
 def make_tiny_model(out_dir, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """Train the tokenizer into `out_dir`, then build and save a random `family` model there (float32)."""
     import torch
@@ -165,8 +190,13 @@ def make_tiny_model(out_dir, family: str = "llama", seed: int = 0, **overrides) 
         raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {tok.get_vocab_size()}")
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    _spread_weights(model, seed, config.hidden_size, bool(fields["tie_word_embeddings"]))
+    with _no_init_weights():     # every parameter is drawn by _spread_weights; skip transformers' init
+        model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    model.tie_weights()          # skipped with the init
+    tied = bool(fields["tie_word_embeddings"])
+    if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError(f"{model_name}: tie_word_embeddings is set but lm_head is not tied")
+    _spread_weights(model, seed, config.hidden_size, tied)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=fields["bos_token_id"],
         eos_token_id=[fields["eos_token_id"], tok.token_to_id(END_OF_TURN)],   # stop at end of turn too

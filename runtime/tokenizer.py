@@ -43,8 +43,8 @@ class Tokenizer:
             name: _token_str(config.get(name)) for name in _NAMED_SPECIALS}
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
         extra = [_token_str(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
-        # As transformers does: named specials missing from tokenizer.json's added tokens are added
-        # (special, so skip_special_tokens drops them and they are never split by the pre-tokenizer).
+        # As transformers does: named specials missing from tokenizer.json's added tokens are
+        # added as special (skip_special_tokens drops them; the pre-tokenizer never splits them).
         added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         missing = [t for t in [*self.special_tokens.values(), *extra] if t and t not in added]
         if missing:
@@ -53,7 +53,8 @@ class Tokenizer:
 
         # tokenizer.json's post-processor alone decides whether bos/eos are added; transformers
         # (v5) likewise ignores tokenizer_config's add_bos_token/add_eos_token when tokenizer.json
-        # exists. Rendered chat templates already hold bos: encode them with add_special_tokens=False.
+        # exists. A rendered chat template already holds bos: encode it with
+        # add_special_tokens=False, as transformers' apply_chat_template(tokenize=True) does.
         bos_id = self.token_to_id(self.bos_token)
         self.adds_bos = bos_id is not None and self._tok.encode("").ids[:1] == [bos_id]
 
@@ -98,9 +99,9 @@ class Tokenizer:
         """Decode without the optional space cleanup; what the incremental detokenizer diffs."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render messages with the model's chat template; extra kwargs (tools=...) reach the template."""
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render messages with the model's chat template; kwargs (tools=...) reach the template."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (none in tokenizer_config.json or "
                              "chat_template.jinja); send a plain prompt instead")
@@ -115,12 +116,14 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns generated ids, fed one at a time, into text pieces that never split a character.
 
-    Prefix-offset scheme (as in vLLM): decode the window ids[prefix:read] and
-    ids[prefix:], emit the difference, then slide the window. Each step decodes
-    only a few recent tokens. A piece is held back while the decoded tail ends in
-    U+FFFD (an incomplete UTF-8 sequence). Invariant: the window always starts
-    at a token where the text decoded so far ended on a whole character, so the
-    emitted pieces plus `flush()` concatenate to `decode(ids)`.
+    Prefix-offset scheme (as in vLLM): keep a short window of recent ids whose
+    first `read` are already emitted; decode window[:read] and the whole window,
+    emit the difference, then slide the window to start at `read`. Each step
+    decodes only a few tokens. A piece is held back while the decoded tail ends
+    in U+FFFD (an incomplete UTF-8 sequence). Invariant: the window starts where
+    the text so far ended on a whole character, so the pieces plus `flush()`
+    concatenate to `decode(ids)` (or, with `prompt_ids`, to the text the ids add
+    after the prompt). Not applied here: the WordPiece-only space cleanup.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
@@ -129,9 +132,8 @@ class IncrementalDetokenizer:
         # strip a leading space at the start of a decode (SentencePiece) keep it mid-text.
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-context:]) if context > 0 else []
-        self._prefix = 0  # window start
-        self._read = len(self._ids)  # ids before this are already emitted
+        self._ids: list[int] = list(prompt_ids[-context:]) if context > 0 else []  # the window
+        self._read = len(self._ids)  # window ids before this are already emitted
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode_raw(ids, skip_special_tokens=self._skip)
@@ -146,13 +148,12 @@ class IncrementalDetokenizer:
         return self._step(final=True)
 
     def _step(self, final: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[:self._read])
+        text = self._decode(self._ids)
         if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
             return ""
-        # Slide the window; drop ids before it so memory and work stay O(window).
-        del self._ids[:self._read]
-        self._prefix, self._read = 0, len(self._ids)
+        del self._ids[:self._read]  # slide: the new window starts at the old read offset
+        self._read = len(self._ids)
         return text[len(prefix_text):]
 
 
@@ -175,7 +176,8 @@ def _pick_template(value: Any) -> str | None:
 
 def _clean_up_tokenization(text: str) -> str:
     for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                          (" 're", "'re")):
         text = text.replace(before, after)
     return text
 

@@ -150,10 +150,12 @@ def test_chat_template_matches_transformers(plain_dir, add_generation_prompt):
     for messages in CONVERSATIONS:
         expected = ref.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
-        assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+        ours_text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        assert ours_text == expected
     tools = [{"name": "f", "description": "é"}]
     assert ours.apply_chat_template(CONVERSATIONS[0], tools=tools) == \
-        ref.apply_chat_template(CONVERSATIONS[0], tools=tools, tokenize=False, add_generation_prompt=True)
+        ref.apply_chat_template(CONVERSATIONS[0], tools=tools, tokenize=False,
+                                add_generation_prompt=True)
 
 
 def test_chat_template_raise_exception(plain_dir):
@@ -166,7 +168,8 @@ def test_chat_template_from_jinja_file(tmp_path, plain_dir):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(tmp_path).apply_chat_template(CONVERSATIONS[0])
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "chat_template.jinja").write_text(template)
     assert Tokenizer(tmp_path).apply_chat_template(CONVERSATIONS[0]) == "[Hi there 🙂]"
 
 
@@ -195,7 +198,8 @@ def test_incremental_detokenizer_flushes_incomplete_tail(plain_dir):
 
 def test_incremental_detokenizer_with_prompt_context(plain_dir):
     ours = Tokenizer(plain_dir)
-    prompt, completion = ours.encode("Hello world"), ours.encode(" déjà 🙂 vu", add_special_tokens=False)
+    prompt = ours.encode("Hello world")
+    completion = ours.encode(" déjà 🙂 vu", add_special_tokens=False)
     detok = IncrementalDetokenizer(ours, prompt_ids=prompt)
     text = "".join(detok.add(i) for i in completion) + detok.flush()
     assert text == ours.decode(prompt + completion)[len(ours.decode(prompt)):]

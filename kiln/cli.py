@@ -1,0 +1,86 @@
+"""The `kiln` command: compile, run, inspect.
+
+Errors in the user's input print one line on stderr and exit with code 2;
+`kiln --debug ...` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from kiln.errors import KilnError
+
+
+def _err(line: str) -> None:
+    click.echo(line, err=True)
+
+
+class _Main(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (KilnError, ValueError, OSError) as e:
+            if ctx.params.get("debug"):
+                raise
+            _err(f"kiln: error: {e}")
+            sys.exit(2)
+
+
+@click.group(cls=_Main)
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def main(debug):
+    """kiln: compile Hugging Face models with TVM and run them."""
+
+
+@main.command()
+@click.argument("model_dir")
+@click.option("--target", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--arch", default=None, help="GPU architecture, e.g. sm_80 or sm_90 (cuda; default sm_80).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Weight and activation dtype (default: float32 on cpu, float16 on cuda).")
+@click.option("-o", "--output", required=True, help="Artifact directory to write.")
+@click.option("--print-ir", is_flag=True, help="Print the IR that is lowered.")
+def compile(model_dir, target, arch, dtype, output, print_ir):
+    """Compile MODEL_DIR (a Hugging Face model directory) into an artifact."""
+    from kiln.compiler import compile_model
+    t0 = time.perf_counter()
+    _err(f"kiln compile {model_dir} -> {output} (target {target})")
+    m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, print_ir=print_ir)
+    _err(f"wrote {output}: {len(m['kernels'])} kernels, {m['dtype']}, "
+         f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
+
+
+@main.command()
+@click.argument("artifact")
+def inspect(artifact):
+    """Print a summary of a compiled ARTIFACT."""
+    from kiln.inspect import summary
+    click.echo(summary(artifact))
+
+
+@main.command()
+@click.argument("artifact")
+@click.option("--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")
+@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 means off.")
+@click.option("--seed", default=None, type=int)
+@click.option("--kv-memory", default="auto", show_default=True, help="KV cache budget, e.g. 512MiB.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json):
+    """Generate text with a compiled ARTIFACT."""
+    from kiln.runner import chat, run_prompt
+    from kiln.runtime.sampler import SamplingParams
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    if prompt is None:
+        chat(artifact, params, kv_memory)
+    else:
+        run_prompt(artifact, prompt, params, kv_memory, as_json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`kiln inspect`: a readable summary of an artifact's manifest."""
+from __future__ import annotations
+
+from kiln.artifact import read_manifest
+
+
+def summary(artifact_dir) -> str:
+    m = read_manifest(artifact_dir, verify=False)
+    c = m["model"]["config"]
+    t = m["target"]
+    total = sum(f["bytes"] for f in m["files"].values())
+    where = "runs on this kind of machine" if t.get("runs_here") else f"built here, runs on a {t['device']} GPU"
+    lines = [
+        f"artifact   {artifact_dir}",
+        f"kiln       {m['kiln_version']} (interface {m['interface_version']})",
+        f"model      {m['model']['architecture']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
+        f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads, head_dim {c['head_dim']}, vocab {c['vocab_size']}",
+        f"target     {t['name']}" + (f" {t['arch']}" if t.get("arch") else "") + f" ({where})",
+        f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
+        f"weights    {len(m['weights'])} tensors",
+        f"kernels    {len(m['kernels'])}: {', '.join(m['kernels'])}",
+        f"passes     {', '.join(p['name'] for p in m['passes']) or '(none)'}",
+        "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m["compile_seconds"].items()),
+        f"files      {total / 2**20:.1f} MiB",
+    ]
+    lines += [f"  {name:<28} {info['bytes'] / 2**20:9.2f} MiB  sha256 {info['sha256'][:16]}…"
+              for name, info in sorted(m["files"].items())]
+    return "\n".join(lines)

@@ -1,0 +1,24 @@
+"""Shared fixtures: the tiny random-weight models, built once per test session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ("llama", "llama32", "mistral", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory):
+    """make_model(family) -> the directory of a tiny `family` model (kiln.tiny), built on first use."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kiln.tiny import make_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def make(family: str = "llama") -> Path:
+        if family not in built:
+            built[family] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, seed=0)
+        return built[family]
+    return make

@@ -1,0 +1,48 @@
+"""Builds the page-table inputs of one engine step, for tests of the interpreter and of compiled models.
+
+A step is a ragged batch: for each sequence, its new tokens, how many of its
+tokens are already in the KV cache, and the pages it owns (in order). The
+arrays follow the graph interface of frontend/llama.py build_graph and the
+`paged_attention` op (ir/ops.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+Seq = tuple[list[int], int, list[int]]   # (new token ids, tokens already cached, pages in order)
+
+
+def make_step_inputs(seqs: list[Seq], page_size: int) -> dict[str, np.ndarray]:
+    """tokens, positions, q_indptr, page_indptr, page_values, last_page_len, slot_mapping, logit_rows."""
+    tokens, positions, slots, page_values = [], [], [], []
+    q_indptr, page_indptr, last_page_len, logit_rows = [0], [0], [], []
+    for new, start, pages in seqs:
+        if not new:
+            raise ValueError("every sequence in a step needs at least one new token")
+        kv_len = start + len(new)
+        n_pages = -(-kv_len // page_size)
+        if len(pages) < n_pages:
+            raise ValueError(f"{kv_len} tokens need {n_pages} pages of {page_size}, got {len(pages)}")
+        pos = range(start, kv_len)
+        tokens += new
+        positions += pos
+        slots += [pages[p // page_size] * page_size + p % page_size for p in pos]
+        page_values += pages[:n_pages]
+        q_indptr.append(len(tokens))
+        page_indptr.append(len(page_values))
+        last_page_len.append(kv_len - (n_pages - 1) * page_size)
+        logit_rows.append(len(tokens) - 1)
+    arrays = dict(tokens=tokens, positions=positions, q_indptr=q_indptr, page_indptr=page_indptr,
+                  page_values=page_values, last_page_len=last_page_len, slot_mapping=slots,
+                  logit_rows=logit_rows)
+    return {k: np.asarray(v, dtype=np.int32) for k, v in arrays.items()}
+
+
+def make_kv_pages(num_layers: int, num_pages: int, kv_heads: int, page_size: int, head_dim: int,
+                  dtype=np.float32, fill: float = 0.0) -> dict[str, np.ndarray]:
+    """KV page tensors kv_pages{i}: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
+
+    fill=nan makes any read of a slot no step has written show up in the logits.
+    """
+    return {f"kv_pages{i}": np.full((num_pages, 2, kv_heads, page_size, head_dim), fill, dtype)
+            for i in range(num_layers)}
