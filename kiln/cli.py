@@ -47,9 +47,8 @@ def compile(model_dir, target, arch, dtype, output, print_ir):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact."""
     from kiln.compiler import compile_model
     t0 = time.perf_counter()
-    _err(f"kiln compile {model_dir} -> {output} (target {target})")
     m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, print_ir=print_ir)
-    _err(f"wrote {output}: {len(m['kernels'])} kernels, {m['dtype']}, "
+    _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
 
 

@@ -12,27 +12,29 @@ from kiln.errors import KilnError
 
 
 class Phases:
-    """Times the compile phases and shows them as they run."""
+    """Times the compile phases and shows each as it runs (the running one only on a terminal)."""
 
-    def __init__(self, show: Callable[[str, bool], None] | None):
-        self.show = show or (lambda text, newline: None)
+    def __init__(self, show: Callable[[str], None] | None):
+        self.show = show or (lambda line: None)
+        self.live = show is not None and sys.stderr.isatty()
         self.seconds: dict[str, float] = {}
 
     def run(self, name: str, fn, *args):
-        self.show(f"  {name:<8}... ", False)
+        if self.live:
+            print(f"  {name:<8} ...", end="\r", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         result = fn(*args)
         self.seconds[name] = round(time.perf_counter() - t0, 3)
-        self.show(f"{self.seconds[name]:.1f}s", True)
+        self.show(f"  {name:<8} {self.seconds[name]:6.1f}s")
         return result
 
 
-def _stderr(text: str, newline: bool) -> None:
-    print(text, file=sys.stderr, end="\n" if newline else "", flush=True)
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
-                  dtype: str | None = None, show: Callable[[str, bool], None] | None = _stderr,
+                  dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, print_ir: bool = False) -> dict:
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)

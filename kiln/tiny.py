@@ -20,6 +20,7 @@ import importlib
 import inspect
 import json
 import math
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -127,8 +128,7 @@ def train_tokenizer(out_dir, vocab_size: int = 512) -> None:
     specials = {"bos_token": BOS, "eos_token": EOS}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
               "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS, EOS)],
-              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
-              "model_max_length": 131072}
+              "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 
@@ -216,9 +216,18 @@ def main(argv: list[str] | None = None) -> None:
     if preset_family and args.family not in (None, preset_family):
         ap.error(f"preset {args.preset} is a {preset_family} model, not {args.family}")
     family = preset_family or args.family or "llama"
-    if not (args.out_dir / "config.json").exists():
-        make_tiny_model(args.out_dir, family, seed=args.seed, **overrides)
-    print(args.out_dir)
+    out: Path = args.out_dir
+    if not (out / "config.json").exists():
+        if out.exists() and any(out.iterdir()):
+            ap.error(f"{out} exists, is not empty and holds no config.json")
+        # Build beside it and rename, so that an interrupted run never leaves a half model behind.
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        make_tiny_model(partial, family, seed=args.seed, **overrides)
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
+    print(out)
 
 
 if __name__ == "__main__":

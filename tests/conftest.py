@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 
-FAMILIES = ("llama", "llama32", "mistral", "qwen2")
-
 
 @pytest.fixture(scope="session")
 def make_model(tmp_path_factory):

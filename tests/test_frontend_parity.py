@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FAMILIES
+from kiln.tiny import FAMILIES
 from paging import make_kv_pages, make_step_inputs
 
 torch = pytest.importorskip("torch")
@@ -48,7 +48,7 @@ class Pair:
             return self.hf(torch.tensor([ids])).logits[0, -1].numpy()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def model_pair(request, make_model):
     return Pair(make_model(request.param))
 

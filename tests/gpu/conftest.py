@@ -1,0 +1,46 @@
+"""GPU tests: they run where a CUDA device is visible and skip cleanly everywhere else.
+
+Artifacts come from KILN_GPU_BUNDLE (a folder made by tests/gpu/make_bundle.py on
+a build machine: a GPU machine may have only TVM's runtime) or are compiled here.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _cuda_arch() -> str | None:
+    try:
+        import tvm
+        dev = tvm.cuda(0)
+        if not dev.exist:
+            return None
+        return "sm_" + dev.compute_version.replace(".", "")
+    except Exception:  # no CUDA runtime in this TVM build, or no driver
+        return None
+
+
+ARCH = _cuda_arch()
+
+
+def pytest_collection_modifyitems(config, items):
+    if ARCH is None:
+        skip = pytest.mark.skip(reason="no CUDA device visible to TVM")
+        for item in items:
+            if "tests/gpu" in str(item.fspath).replace(os.sep, "/"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_bundle(make_model, tmp_path_factory) -> Path:
+    """A folder with model/ (HF) and cuda-<dtype>/ artifacts for the tiny GQA Llama."""
+    if os.environ.get("KILN_GPU_BUNDLE"):
+        return Path(os.environ["KILN_GPU_BUNDLE"])
+    out = tmp_path_factory.mktemp("gpu-bundle")
+    subprocess.run([sys.executable, str(Path(__file__).with_name("make_bundle.py")), str(out),
+                    "--model", str(make_model("llama")), "--arch", ARCH], check=True)
+    return out

@@ -1,0 +1,78 @@
+"""CUDA artifacts on a GPU against transformers (fp32 on the CPU as the reference)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from paging import make_step_inputs  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# fp32 on the GPU differs from the CPU only by summation order; half precision by rounding.
+TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1}   # relative to max |logit|
+
+
+@pytest.fixture(scope="module")
+def hf(gpu_bundle):
+    return transformers.AutoModelForCausalLM.from_pretrained(gpu_bundle / "model", attn_implementation="eager",
+                                                             torch_dtype=torch.float32).eval()
+
+
+def open_model(bundle, dtype):
+    from kiln.runtime.model import CompiledModel
+    model = CompiledModel(bundle / f"cuda-{dtype}")
+    model.allocate_kv(64 * model.bytes_per_page)
+    return model
+
+
+def ref_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+def assert_close(got, want, dtype):
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= TOLERANCE[dtype], f"{dtype}: max error {err:.2e} of max |logit|"
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_prefill_and_decode(gpu_bundle, hf, dtype):
+    model = open_model(gpu_bundle, dtype)
+    ids, pages = prompt(37, 1), [9, 3, 17, 4]
+    logits = model.forward(make_step_inputs([(ids, 0, pages)], model.page_size))
+    assert_close(logits[0], ref_logits(hf, ids), dtype)
+    for _ in range(16):
+        nxt = int(np.argmax(logits[0]))
+        logits = model.forward(make_step_inputs([([nxt], len(ids), pages)], model.page_size))
+        ids.append(nxt)
+        assert_close(logits[0], ref_logits(hf, ids), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_ragged_batch(gpu_bundle, hf, dtype):
+    model = open_model(gpu_bundle, dtype)
+    seqs, pages = [prompt(5, 2), prompt(23, 3), prompt(40, 4)], [[0], [5, 1], [2, 7, 3]]
+    logits = model.forward(make_step_inputs([(s, 0, p) for s, p in zip(seqs, pages)], model.page_size))
+    for row, s in enumerate(seqs):
+        assert_close(logits[row], ref_logits(hf, s), dtype)
+
+
+def test_greedy_generation_fp32(gpu_bundle, hf):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    llm = LLM(gpu_bundle / "cuda-float32", kv_memory="64MiB")
+    ids = prompt(11, 8)
+    [req] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    assert req.output_ids == ref

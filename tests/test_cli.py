@@ -1,0 +1,130 @@
+"""The kiln command: one clear line and exit code 2 for bad input; run/inspect on a real artifact."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KILN = [sys.executable, "-m", "kiln.cli"]
+
+
+def kiln(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*KILN, *map(str, args)], capture_output=True, text=True, timeout=600, **kw)
+
+
+def assert_clean_error(proc, *words):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith("kiln: error:"), proc.stderr
+    for w in words:
+        assert w in lines[-1], (w, lines[-1])
+
+
+@pytest.fixture(scope="module")
+def artifact(make_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "artifact"
+    proc = kiln("compile", make_model("llama"), "--target", "cpu", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    for phase in ("import", "passes", "codegen", "build", "weights"):
+        assert phase in proc.stderr
+    return out
+
+
+def test_missing_model_directory(tmp_path):
+    assert_clean_error(kiln("compile", tmp_path / "nope", "-o", tmp_path / "a"), "does not exist")
+
+
+def test_missing_config_field(make_model, tmp_path):
+    src = make_model("llama")
+    model = tmp_path / "m"
+    shutil.copytree(src, model)
+    cfg = json.loads((model / "config.json").read_text())
+    del cfg["num_attention_heads"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(kiln("compile", model, "-o", tmp_path / "a"), "num_attention_heads")
+
+
+def test_unknown_architecture(make_model, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(make_model("llama"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(kiln("compile", model, "-o", tmp_path / "a"), "GPTNeoXForCausalLM", "not supported")
+
+
+def test_unknown_target(make_model, tmp_path):
+    assert_clean_error(kiln("compile", make_model("llama"), "--target", "tpu", "-o", tmp_path / "a"), "tpu")
+
+
+def test_corrupted_weight_file(make_model, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(make_model("llama"), model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"\x00garbage" + weights.read_bytes()[:1000])
+    assert_clean_error(kiln("compile", model, "-o", tmp_path / "a"), "model.safetensors")
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    proc = kiln("--debug", "compile", tmp_path / "nope", "-o", tmp_path / "a")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_inspect_summarises_the_artifact(artifact):
+    proc = kiln("inspect", artifact)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("LlamaForCausalLM", "target     cpu", "paged_attention", "weights.safetensors", "model.cpu.so"):
+        assert word in proc.stdout
+
+
+def test_run_json(artifact):
+    proc = kiln("run", artifact, "--prompt", "def main():", "--max-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["output_token_ids"]) == 6 and out["prompt_token_ids"]
+    assert out["timings"]["decode_tokens_per_second"] > 0
+    assert out["finish_reason"] in ("length", "stop")
+
+
+def test_run_streams_text_and_prints_throughput(artifact):
+    proc = kiln("run", artifact, "--prompt", "import os", "--max-tokens", "8", "--temperature", "0.7",
+                "--top-p", "0.9", "--top-k", "40", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "prefill:" in proc.stderr and "tok/s" in proc.stderr
+
+
+def test_run_chat_reads_stdin(artifact):
+    proc = kiln("run", artifact, "--max-tokens", "4", input="hello there\n\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "kiln chat" in proc.stderr
+
+
+def test_artifact_with_corrupted_file(artifact, tmp_path):
+    broken = tmp_path / "a"
+    shutil.copytree(artifact, broken)
+    weights = broken / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert_clean_error(kiln("run", broken, "--prompt", "x"), "checksum mismatch", "weights.safetensors")
+
+
+def test_artifact_with_missing_file(artifact, tmp_path):
+    broken = tmp_path / "a"
+    shutil.copytree(artifact, broken)
+    (broken / "model.cpu.so").unlink()
+    assert_clean_error(kiln("run", broken, "--prompt", "x"), "model.cpu.so", "missing")
+
+
+def test_artifact_with_wrong_interface_version(artifact, tmp_path):
+    broken = tmp_path / "a"
+    shutil.copytree(artifact, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["interface_version"] = 999
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    assert_clean_error(kiln("run", broken, "--prompt", "x"), "interface version 999")

@@ -1,0 +1,304 @@
+"""The IR itself: builder and verifier errors, printer, JSON round trip, the op table, the interpreter.
+
+Plain NumPy: no torch, no transformers, no model files.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kiln.frontend import llama
+from kiln.ir import (OPS, GraphBuilder, IRError, TensorType, graph_from_json, graph_to_json, interpret,
+                     print_graph, verify)
+from paging import make_kv_pages, make_step_inputs
+
+H, V = 8, 11   # hidden size and vocab of the hand-built graphs
+
+
+def small_mlp():
+    """embed -> rms_norm -> linear(+bias) -> silu * linear -> linear -> add -> reshape -> cast."""
+    b = GraphBuilder("mlp")
+    ids = b.input("ids", ("tokens",), "int32")
+    h = b.op("embed", ids, b.param("embed", (V, H), "float32"), name="h")
+    x = b.op("rms_norm", h, b.param("norm.weight", (H,), "float32"), eps=1e-5, name="x")
+    gate = b.op("linear", x, b.param("gate.weight", (16, H), "float32"), b.param("gate.bias", (16,), "float32"))
+    up = b.op("linear", x, b.param("up.weight", (16, H), "float32"))
+    act = b.op("mul", b.op("silu", gate), up)
+    out = b.op("add", h, b.op("linear", act, b.param("down.weight", (H, 16), "float32")))
+    out = b.op("reshape", out, shape=("tokens", 2, H // 2))
+    return b.output(b.op("cast", out, dtype="float16", name="out"))
+
+
+def random_weights(graph, seed=0):
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(p.type.shape).astype(np.float32) for name, p in graph.params.items()}
+
+
+def tiny_llama_config(**overrides):
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=V, hidden_size=16, intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               tie_word_embeddings=True, **overrides)
+    return llama.parse_config(cfg, "LlamaForCausalLM")
+
+
+# ---------------------------------------------------------------------------- builder and verifier
+
+def test_builder_type_errors_name_the_node():
+    b = GraphBuilder("g")
+    x = b.input("x", ("tokens", H), "float32")
+    y = b.input("y", ("tokens", H + 1), "float32")
+    with pytest.raises(IRError, match=r"%bad_add = add: operands must have the same type"):
+        b.op("add", x, y, name="bad_add")
+    with pytest.raises(IRError, match=r"%bad_lin = linear: weight must be \[out, 8\]"):
+        b.op("linear", x, b.param("w", (4, H + 1), "float32"), name="bad_lin")
+    with pytest.raises(IRError, match=r"%n: op rms_norm needs attribute 'eps'"):
+        b.op("rms_norm", x, b.param("nw", (H,), "float32"), name="n")
+    with pytest.raises(IRError, match=r"%n2: op rms_norm has no attribute\(s\) \['epsilon'\]"):
+        b.op("rms_norm", x, b.param("nw2", (H,), "float32"), eps=1e-5, epsilon=1e-5, name="n2")
+    with pytest.raises(IRError, match=r"%r = reshape: reshape of f32\[tokens, 8\] .* changes the element count"):
+        b.op("reshape", x, shape=("tokens", 3), name="r")
+    with pytest.raises(IRError, match=r"unknown op 'softmax'"):
+        b.op("softmax", x)
+    b.op("silu", x, name="s")
+    with pytest.raises(IRError, match=r"%s is defined twice"):
+        b.op("silu", x, name="s")
+
+
+def test_verifier_accepts_built_graphs():
+    verify(small_mlp())
+    verify(llama.build_graph(tiny_llama_config(), "float32", page_size=4))
+
+
+def test_verifier_catches_wrong_declared_type():
+    g = small_mlp()
+    i = next(k for k, n in enumerate(g.nodes) if n.output == "x")
+    g.nodes[i] = dataclasses.replace(g.nodes[i], type=TensorType(("tokens", H), "float16"))
+    with pytest.raises(IRError, match=r"%x = rms_norm: declared type f16\[tokens, 8\] but the type rule gives "
+                                      r"f32\[tokens, 8\]"):
+        verify(g)
+
+
+def test_verifier_catches_use_before_def():
+    g = small_mlp()
+    g.nodes[0], g.nodes[1] = g.nodes[1], g.nodes[0]      # rms_norm now reads %h before embed defines it
+    with pytest.raises(IRError, match=r"%x = rms_norm: input %h is used before it is defined"):
+        verify(g)
+
+
+def test_verifier_catches_bad_attributes_and_outputs():
+    g = small_mlp()
+    g.nodes[1] = dataclasses.replace(g.nodes[1], attrs={})
+    with pytest.raises(IRError, match=r"%x = rms_norm.*eps"):
+        verify(g)
+    g = small_mlp()
+    g.outputs = ["nowhere"]
+    with pytest.raises(IRError, match=r"output %nowhere is not defined"):
+        verify(g)
+
+
+# ---------------------------------------------------------------------------- printer and JSON
+
+def test_printer_lines():
+    text = print_graph(small_mlp())
+    lines = text.splitlines()
+    assert lines[0] == "graph mlp("
+    assert "    %ids: i32[tokens]," in lines
+    assert "  @norm.weight: f32[8]" in lines
+    assert "  %h = embed(%ids, @embed) : f32[tokens, 8]" in lines
+    assert "  %x = rms_norm(%h, @norm.weight) {eps=1e-05} : f32[tokens, 8]" in lines
+    assert "  %linear1 = linear(%x, @up.weight) : f32[tokens, 16]" in lines
+    assert "  %out = cast(%reshape0) {dtype='float16'} : f16[tokens, 2, 4]" in lines
+    assert lines[-2:] == ["  return %out", "}"]
+
+
+def test_printer_marks_missing_optional_input():
+    b = GraphBuilder("g")
+    x = b.input("x", (2, H), "float32")
+    b.op("linear", x, b.param("w", (3, H), "float32"), None, name="y")
+    assert "  %y = linear(%x, @w, _) : f32[2, 3]" in print_graph(b.output("y")).splitlines()
+
+
+@pytest.mark.parametrize("make", [small_mlp, lambda: llama.build_graph(tiny_llama_config(), "float32", 16)],
+                         ids=["mlp", "llama"])
+def test_json_round_trip(make):
+    g = make()
+    back = graph_from_json(graph_to_json(g))
+    verify(back)
+    assert print_graph(back) == print_graph(g)
+    assert back.meta == g.meta
+    assert graph_to_json(back) == graph_to_json(g)
+
+
+# ---------------------------------------------------------------------------- the op table
+
+def test_every_op_has_type_rule_reference_and_doc():
+    for name, opdef in OPS.items():
+        assert opdef.name == name
+        assert callable(opdef.type_rule), name
+        assert callable(opdef.reference), name
+        assert opdef.doc, f"op {name} has no docstring"
+        assert all(isinstance(i, str) and i for i in opdef.inputs), name
+        assert all(0 <= m < len(opdef.inputs) for m in opdef.mutates), name
+
+
+# op -> a one-node graph and its NumPy expectation; the test below checks every op in OPS has one.
+def _one_node(op, inputs, attrs=None):
+    b = GraphBuilder(op)
+    names = [None if t is None else b.input(f"in{i}", *t) for i, t in enumerate(inputs)]
+    return b.output(b.op(op, *names, name="y", **(attrs or {})))
+
+
+def _rot(x, pos, inv):   # rotate-half rope, written as complex rotation of pairs (i, i + D/2)
+    half = x.shape[-1] // 2
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * pos[:, None, None] * inv[None, None, :])
+    return np.concatenate([z.real, z.imag], -1)
+
+
+EXAMPLES = {
+    "add": (lambda: _one_node("add", [((3, 4), "float32")] * 2), lambda a: a["in0"] + a["in1"]),
+    "mul": (lambda: _one_node("mul", [((3, 4), "float32")] * 2), lambda a: a["in0"] * a["in1"]),
+    "silu": (lambda: _one_node("silu", [((3, 4), "float32")]), lambda a: a["in0"] / (1 + np.exp(-a["in0"]))),
+    "cast": (lambda: _one_node("cast", [((3, 4), "float32")], {"dtype": "float16"}),
+             lambda a: a["in0"].astype(np.float16)),
+    "reshape": (lambda: _one_node("reshape", [(("tokens", 4), "float32")], {"shape": ("tokens", 2, 2)}),
+                lambda a: a["in0"].reshape(3, 2, 2)),
+    "embed": (lambda: _one_node("embed", [((3,), "int32"), ((V, 4), "float32")]),
+              lambda a: a["in1"][a["in0"]]),
+    "linear": (lambda: _one_node("linear", [((3, 4), "float32"), ((5, 4), "float32"), ((5,), "float32")]),
+               lambda a: a["in0"] @ a["in1"].T + a["in2"]),
+    "rms_norm": (lambda: _one_node("rms_norm", [((3, 4), "float32"), ((4,), "float32")], {"eps": 1e-6}),
+                 lambda a: a["in1"] * a["in0"] / np.sqrt((a["in0"] ** 2).mean(-1, keepdims=True) + 1e-6)),
+    "rope": (lambda: _one_node("rope", [((3, 2, 8), "float32"), ((3,), "int32"), ((4,), "float32")]),
+             lambda a: _rot(a["in0"], a["in1"], a["in2"])),
+    "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
+                  lambda a: a["in0"][a["in1"]]),
+    "paged_attention": None,   # has its own tests below
+}
+
+
+def _example_inputs(graph, rng):
+    arrays = {}
+    for k, t in graph.inputs.items():
+        shape = [3 if isinstance(d, str) else d for d in t.shape]
+        if t.dtype == "int32":     # indices: valid rows of the op's table / x
+            arrays[k] = rng.integers(0, 3, shape).astype(np.int32)
+        else:
+            arrays[k] = rng.standard_normal(shape).astype(t.dtype)
+    return arrays
+
+
+def test_every_op_has_a_reference_example():
+    missing = sorted(set(OPS) - set(EXAMPLES))
+    assert not missing, f"ops without an interpreter example in tests/test_ir.py: {missing}"
+
+
+@pytest.mark.parametrize("op", sorted(k for k, v in EXAMPLES.items() if v is not None))
+def test_op_reference_matches_numpy(op):
+    make, expect = EXAMPLES[op]
+    g = verify(make())
+    arrays = _example_inputs(g, np.random.default_rng(0))
+    got = interpret(g, arrays, lambda name: None)["y"]
+    want = expect({k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in arrays.items()})
+    assert got.dtype == np.dtype(g.nodes[-1].type.dtype) and got.shape == want.shape
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the interpreter
+
+def test_interpreter_small_graph_matches_numpy():
+    g = verify(small_mlp())
+    w = random_weights(g)
+    ids = np.array([3, 0, 10, 3, 7], np.int32)
+    got = interpret(g, {"ids": ids}, w.__getitem__)["out"]
+
+    h = w["embed"][ids].astype(np.float64)
+    x = w["norm.weight"] * h / np.sqrt((h ** 2).mean(-1, keepdims=True) + 1e-5)
+    gate = x @ w["gate.weight"].T + w["gate.bias"]
+    act = gate / (1 + np.exp(-gate)) * (x @ w["up.weight"].T)
+    want = (h + act @ w["down.weight"].T).reshape(5, 2, H // 2)
+    assert got.dtype == np.float16 and got.shape == (5, 2, H // 2)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+def test_interpreter_checks_inputs():
+    g = small_mlp()
+    w = random_weights(g)
+    with pytest.raises(IRError, match="missing graph inputs"):
+        interpret(g, {}, w.__getitem__)
+    with pytest.raises(IRError, match="expected dtype int32"):
+        interpret(g, {"ids": np.zeros(3, np.int64)}, w.__getitem__)
+
+
+def _attention_graph(hq, hkv, d, page_size):
+    b = GraphBuilder("attn")
+    q = b.input("q", ("tokens", hq, d), "float32")
+    k = b.input("k", ("tokens", hkv, d), "float32")
+    v = b.input("v", ("tokens", hkv, d), "float32")
+    pages = b.input("kv_pages0", ("pages", 2, hkv, page_size, d), "float32")
+    idx = [b.input(n, (dim,), "int32") for n, dim in (("slot_mapping", "tokens"), ("q_indptr", "seqs1"),
+                                                     ("page_indptr", "seqs1"), ("page_values", "nnz"),
+                                                     ("last_page_len", "seqs"))]
+    return verify(b.output(b.op("paged_attention", q, k, v, pages, *idx, layer=0, scale=0.3, name="y")))
+
+
+def _dense_causal_attention(q, k, v, scale):
+    """q [n, Hq, D] against all of k, v [L, Hkv, D]; query i sees keys j <= L - n + i."""
+    n, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    out = np.zeros(q.shape)
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hkv)], v[:, h // (hq // hkv)]
+        for i in range(n):
+            s = (kh[: L - n + i + 1] @ q[i, h]) * scale
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ vh[: L - n + i + 1]
+    return out
+
+
+def test_paged_attention_matches_dense_attention():
+    """Two steps over shuffled pages: a prefill of two sequences, then a decode and a prefill chunk."""
+    hq, hkv, d, ps = 4, 2, 8, 4
+    g = _attention_graph(hq, hkv, d, ps)
+    rng = np.random.default_rng(0)
+    kv = make_kv_pages(1, 6, hkv, ps, d, fill=np.nan)         # NaN: reading an unwritten slot shows
+    pages = {"a": [4, 1, 5], "b": [2, 0]}
+    keys = {"a": np.zeros((0, hkv, d), np.float32), "b": np.zeros((0, hkv, d), np.float32)}
+    vals = dict(keys)
+
+    def run(step):    # step: [(sequence, number of new tokens)]
+        qkv = {s: [rng.standard_normal((n, h, d)).astype(np.float32) for h in (hq, hkv, hkv)] for s, n in step}
+        inputs = make_step_inputs([([0] * n, len(keys[s]), pages[s]) for s, n in step], ps)
+        for k in ("tokens", "positions", "logit_rows"):
+            del inputs[k]
+        for j, name in enumerate("qkv"):
+            inputs[name] = np.concatenate([qkv[s][j] for s, _ in step])
+        got = interpret(g, {**inputs, **kv}, lambda name: None)["y"]
+        at = 0
+        for s, n in step:
+            q, k, v = qkv[s]
+            keys[s], vals[s] = np.concatenate([keys[s], k]), np.concatenate([vals[s], v])
+            want = _dense_causal_attention(q.astype(np.float64), keys[s].astype(np.float64),
+                                           vals[s].astype(np.float64), 0.3)
+            np.testing.assert_allclose(got[at:at + n], want, rtol=1e-5, atol=1e-5, err_msg=f"sequence {s}")
+            at += n
+
+    run([("a", 6), ("b", 3)])
+    run([("b", 1), ("a", 5)])
+    # the cache holds each token's k and v at the slot its page table names
+    slots = np.array([pages["a"][p // ps] * ps + p % ps for p in range(11)])
+    np.testing.assert_array_equal(kv["kv_pages0"][slots // ps, 0, :, slots % ps], keys["a"])
+    np.testing.assert_array_equal(kv["kv_pages0"][slots // ps, 1, :, slots % ps], vals["a"])
+
+
+def test_make_step_inputs():
+    x = make_step_inputs([([7, 8, 9], 0, [5, 2]), ([4], 17, [1, 3, 6])], page_size=16)
+    expect = dict(tokens=[7, 8, 9, 4], positions=[0, 1, 2, 17], q_indptr=[0, 3, 4], page_indptr=[0, 1, 3],
+                  page_values=[5, 1, 3], last_page_len=[3, 2], slot_mapping=[80, 81, 82, 3 * 16 + 1],
+                  logit_rows=[2, 3])
+    assert set(x) == set(expect)
+    for k, v in expect.items():
+        assert x[k].dtype == np.int32 and x[k].tolist() == v, k
+    with pytest.raises(ValueError, match="need 2 pages"):
+        make_step_inputs([([1] * 20, 0, [0])], page_size=16)
