@@ -4,7 +4,11 @@ Uses only TVM's runtime (no compiler), NumPy and safetensors.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,35 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
+def _cudart_candidates() -> list[str]:
+    """Where libcudart may live: the loader's path first, then CUDA installs and NVIDIA's pip wheels."""
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
+    found = [f for r in roots if r for pattern in ("lib*", "targets/*/lib")
+             for f in sorted(glob.glob(f"{r}/{pattern}/libcudart.so*"))]
+    for site in sys.path:
+        found += sorted(glob.glob(f"{site}/nvidia/*/lib/libcudart.so*"))
+    return ["libcudart.so.13", "libcudart.so.12", *found]
+
+
+def enable_cuda_runtime() -> None:
+    """Load TVM's CUDA runtime module when TVM's package did not (a runtime-only TVM does not)."""
+    import tvm
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
+        return
+    from tvm.base import _LOADED_LIBS
+    lib = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent / "libtvm_runtime_cuda.so"
+    for cudart in _cudart_candidates():
+        try:
+            ctypes.CDLL(cudart, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError:
+            continue
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise KilnError(f"TVM's CUDA runtime cannot be loaded ({e})") from None
+
+
 class CompiledModel:
     """The compiled forward of one artifact, with its weights loaded on the device."""
 
@@ -34,6 +67,8 @@ class CompiledModel:
         device = m["target"]["device"]
         if device not in DEVICES:
             raise KilnError(f"artifact targets device {device!r}, which this runtime cannot drive")
+        if device == "cuda":
+            enable_cuda_runtime()
         self.device = tvm.cpu(0) if device == "cpu" else tvm.cuda(0)
         if not self.device.exist:
             raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "

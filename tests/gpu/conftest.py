@@ -13,23 +13,26 @@ from pathlib import Path
 import pytest
 
 
-def _cuda_arch() -> str | None:
+def _cuda_arch() -> tuple[str | None, str]:
+    """(arch, why not): the visible GPU's arch, or None and the reason there is none."""
     try:
         import tvm
+        from kiln.runtime.model import enable_cuda_runtime
+        enable_cuda_runtime()
         dev = tvm.cuda(0)
         if not dev.exist:
-            return None
-        return "sm_" + dev.compute_version.replace(".", "")
-    except Exception:  # no CUDA runtime in this TVM build, or no driver
-        return None
+            return None, "no CUDA device visible to TVM"
+        return "sm_" + dev.compute_version.replace(".", ""), ""
+    except Exception as e:  # no CUDA runtime in this TVM build, or no driver
+        return None, f"no CUDA device: {e}"
 
 
-ARCH = _cuda_arch()
+ARCH, WHY_NOT = _cuda_arch()
 
 
 def pytest_collection_modifyitems(config, items):
     if ARCH is None:
-        skip = pytest.mark.skip(reason="no CUDA device visible to TVM")
+        skip = pytest.mark.skip(reason=WHY_NOT)
         for item in items:
             if "tests/gpu" in str(item.fspath).replace(os.sep, "/"):
                 item.add_marker(skip)
