@@ -30,10 +30,9 @@ class Target:
         if dtype not in self.dtypes:
             raise KilnError(f"dtype {dtype} is not supported on target {self.name} (supported: {', '.join(self.dtypes)})")
 
+    attention: str = "kiln_cpu"      # paged attention kernel, by name (codegen/attention.py)
+
     # -- kernel choices --------------------------------------------------------------------
-    def attention_kernel(self, kv_heads: int, q_heads: int, head_dim: int, dtype: str):
-        """PrimFunc of paged ragged attention (TVM's kernel factory for this target)."""
-        raise NotImplementedError
 
     def linear_layout(self, n_out: int, n_in: int) -> str:
         """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB'."""

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax
-from tvm.relax.frontend.nn.llm import kv_cache as tvm_llm
 
 from .base import Target
 
@@ -26,9 +25,6 @@ class CPUTarget(Target):
 
     def tvm_target(self) -> tvm.target.Target:
         return host_cpu_target()
-
-    def attention_kernel(self, kv_heads, q_heads, head_dim, dtype):
-        return tvm_llm._attention_prefill_cpu(kv_heads, q_heads, head_dim, dtype, False, {})
 
     def linear_layout(self, n_out, n_in):
         # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers.

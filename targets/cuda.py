@@ -48,6 +48,7 @@ class CUDATarget(Target):
     default_dtype: str = "float16"
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     runs_here: bool = False
+    attention: str = "tvm_prefill"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -58,11 +59,6 @@ class CUDATarget(Target):
         return tvm.target.Target({"kind": "cuda", "arch": self.arch, "max_shared_memory_per_block": 49152,
                                   "max_threads_per_block": 1024, "thread_warp_size": 32,
                                   "host": {"kind": "llvm"}})
-
-    def attention_kernel(self, kv_heads, q_heads, head_dim, dtype):
-        from tvm.relax.frontend.nn.llm import kv_cache as tvm_llm
-        return tvm_llm._attention_prefill(kv_heads, q_heads, head_dim, dtype, False, {}, self.tvm_target(),
-                                          page_size=self.page_size)
 
     def relax_pipeline(self):
         from tvm import relax
