@@ -57,7 +57,7 @@ def main() -> None:
     kiln_tokens = req.output_ids
     del llm
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     hf_rates = []
     with torch.no_grad():

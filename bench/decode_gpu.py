@@ -28,7 +28,7 @@ def main() -> None:
 
     llm = LLM(args.artifact, kv_memory="1GiB")
     dtype = getattr(torch, llm.model.manifest["dtype"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype).cuda().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).cuda().eval()
     rows = []
     for batch in (1, 8):
         prompts = [np.random.default_rng(b).integers(3, 500, args.prompt_len).tolist() for b in range(batch)]

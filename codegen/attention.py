@@ -40,7 +40,7 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
     kind = ctx.target.attention
     if kind == "kiln_cpu":
         attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale),
-                              f"paged_attention_s{scale:.6g}".replace(".", "_"), scheduled=True)
+                              "paged_attention", scheduled=True)
         return ctx.bb.emit(relax.call_tir(attn, [q, q_indptr, pages, page_indptr, page_values, last_page_len],
                                           out_ty))
     if kind == "tvm_prefill":

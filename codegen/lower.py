@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tvm import relax, tirx
 import tvm
+import tvm_ffi
+from tvm import relax, tirx
 
 from kiln.errors import KilnError
 from kiln.ir import Graph
@@ -65,12 +66,15 @@ class _Context:
         return self.weights[key][1]
 
     def add_kernel(self, func: tirx.PrimFunc, name: str, scheduled: bool = False) -> tvm.ir.GlobalVar:
-        """Add a hand-written kernel once; it is opaque to fusion (op_pattern 8)."""
-        if name not in self.kernels:
-            func = func.with_attr("global_symbol", name).with_attr("op_pattern", 8)
-            if scheduled or func.attrs.get("tirx.is_scheduled") is not None:
-                func = func.with_attr("tirx.is_scheduled", True)
-            self.kernels[name] = self.bb.add_func(func, name)
+        """Add a hand-written kernel once per name; it is opaque to fusion (op_pattern 8)."""
+        func = func.with_attr("global_symbol", name).with_attr("op_pattern", 8)
+        if scheduled:
+            func = func.with_attr("tirx.is_scheduled", True)
+        if name in self.kernels:
+            if not tvm_ffi.structural_equal(self.bb.get()[self.kernels[name]], func):
+                raise KilnError(f"two different kernels want the name {name!r}")
+            return self.kernels[name]
+        self.kernels[name] = self.bb.add_func(func, name)
         return self.kernels[name]
 
 

@@ -5,7 +5,6 @@ Errors in the user's input print one line on stderr and exit with code 2;
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 

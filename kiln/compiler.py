@@ -72,7 +72,12 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     def write_weights():
         from safetensors.numpy import save_file
         from kiln.codegen.layouts import apply_layout
-        tensors = {w.name: apply_layout(w.layout, model.weight(w.param, w.dtype)) for w in lowered.weights}
+        tensors, read = {}, {}
+        for w in lowered.weights:              # a param stored in two layouts (tied embeddings) is read once
+            if w.param not in read:
+                read[w.param] = model.weight(w.param, w.dtype)
+            tensors[w.name] = apply_layout(w.layout, read[w.param])
+        del read
         for w in lowered.weights:
             if tuple(tensors[w.name].shape) != tuple(w.shape):
                 raise KilnError(f"weight {w.param} has shape {tensors[w.name].shape}, the graph expects {w.shape}")

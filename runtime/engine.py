@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 
 from kiln.errors import KilnError
 

@@ -1,7 +1,6 @@
 """The offline facade: open an artifact, then generate text for prompts."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .engine import Engine, Request

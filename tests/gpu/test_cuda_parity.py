@@ -20,7 +20,7 @@ TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1}   # relative 
 @pytest.fixture(scope="module")
 def hf(gpu_bundle):
     return transformers.AutoModelForCausalLM.from_pretrained(gpu_bundle / "model", attn_implementation="eager",
-                                                             torch_dtype=torch.float32).eval()
+                                                             dtype=torch.float32).eval()
 
 
 def open_model(bundle, dtype):

@@ -1,0 +1,70 @@
+"""Every supported family compiles for the CPU and matches transformers; bfloat16 stays close."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paging import make_step_inputs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def compile_and_open(model_dir, out, dtype="float32"):
+    from kiln.compiler import compile_model
+    from kiln.runtime.model import CompiledModel
+    compile_model(model_dir, out, target="cpu", dtype=dtype, show=None)
+    model = CompiledModel(out)
+    model.allocate_kv(16 * model.bytes_per_page)
+    return model
+
+
+def hf_logits(model_dir, ids):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()       # every position: [len, vocab]
+
+
+@pytest.mark.parametrize("family", ["llama32", "mistral", "qwen2"])
+def test_family_prefill_and_decode(make_model, tmp_path, family):
+    model_dir = make_model(family)
+    model = compile_and_open(model_dir, tmp_path / "a")
+    ids = np.random.default_rng(3).integers(3, 500, 40).tolist()
+    ref = hf_logits(model_dir, ids)
+    pages = [4, 0, 9]
+    got = model.forward(make_step_inputs([(ids[:37], 0, pages)], model.page_size))
+    np.testing.assert_allclose(got[0], ref[36], atol=1e-4, rtol=0)
+    for t in range(37, 40):                     # decode the rest one token at a time
+        got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))
+        np.testing.assert_allclose(got[0], ref[t], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, tmp_path):
+    model_dir = make_model("llama")
+    model = compile_and_open(model_dir, tmp_path / "bf16", dtype="bfloat16")
+    assert model.manifest["dtype"] == "bfloat16"
+    ids = np.random.default_rng(4).integers(3, 500, 24).tolist()
+    ref = hf_logits(model_dir, ids)[-1]
+    got = model.forward(make_step_inputs([(ids, 0, [2, 5])], model.page_size))[0]
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 0.15
+    assert np.corrcoef(got, ref)[0, 1] > 0.99
+
+
+def test_float16_on_cpu_is_refused(make_model, tmp_path):
+    from kiln.compiler import compile_model
+    from kiln.errors import KilnError
+    with pytest.raises(KilnError, match="float16 is not supported on target cpu"):
+        compile_model(make_model("llama"), tmp_path / "a", target="cpu", dtype="float16", show=None)
+
+
+def test_sharded_checkpoint_gives_the_same_artifact_weights(make_model, tmp_path):
+    """A checkpoint saved in shards (model.safetensors.index.json) imports the same tensors."""
+    from kiln.frontend import load_hf_model
+    src = make_model("qwen2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="300KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    a, b = load_hf_model(src), load_hf_model(sharded)
+    for name in a.build_graph("float32", 16).params:
+        np.testing.assert_array_equal(a.weight(name, "float32"), b.weight(name, "float32"))
