@@ -71,6 +71,9 @@ def inspect(artifact):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json):
     """Generate text with a compiled ARTIFACT."""
+    # tvm_ffi imports torch whenever it is installed (seconds of start-up) though the runtime never
+    # uses it; keep it out of this process.
+    sys.modules.setdefault("torch", None)
     from kiln.runner import chat, run_prompt
     from kiln.runtime.sampler import SamplingParams
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)

@@ -8,6 +8,7 @@ from paging import make_step_inputs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from reference import hf_greedy, hf_last_logits, random_prompt as prompt  # noqa: E402
 
 TOL = 1e-4
 NUM_PAGES = 32
@@ -30,15 +31,6 @@ def compiled(llama):
     model = CompiledModel(llama[0])
     model.allocate_kv(NUM_PAGES * model.bytes_per_page)
     return model
-
-
-def hf_last_logits(hf, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0, -1].numpy()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
 def test_prefill_then_decode_matches_transformers(llama, compiled):
@@ -91,10 +83,7 @@ def test_greedy_generation_equals_transformers(llama):
     llm = LLM(artifact, kv_memory="16MiB")
     ids = prompt(11, 8)
     [req] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    assert req.output_ids == ref
+    assert req.output_ids == hf_greedy(hf, ids, 32)
 
 
 def test_batched_greedy_equals_each_alone(llama):

@@ -12,6 +12,7 @@ from paging import make_step_inputs  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from reference import hf_greedy, hf_last_logits as ref_logits, random_prompt as prompt  # noqa: E402
 
 # fp32 on the GPU differs from the CPU only by summation order; half precision by rounding.
 TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1}   # relative to max |logit|
@@ -30,18 +31,9 @@ def open_model(bundle, dtype):
     return model
 
 
-def ref_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0, -1].numpy()
-
-
 def assert_close(got, want, dtype):
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err <= TOLERANCE[dtype], f"{dtype}: max error {err:.2e} of max |logit|"
-
-
-def prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -72,7 +64,4 @@ def test_greedy_generation_fp32(gpu_bundle, hf):
     llm = LLM(gpu_bundle / "cuda-float32", kv_memory="64MiB")
     ids = prompt(11, 8)
     [req] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          pad_token_id=0)[0, len(ids):].tolist()
-    assert req.output_ids == ref
+    assert req.output_ids == hf_greedy(hf, ids, 32)
