@@ -1,5 +1,8 @@
-"""Targets, found by name. Each is one small file declaring a subclass of targets.base.Target."""
+"""Targets, found by name: `kiln.targets.<name>` is one small file whose `make_target(arch)`
+returns a targets.base.Target subclass instance."""
 from __future__ import annotations
+
+import importlib
 
 from kiln.errors import KilnError
 
@@ -9,12 +12,4 @@ TARGET_NAMES = ("cpu", "cuda")
 def get_target(name: str, arch: str | None = None):
     if name not in TARGET_NAMES:
         raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
-    if name == "cuda":
-        from .cuda import CUDATarget, ensure_cuda_loader
-        target = CUDATarget(arch=arch or "sm_80")
-        ensure_cuda_loader()
-        return target
-    from .cpu import CPUTarget
-    if arch:
-        raise KilnError("target cpu takes no --arch (it compiles for this machine's CPU)")
-    return CPUTarget()
+    return importlib.import_module(f"{__name__}.{name}").make_target(arch)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from kiln.errors import KilnError
+
 from .base import Target
 
 
@@ -40,3 +42,9 @@ class CPUTarget(Target):
             relax.transform.FoldConstant(),
             relax.get_pipeline("default_build"),
         ])
+
+
+def make_target(arch: str | None) -> CPUTarget:
+    if arch:
+        raise KilnError("target cpu takes no --arch (it compiles for this machine's CPU)")
+    return CPUTarget()

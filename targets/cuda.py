@@ -71,3 +71,9 @@ class CUDATarget(Target):
             raise KilnError("TVM's CUDA runtime did not load, so no CUDA binary can be built "
                             "(kiln compiles CUDA in a fresh process: use the `kiln compile` command)")
         return super().build(mod)
+
+
+def make_target(arch: str | None) -> CUDATarget:
+    target = CUDATarget(arch=arch or "sm_80")
+    ensure_cuda_loader()       # before TVM is imported: TVM calls nvcc only if its CUDA runtime loads
+    return target
