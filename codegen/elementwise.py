@@ -24,6 +24,21 @@ def emit_reshape(ctx, node, x):
     return ctx.bb.emit(relax.op.reshape(x, ctx.shape(node.type.shape)))
 
 
+def emit_slice(ctx, node, x):
+    axis = len(x.ty.shape) - 1
+    return ctx.bb.emit(relax.op.strided_slice(x, axes=[axis], begin=[node.attrs["begin"]], end=[node.attrs["end"]],
+                                              assume_inbound=True))
+
+
+def emit_swiglu(ctx, node, x):
+    """silu(gate) * up over the two halves; TVM fuses the three into one kernel."""
+    axis = len(x.ty.shape) - 1
+    halves = ctx.bb.emit(relax.op.split(x, 2, axis=axis))
+    gate = ctx.bb.emit(relax.TupleGetItem(halves, 0))
+    up = ctx.bb.emit(relax.TupleGetItem(halves, 1))
+    return ctx.bb.emit(relax.op.multiply(ctx.bb.emit(relax.op.nn.silu(gate)), up))
+
+
 def emit_embed(ctx, node, ids, table):
     return ctx.bb.emit(relax.op.take(table, ids, axis=0, mode="clip"))
 
@@ -52,18 +67,16 @@ def emit_rms_norm(ctx, node, x, weight):
 
 
 def emit_rope(ctx, node, x, positions, inv_freq):
-    """Rotate-half rotary embedding; angles computed in float32 from positions and inv_freq."""
-    dtype = node.type.dtype
+    """Rotate-half rotary embedding over x [tokens, heads * head_dim]; angles in float32.
+    Elementwise in form, so TVM fuses it with the slice of a fused QKV projection before it."""
+    dtype, d = node.type.dtype, node.attrs["head_dim"]
+    half = d // 2
 
     def rope(x, pos, inv):
-        half = int(x.shape[-1]) // 2
-
-        def out(t, h, i):
-            j = tirx.truncmod(i, half)
-            ang = pos[t].astype("float32") * inv[j]
-            v = x[t, h, i].astype("float32")
-            partner = tirx.if_then_else(i < half, -x[t, h, i + half].astype("float32"),
-                                        x[t, h, i - half].astype("float32"))
-            return (v * tirx.cos(ang) + partner * tirx.sin(ang)).astype(dtype)
+        def out(t, c):
+            i = tirx.truncmod(c, d)
+            ang = pos[t].astype("float32") * inv[tirx.truncmod(i, half)]
+            partner = tirx.if_then_else(i < half, -x[t, c + half].astype("float32"), x[t, c - half].astype("float32"))
+            return (x[t, c].astype("float32") * tirx.cos(ang) + partner * tirx.sin(ang)).astype(dtype)
         return te.compute(x.shape, out, name="rope")
     return ctx.bb.emit_te(rope, x, positions, inv_freq, primfunc_name_hint="rope")

@@ -90,6 +90,8 @@ LOWERINGS = {
     "silu": elementwise.emit_silu,
     "cast": elementwise.emit_cast,
     "reshape": elementwise.emit_reshape,
+    "slice": elementwise.emit_slice,
+    "swiglu": elementwise.emit_swiglu,
     "embed": elementwise.emit_embed,
     "take_rows": elementwise.emit_take_rows,
     "rms_norm": elementwise.emit_rms_norm,

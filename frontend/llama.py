@@ -127,8 +127,8 @@ def build_graph(c: LlamaConfig, dtype: str, page_size: int) -> Graph:
         q = linear(x, f"{p}.self_attn.q_proj", HQ * D, H, c.qkv_bias)
         k = linear(x, f"{p}.self_attn.k_proj", HKV * D, H, c.qkv_bias)
         v = linear(x, f"{p}.self_attn.v_proj", HKV * D, H, c.qkv_bias)
-        q = b.op("rope", b.op("reshape", q, shape=("tokens", HQ, D)), positions, inv_freq)
-        k = b.op("rope", b.op("reshape", k, shape=("tokens", HKV, D)), positions, inv_freq)
+        q = b.op("reshape", b.op("rope", q, positions, inv_freq, head_dim=D), shape=("tokens", HQ, D))
+        k = b.op("reshape", b.op("rope", k, positions, inv_freq, head_dim=D), shape=("tokens", HKV, D))
         v = b.op("reshape", v, shape=("tokens", HKV, D))
         attn = b.op("paged_attention", q, k, v, kv_pages[i], slot_mapping, q_indptr, page_indptr,
                     page_values, last_page_len, layer=i, scale=float(D) ** -0.5)

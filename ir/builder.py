@@ -41,7 +41,9 @@ class GraphBuilder:
             k = self._counter.get(op, 0)
             self._counter[op] = k + 1
             name = f"{op}{k}"
-        ins = [i for i in inputs]
+        ins = list(inputs)
+        while ins and ins[-1] is None and len(ins) > len([n for n in opdef.inputs if not n.endswith("?")]):
+            ins.pop()                        # an absent trailing optional input is simply left out
         in_types = [None if i is None else self._types[i] for i in ins]
         full_attrs = opdef.complete_attrs(attrs, where=f"%{name}")
         ty = opdef.infer(in_types, full_attrs, where=f"%{name} = {op}")

@@ -22,8 +22,11 @@ class Node:
 
 @dataclass
 class Param:
+    """A weight. With a recipe it is derived from other weights when loaded, e.g. a fused
+    projection: {"concat": ["a.weight", "b.weight"], "axis": 0}."""
     name: str
     type: TensorType
+    recipe: dict | None = None
 
 
 @dataclass

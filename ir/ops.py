@@ -191,27 +191,29 @@ def _rms_norm():
     return rule, ref
 
 
-@op("rope", ["x", "positions", "inv_freq"])
+@op("rope", ["x", "positions", "inv_freq"], {"head_dim": REQUIRED})
 def _rope():
-    """Rotary embedding, rotate-half layout: x[t, h] rotated by positions[t] * inv_freq."""
+    """Rotary embedding, rotate-half layout, on x [tokens, heads * head_dim]: each head of token t
+    rotated by positions[t] * inv_freq (dims i and i + head_dim/2 form a pair)."""
     def rule(types, attrs, fail):
         x, pos, inv = types
-        if x.rank != 3:
-            fail(f"x must be [tokens, heads, head_dim], got {x}")
+        d = attrs["head_dim"]
+        if x.rank != 2 or not isinstance(x.shape[1], int) or x.shape[1] % d or d % 2:
+            fail(f"x must be [tokens, heads * {d}], got {x}")
         if pos.dtype != "int32" or pos.shape != (x.shape[0],):
             fail(f"positions must be i32[{x.shape[0]}], got {pos}")
-        if inv.dtype != "float32" or inv.shape != (x.shape[2] // 2,):
-            fail(f"inv_freq must be f32[{x.shape[2] // 2}], got {inv}")
+        if inv.dtype != "float32" or inv.shape != (d // 2,):
+            fail(f"inv_freq must be f32[{d // 2}], got {inv}")
         return x
 
     def ref(x, at, ty, dims):
-        v = _f32(x[0])
+        d = at["head_dim"]
+        v = _f32(x[0]).reshape(x[0].shape[0], -1, d)                                # [T, H, D]
         ang = np.asarray(x[1], np.float32)[:, None] * _f32(x[2])[None, :]       # [T, D/2]
         cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
         sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
-        half = v.shape[-1] // 2
-        rotated = np.concatenate([-v[..., half:], v[..., :half]], -1)
-        return _as(v * cos + rotated * sin, ty)
+        rotated = np.concatenate([-v[..., d // 2:], v[..., :d // 2]], -1)
+        return _as((v * cos + rotated * sin).reshape(x[0].shape), ty)
     return rule, ref
 
 
@@ -282,3 +284,34 @@ def _take_rows():
             fail(f"take_rows wants x[tokens, hidden] and i32 rows, got {x}, {rows}")
         return TensorType((rows.shape[0], x.shape[1]), x.dtype)
     return rule, lambda x, at, ty, dims: np.asarray(x[0])[np.asarray(x[1])]
+
+
+@op("slice", ["x"], {"begin": REQUIRED, "end": REQUIRED})
+def _slice():
+    """x[..., begin:end]: a range of the last axis (the q, k or v part of a fused projection)."""
+    def rule(types, attrs, fail):
+        x = types[0]
+        b, e = attrs["begin"], attrs["end"]
+        if not (isinstance(x.shape[-1], int) and 0 <= b < e <= x.shape[-1]):
+            fail(f"slice [{b}:{e}] is outside the last axis of {x}")
+        return TensorType(x.shape[:-1] + (e - b,), x.dtype)
+    return rule, lambda x, at, ty, dims: np.ascontiguousarray(np.asarray(x[0])[..., at["begin"]:at["end"]])
+
+
+@op("swiglu", ["x"])
+def _swiglu():
+    """silu(x[..., :n]) * x[..., n:] for x [..., 2n]: gate and up halves of a fused projection."""
+    def rule(types, attrs, fail):
+        x = types[0]
+        _need_float(x, "x", fail)
+        if not isinstance(x.shape[-1], int) or x.shape[-1] % 2:
+            fail(f"swiglu needs an even last axis, got {x}")
+        return TensorType(x.shape[:-1] + (x.shape[-1] // 2,), x.dtype)
+
+    def ref(x, at, ty, dims):
+        v = _f32(x[0])
+        n = v.shape[-1] // 2
+        gate = _f32(_as(v[..., :n], ty))
+        silu = _f32(_as(gate / (1.0 + np.exp(-gate)), ty))     # rounded like silu then mul in the model
+        return _as(silu * v[..., n:], ty)
+    return rule, ref

@@ -11,11 +11,16 @@ def _attr(v) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
+def _recipe(recipe: dict) -> str:
+    return f"concat({', '.join('@' + n for n in recipe['concat'])}, axis={recipe['axis']})"
+
+
 def print_graph(graph: Graph) -> str:
     lines = [f"graph {graph.name}("]
     lines += [f"    %{name}: {ty}," for name, ty in graph.inputs.items()]
     lines.append(") {")
-    lines += [f"  @{p.name}: {p.type}" for p in graph.params.values()]
+    lines += [f"  @{p.name}: {p.type}" + (f" = {_recipe(p.recipe)}" if p.recipe else "")
+              for p in graph.params.values()]
     for n in graph.nodes:
         args = ", ".join("_" if i is None else (f"@{i}" if i in graph.params else f"%{i}") for i in n.inputs)
         attrs = " {" + ", ".join(f"{k}={_attr(v)}" for k, v in n.attrs.items()) + "}" if n.attrs else ""

@@ -11,7 +11,8 @@ def graph_to_json(graph: Graph) -> str:
     return json.dumps({
         "name": graph.name,
         "inputs": {k: t.to_json() for k, t in graph.inputs.items()},
-        "params": {k: p.type.to_json() for k, p in graph.params.items()},
+        "params": {k: {**p.type.to_json(), **({"recipe": p.recipe} if p.recipe else {})}
+                   for k, p in graph.params.items()},
         "nodes": [{"op": n.op, "inputs": n.inputs, "attrs": n.attrs, "output": n.output,
                    "type": n.type.to_json()} for n in graph.nodes],
         "outputs": graph.outputs,
@@ -28,7 +29,7 @@ def graph_from_json(text: str) -> Graph:
     return Graph(
         name=d["name"],
         inputs={k: TensorType.from_json(t) for k, t in d["inputs"].items()},
-        params={k: Param(k, TensorType.from_json(t)) for k, t in d["params"].items()},
+        params={k: Param(k, TensorType.from_json(t), t.get("recipe")) for k, t in d["params"].items()},
         nodes=[Node(n["op"], n["inputs"], _tuplify(n["attrs"]), n["output"], TensorType.from_json(n["type"]))
                for n in d["nodes"]],
         outputs=d["outputs"],

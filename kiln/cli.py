@@ -41,12 +41,19 @@ def main(debug):
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on cuda).")
 @click.option("-o", "--output", required=True, help="Artifact directory to write.")
-@click.option("--print-ir", is_flag=True, help="Print the IR that is lowered.")
-def compile(model_dir, target, arch, dtype, output, print_ir):
-    """Compile MODEL_DIR (a Hugging Face model directory) into an artifact."""
+@click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
+@click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")
+@click.option("--disable-pass", multiple=True, metavar="PASS", help="Skip this pass (repeatable).")
+def compile(model_dir, target, arch, dtype, output, print_after_all, print_after, disable_pass):
+    """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
+
+    KILN_DUMP=DIR writes the IR after import and after every pass into DIR, one file each."""
     from kiln.compiler import compile_model
+    from kiln.passes.pipeline import make_dumper
     t0 = time.perf_counter()
-    m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, print_ir=print_ir)
+    dump = make_dumper(set(print_after), print_after_all, out=lambda text: click.echo(text, err=True))
+    m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
+                      disable_passes=set(disable_pass))
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
 

@@ -35,7 +35,8 @@ def _stderr(line: str) -> None:
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
-                  dump: Callable | None = None, print_ir: bool = False) -> dict:
+                  dump: Callable | None = None, disable_passes: set[str] = frozenset()) -> dict:
+    """Compile `model_dir` into an artifact at `out_dir`; `dump(pass_name, graph)` sees the IR after each pass."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)
     dtype = dtype or tgt.default_dtype
@@ -48,10 +49,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
 
     from kiln.passes import run_pipeline
-    graph, pass_records = phases.run("passes", run_pipeline, graph, tgt.name, dump)
-    if print_ir:
-        from kiln.ir import print_graph
-        print(print_graph(graph), file=sys.stderr)
+    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -60,22 +58,25 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         import tvm
         with tgt.tvm_target():
             mod = tgt.relax_pipeline()(lowered.module)
+        from kiln.codegen.launches import kernel_launches
         kernels = sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
-        return tgt.build(mod), kernels
-    executable, kernels = phases.run("build", build)
+        return tgt.build(mod), kernels, kernel_launches(mod, "forward")
+    executable, kernels, launches = phases.run("build", build)
 
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    phases.run("export", lambda: executable.export_library(str(out_dir / tgt.library_name)))
+    phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
     def write_weights():
         from safetensors.numpy import save_file
         from kiln.codegen.layouts import apply_layout
+        from kiln.ir import weight_loader
+        load = weight_loader(graph, lambda name: model.weight(name, dtype))
         tensors, read = {}, {}
         for w in lowered.weights:              # a param stored in two layouts (tied embeddings) is read once
             if w.param not in read:
-                read[w.param] = model.weight(w.param, w.dtype)
+                read[w.param] = load(w.param)
             tensors[w.name] = apply_layout(w.layout, read[w.param])
         del read
         for w in lowered.weights:
@@ -90,7 +91,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     return write_manifest(out_dir, {
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
-                   "runs_here": tgt.runs_here},
+                   "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
         "dtype": dtype,
         "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
                "head_dim": c.head_dim, "dtype": dtype},
@@ -102,7 +103,9 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],
         "kernels": kernels,
-        "passes": [{"name": r.name, "seconds": round(r.seconds, 4)} for r in pass_records],
+        "launches_per_step": {"total": sum(launches.values()), "by_kernel": dict(sorted(launches.items()))},
+        "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
+                    "nodes_after": r.nodes_after} for r in pass_records],
         "compile_seconds": phases.seconds,
         "tokenizer_files": [f.name for f in model.tokenizer_files()],
     })

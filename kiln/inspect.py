@@ -19,7 +19,10 @@ def summary(artifact_dir) -> str:
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
         f"weights    {len(m['weights'])} tensors",
         f"kernels    {len(m['kernels'])}: {', '.join(m['kernels'])}",
-        f"passes     {', '.join(p['name'] for p in m['passes']) or '(none)'}",
+        f"launches   {m['launches_per_step']['total']} kernel launches per forward step (one decode step): "
+        + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items()),
+        "passes     " + (", ".join(f"{p['name']} ({p['nodes_before']}→{p['nodes_after']} nodes, {p['seconds'] * 1e3:.1f} ms)"
+                                for p in m["passes"]) or "(none)"),
         "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m["compile_seconds"].items()),
         f"files      {total / 2**20:.1f} MiB",
     ]

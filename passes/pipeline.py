@@ -1,15 +1,18 @@
 """The pass manager and the pipeline: passes run in order, the graph is verified after each.
 
-The list is empty in this first cut (the graph the frontend builds is what
-codegen lowers); fusion, quantisation and KV-layout passes join it here.
+`pipeline_for` lists the phases; `run_pipeline` runs them, times them and
+hands the graph after each to `dump` (for --print-after-all, --print-after and
+KILN_DUMP=dir).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from kiln.ir import Graph, verify
+from kiln.ir import Graph, print_graph, verify
 
 Pass = Callable[[Graph], Graph]
 
@@ -18,21 +21,55 @@ Pass = Callable[[Graph], Graph]
 class PassRecord:
     name: str
     seconds: float
+    nodes_before: int
+    nodes_after: int
 
 
 def pipeline_for(target_name: str) -> list[tuple[str, Pass]]:
-    """The passes for a target, in order."""
-    return []
+    """The passes for a target, in order: canonicalise -> fuse -> (quantise, KV layout: later issues)."""
+    from .fuse_gate_up import fuse_gate_up
+    from .fuse_qkv import fuse_qkv
+    return [
+        ("fuse_qkv", fuse_qkv),
+        ("fuse_gate_up", fuse_gate_up),
+    ]
 
 
-def run_pipeline(graph: Graph, target_name: str, dump: Callable[[str, Graph], None] | None = None
+def run_pipeline(graph: Graph, target_name: str, dump: Callable[[str, Graph], None] | None = None,
+                 passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset()
                  ) -> tuple[Graph, list[PassRecord]]:
+    passes = pipeline_for(target_name) if passes is None else passes
+    unknown = set(disable) - {name for name, _ in passes}
+    if unknown:
+        from kiln.errors import KilnError
+        raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(n for n, _ in passes)})")
     verify(graph)
+    if dump:
+        dump("import", graph)
     records = []
-    for name, rewrite in pipeline_for(target_name):
+    for name, rewrite in [(n, p) for n, p in passes if n not in disable]:
         t0 = time.perf_counter()
+        before = len(graph.nodes)
         graph = verify(rewrite(graph))
-        records.append(PassRecord(name, time.perf_counter() - t0))
+        records.append(PassRecord(name, time.perf_counter() - t0, before, len(graph.nodes)))
         if dump:
             dump(name, graph)
     return graph, records
+
+
+def make_dumper(print_after: set[str] | None = None, print_all: bool = False, dump_dir: str | None = None,
+                out: Callable[[str], None] = print) -> Callable[[str, Graph], None] | None:
+    """A dump callback for the CLI flags and KILN_DUMP (a directory that gets one file per pass)."""
+    dump_dir = dump_dir or os.environ.get("KILN_DUMP")
+    if not (print_all or print_after or dump_dir):
+        return None
+    counter = iter(range(1000))
+
+    def dump(name: str, graph: Graph) -> None:
+        text = print_graph(graph)
+        if print_all or name in (print_after or ()):
+            out(f"// ----- IR after {name} -----\n{text}")
+        if dump_dir:
+            Path(dump_dir).mkdir(parents=True, exist_ok=True)
+            (Path(dump_dir) / f"{next(counter):02d}-{name}.txt").write_text(text + "\n")
+    return dump

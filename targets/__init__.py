@@ -6,7 +6,7 @@ import importlib
 
 from kiln.errors import KilnError
 
-TARGET_NAMES = ("cpu", "cuda")
+TARGET_NAMES = ("cpu", "cuda", "rocm", "metal")
 
 
 def get_target(name: str, arch: str | None = None):

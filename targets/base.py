@@ -18,6 +18,7 @@ class Target:
     default_dtype: str = "float32"
     dtypes: tuple[str, ...] = ("float32",)
     runs_here: bool = True           # False where this machine cannot execute the artifact
+    note: str = ""                   # what the manifest should tell about where/how the artifact runs
 
     def tvm_target(self):
         raise NotImplementedError
@@ -48,3 +49,7 @@ class Target:
         target = self.tvm_target()
         with target:
             return tvm.compile(mod, target=target, relax_pipeline=None)
+
+    def export_library(self, executable, path: str) -> None:
+        """Write the built library (host code + device code) as one shared library at `path`."""
+        executable.export_library(path)

@@ -36,12 +36,9 @@ class CPUTarget(Target):
         return "nk"
 
     def relax_pipeline(self):
-        return tvm.transform.Sequential([
-            relax.transform.LegalizeOps(),
-            relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(),
-            relax.get_pipeline("default_build"),
-        ])
+        # TVM's CPU pipeline: legalize, fuse elementwise chains (FuseOps/FuseTIR), lower to the VM.
+        # kiln's own kernels are opaque (op_pattern 8) and keep their schedules.
+        return relax.get_default_pipeline(self.tvm_target())
 
 
 def make_target(arch: str | None) -> CPUTarget:

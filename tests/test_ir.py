@@ -113,11 +113,13 @@ def test_printer_lines():
     assert lines[-2:] == ["  return %out", "}"]
 
 
-def test_printer_marks_missing_optional_input():
+def test_builder_drops_an_absent_trailing_optional_input():
     b = GraphBuilder("g")
     x = b.input("x", (2, H), "float32")
     b.op("linear", x, b.param("w", (3, H), "float32"), None, name="y")
-    assert "  %y = linear(%x, @w, _) : f32[2, 3]" in print_graph(b.output("y")).splitlines()
+    graph = b.output("y")
+    assert graph.nodes[0].inputs == ["x", "w"]
+    assert "  %y = linear(%x, @w) : f32[2, 3]" in print_graph(graph).splitlines()
 
 
 @pytest.mark.parametrize("make", [small_mlp, lambda: llama.build_graph(tiny_llama_config(), "float32", 16)],
@@ -170,8 +172,12 @@ EXAMPLES = {
                lambda a: a["in0"] @ a["in1"].T + a["in2"]),
     "rms_norm": (lambda: _one_node("rms_norm", [((3, 4), "float32"), ((4,), "float32")], {"eps": 1e-6}),
                  lambda a: a["in1"] * a["in0"] / np.sqrt((a["in0"] ** 2).mean(-1, keepdims=True) + 1e-6)),
-    "rope": (lambda: _one_node("rope", [((3, 2, 8), "float32"), ((3,), "int32"), ((4,), "float32")]),
-             lambda a: _rot(a["in0"], a["in1"], a["in2"])),
+    "rope": (lambda: _one_node("rope", [((3, 16), "float32"), ((3,), "int32"), ((4,), "float32")], {"head_dim": 8}),
+             lambda a: _rot(a["in0"].reshape(3, 2, 8), a["in1"], a["in2"]).reshape(3, 16)),
+    "slice": (lambda: _one_node("slice", [((3, 10), "float32")], {"begin": 2, "end": 7}),
+              lambda a: a["in0"][:, 2:7]),
+    "swiglu": (lambda: _one_node("swiglu", [((3, 8), "float32")]),
+               lambda a: a["in0"][:, :4] / (1 + np.exp(-a["in0"][:, :4])) * a["in0"][:, 4:]),
     "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
                   lambda a: a["in0"][a["in1"]]),
     "paged_attention": None,   # has its own tests below

@@ -1,0 +1,63 @@
+"""fuse_gate_up: the gate and up projections become one GEMM followed by swiglu.
+
+Rewrite:
+    %g = linear(%x, @wg)   %u = linear(%x, @wu)   %s = silu(%g)   %y = mul(%s, %u)   (or mul(%u, %s))
+  ->
+    %gu = linear(%x, @wgu)   %y = swiglu(%gu)        @wgu = concat(@wg, @wu, axis=0)
+Requires: %g and %s used only on this path, both linears read %x with plain weight params of the
+  same shape and dtype, neither or both with a bias.
+Leaves: %y keeps its name, so its consumers are unchanged.
+"""
+from __future__ import annotations
+
+from kiln.ir import Graph, Node, TensorType
+
+from .fuse_qkv import _fused_param
+from .rewrite import drop_unused_params, editable_copy, fresh_name, users
+
+
+def _bias(linear: Node) -> str | None:
+    return linear.inputs[2] if len(linear.inputs) > 2 else None
+
+
+def _match(graph: Graph, mul: Node, use: dict):
+    producers = {n.output: n for n in graph.nodes}
+    for silu_name, up_name in (mul.inputs, mul.inputs[::-1]):
+        silu, up = producers.get(silu_name), producers.get(up_name)
+        if not (silu and up and silu.op == "silu" and up.op == "linear"):
+            continue
+        gate = producers.get(silu.inputs[0])
+        if not (gate and gate.op == "linear" and gate.inputs[0] == up.inputs[0]):
+            continue
+        if len(use[gate.output]) != 1 or len(use[silu.output]) != 1 or len(use[up.output]) != 1:
+            continue
+        wg, wu = graph.params.get(gate.inputs[1]), graph.params.get(up.inputs[1])
+        if not (wg and wu) or wg.recipe or wu.recipe or wg.type != wu.type:
+            continue
+        if (_bias(gate) is None) != (_bias(up) is None):
+            continue
+        return gate, up, silu
+    return None
+
+
+def fuse_gate_up(graph: Graph) -> Graph:
+    graph = editable_copy(graph)
+    use = users(graph)
+    for mul in [n for n in graph.nodes if n.op == "mul"]:
+        found = _match(graph, mul, use)
+        if not found:
+            continue
+        gate, up, silu = found
+        parts = ("gate_proj", "up_proj")
+        inputs = [gate.inputs[0], _fused_param(graph, [gate.inputs[1], up.inputs[1]], parts, "gate_up_proj")]
+        if _bias(gate):
+            inputs.append(_fused_param(graph, [_bias(gate), _bias(up)], parts, "gate_up_proj"))
+        width = gate.type.shape[-1] * 2
+        fused = Node("linear", inputs, {}, fresh_name(graph, "gate_up"),
+                     TensorType(gate.type.shape[:-1] + (width,), gate.type.dtype))
+        first = min(graph.nodes.index(gate), graph.nodes.index(up))
+        for dead in (gate, up, silu):
+            graph.nodes.remove(dead)
+        graph.nodes.insert(first, fused)
+        mul.op, mul.inputs, mul.attrs = "swiglu", [fused.output], {}
+    return drop_unused_params(graph)

@@ -1,0 +1,46 @@
+"""Small helpers the passes share: who uses a value, fresh names, dropping params no node reads."""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+from kiln.ir import Graph, Node
+
+
+def editable_copy(graph: Graph) -> Graph:
+    """Passes rewrite a copy: the graph they were given stays as it was (tests compare the two)."""
+    return copy.deepcopy(graph)
+
+
+def users(graph: Graph) -> dict[str, list[Node]]:
+    """value name -> the nodes that read it (graph outputs count as a user with op 'return')."""
+    out: dict[str, list[Node]] = defaultdict(list)
+    for node in graph.nodes:
+        for name in node.inputs:
+            if name is not None:
+                out[name].append(node)
+    for name in graph.outputs:
+        out[name].append(Node("return", [name], {}, "", None))
+    return out
+
+
+def fresh_name(graph: Graph, base: str) -> str:
+    taken = set(graph.value_types())
+    k = 0
+    while f"{base}{k}" in taken:
+        k += 1
+    return f"{base}{k}"
+
+
+def drop_unused_params(graph: Graph) -> Graph:
+    read = {name for node in graph.nodes for name in node.inputs}
+    graph.params = {k: p for k, p in graph.params.items() if k in read}
+    return graph
+
+
+def fused_param_name(names: list[str], parts: tuple[str, ...], fused: str) -> str:
+    """Name of a param concatenated from `names`: '…q_proj.weight' (+k, v) -> '…qkv_proj.weight'
+    when the names follow that pattern, else the names joined with '+'."""
+    if parts[0] in names[0] and all(n == names[0].replace(parts[0], p) for n, p in zip(names, parts)):
+        return names[0].replace(parts[0], fused)
+    return "+".join(names)
