@@ -7,7 +7,7 @@ DEMO   := build/demo
 PROMPT ?= The quick brown fox
 export TVM_NUM_THREADS ?= 2
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean rocm-deps metal-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PY_SYS) -m venv $(VENV)
@@ -33,6 +33,14 @@ endif
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Optional build tools for `--target rocm` / `--target metal` (Debian packages, ~30 MB download, root);
+# without them those targets fail with the missing tool's name and their tests skip.
+rocm-deps:
+	apt-get update -qq && apt-get install -y --no-install-recommends lld-22 rocm-device-libs
+
+metal-deps:
+	apt-get update -qq && apt-get install -y --no-install-recommends lld-22
 
 clean:
 	rm -rf build $(VENV)

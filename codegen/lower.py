@@ -78,10 +78,10 @@ class _Context:
         return self.kernels[name]
 
 
-def _emit_linear(ctx, node, x, w, bias=None):
+def _emit_linear(ctx, node, x, w, bias=None, residual=None):
     n_out, n_in = ctx.graph.params[node.inputs[1]].type.shape
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
-    return emit_linear(ctx, x, w, bias, layout, n_out, n_in, node.type.dtype)
+    return emit_linear(ctx, x, w, bias, residual, layout, n_out, n_in, node.type.dtype)
 
 
 LOWERINGS = {

@@ -152,11 +152,14 @@ def _embed():
     return rule, lambda x, at, ty, dims: np.asarray(x[1])[np.asarray(x[0])]
 
 
-@op("linear", ["x", "weight", "bias?"])
+@op("linear", ["x", "weight", "bias?", "residual?"])
 def _linear():
-    """x @ weight.T + bias, with weight [out, in] as transformers stores it."""
+    """x @ weight.T (+ bias) (+ residual), with weight [out, in] as transformers stores it.
+
+    The GEMM result is rounded to x's dtype and then the residual added, exactly as a separate add
+    would; a fused kernel does it in its epilogue."""
     def rule(types, attrs, fail):
-        x, w, b = types
+        x, w, b, r = types
         _need_float(x, "x", fail)
         if w.rank != 2 or x.shape[-1] != w.shape[1]:
             fail(f"weight must be [out, {x.shape[-1]}], got {w}")
@@ -164,12 +167,17 @@ def _linear():
             fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
         if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
             fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
-        return TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+        out = TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+        if r is not None and r != out:
+            fail(f"residual must be {out}, got {r}")
+        return out
 
     def ref(x, at, ty, dims):
         y = _f32(x[0]) @ _f32(x[1]).T
         if len(x) > 2 and x[2] is not None:
             y = y + _f32(x[2])
+        if len(x) > 3 and x[3] is not None:
+            y = _f32(_as(y, ty)) + _f32(x[3])
         return _as(y, ty)
     return rule, ref
 

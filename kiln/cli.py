@@ -36,10 +36,11 @@ def main(debug):
 
 @main.command()
 @click.argument("model_dir")
-@click.option("--target", default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--arch", default=None, help="GPU architecture, e.g. sm_80 or sm_90 (cuda; default sm_80).")
+@click.option("--target", default="cpu", show_default=True, help="cpu, cuda, rocm or metal.")
+@click.option("--arch", default=None, help="GPU architecture: sm_80 (default)/sm_90 for cuda, "
+              "gfx942 (default)/gfx90a for rocm, m1 (default)/m2 for metal.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-              help="Weight and activation dtype (default: float32 on cpu, float16 on cuda).")
+              help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
 @click.option("-o", "--output", required=True, help="Artifact directory to write.")
 @click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
 @click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")

@@ -29,9 +29,11 @@ def pipeline_for(target_name: str) -> list[tuple[str, Pass]]:
     """The passes for a target, in order: canonicalise -> fuse -> (quantise, KV layout: later issues)."""
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
+    from .fuse_residual_add import fuse_residual_add
     return [
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
+        ("fuse_residual_add", fuse_residual_add),
     ]
 
 

@@ -8,6 +8,7 @@ import pytest
 from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
+from kiln.passes.fuse_residual_add import fuse_residual_add
 
 
 def random_weights(graph, seed=0):
@@ -118,7 +119,7 @@ def test_pipeline_on_a_real_model_keeps_logits(make_model):
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
-    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up"]
+    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add"]
     assert {n.op for n in after.nodes} >= {"slice", "swiglu"} and len(after.nodes) < len(before.nodes)
     ids = np.random.default_rng(0).integers(3, 400, 21).tolist()
     c = model.config
@@ -137,7 +138,7 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
     printed = []
     dump = make_dumper({"fuse_gate_up"}, dump_dir=str(tmp_path), out=printed.append)
     run_pipeline(load_hf_model(make_model("llama")).build_graph("float32", 16), "cpu", dump)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-import.txt", "01-fuse_qkv.txt", "02-fuse_gate_up.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir())[:3] == ["00-import.txt", "01-fuse_qkv.txt", "02-fuse_gate_up.txt"]
     assert "swiglu" in (tmp_path / "02-fuse_gate_up.txt").read_text()
     assert "swiglu" not in (tmp_path / "00-import.txt").read_text()
     assert len(printed) == 1 and printed[0].startswith("// ----- IR after fuse_gate_up")
@@ -147,9 +148,48 @@ def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     from kiln.compiler import compile_model
     fused = compile_model(make_model("llama"), tmp_path / "fused", show=None)
     plain = compile_model(make_model("llama"), tmp_path / "plain", show=None,
-                          disable_passes={"fuse_qkv", "fuse_gate_up"})
+                          disable_passes={"fuse_qkv", "fuse_gate_up", "fuse_residual_add"})
     layers = fused["model"]["config"]["num_layers"]
-    # per layer: q, k, v GEMMs -> one GEMM + the k/q ropes fused with their slices + a v slice;
-    # gate, up GEMMs + silu*mul -> one GEMM + swiglu
-    assert plain["launches_per_step"]["total"] - fused["launches_per_step"]["total"] == 2 * layers
-    assert [p["name"] for p in fused["passes"]] == ["fuse_qkv", "fuse_gate_up"] and plain["passes"] == []
+    # per layer: q, k, v GEMMs -> one GEMM + the k/q ropes fused with their slices + a v slice (-1);
+    # gate, up GEMMs + silu*mul -> one GEMM + swiglu (-1); two residual adds into GEMM epilogues (-2)
+    assert plain["launches_per_step"]["total"] - fused["launches_per_step"]["total"] == 4 * layers
+    assert [p["name"] for p in fused["passes"]] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add"]
+    assert plain["passes"] == []
+
+
+# ---------------------------------------------------------------------------- fuse_residual_add
+
+def residual_graph(swap=False, proj_used_twice=False, dtype="float32"):
+    b = GraphBuilder("block")
+    x = b.input("x", ("tokens", 8), dtype)
+    r = b.input("r", ("tokens", 6), dtype)
+    t = b.op("linear", x, b.param("o.weight", (6, 8), dtype), b.param("o.bias", (6,), dtype), name="t")
+    h = b.op("add", *((t, r) if swap else (r, t)), name="h")
+    return verify(b.output(h, t) if proj_used_twice else b.output(h))
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_fuse_residual_add_rewrite(swap):
+    assert body(fuse_residual_add(residual_graph(swap))) == [
+        "  @o.weight: f32[6, 8]",
+        "  @o.bias: f32[6]",
+        "  %h = linear(%x, @o.weight, @o.bias, %r) : f32[tokens, 6]",
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fuse_residual_add_keeps_outputs(dtype):
+    """Bit-identical also in float16: the fused epilogue rounds where the separate add did."""
+    before = residual_graph(dtype=dtype)
+    after = fuse_residual_add(before)
+    rng = np.random.default_rng(1)
+    weights = {k: rng.standard_normal(p.type.shape).astype(dtype) for k, p in before.params.items()}
+    inputs = {k: rng.standard_normal((5, t.shape[1])).astype(dtype) for k, t in before.inputs.items()}
+    want = interpret(before, inputs, weights.__getitem__)["h"]
+    got = interpret(after, inputs, weights.__getitem__)["h"]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fuse_residual_add_near_miss():
+    graph = residual_graph(proj_used_twice=True)
+    assert body(fuse_residual_add(graph)) == body(graph)

@@ -1,0 +1,31 @@
+"""fuse_residual_add: a residual add after a projection moves into the projection's epilogue.
+
+Rewrite:
+    %t = linear(%x, @w[, @b])   %h = add(%r, %t)   (or add(%t, %r))
+  ->
+    %h = linear(%x, @w, @b or _, %r)
+Requires: %t is used only by the add, and the linear has no residual yet.
+Leaves: %h keeps its name and position (after %r and %x are defined), so consumers are unchanged.
+The numbers are the same: the linear rounds its product to the dtype before adding the residual.
+"""
+from __future__ import annotations
+
+from kiln.ir import Graph
+
+from .rewrite import editable_copy, users
+
+
+def fuse_residual_add(graph: Graph) -> Graph:
+    graph = editable_copy(graph)
+    use = users(graph)
+    producers = {n.output: n for n in graph.nodes}
+    for add in [n for n in graph.nodes if n.op == "add"]:
+        for proj_name, residual in (add.inputs, add.inputs[::-1]):
+            proj = producers.get(proj_name)
+            if not proj or proj.op != "linear" or len(use[proj_name]) != 1 or len(proj.inputs) > 3:
+                continue
+            bias = proj.inputs[2] if len(proj.inputs) > 2 else None
+            add.op, add.inputs, add.attrs = "linear", [proj.inputs[0], proj.inputs[1], bias, residual], {}
+            graph.nodes.remove(proj)
+            break
+    return graph
