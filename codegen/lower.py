@@ -78,10 +78,13 @@ class _Context:
         return self.kernels[name]
 
 
-def _emit_linear(ctx, node, x, w, bias=None, residual=None):
+def _emit_linear(ctx, node, x, w, *rest):
+    """linear(x, w[, bias][, residual]) and linear_q8(x, w, scale[, bias][, residual])."""
+    scale, rest = (rest[0], rest[1:]) if node.op == "linear_q8" else (None, rest)
+    bias, residual = (list(rest) + [None, None])[:2]
     n_out, n_in = ctx.graph.params[node.inputs[1]].type.shape
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
-    return emit_linear(ctx, x, w, bias, residual, layout, n_out, n_in, node.type.dtype)
+    return emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype)
 
 
 LOWERINGS = {
@@ -97,13 +100,14 @@ LOWERINGS = {
     "rms_norm": elementwise.emit_rms_norm,
     "rope": elementwise.emit_rope,
     "linear": _emit_linear,
+    "linear_q8": _emit_linear,
     "paged_attention": emit_paged_attention,
 }
 
 
 def _layout_for(node, pos: int, graph: Graph, target) -> str:
     """The stored layout of the param at input `pos` of `node`: linear weights take the target's."""
-    if node.op == "linear" and pos == 1:
+    if node.op in ("linear", "linear_q8") and pos == 1:
         return target.linear_layout(*graph.params[node.inputs[pos]].type.shape)
     return "nk"
 

@@ -173,13 +173,43 @@ def _linear():
         return out
 
     def ref(x, at, ty, dims):
-        y = _f32(x[0]) @ _f32(x[1]).T
-        if len(x) > 2 and x[2] is not None:
-            y = y + _f32(x[2])
-        if len(x) > 3 and x[3] is not None:
-            y = _f32(_as(y, ty)) + _f32(x[3])
-        return _as(y, ty)
+        return _linear_ref(_f32(x[0]) @ _f32(x[1]).T, x[2:], ty)
     return rule, ref
+
+
+@op("linear_q8", ["x", "weight", "scale", "bias?", "residual?"])
+def _linear_q8():
+    """linear with an int8 weight [out, in] and float32 per-output-channel scales:
+    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel."""
+    def rule(types, attrs, fail):
+        x, w, s, b, r = types
+        _need_float(x, "x", fail)
+        if w.dtype != "int8" or w.rank != 2 or w.shape[1] != x.shape[-1]:
+            fail(f"weight must be i8[out, {x.shape[-1]}], got {w}")
+        if s.dtype != "float32" or s.shape != (w.shape[0],):
+            fail(f"scale must be f32[{w.shape[0]}], got {s}")
+        out = TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
+            fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
+        if r is not None and r != out:
+            fail(f"residual must be {out}, got {r}")
+        return out
+
+    def ref(x, at, ty, dims):
+        w = np.asarray(x[1], np.float32) * _f32(x[2])[:, None]                  # dequantised, float32
+        return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
+    return rule, ref
+
+
+def _linear_ref(y: np.ndarray, extras, ty: TensorType) -> np.ndarray:
+    """The epilogue shared by linear and linear_q8: + bias, round, + residual, round."""
+    bias = extras[0] if len(extras) > 0 else None
+    residual = extras[1] if len(extras) > 1 else None
+    if bias is not None:
+        y = y + _f32(bias)
+    if residual is not None:
+        y = _f32(_as(y, ty)) + _f32(residual)
+    return _as(y, ty)
 
 
 @op("rms_norm", ["x", "weight"], {"eps": REQUIRED})

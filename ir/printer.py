@@ -12,6 +12,8 @@ def _attr(v) -> str:
 
 
 def _recipe(recipe: dict) -> str:
+    if "quantize" in recipe:
+        return f"{recipe['quantize']}.{recipe['part']}(@{recipe['of']})"
     return f"concat({', '.join('@' + n for n in recipe['concat'])}, axis={recipe['axis']})"
 
 

@@ -6,21 +6,31 @@ from typing import Callable
 import numpy as np
 
 from .graph import Graph
+from .quant import SCHEMES
 from .types import IRError
 
-RECIPES = ("concat",)
+RECIPES = ("concat", "quantize")
 
 
 def weight_loader(graph: Graph, load: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
     """A loader for every param of `graph`: `load(name)` for plain weights, recipes applied for derived ones."""
+    quantized: dict[tuple[str, str], dict] = {}      # (scheme, source) -> parts: quantise each weight once
+
     def get(name: str) -> np.ndarray:
         param = graph.params.get(name)
         if param is None or param.recipe is None:
             return load(name)
         recipe = param.recipe
-        if "concat" not in recipe:
+        if "concat" in recipe:
+            out = np.concatenate([get(part) for part in recipe["concat"]], axis=recipe["axis"])
+        elif "quantize" in recipe:
+            key = (recipe["quantize"], recipe["of"])
+            if key not in quantized:
+                quantized.clear()                    # parts of one weight are asked for together
+                quantized[key] = SCHEMES[recipe["quantize"]].quantize(get(recipe["of"]))
+            out = quantized[key][recipe["part"]]
+        else:
             raise IRError(f"param @{name}: unknown recipe {recipe} (known: {', '.join(RECIPES)})")
-        out = np.concatenate([get(part) for part in recipe["concat"]], axis=recipe["axis"])
         if out.shape != param.type.shape:
             raise IRError(f"param @{name}: recipe gives shape {out.shape}, declared {param.type}")
         return out

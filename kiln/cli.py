@@ -41,11 +41,16 @@ def main(debug):
               "gfx942 (default)/gfx90a for rocm, m1 (default)/m2 for metal.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
+@click.option("--quant", type=click.Choice(["f32", "f16", "bf16", "q8"]), default=None,
+              help="f32/f16/bf16: that dtype, unquantised; q8: int8 weights with per-channel scales.")
+@click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
+              help="Quantise the LM head too (the embedding table stays unquantised).")
 @click.option("-o", "--output", required=True, help="Artifact directory to write.")
 @click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
 @click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")
 @click.option("--disable-pass", multiple=True, metavar="PASS", help="Skip this pass (repeatable).")
-def compile(model_dir, target, arch, dtype, output, print_after_all, print_after, disable_pass):
+def compile(model_dir, target, arch, dtype, quant, quant_lm_head, output, print_after_all, print_after,
+            disable_pass):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
     KILN_DUMP=DIR writes the IR after import and after every pass into DIR, one file each."""
@@ -53,8 +58,13 @@ def compile(model_dir, target, arch, dtype, output, print_after_all, print_after
     from kiln.passes.pipeline import make_dumper
     t0 = time.perf_counter()
     dump = make_dumper(set(print_after), print_after_all, out=lambda text: click.echo(text, err=True))
+    as_dtype = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+    if quant in as_dtype:
+        if dtype and dtype != as_dtype[quant]:
+            raise KilnError(f"--quant {quant} means --dtype {as_dtype[quant]}, not {dtype}")
+        dtype, quant = as_dtype[quant], None
     m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
-                      disable_passes=set(disable_pass))
+                      disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head)
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
 

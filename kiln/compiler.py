@@ -35,7 +35,8 @@ def _stderr(line: str) -> None:
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
-                  dump: Callable | None = None, disable_passes: set[str] = frozenset()) -> dict:
+                  dump: Callable | None = None, disable_passes: set[str] = frozenset(),
+                  quant: str | None = None, quant_lm_head: bool = True) -> dict:
     """Compile `model_dir` into an artifact at `out_dir`; `dump(pass_name, graph)` sees the IR after each pass."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)
@@ -49,7 +50,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
 
     from kiln.passes import run_pipeline
-    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes))
+    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes,
+                                                                    quant=quant, quant_lm_head=quant_lm_head))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -93,6 +95,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
         "dtype": dtype,
+        "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": "none",
+                         "kv_cache": "none"},
         "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
                "head_dim": c.head_dim, "dtype": dtype},
         "vocab_size": c.vocab_size,

@@ -25,22 +25,27 @@ class PassRecord:
     nodes_after: int
 
 
-def pipeline_for(target_name: str) -> list[tuple[str, Pass]]:
-    """The passes for a target, in order: canonicalise -> fuse -> (quantise, KV layout: later issues)."""
+def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True
+                 ) -> list[tuple[str, Pass]]:
+    """The passes for a target, in order: fuse -> quantise (-> KV layout, GQA: later)."""
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
     from .fuse_residual_add import fuse_residual_add
-    return [
+    from .quantize import Quantize
+    passes: list[tuple[str, Pass]] = [
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),
     ]
+    if quant:
+        passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head)))
+    return passes
 
 
 def run_pipeline(graph: Graph, target_name: str, dump: Callable[[str, Graph], None] | None = None,
-                 passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset()
-                 ) -> tuple[Graph, list[PassRecord]]:
-    passes = pipeline_for(target_name) if passes is None else passes
+                 passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset(),
+                 quant: str | None = None, quant_lm_head: bool = True) -> tuple[Graph, list[PassRecord]]:
+    passes = pipeline_for(target_name, quant, quant_lm_head) if passes is None else passes
     unknown = set(disable) - {name for name, _ in passes}
     if unknown:
         from kiln.errors import KilnError

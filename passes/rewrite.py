@@ -33,8 +33,17 @@ def fresh_name(graph: Graph, base: str) -> str:
 
 
 def drop_unused_params(graph: Graph) -> Graph:
-    read = {name for node in graph.nodes for name in node.inputs}
-    graph.params = {k: p for k, p in graph.params.items() if k in read}
+    """Keep the params some node reads, and the derived params their recipes are made from
+    (plain weights need no entry: the loader reads them from the checkpoint by name)."""
+    keep = {name for node in graph.nodes for name in node.inputs}
+    todo = [n for n in keep if n in graph.params]
+    while todo:
+        recipe = graph.params[todo.pop()].recipe or {}
+        for source in recipe.get("concat", []) + ([recipe["of"]] if "of" in recipe else []):
+            if source in graph.params and graph.params[source].recipe and source not in keep:
+                keep.add(source)
+                todo.append(source)
+    graph.params = {k: p for k, p in graph.params.items() if k in keep}
     return graph
 
 

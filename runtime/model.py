@@ -16,7 +16,7 @@ import numpy as np
 from kiln.artifact import WEIGHTS, read_manifest
 from kiln.errors import KilnError
 
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda", "rocm", "metal")
 
 
 def parse_bytes(text: str) -> int:
@@ -69,7 +69,7 @@ class CompiledModel:
             raise KilnError(f"artifact targets device {device!r}, which this runtime cannot drive")
         if device == "cuda":
             enable_cuda_runtime()
-        self.device = tvm.cpu(0) if device == "cpu" else tvm.cuda(0)
+        self.device = tvm.device(device, 0)
         if not self.device.exist:
             raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "
                             f"but this machine has no {device} device")

@@ -11,10 +11,12 @@ Running needs a TVM runtime built with USE_ROCM=ON on the GPU machine; the PyPI 
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +26,8 @@ from .base import Target
 
 ARCHS = ("gfx90a", "gfx942")
 TVM_LLVM_MAJOR = 22             # the LLVM bundled in apache-tvm 0.27 (tvm.target.codegen.llvm_version_major())
-BITCODE_DIRS = [os.environ.get("KILN_ROCM_BITCODE", ""),          # ROCm >= 3.9 layout first, then Debian's
-                "/opt/rocm/amdgcn/bitcode", "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode",
-                "/usr/lib/aarch64-linux-gnu/amdgcn/bitcode"]
+ROCM_PATH = os.environ.get("ROCM_PATH", "/opt/rocm")               # ROCm's own convention
+BITCODE_DIRS = [f"{ROCM_PATH}/amdgcn/bitcode", *sorted(glob.glob("/usr/lib/*/amdgcn/bitcode"))]  # ROCm, Debian
 # One variant of each oclc control library (each defines one constant that ocml's code branches on).
 # Correct-by-default: keep denormals, IEEE sqrt, no finite-only / unsafe-math shortcuts.
 OCLC_OPTIONS = ("daz_opt_off", "correctly_rounded_sqrt_on", "finite_only_off", "unsafe_math_off",
@@ -41,7 +42,7 @@ CODE_OBJECT_V5 = """!llvm.module.flags = !{!0}
 
 def find_lld() -> str | None:
     for name in (f"ld.lld-{TVM_LLVM_MAJOR}", "ld.lld", f"/usr/lib/llvm-{TVM_LLVM_MAJOR}/bin/ld.lld",
-                 "/opt/rocm/llvm/bin/ld.lld"):
+                 f"{ROCM_PATH}/llvm/bin/ld.lld"):
         if path := shutil.which(name):
             return path
     return None
@@ -49,7 +50,7 @@ def find_lld() -> str | None:
 
 def find_bitcode_dir() -> Path | None:
     for d in BITCODE_DIRS:
-        if d and (Path(d) / "ocml.bc").exists():
+        if (Path(d) / "ocml.bc").exists():
             return Path(d)
     return None
 
@@ -61,7 +62,7 @@ def missing_tools() -> list[str]:
         missing.append(f"ld.lld (Debian: apt-get install lld-{TVM_LLVM_MAJOR})")
     if find_bitcode_dir() is None:
         missing.append("the ROCm device bitcode ocml.bc (Debian: apt-get install rocm-device-libs; "
-                       "or set KILN_ROCM_BITCODE to a directory holding it)")
+                       f"or a ROCm install at $ROCM_PATH, now {ROCM_PATH})")
     return missing
 
 
@@ -96,10 +97,25 @@ def link_code_object(obj: bytes, lld: str) -> bytes:
         src.write_bytes(obj)
         # --no-undefined: an unresolved device function would otherwise surface only at load time on the GPU.
         proc = subprocess.run([lld, "--no-undefined", "-shared", str(src), "-o", str(out)],
-                              capture_output=True, text=True)
+                              check=False, capture_output=True, text=True)
         if proc.returncode != 0:
             raise KilnError(f"linking the ROCm code object with {lld} failed:\n{proc.stdout}{proc.stderr}")
         return out.read_bytes()
+
+
+@contextmanager
+def tvm_callbacks(**funcs):
+    """Register TVM's named callbacks for one build, then put back the ones they replaced."""
+    import tvm_ffi
+    saved = {name: tvm_ffi.get_global_func(name, allow_missing=True) for name in funcs}
+    for name, f in funcs.items():
+        tvm_ffi.register_global_func(name, f, override=True)
+    try:
+        yield
+    finally:
+        for name, f in saved.items():
+            if f is not None:
+                tvm_ffi.register_global_func(name, f, override=True)
 
 
 @dataclass
@@ -132,7 +148,6 @@ class ROCmTarget(Target):
         return relax.get_default_pipeline(self.tvm_target())
 
     def build(self, mod):
-        import tvm_ffi
         require_tools()
         lld, bitcode = find_lld(), bitcode_files(self.arch, find_bitcode_dir())
         with tempfile.TemporaryDirectory(prefix="kiln-rocm-") as tmp:
@@ -140,11 +155,9 @@ class ROCmTarget(Target):
             cov5.write_text(CODE_OBJECT_V5)
             # TVM's codegen calls these by name (the first with no arguments, so the arch is bound
             # here); kiln's replace TVM's /opt/rocm lookups (tvm.support.rocm) for this build.
-            tvm_ffi.register_global_func("tvm_callback_rocm_bitcode_path", lambda *_: bitcode + [str(cov5)],
-                                         override=True)
-            tvm_ffi.register_global_func("tvm_callback_rocm_link", lambda obj: link_code_object(bytes(obj), lld),
-                                         override=True)
-            return super().build(mod)
+            with tvm_callbacks(tvm_callback_rocm_bitcode_path=lambda *_: bitcode + [str(cov5)],
+                               tvm_callback_rocm_link=lambda obj: link_code_object(bytes(obj), lld)):
+                return super().build(mod)
 
 
 def make_target(arch: str | None) -> ROCmTarget:

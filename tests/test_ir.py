@@ -174,6 +174,8 @@ EXAMPLES = {
                  lambda a: a["in1"] * a["in0"] / np.sqrt((a["in0"] ** 2).mean(-1, keepdims=True) + 1e-6)),
     "rope": (lambda: _one_node("rope", [((3, 16), "float32"), ((3,), "int32"), ((4,), "float32")], {"head_dim": 8}),
              lambda a: _rot(a["in0"].reshape(3, 2, 8), a["in1"], a["in2"]).reshape(3, 16)),
+    "linear_q8": (lambda: _one_node("linear_q8", [((3, 4), "float32"), ((5, 4), "int8"), ((5,), "float32")]),
+                  lambda a: a["in0"] @ (a["in1"].astype(np.float64) * a["in2"][:, None]).T),
     "slice": (lambda: _one_node("slice", [((3, 10), "float32")], {"begin": 2, "end": 7}),
               lambda a: a["in0"][:, 2:7]),
     "swiglu": (lambda: _one_node("swiglu", [((3, 8), "float32")]),
@@ -190,6 +192,8 @@ def _example_inputs(graph, rng):
         shape = [3 if isinstance(d, str) else d for d in t.shape]
         if t.dtype == "int32":     # indices: valid rows of the op's table / x
             arrays[k] = rng.integers(0, 3, shape).astype(np.int32)
+        elif t.dtype == "int8":    # quantised weights
+            arrays[k] = rng.integers(-127, 128, shape).astype(np.int8)
         else:
             arrays[k] = rng.standard_normal(shape).astype(t.dtype)
     return arrays

@@ -9,6 +9,7 @@ from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
 from kiln.passes.fuse_residual_add import fuse_residual_add
+from kiln.passes.quantize import Quantize
 
 
 def random_weights(graph, seed=0):
@@ -193,3 +194,50 @@ def test_fuse_residual_add_keeps_outputs(dtype):
 def test_fuse_residual_add_near_miss():
     graph = residual_graph(proj_used_twice=True)
     assert body(fuse_residual_add(graph)) == body(graph)
+
+
+# ---------------------------------------------------------------------------- quantize
+
+def head_graph():
+    """embed -> linear -> linear (the LM head) -> cast: what quantize sees at the end of a model."""
+    b = GraphBuilder("lm")
+    ids = b.input("ids", ("tokens",), "int32")
+    h = b.op("embed", ids, b.param("embed.weight", (16, 8), "float32"), name="h")
+    x = b.op("linear", h, b.param("proj.weight", (8, 8), "float32"), b.param("proj.bias", (8,), "float32"), name="x")
+    y = b.op("linear", x, b.param("head.weight", (16, 8), "float32"), name="y")
+    return verify(b.output(b.op("cast", y, dtype="float32", name="logits")))
+
+
+def test_quantize_rewrite():
+    after = Quantize("q8")(head_graph())
+    assert [line for line in body(after) if "%" in line] == [
+        "  %h = embed(%ids, @embed.weight) : f32[tokens, 8]",
+        "  %x = linear_q8(%h, @proj.weight.q8, @proj.weight.q8_scale, @proj.bias) : f32[tokens, 8]",
+        "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) : f32[tokens, 16]",
+        "  %logits = cast(%y) {dtype='float32'} : f32[tokens, 16]",
+    ]
+    assert "  @proj.weight.q8: i8[8, 8] = q8.q(@proj.weight)" in body(after)
+
+
+def test_quantize_is_exact_on_representable_weights():
+    """Weights that are exactly q * scale with max |q| = 127 per row survive q8 unchanged, so the
+    graph before and after must agree (up to float32 summation order)."""
+    before = head_graph()
+    rng = np.random.default_rng(2)
+    weights = random_weights(before)
+    for name in ("proj.weight", "head.weight"):
+        q = rng.integers(-127, 128, before.params[name].type.shape)
+        q[:, 0] = 127
+        weights[name] = (q * rng.uniform(0.001, 0.01, (q.shape[0], 1))).astype(np.float32)
+    after = Quantize("q8")(before)
+    inputs = {"ids": np.array([3, 1, 15, 0], np.int32)}
+    want = interpret(before, inputs, weights.__getitem__)["logits"]
+    got = interpret(after, inputs, weight_loader(after, weights.__getitem__))["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_near_miss_keeps_lm_head_and_embedding():
+    after = Quantize("q8", lm_head=False)(head_graph())
+    ops = {n.output: n.op for n in after.nodes}
+    assert ops == {"h": "embed", "x": "linear_q8", "y": "linear", "logits": "cast"}
+    assert after.params["embed.weight"].type.dtype == "float32"
