@@ -1,27 +1,66 @@
-"""Compile time, artifact size and batch-1 decode tokens/s on the CPU: kiln beside HF transformers.
+"""CPU decode: kiln (per quantisation mode, batch 1 and 8) beside HF transformers, and beside the
+memory-bandwidth limit; compile time, artifact size and kernel launches per step.
 
-    python bench/decode_cpu.py [--preset tiny|llama-3.2-1b] [--threads 2] [--new-tokens 64] [--repeats 3]
+    python bench/decode_cpu.py [--preset tiny|llama-3.2-1b] [--modes f32,bf16,q8] [--threads 2]
+                               [--new-tokens 32] [--repeats 3] [--no-fusion]
 
-Both run in this process with the same thread count; each number is the median
-of --repeats runs. Prints a Markdown table for docs/BENCHMARKS.md.
+Everything runs in this process with the same thread count; numbers are medians of --repeats.
+"Limit" is this machine's streaming bandwidth (np.copyto of 1 GiB, read + write, measured in the
+same run) divided by the weight bytes one decode step reads; "of limit" is kiln's share of it.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
+
+MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8")}
+
+
+def copy_bandwidth() -> float:
+    import numpy as np
+    a = np.ones(1 << 28, np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.nbytes / statistics.median(times)
+
+
+def step_weight_bytes(manifest: dict) -> int:
+    """Bytes of weights one decode step streams: all stored weights but the embedding rows table."""
+    item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+    return sum(item[w["dtype"]] * _prod(w["shape"]) for w in manifest["weights"]
+               if w["name"] != "model.embed_tokens.weight")
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> float:
+    rates = []
+    for _ in range(repeats):
+        first, last = generate(batch, new_tokens)
+        rates.append(batch * (new_tokens - 1) / (last - first))
+    return statistics.median(rates)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=["tiny", "llama-3.2-1b"])
+    ap.add_argument("--modes", default="f32,bf16,q8")
+    ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default="build/bench")
     args = ap.parse_args()
@@ -41,46 +80,62 @@ def main() -> None:
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, family or "llama", seed=0, **overrides)
-    t0 = time.perf_counter()
-    manifest = compile_model(model_dir, work / "artifact", target="cpu", show=None)
-    compile_s = time.perf_counter() - t0
-    size_mib = sum(f["bytes"] for f in manifest["files"].values()) / 2**20
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [np.random.default_rng(i).integers(3, 500, args.prompt_len).tolist() for i in range(max(batches))]
+    bandwidth = copy_bandwidth()
 
-    prompt = np.random.default_rng(0).integers(3, 500, args.prompt_len).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    llm = LLM(work / "artifact", kv_memory="256MiB", max_num_seqs=1)
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))   # warm-up
-    kiln_rates = []
-    for _ in range(args.repeats):
-        [req] = llm.generate([prompt], params)
-        kiln_rates.append((len(req.output_ids) - 1) / (req.finish_time - req.first_token_time))
-    kiln_tokens = req.output_ids
-    del llm
+    rows, greedy = [], {}
+    for mode in args.modes.split(","):
+        dtype, quant = MODES[mode]
+        t0 = time.perf_counter()
+        manifest = compile_model(model_dir, work / f"artifact-{mode}", target="cpu", dtype=dtype, quant=quant,
+                                 show=None)
+        compile_s = time.perf_counter() - t0
+        size_mib = sum(f["bytes"] for f in manifest["files"].values()) / 2**20
+        llm = LLM(work / f"artifact-{mode}", kv_memory="512MiB", max_num_seqs=max(batches))
+
+        def generate(batch, new_tokens, llm=llm, mode=mode):
+            reqs = llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                                ignore_eos=True))
+            greedy[mode] = reqs[0].output_ids
+            return max(r.first_token_time for r in reqs), max(r.finish_time for r in reqs)
+        generate(1, 4)                                                                    # warm-up
+        limit = bandwidth / step_weight_bytes(manifest)
+        for batch in batches:
+            rate = decode_rate(generate, batch, args.new_tokens, args.repeats)
+            rows.append([mode, batch, f"{compile_s:.1f}", f"{size_mib:.0f}",
+                         str(manifest["launches_per_step"]["total"]), f"{rate:.2f}", f"{limit * batch:.2f}",
+                         f"{rate / (limit * batch):.0%}"])
+        del llm
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    hf_rates = []
+    hf_rates = {}
     with torch.no_grad():
-        hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)                   # warm-up
-        for _ in range(args.repeats):
-            t_first = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
-            prefill = time.perf_counter() - t_first
+        def hf_generate(batch, new_tokens):
+            ids = torch.tensor(prompts[:batch])
             t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                              do_sample=False, pad_token_id=0)
-            total = time.perf_counter() - t0
-            hf_rates.append((args.new_tokens - 1) / (total - prefill))
-    same = out[0, len(prompt):].tolist() == kiln_tokens
+            hf.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0)
+            greedy["hf"] = out[0, args.prompt_len:].tolist()
+            end = time.perf_counter()
+            return t0 + prefill, end
+        hf_generate(1, 4)
+        for batch in batches:
+            hf_rates[batch] = decode_rate(hf_generate, batch, args.new_tokens, args.repeats)
 
-    kiln_med, hf_med = statistics.median(kiln_rates), statistics.median(hf_rates)
-    print(f"\n{args.preset}: {platform.processor() or platform.machine()}, {args.threads} threads, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
-    print("| model | kiln compile (s) | artifact (MiB) | kiln decode tok/s | HF decode tok/s | kiln / HF | same greedy tokens |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {args.preset} | {compile_s:.1f} | {size_mib:.1f} | {kiln_med:.2f} | {hf_med:.2f} | "
-          f"{kiln_med / hf_med:.2f}x | {'yes' if same else 'no'} |")
-    print("compile phases (s):", manifest["compile_seconds"], file=sys.stderr)
+    print(f"\n{args.preset}: {args.threads} threads, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
+          f"median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| mode | batch | compile (s) | artifact (MiB) | launches/step | kiln tok/s | limit tok/s | of limit "
+          "| HF fp32 tok/s | kiln / HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        hf_rate = hf_rates[r[1]]
+        print("| " + " | ".join(map(str, r)) + f" | {hf_rate:.2f} | {float(r[5]) / hf_rate:.2f}x |")
+    print("greedy tokens equal to HF: " + ", ".join(f"{m}: {'yes' if greedy[m] == greedy['hf'] else 'no'}"
+                                                     for m in args.modes.split(",")))
 
 
 if __name__ == "__main__":
