@@ -1,7 +1,9 @@
-"""kiln's CPU paged attention kernel: ragged causal attention over KV pages, one task per (sequence, head).
+"""kiln's CPU paged attention kernel: ragged causal attention over KV pages.
 
-Each query walks only its own sequence's keys (cost O(context)), with an
-online softmax in float32; K/V rows are read straight from the pages.
+One task per (sequence, KV head) serves the whole group of query heads that share that KV head,
+so each K/V row is read from the pages once per group (GQA) rather than once per query head; with
+group 1 it is plain MHA, with one KV head MQA. Each query walks only its own sequence's keys (cost
+O(context)), with an online softmax in float32.
 Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
     (q, q_indptr, pages, page_indptr, page_values, last_page_len, output)
 """
@@ -26,41 +28,48 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
         output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        for task in T.parallel(batch * q_heads):
+        for task in T.parallel(batch * kv_heads):
             with T.sblock("attention"):
-                b = T.axis.spatial(batch, task // q_heads)
-                h = T.axis.spatial(q_heads, task % q_heads)
+                b = T.axis.spatial(batch, task // kv_heads)
+                kvh = T.axis.spatial(kv_heads, task % kv_heads)
                 T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b], page_values[0:nnz_pages],
-                        q[0:total_len, h, 0:head_dim], pages[0:num_pages, 0:2, h // group, 0:page_size, 0:head_dim])
-                T.writes(output[0:total_len, h, 0:head_dim])
-                acc = T.sblock_alloc_buffer((head_dim,), "float32")
-                qv = T.sblock_alloc_buffer((head_dim,), "float32")
-                state = T.sblock_alloc_buffer((3,), "float32")      # running max, running sum, score
+                        q[0:total_len, kvh * group:kvh * group + group, 0:head_dim],
+                        pages[0:num_pages, 0:2, kvh, 0:page_size, 0:head_dim])
+                T.writes(output[0:total_len, kvh * group:kvh * group + group, 0:head_dim])
+                acc = T.sblock_alloc_buffer((group, head_dim), "float32")
+                qv = T.sblock_alloc_buffer((group, head_dim), "float32")
+                kv = T.sblock_alloc_buffer((2, head_dim), "float32")     # this key and value row
+                state = T.sblock_alloc_buffer((group, 4), "float32")     # max, sum, score, correction
                 q_start = q_indptr[b]
                 n_q = q_indptr[b + 1] - q_start
                 p_start = page_indptr[b]
                 n_pages = page_indptr[b + 1] - p_start
                 kv_len = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
                 for i in range(n_q):
-                    for d in range(head_dim):
-                        qv[d] = T.Cast("float32", q[q_start + i, h, d]) * T.float32(scale)
-                        acc[d] = T.float32(0)
-                    state[0] = T.float32(lowest)
-                    state[1] = T.float32(0)
+                    for g, d in T.grid(group, head_dim):
+                        qv[g, d] = T.Cast("float32", q[q_start + i, kvh * group + g, d]) * T.float32(scale)
+                        acc[g, d] = T.float32(0)
+                    for g in range(group):
+                        state[g, 0] = T.float32(lowest)
+                        state[g, 1] = T.float32(0)
                     for j in range(kv_len - n_q + i + 1):           # causal: keys up to this query's position
                         page = page_values[p_start + j // page_size]
                         row = j % page_size
-                        state[2] = T.float32(0)
-                        for d in range(head_dim):
-                            state[2] = state[2] + qv[d] * T.Cast("float32", pages[page, 0, h // group, row, d])
-                        m_new = T.max(state[0], state[2])
-                        correction = T.exp(state[0] - m_new)
-                        weight = T.exp(state[2] - m_new)
-                        state[1] = state[1] * correction + weight
-                        for d in range(head_dim):
-                            acc[d] = acc[d] * correction + weight * T.Cast("float32", pages[page, 1, h // group, row, d])
-                        state[0] = m_new
-                    for d in range(head_dim):
-                        output[q_start + i, h, d] = T.Cast(dtype, acc[d] / state[1])
+                        for d in range(head_dim):                    # read the K/V row once for the group
+                            kv[0, d] = T.Cast("float32", pages[page, 0, kvh, row, d])
+                            kv[1, d] = T.Cast("float32", pages[page, 1, kvh, row, d])
+                        for g in range(group):
+                            state[g, 2] = T.float32(0)
+                            for d in range(head_dim):
+                                state[g, 2] = state[g, 2] + qv[g, d] * kv[0, d]
+                            m_new = T.max(state[g, 0], state[g, 2])
+                            state[g, 3] = T.exp(state[g, 0] - m_new)
+                            weight = T.exp(state[g, 2] - m_new)
+                            state[g, 1] = state[g, 1] * state[g, 3] + weight
+                            for d in range(head_dim):
+                                acc[g, d] = acc[g, d] * state[g, 3] + weight * kv[1, d]
+                            state[g, 0] = m_new
+                    for g, d in T.grid(group, head_dim):
+                        output[q_start + i, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / state[g, 1])
 
     return paged_attention

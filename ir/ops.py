@@ -257,7 +257,7 @@ def _rope():
 
 @op("paged_attention",
     ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len"],
-    {"layer": REQUIRED, "scale": REQUIRED}, mutates=(3,))
+    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto"}, mutates=(3,))
 def _paged_attention():
     """Causal attention of a ragged batch over paged KV.
 
@@ -267,6 +267,8 @@ def _paged_attention():
     page_values[page_indptr[s]:page_indptr[s+1]], the last one holding
     last_page_len[s] rows. Query i of n attends to keys j <= kv_len - n + i.
     kv_pages: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
+    `variant` names the kernel family chosen for the head ratio ("mha", "gqaN", "mqa"; "auto"
+    until specialize_attention decides); it does not change the result.
     """
     def rule(types, attrs, fail):
         q, k, v, pages, slots, qi, pi, pv, lpl = types

@@ -107,6 +107,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],
         "kernels": kernels,
+        "attention_variants": sorted({n.attrs["variant"] for n in graph.nodes if n.op == "paged_attention"}),
         "launches_per_step": {"total": sum(launches.values()), "by_kernel": dict(sorted(launches.items()))},
         "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                     "nodes_after": r.nodes_after} for r in pass_records],

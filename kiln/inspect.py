@@ -21,6 +21,7 @@ def summary(artifact_dir) -> str:
         f"{m['quantization']['kv_cache']}",
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
         f"weights    {len(m['weights'])} tensors",
+        f"attention  paged, page size {m['kv']['page_size']}, kernel variant {', '.join(m['attention_variants'])}",
         f"kernels    {len(m['kernels'])}: {', '.join(m['kernels'])}",
         f"launches   {m['launches_per_step']['total']} kernel launches per forward step (one decode step): "
         + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items()),

@@ -27,15 +27,17 @@ class PassRecord:
 
 def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True
                  ) -> list[tuple[str, Pass]]:
-    """The passes for a target, in order: fuse -> quantise (-> KV layout, GQA: later)."""
+    """The passes for a target, in order: fuse -> attention specialisation -> quantise."""
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
     from .fuse_residual_add import fuse_residual_add
     from .quantize import Quantize
+    from .specialize_attention import specialize_attention
     passes: list[tuple[str, Pass]] = [
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),
+        ("specialize_attention", specialize_attention),
     ]
     if quant:
         passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head)))

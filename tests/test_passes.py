@@ -10,6 +10,7 @@ from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
 from kiln.passes.fuse_residual_add import fuse_residual_add
 from kiln.passes.quantize import Quantize
+from kiln.passes.specialize_attention import specialize_attention
 
 
 def random_weights(graph, seed=0):
@@ -120,7 +121,7 @@ def test_pipeline_on_a_real_model_keeps_logits(make_model):
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
-    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add"]
+    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add", "specialize_attention"]
     assert {n.op for n in after.nodes} >= {"slice", "swiglu"} and len(after.nodes) < len(before.nodes)
     ids = np.random.default_rng(0).integers(3, 400, 21).tolist()
     c = model.config
@@ -149,12 +150,14 @@ def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     from kiln.compiler import compile_model
     fused = compile_model(make_model("llama"), tmp_path / "fused", show=None)
     plain = compile_model(make_model("llama"), tmp_path / "plain", show=None,
-                          disable_passes={"fuse_qkv", "fuse_gate_up", "fuse_residual_add"})
+                          disable_passes={"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "specialize_attention"})
     layers = fused["model"]["config"]["num_layers"]
     # per layer: q, k, v GEMMs -> one GEMM + the k/q ropes fused with their slices + a v slice (-1);
     # gate, up GEMMs + silu*mul -> one GEMM + swiglu (-1); two residual adds into GEMM epilogues (-2)
     assert plain["launches_per_step"]["total"] - fused["launches_per_step"]["total"] == 4 * layers
-    assert [p["name"] for p in fused["passes"]] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add"]
+    assert [p["name"] for p in fused["passes"]] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add",
+                                                    "specialize_attention"]
+    assert fused["attention_variants"] == ["gqa4"] and plain["attention_variants"] == ["auto"]
     assert plain["passes"] == []
 
 
@@ -241,3 +244,44 @@ def test_quantize_near_miss_keeps_lm_head_and_embedding():
     ops = {n.output: n.op for n in after.nodes}
     assert ops == {"h": "embed", "x": "linear_q8", "y": "linear", "logits": "cast"}
     assert after.params["embed.weight"].type.dtype == "float32"
+
+
+# ---------------------------------------------------------------------------- specialize_attention
+
+def attention_graph(q_heads, kv_heads, variant="auto"):
+    b = GraphBuilder("attn")
+    q = b.input("q", ("tokens", q_heads, 4), "float32")
+    k = b.input("k", ("tokens", kv_heads, 4), "float32")
+    v = b.input("v", ("tokens", kv_heads, 4), "float32")
+    pages = b.input("pages", ("pages", 2, kv_heads, 4, 4), "float32")
+    index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
+    return verify(b.output(b.op("paged_attention", q, k, v, pages, *index, layer=0, scale=0.5, variant=variant,
+                                name="o")))
+
+
+@pytest.mark.parametrize("heads,variant", [((4, 4), "mha"), ((8, 2), "gqa4"), ((6, 3), "gqa2"), ((8, 1), "mqa")])
+def test_specialize_attention_rewrite(heads, variant):
+    after = specialize_attention(attention_graph(*heads))
+    assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %pages, %slots, %qi, %pi, %pv, %lpl) "
+                           f"{{layer=0, scale=0.5, variant='{variant}'}} : f32[tokens, {heads[0]}, 4]"]
+
+
+def test_specialize_attention_keeps_outputs():
+    before = attention_graph(8, 2)
+    rng = np.random.default_rng(3)
+    n, page = 6, 4
+    inputs = {"q": rng.standard_normal((n, 8, 4)).astype(np.float32),
+              "k": rng.standard_normal((n, 2, 4)).astype(np.float32),
+              "v": rng.standard_normal((n, 2, 4)).astype(np.float32),
+              "slots": np.array([4, 5, 6, 7, 8, 9], np.int32), "qi": np.array([0, n], np.int32),
+              "pi": np.array([0, 2], np.int32), "pv": np.array([1, 2], np.int32), "lpl": np.array([2], np.int32)}
+    outs = []
+    for graph in (before, specialize_attention(before)):
+        pages = np.zeros((3, 2, 2, page, 4), np.float32)
+        outs.append(interpret(graph, {**inputs, "pages": pages}, lambda name: None)["o"])
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_specialize_attention_near_miss_keeps_a_chosen_variant():
+    graph = attention_graph(8, 2, variant="mha")      # already decided (by hand): left alone
+    assert body(specialize_attention(graph)) == body(graph)

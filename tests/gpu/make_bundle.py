@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-DTYPES = ("float32", "float16", "bfloat16")
+# artifact folder suffix -> extra `kiln compile` flags
+VARIANTS = {"float32": ["--dtype", "float32"], "float16": ["--dtype", "float16"],
+            "bfloat16": ["--dtype", "bfloat16"], "q8": ["--dtype", "float16", "--quant", "q8"]}
 
 
 def main() -> None:
@@ -32,10 +34,10 @@ def main() -> None:
     elif not (model / "config.json").exists():
         from kiln.tiny import make_tiny_model
         make_tiny_model(model, "llama", seed=0)
-    for dtype in DTYPES:
+    for name, flags in VARIANTS.items():
         # each CUDA compile runs in its own process: the CUDA loader must be set up before TVM loads
         subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(model), "--target", "cuda",
-                        "--arch", args.arch, "--dtype", dtype, "-o", str(out / f"cuda-{dtype}")], check=True)
+                        "--arch", args.arch, *flags, "-o", str(out / f"cuda-{name}")], check=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""specialize_attention: record which attention kernel family fits each layer's head ratio.
+
+Rewrite:
+    %o = paged_attention(%q, %k, %v, …) {variant='auto'}
+  ->
+    %o = paged_attention(%q, %k, %v, …) {variant='gqa4'}     (q heads / kv heads = 4)
+Variants: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV head). Codegen instantiates
+the kernel for that ratio: one task per KV head serving its N query heads, so each KV page is read
+once per group and K/V heads are never repeated in memory.
+Requires: nothing. Leaves: the graph's meaning unchanged (only the attribute differs).
+"""
+from __future__ import annotations
+
+from kiln.ir import Graph
+
+from .rewrite import editable_copy
+
+
+def variant_for(q_heads: int, kv_heads: int) -> str:
+    if q_heads == kv_heads:
+        return "mha"
+    if kv_heads == 1:
+        return "mqa"
+    return f"gqa{q_heads // kv_heads}"
+
+
+def specialize_attention(graph: Graph) -> Graph:
+    graph = editable_copy(graph)
+    types = graph.value_types()
+    for node in graph.nodes:
+        if node.op == "paged_attention" and node.attrs["variant"] == "auto":
+            q_heads, kv_heads = types[node.inputs[0]].shape[1], types[node.inputs[1]].shape[1]
+            node.attrs = {**node.attrs, "variant": variant_for(q_heads, kv_heads)}
+    return graph
