@@ -1,9 +1,35 @@
-"""Linear (x @ W.T + b) kernels: a TE matmul scheduled by dlight on GPUs, a packed-weight kernel on CPUs."""
+"""Linear (x @ W.T + b [+ residual]) kernels for float, q8 and q4 weights.
+
+GPUs: a TE matmul that dlight schedules. CPUs: kiln's packed-weight kernel, weights stored
+[out/nb, in', nb] so a task accumulates nb outputs in vector registers. Quantised weights are
+decoded inside the reduction (q4) or scaled in the epilogue (q8): no dequantised copy of a
+weight ever exists.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tvm import relax, s_tir, te, tirx
 
 from .layouts import packed_block
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How to read W[j, k] as float32 from the stored weight (and its scales)."""
+    kind: str = "float"          # "float" | "q8" (per-output scale) | "q4" (nibbles, group scales)
+    group_size: int = 0
+
+    def value(self, load, scale, j, k):
+        """`load(j, kk)` reads the stored element for output j at stored input index kk."""
+        if self.kind == "q4":
+            byte = load(j, k // 2)
+            nibble = (byte >> (k % 2 * 4).astype("uint8")) & tirx.const(15, "uint8")
+            return (nibble.astype("float32") - 8.0) * scale[k // self.group_size, j].astype("float32")
+        return load(j, k).astype("float32")
+
+    def epilogue_scale(self, scale):
+        return scale if self.kind == "q8" else None
 
 
 def _epilogue(acc, scale, bias, residual, dtype):
@@ -17,27 +43,32 @@ def _epilogue(acc, scale, bias, residual, dtype):
     return value
 
 
-def _nt_matmul(x, w, scale, bias, residual, out_dtype):
-    """y[m, n] = sum_k x[m, k] * w[n, k], accumulated in float32 (w int8 when quantised), then the epilogue."""
+def _nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat):
+    """y[m, n] = sum_k x[m, k] * W[n, k], accumulated in float32, then the epilogue."""
     k = te.reduce_axis((0, x.shape[1]), "k")
     acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
-        x[m, k].astype("float32") * w[n, k].astype("float32"), axis=k), name="matmul")
-    return te.compute(acc.shape, _epilogue(acc, scale, bias, residual, out_dtype), name="linear")
+        x[m, k].astype("float32") * fmt.value(lambda j, kk: w[j, kk], scale, n, k), axis=k), name="matmul")
+    return te.compute(acc.shape, _epilogue(acc, fmt.epilogue_scale(scale), bias, residual, out_dtype),
+                      name="linear")
 
 
 def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str, has_bias: bool,
-                         has_residual: bool = False, weight_dtype: str | None = None) -> tirx.PrimFunc:
-    """CPU kernel over W packed as Wp[n/nb, k, nb]: each task owns nb output columns of every row,
+                         has_residual: bool = False, fmt: WeightFormat = WeightFormat(),
+                         weight_dtype: str | None = None) -> tirx.PrimFunc:
+    """CPU kernel over W packed as Wp[n/nb, k', nb]: each task owns nb output columns of every row,
     accumulates them in vector registers and streams its weight panel once per row."""
+    stored_in = n_in // 2 if fmt.kind == "q4" else n_in
     x = te.placeholder((m, n_in), dtype, name="x")
-    wp = te.placeholder((n_out // nb, n_in, nb), weight_dtype or dtype, name="w")
-    scale = te.placeholder((n_out,), "float32", name="scale") if weight_dtype else None
+    wp = te.placeholder((n_out // nb, stored_in, nb), weight_dtype or dtype, name="w")
+    scale = {"q8": te.placeholder((n_out,), "float32", name="scale"),
+             "q4": te.placeholder((n_in // max(fmt.group_size, 1), n_out), "float16", name="scale")}.get(fmt.kind)
     bias = te.placeholder((n_out,), dtype, name="bias") if has_bias else None
     residual = te.placeholder((m, n_out), dtype, name="residual") if has_residual else None
     k = te.reduce_axis((0, n_in), "k")
     acc = te.compute((m, n_out), lambda i, j: te.sum(
-        x[i, k].astype("float32") * wp[j // nb, k, j % nb].astype("float32"), axis=k), name="acc")
-    y = te.compute((m, n_out), _epilogue(acc, scale, bias, residual, dtype), name="y")
+        x[i, k].astype("float32") * fmt.value(lambda jj, kk: wp[jj // nb, kk, jj % nb], scale, j, k), axis=k),
+        name="acc")
+    y = te.compute((m, n_out), _epilogue(acc, fmt.epilogue_scale(scale), bias, residual, dtype), name="y")
     args = [x, wp] + [t for t in (scale, bias, residual) if t is not None] + [y]
     sch = s_tir.Schedule(te.create_prim_func(args))
     blk = sch.get_sblock("acc")
@@ -58,8 +89,9 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
 
 
 def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bias: relax.Expr | None,
-                residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str) -> relax.Expr:
-    """Emit y = x @ (W [* scale]).T (+ b) (+ residual) for x [..., n_in], flattened to rows."""
+                residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
+                fmt: WeightFormat = WeightFormat()) -> relax.Expr:
+    """Emit y = x @ W.T (+ b) (+ residual) for x [..., n_in], flattened to rows."""
     def rows(v, width):
         return ctx.bb.emit(relax.op.reshape(v, (-1, width))) if len(v.ty.shape) != 2 else v
     optional = {"scale": scale, "bias": bias, "residual": rows(residual, n_out) if residual is not None else None}
@@ -69,14 +101,15 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     if nb is None:
         def kernel(a, b, *rest):
             given = dict(zip(present, rest))
-            return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype)
+            return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt)
         y = ctx.bb.emit_te(kernel, *args, primfunc_name_hint="linear")
     else:
         m = tirx.Var("m", "int64")
-        wdtype = w.ty.dtype if scale is not None else None
-        kern = packed_linear_kernel(m, n_out, n_in, nb, dtype, bias is not None, residual is not None, wdtype)
+        kern = packed_linear_kernel(m, n_out, n_in, nb, dtype, bias is not None, residual is not None, fmt,
+                                    w.ty.dtype)
+        quant = "" if fmt.kind == "float" else f"_{fmt.kind}" + (f"g{fmt.group_size}" if fmt.group_size else "")
         suffix = "".join(f"_{k}" for k in present if k != "scale")
-        gv = ctx.add_kernel(kern, f"linear{'_q8' if wdtype else ''}_packed{nb}_{n_out}x{n_in}{suffix}")
+        gv = ctx.add_kernel(kern, f"linear{quant}_packed{nb}_{n_out}x{n_in}{suffix}")
         y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
     if len(x.ty.shape) != 2:
         y = ctx.bb.emit(relax.op.reshape(y, list(x.ty.shape[:-1]) + [n_out]))

@@ -19,7 +19,7 @@ from kiln.ir import Graph
 from . import elementwise
 from .attention import emit_paged_attention
 from .layouts import stored_shape
-from .linear import emit_linear
+from .linear import WeightFormat, emit_linear
 
 
 @dataclass
@@ -43,6 +43,7 @@ class _Context:
 
     def __init__(self, graph: Graph, target, bb: relax.BlockBuilder):
         self.graph, self.target, self.bb = graph, target, bb
+        self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
         self.inputs: dict[str, relax.Var] = {}
         self.weights: dict[tuple[str, str], tuple[StoredWeight, relax.Var]] = {}
@@ -79,12 +80,15 @@ class _Context:
 
 
 def _emit_linear(ctx, node, x, w, *rest):
-    """linear(x, w[, bias][, residual]) and linear_q8(x, w, scale[, bias][, residual])."""
-    scale, rest = (rest[0], rest[1:]) if node.op == "linear_q8" else (None, rest)
+    """linear(x, w[, bias][, residual]) and linear_q8/q4(x, w, scale[, bias][, residual])."""
+    quantized = node.op in ("linear_q8", "linear_q4")
+    scale, rest = (rest[0], rest[1:]) if quantized else (None, rest)
     bias, residual = (list(rest) + [None, None])[:2]
-    n_out, n_in = ctx.graph.params[node.inputs[1]].type.shape
+    n_out = node.type.shape[-1]
+    n_in = ctx.types[node.inputs[0]].shape[-1]
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
-    return emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype)
+    fmt = WeightFormat(node.op.removeprefix("linear_") if quantized else "float", node.attrs.get("group_size", 0))
+    return emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt)
 
 
 LOWERINGS = {
@@ -101,13 +105,14 @@ LOWERINGS = {
     "rope": elementwise.emit_rope,
     "linear": _emit_linear,
     "linear_q8": _emit_linear,
+    "linear_q4": _emit_linear,
     "paged_attention": emit_paged_attention,
 }
 
 
 def _layout_for(node, pos: int, graph: Graph, target) -> str:
     """The stored layout of the param at input `pos` of `node`: linear weights take the target's."""
-    if node.op in ("linear", "linear_q8") and pos == 1:
+    if node.op in ("linear", "linear_q8", "linear_q4") and pos == 1:
         return target.linear_layout(*graph.params[node.inputs[pos]].type.shape)
     return "nk"
 

@@ -201,6 +201,37 @@ def _linear_q8():
     return rule, ref
 
 
+@op("linear_q4", ["x", "weight", "scale", "bias?", "residual?"], {"group_size": REQUIRED})
+def _linear_q4():
+    """linear with int4 weights in groups along the input axis: weight u8[out, in/2] holds two
+    nibbles (q + 8, even input index low), scale f16[in/group_size, out];
+    x @ W.T with W[n, k] = (nibble - 8) * scale[k // group_size, n] (+ bias) (+ residual)."""
+    def rule(types, attrs, fail):
+        x, w, s, b, r = types
+        _need_float(x, "x", fail)
+        g = attrs["group_size"]
+        k = x.shape[-1]
+        if not isinstance(k, int) or k % g or g % 2:
+            fail(f"input width {k} must be a multiple of an even group_size {g}")
+        if w.dtype != "uint8" or w.rank != 2 or w.shape[1] * 2 != k:
+            fail(f"weight must be u8[out, {k // 2}], got {w}")
+        if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
+            fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
+        out = TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
+            fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
+        if r is not None and r != out:
+            fail(f"residual must be {out}, got {r}")
+        return out
+
+    def ref(x, at, ty, dims):
+        packed = np.asarray(x[1])
+        nibbles = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
+        w = (nibbles - 8) * np.repeat(_f32(x[2]).T, at["group_size"], axis=1)
+        return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
+    return rule, ref
+
+
 def _linear_ref(y: np.ndarray, extras, ty: TensorType) -> np.ndarray:
     """The epilogue shared by linear and linear_q8: + bias, round, + residual, round."""
     bias = extras[0] if len(extras) > 0 else None

@@ -13,7 +13,8 @@ def _attr(v) -> str:
 
 def _recipe(recipe: dict) -> str:
     if "quantize" in recipe:
-        return f"{recipe['quantize']}.{recipe['part']}(@{recipe['of']})"
+        group = f", group_size={recipe['group_size']}" if "group_size" in recipe else ""
+        return f"{recipe['quantize']}.{recipe['part']}(@{recipe['of']}{group})"
     return f"concat({', '.join('@' + n for n in recipe['concat'])}, axis={recipe['axis']})"
 
 

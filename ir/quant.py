@@ -15,8 +15,15 @@ import numpy as np
 class Scheme:
     name: str
     weight_dtype: str
-    quantize: Callable[[np.ndarray], dict[str, np.ndarray]]       # W [out, in] -> parts
-    dequantize: Callable[[dict[str, np.ndarray]], np.ndarray]     # parts -> float32 W
+    quantize: Callable[..., dict[str, np.ndarray]]                # (W [out, in], **options) -> parts
+    dequantize: Callable[..., np.ndarray]                          # (parts, **options) -> float32 W
+    scale_dtype: str = "float32"
+    grouped: bool = False          # scales per group of inputs (and two 4-bit values per byte)
+
+    def part_shapes(self, out_features: int, in_features: int, group_size: int = 0) -> dict[str, tuple]:
+        if self.grouped:
+            return {"q": (out_features, in_features // 2), "scale": (in_features // group_size, out_features)}
+        return {"q": (out_features, in_features), "scale": (out_features,)}
 
 
 def _q8_quantize(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -32,4 +39,43 @@ def _q8_dequantize(parts: dict[str, np.ndarray]) -> np.ndarray:
     return parts["q"].astype(np.float32) * parts["scale"][:, None]
 
 
-SCHEMES = {"q8": Scheme("q8", "int8", _q8_quantize, _q8_dequantize)}
+def _q4_quantize(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
+    """int4 in groups of `group_size` along the input axis, one float16 scale per group.
+
+    q in [-8, 7]; the scale maps the group's largest-magnitude value to -8 (all 16 levels used),
+    shrunk by the factor in [0.7, 1] that minimises the group's squared error. q + 8 is stored in
+    a nibble, two per byte along the input axis (even k in the low nibble); scales are stored
+    [in / group, out] so that a kernel reading consecutive outputs reads consecutive scales."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    groups = w.reshape(n, k // group_size, group_size)
+    idx = np.abs(groups).argmax(axis=-1)
+    peak = np.take_along_axis(groups, idx[..., None], axis=-1)[..., 0]
+    peak = np.where(peak == 0, 1.0, peak)
+    best_err = best_scale = None
+    for shrink in np.linspace(0.7, 1.0, 13):
+        scale = (peak * shrink / -8).astype(np.float16).astype(np.float32)
+        q = np.clip(np.rint(groups / scale[..., None]), -8, 7)
+        err = ((q * scale[..., None] - groups) ** 2).sum(axis=-1)
+        if best_err is None:
+            best_err, best_scale = err, scale
+        else:
+            better = err < best_err
+            best_err, best_scale = np.where(better, err, best_err), np.where(better, scale, best_scale)
+    q = np.clip(np.rint(groups / best_scale[..., None]), -8, 7).astype(np.int8).reshape(n, k)
+    nibbles = (q + 8).astype(np.uint8)
+    return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4),
+            "scale": np.ascontiguousarray(best_scale.T.astype(np.float16))}
+
+
+def _q4_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.ndarray:
+    packed, scale = parts["q"], parts["scale"]
+    n = packed.shape[0]
+    nibbles = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1).astype(np.float32) - 8
+    return nibbles * np.repeat(scale.T.astype(np.float32), group_size, axis=1)
+
+
+SCHEMES = {
+    "q8": Scheme("q8", "int8", _q8_quantize, _q8_dequantize),
+    "q4": Scheme("q4", "uint8", _q4_quantize, _q4_dequantize, scale_dtype="float16", grouped=True),
+}

@@ -27,7 +27,8 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray]) -> Callable[[
             key = (recipe["quantize"], recipe["of"])
             if key not in quantized:
                 quantized.clear()                    # parts of one weight are asked for together
-                quantized[key] = SCHEMES[recipe["quantize"]].quantize(get(recipe["of"]))
+                options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
+                quantized[key] = SCHEMES[recipe["quantize"]].quantize(get(recipe["of"]), **options)
             out = quantized[key][recipe["part"]]
         else:
             raise IRError(f"param @{name}: unknown recipe {recipe} (known: {', '.join(RECIPES)})")

@@ -36,7 +36,7 @@ def _stderr(line: str) -> None:
 def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
-                  quant: str | None = None, quant_lm_head: bool = True) -> dict:
+                  quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32) -> dict:
     """Compile `model_dir` into an artifact at `out_dir`; `dump(pass_name, graph)` sees the IR after each pass."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)
@@ -51,7 +51,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
 
     from kiln.passes import run_pipeline
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes,
-                                                                    quant=quant, quant_lm_head=quant_lm_head))
+                                                                    quant=quant, quant_lm_head=quant_lm_head,
+                                                                    group_size=group_size))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -96,7 +97,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
         "dtype": dtype,
         "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": "none",
-                         "kv_cache": "none"},
+                         "kv_cache": "none", **({"group_size": group_size} if quant == "q4" else {})},
         "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
                "head_dim": c.head_dim, "dtype": dtype},
         "vocab_size": c.vocab_size,

@@ -25,8 +25,8 @@ class PassRecord:
     nodes_after: int
 
 
-def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True
-                 ) -> list[tuple[str, Pass]]:
+def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True,
+                 group_size: int = 32) -> list[tuple[str, Pass]]:
     """The passes for a target, in order: fuse -> attention specialisation -> quantise."""
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
@@ -40,14 +40,15 @@ def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool
         ("specialize_attention", specialize_attention),
     ]
     if quant:
-        passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head)))
+        passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size)))
     return passes
 
 
 def run_pipeline(graph: Graph, target_name: str, dump: Callable[[str, Graph], None] | None = None,
                  passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset(),
-                 quant: str | None = None, quant_lm_head: bool = True) -> tuple[Graph, list[PassRecord]]:
-    passes = pipeline_for(target_name, quant, quant_lm_head) if passes is None else passes
+                 quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32
+                 ) -> tuple[Graph, list[PassRecord]]:
+    passes = pipeline_for(target_name, quant, quant_lm_head, group_size) if passes is None else passes
     unknown = set(disable) - {name for name, _ in passes}
     if unknown:
         from kiln.errors import KilnError

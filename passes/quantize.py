@@ -1,6 +1,7 @@
 """quantize: projections read int8 weights with per-channel scales (weight-only quantisation).
 
-Rewrite (mode q8):
+Rewrite (mode q8; mode q4 is the same with linear_q4 {group_size}, u8 packed nibbles and
+f16 group scales):
     %y = linear(%x, @w[, @b][, %r])
   ->
     %y = linear_q8(%x, @w.q8, @w.q8_scale[, @b][, %r])
@@ -23,6 +24,7 @@ from .rewrite import drop_unused_params, editable_copy
 class Quantize:
     mode: str = "q8"
     lm_head: bool = True
+    group_size: int = 32          # q4 only: inputs per scale
 
     def __post_init__(self):
         if self.mode not in SCHEMES:
@@ -46,15 +48,23 @@ class Quantize:
         graph = editable_copy(graph)
         scheme = SCHEMES[self.mode]
         skip = set() if self.lm_head else self._lm_head_nodes(graph)
+        grouped = scheme.grouped
         for node in graph.nodes:
             if node.op != "linear" or node.output in skip or node.inputs[1] not in graph.params:
                 continue
             w = graph.params[node.inputs[1]]
-            q_name, s_name = f"{w.name}.{self.mode}", f"{w.name}.{self.mode}_scale"
-            graph.params.setdefault(q_name, Param(q_name, TensorType(w.type.shape, scheme.weight_dtype),
-                                                  {"quantize": self.mode, "of": w.name, "part": "q"}))
-            graph.params.setdefault(s_name, Param(s_name, TensorType((w.type.shape[0],), "float32"),
-                                                  {"quantize": self.mode, "of": w.name, "part": "scale"}))
-            extras = node.inputs[2:]
-            node.op, node.inputs = f"linear_{self.mode}", [node.inputs[0], q_name, s_name, *extras]
+            n_out, n_in = w.type.shape
+            if grouped and n_in % self.group_size:
+                continue                  # a width the groups do not divide stays in float
+            shapes = scheme.part_shapes(n_out, n_in, self.group_size)
+            names = {"q": f"{w.name}.{self.mode}", "scale": f"{w.name}.{self.mode}_scale"}
+            dtypes = {"q": scheme.weight_dtype, "scale": scheme.scale_dtype}
+            for part, name in names.items():
+                recipe = {"quantize": self.mode, "of": w.name, "part": part}
+                if grouped:
+                    recipe["group_size"] = self.group_size
+                graph.params.setdefault(name, Param(name, TensorType(shapes[part], dtypes[part]), recipe))
+            node.op = f"linear_{self.mode}"
+            node.inputs = [node.inputs[0], names["q"], names["scale"], *node.inputs[2:]]
+            node.attrs = {"group_size": self.group_size} if grouped else {}
         return drop_unused_params(graph)

@@ -158,6 +158,16 @@ def _rot(x, pos, inv):   # rotate-half rope, written as complex rotation of pair
     return np.concatenate([z.real, z.imag], -1)
 
 
+def _q4_weight(packed, scale, group):   # written out nibble by nibble, independently of kiln's code
+    n, half = packed.shape
+    w = np.zeros((n, 2 * half))
+    for j in range(n):
+        for k in range(2 * half):
+            nibble = (int(packed[j, k // 2]) >> (4 * (k % 2))) & 15
+            w[j, k] = (nibble - 8) * float(scale[k // group, j])
+    return w
+
+
 EXAMPLES = {
     "add": (lambda: _one_node("add", [((3, 4), "float32")] * 2), lambda a: a["in0"] + a["in1"]),
     "mul": (lambda: _one_node("mul", [((3, 4), "float32")] * 2), lambda a: a["in0"] * a["in1"]),
@@ -176,6 +186,9 @@ EXAMPLES = {
              lambda a: _rot(a["in0"].reshape(3, 2, 8), a["in1"], a["in2"]).reshape(3, 16)),
     "linear_q8": (lambda: _one_node("linear_q8", [((3, 4), "float32"), ((5, 4), "int8"), ((5,), "float32")]),
                   lambda a: a["in0"] @ (a["in1"].astype(np.float64) * a["in2"][:, None]).T),
+    "linear_q4": (lambda: _one_node("linear_q4", [((3, 8), "float32"), ((5, 4), "uint8"), ((2, 5), "float16")],
+                                    {"group_size": 4}),
+                  lambda a: a["in0"] @ _q4_weight(a["in1"], a["in2"], 4).T),
     "slice": (lambda: _one_node("slice", [((3, 10), "float32")], {"begin": 2, "end": 7}),
               lambda a: a["in0"][:, 2:7]),
     "swiglu": (lambda: _one_node("swiglu", [((3, 8), "float32")]),
@@ -194,6 +207,8 @@ def _example_inputs(graph, rng):
             arrays[k] = rng.integers(0, 3, shape).astype(np.int32)
         elif t.dtype == "int8":    # quantised weights
             arrays[k] = rng.integers(-127, 128, shape).astype(np.int8)
+        elif t.dtype == "uint8":   # packed int4 weights
+            arrays[k] = rng.integers(0, 256, shape).astype(np.uint8)
         else:
             arrays[k] = rng.standard_normal(shape).astype(t.dtype)
     return arrays

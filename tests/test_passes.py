@@ -239,6 +239,28 @@ def test_quantize_is_exact_on_representable_weights():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_quantize_q4_rewrite_and_exactness():
+    """q4 groups of 4: weights that are q * an fp16 scale, q in [-8, 7] with a -8 in every group,
+    survive unchanged, so the graph's outputs do not move."""
+    before = head_graph()
+    after = Quantize("q4", group_size=4)(before)
+    assert "  %x = linear_q4(%h, @proj.weight.q4, @proj.weight.q4_scale, @proj.bias) {group_size=4} : f32[tokens, 8]" \
+        in body(after)
+    assert "  @proj.weight.q4_scale: f16[2, 8] = q4.scale(@proj.weight, group_size=4)" in body(after)
+    rng = np.random.default_rng(5)
+    weights = random_weights(before)
+    for name in ("proj.weight", "head.weight"):
+        n, k = before.params[name].type.shape
+        q = rng.integers(-7, 8, (n, k))
+        q[:, ::4] = -8                                      # every group's peak is the bottom of the range
+        scale = rng.uniform(0.01, 0.1, (n, k // 4)).astype(np.float16).astype(np.float32)
+        weights[name] = (q * np.repeat(scale, 4, axis=1)).astype(np.float32)
+    inputs = {"ids": np.array([3, 1, 15, 0], np.int32)}
+    want = interpret(before, inputs, weights.__getitem__)["logits"]
+    got = interpret(after, inputs, weight_loader(after, weights.__getitem__))["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_quantize_near_miss_keeps_lm_head_and_embedding():
     after = Quantize("q8", lm_head=False)(head_graph())
     ops = {n.output: n.op for n in after.nodes}

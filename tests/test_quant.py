@@ -12,16 +12,25 @@ transformers = pytest.importorskip("transformers")
 from reference import hf_last_logits, random_prompt  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def q8(make_model, tmp_path_factory):
+def build(make_model, tmp_path_factory, quant, group_size=32):
     from kiln.compiler import compile_model
     from kiln.runtime.model import CompiledModel
     model_dir = make_model("qwen2")                # biases, fused QKV and gate/up: every linear variant
-    out = tmp_path_factory.mktemp("q8") / "artifact"
-    manifest = compile_model(model_dir, out, target="cpu", quant="q8", show=None)
+    out = tmp_path_factory.mktemp(quant) / "artifact"
+    manifest = compile_model(model_dir, out, target="cpu", quant=quant, group_size=group_size, show=None)
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return model_dir, manifest, model
+
+
+@pytest.fixture(scope="module")
+def q8(make_model, tmp_path_factory):
+    return build(make_model, tmp_path_factory, "q8")
+
+
+@pytest.fixture(scope="module", params=[32, 128])
+def q4(request, make_model, tmp_path_factory):
+    return build(make_model, tmp_path_factory, "q4", request.param)
 
 
 def test_q8_artifact_stores_int8_weights(q8):
@@ -32,13 +41,13 @@ def test_q8_artifact_stores_int8_weights(q8):
     assert not any(k.startswith("dequant") for k in manifest["kernels"])
 
 
-def test_q8_compiled_matches_interpreter_on_the_same_quantised_weights(q8):
+def compiled_matches_interpreter(artifact, quant, group_size=32):
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
     from kiln.passes import run_pipeline
-    model_dir, _, compiled = q8
+    model_dir, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
-    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant="q8")
+    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, group_size=group_size)
     ids = random_prompt(29, 5)
     step = make_step_inputs([(ids, 0, [1, 6])], 16)
     c = hf_model.config
@@ -48,8 +57,16 @@ def test_q8_compiled_matches_interpreter_on_the_same_quantised_weights(q8):
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
 
 
-def test_q8_quantisation_error_is_small(q8):
-    model_dir, _, compiled = q8
+def test_q8_compiled_matches_interpreter_on_the_same_quantised_weights(q8):
+    compiled_matches_interpreter(q8, "q8")
+
+
+def test_q4_compiled_matches_interpreter_on_the_same_quantised_weights(q4):
+    compiled_matches_interpreter(q4, "q4", q4[1]["quantization"]["group_size"])
+
+
+def cosines_against_transformers(artifact) -> list[float]:
+    model_dir, _, compiled = artifact
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     cosines = []
     for seed in range(8):
@@ -57,4 +74,35 @@ def test_q8_quantisation_error_is_small(q8):
         got = compiled.forward(make_step_inputs([(ids, 0, [seed, 9])], 16))[0]
         ref = hf_last_logits(hf, ids)
         cosines.append(float(got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)))
-    assert min(cosines) >= 0.999, cosines
+    return cosines
+
+
+def test_q8_quantisation_error_is_small(q8):
+    assert min(cosines_against_transformers(q8)) >= 0.999
+
+
+def test_q4_quantisation_error_is_small(q4):
+    # Random Gaussian weights with the tiny models' wide spread are a hard case for 4 bits (no
+    # outliers to spend the range on, errors amplified through the layers): the bound is lower
+    # than the 0.99 expected of trained checkpoints. See docs/BENCHMARKS.md for the 1B numbers.
+    bound = {32: 0.98, 128: 0.97}[q4[1]["quantization"]["group_size"]]
+    assert min(cosines_against_transformers(q4)) >= bound
+
+
+def test_q4_artifact_is_smaller_than_q8(q8, q4):
+    size = lambda a: a[1]["files"]["weights.safetensors"]["bytes"]   # noqa: E731
+    assert size(q4) < 0.75 * size(q8)
+
+
+def test_q4_quantiser_error_shrinks_with_smaller_groups_and_beats_plain_rounding():
+    """The quantiser itself, on Gaussian weights: group 32 is closer than group 128, and the
+    MSE-searched scale is closer than the naive max / 7 symmetric rounding."""
+    from kiln.ir.quant import SCHEMES
+    q4 = SCHEMES["q4"]
+    w = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    err = {g: np.sqrt(((q4.dequantize(q4.quantize(w, group_size=g), group_size=g) - w) ** 2).mean())
+           for g in (32, 128)}
+    groups = w.reshape(64, -1, 32)
+    naive_scale = np.abs(groups).max(-1, keepdims=True) / 7
+    naive = np.sqrt(((np.clip(np.rint(groups / naive_scale), -7, 7) * naive_scale - groups) ** 2).mean())
+    assert err[32] < err[128] and err[32] < 0.9 * naive

@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 from reference import hf_greedy, hf_last_logits as ref_logits, random_prompt as prompt  # noqa: E402
 
 # fp32 on the GPU differs from the CPU only by summation order; half precision by rounding.
-# q8 is float16 activations with int8 weights: rounding plus quantisation error.
-TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1, "q8": 8e-2}   # relative to max |logit|
+# q8/q4 are float16 activations with int8/int4 weights: rounding plus quantisation error
+# (q4 on the CPU against fp32: up to 0.23 of max |logit| on these random weights).
+TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1, "q8": 8e-2, "q4": 3.5e-1}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def assert_close(got, want, dtype):
     assert err <= TOLERANCE[dtype], f"{dtype}: max error {err:.2e} of max |logit|"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8", "q4"])
 def test_prefill_and_decode(gpu_bundle, hf, dtype):
     model = open_model(gpu_bundle, dtype)
     ids, pages = prompt(37, 1), [9, 3, 17, 4]
@@ -68,12 +69,13 @@ def test_greedy_generation_fp32(gpu_bundle, hf):
     assert req.output_ids == hf_greedy(hf, ids, 32)
 
 
-def test_q8_quantisation_error_on_gpu(gpu_bundle, hf):
-    model = open_model(gpu_bundle, "q8")
+@pytest.mark.parametrize("variant,bound", [("q8", 0.999), ("q4", 0.98)])
+def test_quantisation_error_on_gpu(gpu_bundle, hf, variant, bound):
+    model = open_model(gpu_bundle, variant)
     cosines = []
     for seed in range(8):
         ids = prompt(20 + seed, 100 + seed)
         got = model.forward(make_step_inputs([(ids, 0, [seed, 9])], model.page_size))[0]
         ref = ref_logits(hf, ids)
         cosines.append(float(got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)))
-    assert min(cosines) >= 0.999, cosines
+    assert min(cosines) >= bound, cosines
