@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8")}
+MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8"), "q4": ("float32", "q4")}
 
 
 def copy_bandwidth() -> float:
@@ -33,7 +33,7 @@ def copy_bandwidth() -> float:
 
 def step_weight_bytes(manifest: dict) -> int:
     """Bytes of weights one decode step streams: all stored weights but the embedding rows table."""
-    item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+    item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1}
     return sum(item[w["dtype"]] * _prod(w["shape"]) for w in manifest["weights"]
                if w["name"] != "model.embed_tokens.weight")
 
@@ -56,7 +56,7 @@ def decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=["tiny", "llama-3.2-1b"])
-    ap.add_argument("--modes", default="f32,bf16,q8")
+    ap.add_argument("--modes", default="f32,bf16,q8,q4")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)

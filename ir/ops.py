@@ -152,6 +152,16 @@ def _embed():
     return rule, lambda x, at, ty, dims: np.asarray(x[1])[np.asarray(x[0])]
 
 
+def _linear_out(x: TensorType, n_out: int, bias, residual, fail) -> TensorType:
+    """The output type of every linear variant, checking the optional bias and residual."""
+    out = TensorType(x.shape[:-1] + (n_out,), x.dtype)
+    if bias is not None and (bias.shape != (n_out,) or bias.dtype != x.dtype):
+        fail(f"bias must be {x.dtype}[{n_out}], got {bias}")
+    if residual is not None and residual != out:
+        fail(f"residual must be {out}, got {residual}")
+    return out
+
+
 @op("linear", ["x", "weight", "bias?", "residual?"])
 def _linear():
     """x @ weight.T (+ bias) (+ residual), with weight [out, in] as transformers stores it.
@@ -165,12 +175,7 @@ def _linear():
             fail(f"weight must be [out, {x.shape[-1]}], got {w}")
         if w.dtype != x.dtype:
             fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
-        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
-            fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
-        out = TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
-        if r is not None and r != out:
-            fail(f"residual must be {out}, got {r}")
-        return out
+        return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
         return _linear_ref(_f32(x[0]) @ _f32(x[1]).T, x[2:], ty)
@@ -188,12 +193,7 @@ def _linear_q8():
             fail(f"weight must be i8[out, {x.shape[-1]}], got {w}")
         if s.dtype != "float32" or s.shape != (w.shape[0],):
             fail(f"scale must be f32[{w.shape[0]}], got {s}")
-        out = TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
-        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
-            fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
-        if r is not None and r != out:
-            fail(f"residual must be {out}, got {r}")
-        return out
+        return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
         w = np.asarray(x[1], np.float32) * _f32(x[2])[:, None]                  # dequantised, float32
@@ -217,12 +217,7 @@ def _linear_q4():
             fail(f"weight must be u8[out, {k // 2}], got {w}")
         if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
             fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
-        out = TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
-        if b is not None and (b.shape != (w.shape[0],) or b.dtype != x.dtype):
-            fail(f"bias must be {x.dtype}[{w.shape[0]}], got {b}")
-        if r is not None and r != out:
-            fail(f"residual must be {out}, got {r}")
-        return out
+        return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
         packed = np.asarray(x[1])

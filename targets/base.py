@@ -19,6 +19,7 @@ class Target:
     dtypes: tuple[str, ...] = ("float32",)
     runs_here: bool = True           # False where this machine cannot execute the artifact
     note: str = ""                   # what the manifest should tell about where/how the artifact runs
+    attention: str = "kiln_cpu"      # paged attention kernel, by name (codegen/attention.py)
 
     def tvm_target(self):
         raise NotImplementedError
@@ -31,7 +32,6 @@ class Target:
         if dtype not in self.dtypes:
             raise KilnError(f"dtype {dtype} is not supported on target {self.name} (supported: {', '.join(self.dtypes)})")
 
-    attention: str = "kiln_cpu"      # paged attention kernel, by name (codegen/attention.py)
 
     # -- kernel choices --------------------------------------------------------------------
 
@@ -53,3 +53,23 @@ class Target:
     def export_library(self, executable, path: str) -> None:
         """Write the built library (host code + device code) as one shared library at `path`."""
         executable.export_library(path)
+
+
+@dataclass
+class GPUTarget(Target):
+    """What every GPU target shares: half-precision default, dlight-scheduled TE kernels with weights
+    as transformers stores them, TVM's paged prefill attention kernel, and an arch check."""
+    default_dtype: str = "float16"
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    runs_here: bool = False
+    attention: str = "tvm_prefill"
+    ARCHS = ()                       # the --arch values this GPU kind accepts (a class attribute)
+
+    def __post_init__(self):
+        if self.arch not in self.ARCHS:
+            raise KilnError(f"{self.name} arch {self.arch!r} is not supported "
+                            f"(supported: {', '.join(self.ARCHS)})")
+
+    def relax_pipeline(self):
+        from tvm import relax
+        return relax.get_default_pipeline(self.tvm_target())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from .base import Target
+from .base import GPUTarget
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 
@@ -41,28 +41,17 @@ def ensure_cuda_loader() -> None:
 
 
 @dataclass
-class CUDATarget(Target):
+class CUDATarget(GPUTarget):
     name: str = "cuda"
     arch: str | None = "sm_80"
     device: str = "cuda"
-    default_dtype: str = "float16"
-    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
-    runs_here: bool = False
-    attention: str = "tvm_prefill"
-
-    def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise KilnError(f"CUDA arch {self.arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    ARCHS = ARCHS
 
     def tvm_target(self):
         import tvm
         return tvm.target.Target({"kind": "cuda", "arch": self.arch, "max_shared_memory_per_block": 49152,
                                   "max_threads_per_block": 1024, "thread_warp_size": 32,
                                   "host": {"kind": "llvm"}})
-
-    def relax_pipeline(self):
-        from tvm import relax
-        return relax.get_default_pipeline(self.tvm_target())
 
     def build(self, mod):
         import tvm

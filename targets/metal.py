@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from .base import Target
+from .base import GPUTarget
 
 ARCHS = {"m1": "apple/m1-gpu", "m2": "apple/m2-gpu"}   # the TVM tag: Metal limits + the host CPU
 MACOS_MIN = "11.0"                                      # the first macOS on Apple silicon
@@ -87,20 +87,14 @@ def _metal_intrinsics_only():
 
 
 @dataclass
-class MetalTarget(Target):
+class MetalTarget(GPUTarget):
     name: str = "metal"
     arch: str | None = "m1"
     device: str = "metal"
-    default_dtype: str = "float16"
-    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
-    runs_here: bool = False
-    attention: str = "tvm_prefill"
     note: str = ("kernels are Metal Shading Language source, compiled by the Metal framework when the "
                  "library is loaded on the Mac; host code is arm64 macOS")
 
-    def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise KilnError(f"Metal arch {self.arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    ARCHS = tuple(ARCHS)
 
     def tvm_target(self):
         import tvm

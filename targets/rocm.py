@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
-from .base import Target
+from .base import GPUTarget
 
 ARCHS = ("gfx90a", "gfx942")
 TVM_LLVM_MAJOR = 22             # the LLVM bundled in apache-tvm 0.27 (tvm.target.codegen.llvm_version_major())
@@ -119,18 +119,15 @@ def tvm_callbacks(**funcs):
 
 
 @dataclass
-class ROCmTarget(Target):
+class ROCmTarget(GPUTarget):
     name: str = "rocm"
     arch: str | None = "gfx942"
     device: str = "rocm"
-    default_dtype: str = "float16"
-    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
-    runs_here: bool = False
-    attention: str = "tvm_prefill"
+
+    ARCHS = ARCHS
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise KilnError(f"ROCm arch {self.arch!r} is not supported (supported: {', '.join(ARCHS)})")
+        super().__post_init__()
         self.note = (f"kernels are an HSA code object (AMDGPU ELF, code object v5) for {self.arch}; "
                      "loading it needs a TVM runtime built with ROCm (USE_ROCM=ON)")
 
@@ -142,10 +139,6 @@ class ROCmTarget(Target):
         return tvm.target.Target({"kind": "rocm", "mcpu": self.arch, "mtriple": "amdgcn-amd-amdhsa-hcc",
                                   "thread_warp_size": 64, "max_shared_memory_per_block": 65536,
                                   "max_threads_per_block": 256, "host": {"kind": "llvm"}})
-
-    def relax_pipeline(self):
-        from tvm import relax
-        return relax.get_default_pipeline(self.tvm_target())
 
     def build(self, mod):
         require_tools()
