@@ -82,6 +82,7 @@ class CompiledModel:
         self.forward_fn = self.vm[m["entry"]]
         self.weights = self._load_weights()
         self.kv_pages: list = []
+        self.step_input_names = [n for n in m["inputs"] if not n.startswith("kv_pages")]
 
     def _load_weights(self) -> list:
         import tvm
@@ -118,7 +119,6 @@ class CompiledModel:
         import tvm
         if not self.kv_pages:
             raise KilnError("allocate_kv must be called before forward")
-        names = [n for n in self.manifest["inputs"] if not n.startswith("kv_pages")]
-        args = [tvm.runtime.tensor(inputs[n], self.device) for n in names]
+        args = [tvm.runtime.tensor(inputs[n], self.device) for n in self.step_input_names]
         out = self.forward_fn(*args, *self.kv_pages, *self.weights)
         return out.numpy()
