@@ -44,7 +44,9 @@ class Request:
 
 
 @dataclass
-class StepStats:
+class EngineStats:
+    """Running totals over the engine's life (bounded: no per-step history is kept)."""
+    steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     seconds: float = 0.0
@@ -62,7 +64,7 @@ class Engine:
         self.running: list[Request] = []
         self._reserved = 0                    # pages promised to running requests but not yet taken
         self._next_id = 0
-        self.history: list[StepStats] = []
+        self.stats = EngineStats()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -115,7 +117,7 @@ class Engine:
         if not plan:
             return []
         t0 = time.perf_counter()
-        chunks, stats = [], StepStats()
+        chunks, stats = [], self.stats
         for req, n in plan:
             before = len(req.table.pages)
             slots = self.pool.grow(req.table, n)
@@ -140,8 +142,8 @@ class Engine:
             req.first_token_time = req.first_token_time or now
             out.append((req, tok))
             self._check_finished(req, tok, now)
-        stats.seconds = time.perf_counter() - t0
-        self.history.append(stats)
+        stats.steps += 1
+        stats.seconds += time.perf_counter() - t0
         return out
 
     def _check_finished(self, req: Request, tok: int, now: float) -> None:
