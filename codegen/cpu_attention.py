@@ -6,28 +6,28 @@ group 1 it is plain MHA, with one KV head MQA. Each query walks only its own seq
 O(context)), with an online softmax in float32.
 Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
     (q, q_indptr, pages, page_indptr, page_values, last_page_len, output)
+With quantised pages (int8 or float8, `kv_dtype`) the kernel also takes the row scales
+[num_pages, 2, kv_heads, page_size] after last_page_len and multiplies each row by its scale as it
+reads it.
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
 
-def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float):
+def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
+                        kv_dtype: str | None = None):
     group = q_heads // kv_heads
     lowest = -3.0e38
+    quantized = kv_dtype is not None and kv_dtype != dtype
+    kv_dtype = kv_dtype or dtype
 
-    @T.prim_func(private=True, s_tir=True)
-    def paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-                        var_page_values: T.handle, var_last_page_len: T.handle, var_output: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (total_len, q_heads, head_dim), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
-        last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
+    def row_scale(scales, page, kind, kvh, row):      # evaluated while parsing: no scales, no multiply
+        return T.float32(1) if scales is None else scales[page, kind, kvh, row]
+
+    @T.macro
+    def attend(q, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
+               batch, num_pages, nnz_pages, total_len):
         for task in T.parallel(batch * kv_heads):
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
@@ -56,8 +56,10 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                         page = page_values[p_start + j // page_size]
                         row = j % page_size
                         for d in range(head_dim):                    # read the K/V row once for the group
-                            kv[0, d] = T.Cast("float32", pages[page, 0, kvh, row, d])
-                            kv[1, d] = T.Cast("float32", pages[page, 1, kvh, row, d])
+                            kv[0, d] = T.Cast("float32", pages[page, 0, kvh, row, d]) * row_scale(
+                                scales, page, 0, kvh, row)
+                            kv[1, d] = T.Cast("float32", pages[page, 1, kvh, row, d]) * row_scale(
+                                scales, page, 1, kvh, row)
                         for g in range(group):
                             state[g, 2] = T.float32(0)
                             for d in range(head_dim):
@@ -72,4 +74,36 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                     for g, d in T.grid(group, head_dim):
                         output[q_start + i, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / state[g, 1])
 
-    return paged_attention
+    @T.prim_func(private=True, s_tir=True)
+    def paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+                        var_page_values: T.handle, var_last_page_len: T.handle, var_output: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (total_len, q_heads, head_dim), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
+        output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
+        attend(q, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
+               batch, num_pages, nnz_pages, total_len)
+
+    @T.prim_func(private=True, s_tir=True)
+    def paged_attention_scaled(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                               var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
+                               var_scales: T.handle, var_output: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (total_len, q_heads, head_dim), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
+        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
+        last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
+        scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
+        output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
+        attend(q, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
+               batch, num_pages, nnz_pages, total_len)
+
+    return paged_attention_scaled if quantized else paged_attention

@@ -1,8 +1,8 @@
-"""Linear (x @ W.T + b [+ residual]) kernels for float, q8 and q4 weights.
+"""Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
 GPUs: a TE matmul that dlight schedules. CPUs: kiln's packed-weight kernel, weights stored
 [out/nb, in', nb] so a task accumulates nb outputs in vector registers. Quantised weights are
-decoded inside the reduction (q4) or scaled in the epilogue (q8): no dequantised copy of a
+decoded inside the reduction (q4) or scaled in the epilogue (q8, fp8): no dequantised copy of a
 weight ever exists.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .layouts import packed_block
 @dataclass(frozen=True)
 class WeightFormat:
     """How to read W[j, k] as float32 from the stored weight (and its scales)."""
-    kind: str = "float"          # "float" | "q8" (per-output scale) | "q4" (nibbles, group scales)
+    kind: str = "float"          # "float" | "q8", "fp8" (per-output scale) | "q4" (nibbles, group scales)
     group_size: int = 0
 
     def value(self, load, scale, j, k):
@@ -29,7 +29,7 @@ class WeightFormat:
         return load(j, k).astype("float32")
 
     def epilogue_scale(self, scale):
-        return scale if self.kind == "q8" else None
+        return scale if self.kind in ("q8", "fp8") else None
 
 
 def _epilogue(acc, scale, bias, residual, dtype):
@@ -61,6 +61,7 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
     x = te.placeholder((m, n_in), dtype, name="x")
     wp = te.placeholder((n_out // nb, stored_in, nb), weight_dtype or dtype, name="w")
     scale = {"q8": te.placeholder((n_out,), "float32", name="scale"),
+             "fp8": te.placeholder((n_out,), "float32", name="scale"),
              "q4": te.placeholder((n_in // max(fmt.group_size, 1), n_out), "float16", name="scale")}.get(fmt.kind)
     bias = te.placeholder((n_out,), dtype, name="bias") if has_bias else None
     residual = te.placeholder((m, n_out), dtype, name="residual") if has_residual else None

@@ -79,9 +79,12 @@ class _Context:
         return self.kernels[name]
 
 
+LINEAR_OPS = ("linear", "linear_q8", "linear_q4", "linear_fp8")
+
+
 def _emit_linear(ctx, node, x, w, *rest):
-    """linear(x, w[, bias][, residual]) and linear_q8/q4(x, w, scale[, bias][, residual])."""
-    quantized = node.op in ("linear_q8", "linear_q4")
+    """linear(x, w[, bias][, residual]) and linear_q8/q4/fp8(x, w, scale[, bias][, residual])."""
+    quantized = node.op != "linear"
     scale, rest = (rest[0], rest[1:]) if quantized else (None, rest)
     bias, residual = (list(rest) + [None, None])[:2]
     n_out = node.type.shape[-1]
@@ -106,13 +109,14 @@ LOWERINGS = {
     "linear": _emit_linear,
     "linear_q8": _emit_linear,
     "linear_q4": _emit_linear,
+    "linear_fp8": _emit_linear,
     "paged_attention": emit_paged_attention,
 }
 
 
 def _layout_for(node, pos: int, graph: Graph, target) -> str:
     """The stored layout of the param at input `pos` of `node`: linear weights take the target's."""
-    if node.op in ("linear", "linear_q8", "linear_q4") and pos == 1:
+    if node.op in LINEAR_OPS and pos == 1:
         return target.linear_layout(*graph.params[node.inputs[pos]].type.shape)
     return "nk"
 

@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from .quant import KV_SCHEMES, kv_scheme_for
 from .types import FLOAT_DTYPES, IRError, TensorType, numpy_dtype
 
 REQUIRED = object()
@@ -182,23 +183,38 @@ def _linear():
     return rule, ref
 
 
-@op("linear_q8", ["x", "weight", "scale", "bias?", "residual?"])
-def _linear_q8():
-    """linear with an int8 weight [out, in] and float32 per-output-channel scales:
-    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel."""
+def _per_channel_linear(weight_dtype: str):
+    """Type rule and reference of a linear whose weight is stored in `weight_dtype` with one float32
+    scale per output channel: x @ (weight * scale[:, None]).T (+ bias) (+ residual)."""
+    short = str(TensorType((), weight_dtype))[:-2]
+
     def rule(types, attrs, fail):
         x, w, s, b, r = types
         _need_float(x, "x", fail)
-        if w.dtype != "int8" or w.rank != 2 or w.shape[1] != x.shape[-1]:
-            fail(f"weight must be i8[out, {x.shape[-1]}], got {w}")
+        if w.dtype != weight_dtype or w.rank != 2 or w.shape[1] != x.shape[-1]:
+            fail(f"weight must be {short}[out, {x.shape[-1]}], got {w}")
         if s.dtype != "float32" or s.shape != (w.shape[0],):
             fail(f"scale must be f32[{w.shape[0]}], got {s}")
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
-        w = np.asarray(x[1], np.float32) * _f32(x[2])[:, None]                  # dequantised, float32
+        w = np.asarray(x[1]).astype(np.float32) * _f32(x[2])[:, None]        # dequantised, float32
         return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
     return rule, ref
+
+
+@op("linear_q8", ["x", "weight", "scale", "bias?", "residual?"])
+def _linear_q8():
+    """linear with an int8 weight [out, in] and float32 per-output-channel scales:
+    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel."""
+    return _per_channel_linear("int8")
+
+
+@op("linear_fp8", ["x", "weight", "scale", "bias?", "residual?"])
+def _linear_fp8():
+    """linear with a float8 e4m3 weight [out, in] and float32 per-output-channel scales:
+    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel."""
+    return _per_channel_linear("float8_e4m3fn")
 
 
 @op("linear_q4", ["x", "weight", "scale", "bias?", "residual?"], {"group_size": REQUIRED})
@@ -282,8 +298,9 @@ def _rope():
 
 
 @op("paged_attention",
-    ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len"],
-    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto"}, mutates=(3,))
+    ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len",
+     "kv_scales?"],
+    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto"}, mutates=(3, 9))
 def _paged_attention():
     """Causal attention of a ragged batch over paged KV.
 
@@ -293,11 +310,14 @@ def _paged_attention():
     page_values[page_indptr[s]:page_indptr[s+1]], the last one holding
     last_page_len[s] rows. Query i of n attends to keys j <= kv_len - n + i.
     kv_pages: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
+    Quantised pages (int8 or float8_e4m3fn, ir/quant.py KV_SCHEMES) store each row as
+    x / scale with its float32 scale in kv_scales [num_pages, 2, kv_heads, page_size];
+    attention reads q * scale.
     `variant` names the kernel family chosen for the head ratio ("mha", "gqaN", "mqa"; "auto"
     until specialize_attention decides); it does not change the result.
     """
     def rule(types, attrs, fail):
-        q, k, v, pages, slots, qi, pi, pv, lpl = types
+        q, k, v, pages, slots, qi, pi, pv, lpl, scales = types
         if q.rank != 3 or k.rank != 3 or k != v:
             fail(f"q, k, v must be [tokens, heads, head_dim] with k == v, got {q}, {k}, {v}")
         if q.shape[2] != k.shape[2] or q.shape[0] != k.shape[0] or q.dtype != k.dtype:
@@ -306,8 +326,14 @@ def _paged_attention():
             fail(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
         if pages.rank != 5 or pages.shape[1] != 2 or pages.shape[2] != k.shape[1] or pages.shape[4] != k.shape[2]:
             fail(f"kv_pages must be [pages, 2, {k.shape[1]}, page_size, {k.shape[2]}], got {pages}")
-        if pages.dtype != k.dtype:
-            fail(f"kv_pages dtype {pages.dtype} differs from k dtype {k.dtype}")
+        if kv_scheme_for(pages.dtype) is not None:
+            want = TensorType(pages.shape[:4], "float32")
+            if scales != want:
+                fail(f"quantised {pages.dtype} kv_pages need kv_scales {want}, got {scales}")
+        elif pages.dtype != k.dtype:
+            fail(f"kv_pages dtype {pages.dtype} differs from k dtype {k.dtype} and is no KV quantisation")
+        elif scales is not None:
+            fail(f"kv_scales given for unquantised {pages.dtype} kv_pages")
         for name, t in zip(("slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len"),
                            (slots, qi, pi, pv, lpl)):
             if t.dtype != "int32" or t.rank != 1:
@@ -315,10 +341,23 @@ def _paged_attention():
         return q
 
     def ref(x, at, ty, dims):
-        q, k, v, pages, slots, qi, pi, pv, lpl = x
+        q, k, v, pages, slots, qi, pi, pv, lpl = x[:9]
+        scales = x[9] if len(x) > 9 else None
         page_size = pages.shape[3]
-        pages[slots // page_size, 0, :, slots % page_size] = k
-        pages[slots // page_size, 1, :, slots % page_size] = v
+        page, row = slots // page_size, slots % page_size
+        scheme = _kv_scheme_of(pages)
+        for kind, new in ((0, k), (1, v)):
+            if scheme is None:
+                pages[page, kind, :, row] = new
+            else:
+                pages[page, kind, :, row], scales[page, kind, :, row] = scheme.quantize_rows(new)
+
+        def rows_of(seq_pages, kind):           # [kv_len_padded, kv_heads, head_dim] in float32
+            vals = _f32(pages[seq_pages, kind])
+            if scheme is not None:
+                vals = vals * scales[seq_pages, kind][..., None]
+            return vals.transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])
+
         group = q.shape[1] // k.shape[1]
         out = np.zeros(q.shape, np.float32)
         for s in range(len(qi) - 1):
@@ -326,8 +365,7 @@ def _paged_attention():
             n = rows.stop - rows.start
             seq_pages = pv[pi[s]:pi[s + 1]]
             kv_len = (len(seq_pages) - 1) * page_size + int(lpl[s]) if len(seq_pages) else 0
-            keys = _f32(pages[seq_pages, 0].transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])[:kv_len])
-            vals = _f32(pages[seq_pages, 1].transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])[:kv_len])
+            keys, vals = rows_of(seq_pages, 0)[:kv_len], rows_of(seq_pages, 1)[:kv_len]
             qs = _f32(q[rows])                                                  # [n, Hq, D]
             kh = np.repeat(keys, group, axis=1)                                 # [L, Hq, D]
             vh = np.repeat(vals, group, axis=1)
@@ -339,6 +377,11 @@ def _paged_attention():
             out[rows] = np.einsum("hnl,lhd->nhd", p, vh)
         return _as(out, ty)
     return rule, ref
+
+
+def _kv_scheme_of(pages: np.ndarray):
+    """The KV scheme of a page array, by its NumPy dtype (None for unquantised pages)."""
+    return next((s for s in KV_SCHEMES.values() if np.dtype(pages.dtype) == numpy_dtype(s.storage_dtype)), None)
 
 
 @op("take_rows", ["x", "rows"])

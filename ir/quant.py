@@ -75,7 +75,56 @@ def _q4_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.nda
     return nibbles * np.repeat(scale.T.astype(np.float32), group_size, axis=1)
 
 
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+
+
+def _fp8_quantize(w: np.ndarray) -> dict[str, np.ndarray]:
+    """float8 e4m3 per output channel: w ≈ q * scale[:, None], the channel's peak mapped to 448."""
+    import ml_dtypes
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    return {"q": (w / scale[:, None]).astype(ml_dtypes.float8_e4m3fn), "scale": scale}
+
+
 SCHEMES = {
     "q8": Scheme("q8", "int8", _q8_quantize, _q8_dequantize),
+    "fp8": Scheme("fp8", "float8_e4m3fn", _fp8_quantize, _q8_dequantize),
     "q4": Scheme("q4", "uint8", _q4_quantize, _q4_dequantize, scale_dtype="float16", grouped=True),
 }
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """A KV-cache storage format: each row (one token, one KV head, k or v) is stored as
+    q = x / scale in `storage_dtype` with scale = max|x| / qmax (1 for an all-zero row)."""
+    name: str
+    storage_dtype: str
+    qmax: float
+    rounds: bool             # integer storage rounds to nearest (ties to even) and clips
+
+    def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x [..., head_dim] -> (q [..., head_dim], scale [...] float32)."""
+        from .types import numpy_dtype
+        x = np.asarray(x, np.float32)
+        amax = np.abs(x).max(axis=-1)
+        scale = np.where(amax > 0, amax / np.float32(self.qmax), np.float32(1)).astype(np.float32)
+        q = x / scale[..., None]
+        if self.rounds:
+            q = np.clip(np.rint(q), -self.qmax, self.qmax)
+        return q.astype(numpy_dtype(self.storage_dtype)), scale
+
+    @staticmethod
+    def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        return q.astype(np.float32) * scale[..., None]
+
+
+KV_SCHEMES = {
+    "int8": KVScheme("int8", "int8", 127.0, rounds=True),
+    "fp8": KVScheme("fp8", "float8_e4m3fn", FP8_MAX, rounds=False),
+}
+
+
+def kv_scheme_for(storage_dtype: str) -> KVScheme | None:
+    """The KV scheme stored as `storage_dtype`, or None for unquantised pages."""
+    return next((s for s in KV_SCHEMES.values() if s.storage_dtype == storage_dtype), None)

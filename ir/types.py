@@ -7,7 +7,7 @@ import numpy as np
 
 Dim = int | str  # a static size, or a symbolic one such as "tokens"
 
-DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
+DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "float8_e4m3fn")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -34,7 +34,7 @@ class TensorType:
 
     def __str__(self) -> str:
         short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
-                 "int64": "i64", "int8": "i8", "uint8": "u8"}[self.dtype]
+                 "int64": "i64", "int8": "i8", "uint8": "u8", "float8_e4m3fn": "f8e4m3"}[self.dtype]
         return f"{short}[{', '.join(str(d) for d in self.shape)}]"
 
     def to_json(self) -> dict:
@@ -46,10 +46,10 @@ class TensorType:
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
-    """The NumPy dtype of an IR dtype (bfloat16 through ml_dtypes)."""
-    if dtype == "bfloat16":
+    """The NumPy dtype of an IR dtype (bfloat16 and float8_e4m3fn through ml_dtypes)."""
+    if dtype in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, dtype))
     return np.dtype(dtype)
 
 

@@ -41,19 +41,23 @@ def main(debug):
               "gfx942 (default)/gfx90a for rocm, m1 (default)/m2 for metal.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
-@click.option("--quant", type=click.Choice(["f32", "f16", "bf16", "q8", "q4"]), default=None,
+@click.option("--quant", type=click.Choice(["f32", "f16", "bf16", "q8", "q4", "fp8"]), default=None,
               help="f32/f16/bf16: that dtype, unquantised; q8: int8 weights with per-channel scales; "
-                   "q4: int4 weights in groups with float16 scales.")
+                   "q4: int4 weights in groups with float16 scales; fp8: float8 e4m3 weights with "
+                   "per-channel scales (cuda sm_89+, and cpu in software).")
 @click.option("--group-size", type=click.Choice(["32", "128"]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
               help="Quantise the LM head too (the embedding table stays unquantised).")
+@click.option("--kv-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
+              help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a float32 scale "
+                   "per token and KV head.")
 @click.option("-o", "--output", required=True, help="Artifact directory to write.")
 @click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
 @click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")
 @click.option("--disable-pass", multiple=True, metavar="PASS", help="Skip this pass (repeatable).")
-def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, output, print_after_all, print_after,
-            disable_pass):
+def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, kv_dtype, output, print_after_all,
+            print_after, disable_pass):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
     KILN_DUMP=DIR writes the IR after import and after every pass into DIR, one file each."""
@@ -68,7 +72,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, ou
         dtype, quant = as_dtype[quant], None
     m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
                       disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head,
-                      group_size=int(group_size))
+                      group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
 

@@ -9,6 +9,7 @@ from typing import Callable
 
 from kiln.artifact import WEIGHTS, write_manifest
 from kiln.errors import KilnError
+from kiln.ir.quant import KV_SCHEMES
 
 
 class Phases:
@@ -36,12 +37,14 @@ def _stderr(line: str) -> None:
 def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
-                  quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32) -> dict:
+                  quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
+                  kv_dtype: str | None = None) -> dict:
     """Compile `model_dir` into an artifact at `out_dir`; `dump(pass_name, graph)` sees the IR after each pass."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)
     dtype = dtype or tgt.default_dtype
     tgt.check_dtype(dtype)
+    tgt.check_quant(quant, kv_dtype)
     out_dir = Path(out_dir)
     phases = Phases(show)
 
@@ -52,7 +55,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     from kiln.passes import run_pipeline
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes,
                                                                     quant=quant, quant_lm_head=quant_lm_head,
-                                                                    group_size=group_size))
+                                                                    group_size=group_size, kv_dtype=kv_dtype))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -72,6 +75,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
     def write_weights():
+        import numpy as np
         from safetensors.numpy import save_file
         from kiln.codegen.layouts import apply_layout
         from kiln.ir import weight_loader
@@ -85,21 +89,24 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         for w in lowered.weights:
             if tuple(tensors[w.name].shape) != tuple(w.shape):
                 raise KilnError(f"weight {w.param} has shape {tensors[w.name].shape}, the graph expects {w.shape}")
-        save_file(tensors, str(out_dir / WEIGHTS))
+        # safetensors' NumPy reader has no float8: store the bytes, the manifest keeps the dtype.
+        save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
+                  str(out_dir / WEIGHTS))
         for f in model.tokenizer_files():
             shutil.copy(f, out_dir / f.name)
     phases.run("weights", write_weights)
 
     c = model.config
+    kv_storage = KV_SCHEMES[kv_dtype].storage_dtype if kv_dtype else dtype
     return write_manifest(out_dir, {
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
         "dtype": dtype,
         "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": "none",
-                         "kv_cache": "none", **({"group_size": group_size} if quant == "q4" else {})},
+                         "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {})},
         "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
-               "head_dim": c.head_dim, "dtype": dtype},
+               "head_dim": c.head_dim, "dtype": kv_storage, "row_scales": kv_storage != dtype},
         "vocab_size": c.vocab_size,
         "max_context": c.max_position_embeddings,
         "library": tgt.library_name,

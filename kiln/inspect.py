@@ -19,7 +19,8 @@ def summary(artifact_dir) -> str:
         f"quant      weights {m['quantization']['weights']}"
         + (f" group {m['quantization']['group_size']}" if "group_size" in m["quantization"] else "") + " (LM head "
         f"{'quantised' if m['quantization']['lm_head'] else 'kept'}, embedding kept), KV cache "
-        f"{m['quantization']['kv_cache']}",
+        f"{m['quantization']['kv_cache']}" + (f" ({m['kv']['dtype']} rows, a float32 scale per row)"
+                                               if m["kv"].get("row_scales") else ""),
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
         f"weights    {len(m['weights'])} tensors",
         f"attention  paged, page size {m['kv']['page_size']}, kernel variant {', '.join(m['attention_variants'])}",

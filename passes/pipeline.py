@@ -26,12 +26,13 @@ class PassRecord:
 
 
 def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True,
-                 group_size: int = 32) -> list[tuple[str, Pass]]:
-    """The passes for a target, in order: fuse -> attention specialisation -> quantise."""
+                 group_size: int = 32, kv_dtype: str | None = None) -> list[tuple[str, Pass]]:
+    """The passes for a target, in order: fuse -> attention specialisation -> quantise weights, KV."""
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
     from .fuse_residual_add import fuse_residual_add
     from .quantize import Quantize
+    from .quantize_kv import QuantizeKV
     from .specialize_attention import specialize_attention
     passes: list[tuple[str, Pass]] = [
         ("fuse_qkv", fuse_qkv),
@@ -41,14 +42,16 @@ def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool
     ]
     if quant:
         passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size)))
+    if kv_dtype:
+        passes.append(("quantize_kv", QuantizeKV(kv_dtype)))
     return passes
 
 
 def run_pipeline(graph: Graph, target_name: str, dump: Callable[[str, Graph], None] | None = None,
                  passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset(),
-                 quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32
-                 ) -> tuple[Graph, list[PassRecord]]:
-    passes = pipeline_for(target_name, quant, quant_lm_head, group_size) if passes is None else passes
+                 **options) -> tuple[Graph, list[PassRecord]]:
+    """Run `passes`, or the target's pipeline (`options` go to pipeline_for: quant, kv_dtype, …)."""
+    passes = pipeline_for(target_name, **options) if passes is None else passes
     unknown = set(disable) - {name for name, _ in passes}
     if unknown:
         from kiln.errors import KilnError

@@ -81,8 +81,8 @@ class CompiledModel:
         self.vm = VirtualMachine(lib, self.device)
         self.forward_fn = self.vm[m["entry"]]
         self.weights = self._load_weights()
-        self.kv_pages: list = []
-        self.step_input_names = [n for n in m["inputs"] if not n.startswith("kv_pages")]
+        self.kv_tensors: dict = {}         # kv_pages{i} (and kv_scales{i} for a quantised cache)
+        self.input_names = m["inputs"]
 
     def _load_weights(self) -> list:
         import tvm
@@ -91,6 +91,9 @@ class CompiledModel:
         with safe_open(str(self.dir / WEIGHTS), framework="numpy") as f:
             for w in self.manifest["weights"]:
                 arr = f.get_tensor(w["name"])
+                if w["dtype"].startswith("float8"):       # stored as its bytes (safetensors' NumPy has no fp8)
+                    import ml_dtypes
+                    arr = arr.view(getattr(ml_dtypes, w["dtype"]))
                 if list(arr.shape) != w["shape"]:
                     raise KilnError(f"weight {w['name']} has shape {list(arr.shape)}, manifest says {w['shape']}")
                 tensors.append(tvm.runtime.tensor(arr, self.device))
@@ -98,9 +101,12 @@ class CompiledModel:
 
     @property
     def bytes_per_page(self) -> int:
+        """KV bytes of one page over all layers: the rows, plus a float32 scale per row when quantised."""
+        import tvm
         kv = self.kv
-        item = 2 if kv["dtype"] in ("float16", "bfloat16") else 4
-        return kv["num_layers"] * 2 * kv["num_kv_heads"] * self.page_size * kv["head_dim"] * item
+        rows = kv["num_layers"] * 2 * kv["num_kv_heads"] * self.page_size
+        row_bytes = kv["head_dim"] * tvm.runtime.DataType(kv["dtype"]).bits // 8
+        return rows * (row_bytes + (4 if kv.get("row_scales") else 0))
 
     def allocate_kv(self, kv_memory_bytes: int) -> int:
         """Allocate the KV page tensors (one per layer) within the budget; return the page count."""
@@ -111,14 +117,19 @@ class CompiledModel:
                             f"({self.bytes_per_page} bytes)")
         kv = self.kv
         shape = (num_pages, 2, kv["num_kv_heads"], self.page_size, kv["head_dim"])
-        self.kv_pages = [tvm.runtime.empty(shape, kv["dtype"], self.device) for _ in range(kv["num_layers"])]
+        self.kv_tensors = {}
+        for i in range(kv["num_layers"]):
+            self.kv_tensors[f"kv_pages{i}"] = tvm.runtime.empty(shape, kv["dtype"], self.device)
+            if kv.get("row_scales"):
+                self.kv_tensors[f"kv_scales{i}"] = tvm.runtime.empty(shape[:4], "float32", self.device)
         return num_pages
 
     def forward(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run one ragged step; return f32[seqs, vocab], the logits of each sequence's last new token."""
         import tvm
-        if not self.kv_pages:
+        if not self.kv_tensors:
             raise KilnError("allocate_kv must be called before forward")
-        args = [tvm.runtime.tensor(inputs[n], self.device) for n in self.step_input_names]
-        out = self.forward_fn(*args, *self.kv_pages, *self.weights)
+        args = [self.kv_tensors[n] if n in self.kv_tensors else tvm.runtime.tensor(inputs[n], self.device)
+                for n in self.input_names]
+        out = self.forward_fn(*args, *self.weights)
         return out.numpy()

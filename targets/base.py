@@ -20,6 +20,7 @@ class Target:
     runs_here: bool = True           # False where this machine cannot execute the artifact
     note: str = ""                   # what the manifest should tell about where/how the artifact runs
     attention: str = "kiln_cpu"      # paged attention kernel, by name (codegen/attention.py)
+    kv_dtypes: tuple[str, ...] = ()  # quantised KV caches its attention kernel reads (ir/quant.py KV_SCHEMES)
 
     def tvm_target(self):
         raise NotImplementedError
@@ -32,6 +33,17 @@ class Target:
         if dtype not in self.dtypes:
             raise KilnError(f"dtype {dtype} is not supported on target {self.name} (supported: {', '.join(self.dtypes)})")
 
+    def weight_quants(self) -> tuple[str, ...]:
+        """Weight quantisation schemes (ir/quant.py SCHEMES) this target's linear kernels read."""
+        return ("q8", "q4")
+
+    def check_quant(self, quant: str | None, kv_dtype: str | None) -> None:
+        if quant and quant not in self.weight_quants():
+            raise KilnError(f"--quant {quant} is not supported on target {self.name}"
+                            f"{f' ({self.arch})' if self.arch else ''} (supported: {', '.join(self.weight_quants())})")
+        if kv_dtype and kv_dtype not in self.kv_dtypes:
+            supported = ", ".join(self.kv_dtypes) or "none: its attention kernel reads only unquantised pages"
+            raise KilnError(f"--kv-dtype {kv_dtype} is not supported on target {self.name} (supported: {supported})")
 
     # -- kernel choices --------------------------------------------------------------------
 

@@ -24,6 +24,10 @@ class CPUTarget(Target):
     device: str = "cpu"
     default_dtype: str = "float32"
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    kv_dtypes: tuple[str, ...] = ("int8", "fp8")
+
+    def weight_quants(self):
+        return ("q8", "q4", "fp8")      # fp8 is decoded in software here: for accuracy checks, not speed
 
     def tvm_target(self) -> tvm.target.Target:
         return host_cpu_target()

@@ -18,6 +18,7 @@ from kiln.errors import KilnError
 from .base import GPUTarget
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")      # Ada and Hopper convert float8 e4m3 in hardware
 
 
 def ensure_cuda_loader() -> None:
@@ -52,6 +53,9 @@ class CUDATarget(GPUTarget):
         return tvm.target.Target({"kind": "cuda", "arch": self.arch, "max_shared_memory_per_block": 49152,
                                   "max_threads_per_block": 1024, "thread_warp_size": 32,
                                   "host": {"kind": "llvm"}})
+
+    def weight_quants(self):
+        return ("q8", "q4", "fp8") if self.arch in FP8_ARCHS else ("q8", "q4")
 
     def build(self, mod):
         import tvm

@@ -39,10 +39,20 @@ def make_step_inputs(seqs: list[Seq], page_size: int) -> dict[str, np.ndarray]:
 
 
 def make_kv_pages(num_layers: int, num_pages: int, kv_heads: int, page_size: int, head_dim: int,
-                  dtype=np.float32, fill: float = 0.0) -> dict[str, np.ndarray]:
-    """KV page tensors kv_pages{i}: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
+                  dtype=np.float32, fill: float = 0.0, kv_dtype: str | None = None) -> dict[str, np.ndarray]:
+    """KV page tensors kv_pages{i}: [num_pages, 2 (k, v), kv_heads, page_size, head_dim], and for a
+    quantised cache (kv_dtype int8 or fp8) their row scales kv_scales{i}: [num_pages, 2, kv_heads, page_size].
 
     fill=nan makes any read of a slot no step has written show up in the logits.
     """
-    return {f"kv_pages{i}": np.full((num_pages, 2, kv_heads, page_size, head_dim), fill, dtype)
-            for i in range(num_layers)}
+    shape = (num_pages, 2, kv_heads, page_size, head_dim)
+    if kv_dtype is None:
+        return {f"kv_pages{i}": np.full(shape, fill, dtype) for i in range(num_layers)}
+    from kiln.ir.quant import KV_SCHEMES
+    from kiln.ir.types import numpy_dtype
+    storage = numpy_dtype(KV_SCHEMES[kv_dtype].storage_dtype)
+    out = {}
+    for i in range(num_layers):
+        out[f"kv_pages{i}"] = np.zeros(shape, storage)
+        out[f"kv_scales{i}"] = np.full(shape[:4], fill, np.float32)
+    return out

@@ -61,6 +61,14 @@ def test_unknown_target(make_model, tmp_path):
     assert_clean_error(kiln("compile", make_model("llama"), "--target", "tpu", "-o", tmp_path / "a"), "tpu")
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--target", "cuda", "--kv-dtype", "int8"], ["--kv-dtype int8", "cuda", "unquantised"]),
+    (["--target", "cuda", "--arch", "sm_80", "--quant", "fp8"], ["--quant fp8", "sm_80", "q8, q4"]),
+])
+def test_quantisation_a_target_cannot_run_is_refused(make_model, tmp_path, flags, words):
+    assert_clean_error(kiln("compile", make_model("llama"), *flags, "-o", tmp_path / "a"), *words)
+
+
 def test_corrupted_weight_file(make_model, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(make_model("llama"), model)

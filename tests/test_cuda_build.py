@@ -26,3 +26,21 @@ def test_cuda_artifact_is_built_with_its_kernels(make_model, tmp_path):
         assert f"{name}_kernel".encode() in library, f"{name} has no compiled kernel in the library"
     assert b"__global__" not in library        # a binary (fatbin from nvcc), not CUDA source to JIT later
     assert b"sm_80" in library
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
+    """fp8 weights build for sm_90: the e4m3 weights are stored as such and the kernels are compiled."""
+    out = tmp_path / "cuda-fp8"
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(make_model("llama")), "--target", "cuda",
+                           "--arch", "sm_90", "--quant", "fp8", "-o", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quantization"]["weights"] == "fp8"
+    assert sum(w["dtype"] == "float8_e4m3fn" for w in manifest["weights"]) == 2 * 4 + 1
+    library = (out / "model.cuda.so").read_bytes()
+    assert b"sm_90" in library and b"__global__" not in library
+    for name in manifest["kernels"]:
+        if name != "shape_func":
+            assert f"{name}_kernel".encode() in library

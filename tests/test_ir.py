@@ -186,6 +186,9 @@ EXAMPLES = {
              lambda a: _rot(a["in0"].reshape(3, 2, 8), a["in1"], a["in2"]).reshape(3, 16)),
     "linear_q8": (lambda: _one_node("linear_q8", [((3, 4), "float32"), ((5, 4), "int8"), ((5,), "float32")]),
                   lambda a: a["in0"] @ (a["in1"].astype(np.float64) * a["in2"][:, None]).T),
+    "linear_fp8": (lambda: _one_node("linear_fp8", [((3, 4), "float32"), ((5, 4), "float8_e4m3fn"),
+                                                    ((5,), "float32")]),
+                   lambda a: a["in0"] @ (a["in1"].astype(np.float64) * a["in2"][:, None]).T),
     "linear_q4": (lambda: _one_node("linear_q4", [((3, 8), "float32"), ((5, 4), "uint8"), ((2, 5), "float16")],
                                     {"group_size": 4}),
                   lambda a: a["in0"] @ _q4_weight(a["in1"], a["in2"], 4).T),
@@ -209,6 +212,9 @@ def _example_inputs(graph, rng):
             arrays[k] = rng.integers(-127, 128, shape).astype(np.int8)
         elif t.dtype == "uint8":   # packed int4 weights
             arrays[k] = rng.integers(0, 256, shape).astype(np.uint8)
+        elif t.dtype == "float8_e4m3fn":
+            import ml_dtypes
+            arrays[k] = (rng.standard_normal(shape) * 50).astype(ml_dtypes.float8_e4m3fn)
         else:
             arrays[k] = rng.standard_normal(shape).astype(t.dtype)
     return arrays
@@ -327,3 +333,14 @@ def test_make_step_inputs():
         assert x[k].dtype == np.int32 and x[k].tolist() == v, k
     with pytest.raises(ValueError, match="need 2 pages"):
         make_step_inputs([([1] * 20, 0, [0])], page_size=16)
+
+
+def test_kv_row_quantisation_known_values():
+    """int8: scale = max|x| / 127, q = x / scale rounded half to even; fp8: x / scale in e4m3."""
+    from kiln.ir.quant import KV_SCHEMES
+    q, scale = KV_SCHEMES["int8"].quantize_rows(np.array([[1.0, -2.0, 0.5, 0.0], [0, 0, 0, 0]], np.float32))
+    assert scale.tolist() == [np.float32(2 / 127), 1.0]
+    assert q.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0]]          # 63.5 -> 64, 31.75 -> 32
+    q, scale = KV_SCHEMES["fp8"].quantize_rows(np.array([[0.25, -1.0, 0.3]], np.float32))
+    assert scale.tolist() == [np.float32(1 / 448)]
+    assert q.astype(np.float32).tolist() == [[112.0, -448.0, 128.0]]   # 134.4 lies between e4m3's 128 and 144

@@ -307,3 +307,97 @@ def test_specialize_attention_keeps_outputs():
 def test_specialize_attention_near_miss_keeps_a_chosen_variant():
     graph = attention_graph(8, 2, variant="mha")      # already decided (by hand): left alone
     assert body(specialize_attention(graph)) == body(graph)
+
+
+# ---------------------------------------------------------------------------- quantize (fp8)
+
+def test_quantize_fp8_rewrite_and_exactness():
+    """Weights that are an e4m3 value times a per-row scale, with 448 (e4m3's peak) in every row,
+    survive fp8 unchanged, so the graph's outputs do not move."""
+    import ml_dtypes
+    before = head_graph()
+    after = Quantize("fp8")(before)
+    assert "  %x = linear_fp8(%h, @proj.weight.fp8, @proj.weight.fp8_scale, @proj.bias) : f32[tokens, 8]" \
+        in body(after)
+    assert "  @proj.weight.fp8: f8e4m3[8, 8] = fp8.q(@proj.weight)" in body(after)
+    rng = np.random.default_rng(6)
+    weights = random_weights(before)
+    for name in ("proj.weight", "head.weight"):
+        q = (rng.standard_normal(before.params[name].type.shape) * 100).astype(ml_dtypes.float8_e4m3fn)
+        q = q.astype(np.float32)
+        q[:, 0] = 448.0
+        weights[name] = (q * rng.uniform(0.001, 0.01, (q.shape[0], 1))).astype(np.float32)
+    inputs = {"ids": np.array([3, 1, 15, 0], np.int32)}
+    want = interpret(before, inputs, weights.__getitem__)["logits"]
+    got = interpret(after, inputs, weight_loader(after, weights.__getitem__))["logits"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- quantize_kv
+
+def attention_inputs(n=6, q_heads=8, kv_heads=2, head_dim=4, seed=3, kv=None):
+    rng = np.random.default_rng(seed)
+    return {"q": rng.standard_normal((n, q_heads, head_dim)).astype(np.float32),
+            "k": rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32) if kv is None else kv[0],
+            "v": rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32) if kv is None else kv[1],
+            "slots": np.arange(4, 4 + n, dtype=np.int32), "qi": np.array([0, n], np.int32),   # pages 1, 2
+            "pi": np.array([0, 2], np.int32), "pv": np.array([1, 2], np.int32), "lpl": np.array([n - 4], np.int32)}
+
+
+@pytest.mark.parametrize("mode,short", [("int8", "i8"), ("fp8", "f8e4m3")])
+def test_quantize_kv_rewrite(mode, short):
+    from kiln.passes.quantize_kv import QuantizeKV
+    after = QuantizeKV(mode)(attention_graph(8, 2))
+    text = print_graph(after)
+    assert f"%pages: {short}[pages, 2, 2, 4, 4]" in text and "%pages_scales: f32[pages, 2, 2, 4]" in text
+    assert body(after) == ["  %o = paged_attention(%q, %k, %v, %pages, %slots, %qi, %pi, %pv, %lpl, %pages_scales) "
+                           "{layer=0, scale=0.5, variant='auto'} : f32[tokens, 8, 4]"]
+
+
+@pytest.mark.parametrize("mode,peak", [("int8", 127), ("fp8", 448)])
+def test_quantize_kv_is_exact_on_representable_rows(mode, peak):
+    """K/V rows whose values sit on the storage grid with the row's peak at qmax are stored exactly,
+    so attention before and after agrees; the pages hold the stored values and scale 1."""
+    import ml_dtypes
+    from kiln.passes.quantize_kv import QuantizeKV
+    before = attention_graph(8, 2)
+    after = QuantizeKV(mode)(before)
+    rng = np.random.default_rng(4)
+    kv = []
+    for _ in range(2):
+        grid = rng.integers(-127, 128, (6, 2, 4)).astype(np.float32)
+        if mode == "fp8":
+            grid = (rng.standard_normal((6, 2, 4)) * 100).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        grid[..., 0] = peak
+        kv.append(grid / 64)                     # scale 1/64: exact in float32
+    inputs = attention_inputs(kv=kv)
+    want = interpret(before, {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
+    storage = np.int8 if mode == "int8" else ml_dtypes.float8_e4m3fn
+    pages, scales = np.zeros((3, 2, 2, 4, 4), storage), np.zeros((3, 2, 2, 4), np.float32)
+    got = interpret(after, {**inputs, "pages": pages, "pages_scales": scales}, lambda n: None)["o"]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(pages[1, 0, :, 0].astype(np.float32), kv[0][0] * 64)   # slot 4: page 1, row 0
+    np.testing.assert_array_equal(scales[1, :, :, 0], np.full((2, 2), 1 / 64, np.float32))
+
+
+def test_quantize_kv_error_is_small_on_random_rows():
+    from kiln.passes.quantize_kv import QuantizeKV
+    before = attention_graph(8, 2)
+    inputs = attention_inputs()
+    want = interpret(before, {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
+    got = interpret(QuantizeKV("int8")(before), {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.int8),
+                                                "pages_scales": np.zeros((3, 2, 2, 4), np.float32)}, lambda n: None)["o"]
+    assert 0 < np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+def test_quantize_kv_near_miss_leaves_quantised_or_internal_pages():
+    from kiln.passes.quantize_kv import QuantizeKV
+    once = QuantizeKV("int8")(attention_graph(8, 2))
+    assert print_graph(QuantizeKV("int8")(once)) == print_graph(once)     # already quantised: left alone
+    b = GraphBuilder("attn")                                             # pages computed inside the graph
+    q = b.input("q", ("tokens", 2, 4), "float32")
+    pages = b.op("mul", b.input("p", ("pages", 2, 1, 4, 4), "float32"), b.input("s", ("pages", 2, 1, 4, 4), "float32"))
+    index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
+    k = b.input("k", ("tokens", 1, 4), "float32")
+    graph = verify(b.output(b.op("paged_attention", q, k, k, pages, *index, layer=0, scale=0.5, name="o")))
+    assert print_graph(QuantizeKV("int8")(graph)) == print_graph(graph)

@@ -12,12 +12,13 @@ transformers = pytest.importorskip("transformers")
 from reference import hf_last_logits, random_prompt  # noqa: E402
 
 
-def build(make_model, tmp_path_factory, quant, group_size=32):
+def build(make_model, tmp_path_factory, quant, group_size=32, kv_dtype=None):
     from kiln.compiler import compile_model
     from kiln.runtime.model import CompiledModel
     model_dir = make_model("qwen2")                # biases, fused QKV and gate/up: every linear variant
-    out = tmp_path_factory.mktemp(quant) / "artifact"
-    manifest = compile_model(model_dir, out, target="cpu", quant=quant, group_size=group_size, show=None)
+    out = tmp_path_factory.mktemp(quant or kv_dtype) / "artifact"
+    manifest = compile_model(model_dir, out, target="cpu", quant=quant, group_size=group_size, show=None,
+                             kv_dtype=kv_dtype)
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return model_dir, manifest, model
@@ -33,6 +34,16 @@ def q4(request, make_model, tmp_path_factory):
     return build(make_model, tmp_path_factory, "q4", request.param)
 
 
+@pytest.fixture(scope="module")
+def fp8(make_model, tmp_path_factory):
+    return build(make_model, tmp_path_factory, "fp8")
+
+
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def kv_quant(request, make_model, tmp_path_factory):
+    return build(make_model, tmp_path_factory, None, kv_dtype=request.param)
+
+
 def test_q8_artifact_stores_int8_weights(q8):
     _, manifest, _ = q8
     assert manifest["quantization"]["weights"] == "q8"
@@ -41,20 +52,24 @@ def test_q8_artifact_stores_int8_weights(q8):
     assert not any(k.startswith("dequant") for k in manifest["kernels"])
 
 
-def compiled_matches_interpreter(artifact, quant, group_size=32):
+def compiled_matches_interpreter(artifact, quant, group_size=32, kv_dtype=None, bound=1e-4):
+    """A prefill then two decode steps: compiled logits against the interpreter's on the same graph."""
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
     from kiln.passes import run_pipeline
     model_dir, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
-    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, group_size=group_size)
+    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, group_size=group_size,
+                            kv_dtype=kv_dtype)
+    weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     ids = random_prompt(29, 5)
-    step = make_step_inputs([(ids, 0, [1, 6])], 16)
     c = hf_model.config
-    want = interpret(graph, {**step, **make_kv_pages(c.num_layers, 8, c.num_kv_heads, 16, c.head_dim)},
-                     weight_loader(graph, lambda n: hf_model.weight(n, "float32")))["logits"]
-    got = compiled.forward(step)
-    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+    kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, 16, c.head_dim, kv_dtype=kv_dtype)
+    for step in (make_step_inputs([(ids, 0, [1, 6])], 16), make_step_inputs([([7], 29, [1, 6])], 16),
+                 make_step_inputs([([11], 30, [1, 6])], 16)):
+        want = interpret(graph, {**step, **kv}, weights)["logits"]
+        got = compiled.forward(step)
+        assert np.abs(got - want).max() / np.abs(want).max() <= bound
 
 
 def test_q8_compiled_matches_interpreter_on_the_same_quantised_weights(q8):
@@ -63,6 +78,42 @@ def test_q8_compiled_matches_interpreter_on_the_same_quantised_weights(q8):
 
 def test_q4_compiled_matches_interpreter_on_the_same_quantised_weights(q4):
     compiled_matches_interpreter(q4, "q4", q4[1]["quantization"]["group_size"])
+
+
+def test_fp8_artifact_stores_float8_weights(fp8):
+    _, manifest, _ = fp8
+    assert manifest["quantization"]["weights"] == "fp8"
+    assert len([w for w in manifest["weights"] if w["dtype"] == "float8_e4m3fn"]) == 2 * 4 + 1
+    assert not any(k.startswith("dequant") for k in manifest["kernels"])
+
+
+def test_fp8_compiled_matches_interpreter_on_the_same_quantised_weights(fp8):
+    compiled_matches_interpreter(fp8, "fp8")
+
+
+def test_fp8_quantisation_error_is_small(fp8):
+    assert min(cosines_against_transformers(fp8)) >= 0.998
+
+
+def test_kv_quant_artifact_stores_quantised_pages(kv_quant):
+    _, manifest, model = kv_quant
+    kv = manifest["quantization"]["kv_cache"]
+    assert manifest["kv"]["dtype"] == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv] and manifest["kv"]["row_scales"]
+    assert f"kv_append_{kv}" in manifest["kernels"]
+    c = manifest["model"]["config"]
+    # a row of head_dim one-byte values plus its float32 scale, for k and v of every layer and KV head
+    assert model.bytes_per_page == c["num_layers"] * 2 * c["num_kv_heads"] * 16 * (c["head_dim"] + 4)
+
+
+def test_kv_quant_compiled_matches_interpreter(kv_quant):
+    # A K/V value on a rounding boundary may round differently from the interpreter's when the
+    # compiled k differs from it in the last bits, so the bound is looser than the weight-only one.
+    compiled_matches_interpreter(kv_quant, None, kv_dtype=kv_quant[1]["quantization"]["kv_cache"], bound=1e-3)
+
+
+def test_kv_quant_error_is_small(kv_quant):
+    bound = {"int8": 0.999, "fp8": 0.995}[kv_quant[1]["quantization"]["kv_cache"]]
+    assert min(cosines_against_transformers(kv_quant)) >= bound
 
 
 def cosines_against_transformers(artifact) -> list[float]:

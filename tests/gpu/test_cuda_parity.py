@@ -17,7 +17,7 @@ from reference import hf_greedy, hf_last_logits as ref_logits, random_prompt as 
 # fp32 on the GPU differs from the CPU only by summation order; half precision by rounding.
 # q8/q4 are float16 activations with int8/int4 weights: rounding plus quantisation error
 # (q4 on the CPU against fp32: up to 0.23 of max |logit| on these random weights).
-TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1, "q8": 8e-2, "q4": 3.5e-1}
+TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1, "q8": 8e-2, "q4": 3.5e-1, "fp8": 1.5e-1}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def assert_close(got, want, dtype):
     assert err <= TOLERANCE[dtype], f"{dtype}: max error {err:.2e} of max |logit|"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8", "q4"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "q8", "q4", "fp8"])
 def test_prefill_and_decode(gpu_bundle, hf, dtype):
     model = open_model(gpu_bundle, dtype)
     ids, pages = prompt(37, 1), [9, 3, 17, 4]
@@ -69,7 +69,7 @@ def test_greedy_generation_fp32(gpu_bundle, hf):
     assert req.output_ids == hf_greedy(hf, ids, 32)
 
 
-@pytest.mark.parametrize("variant,bound", [("q8", 0.999), ("q4", 0.98)])
+@pytest.mark.parametrize("variant,bound", [("q8", 0.999), ("q4", 0.98), ("fp8", 0.998)])
 def test_quantisation_error_on_gpu(gpu_bundle, hf, variant, bound):
     model = open_model(gpu_bundle, variant)
     cosines = []

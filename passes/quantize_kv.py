@@ -1,0 +1,48 @@
+"""quantize_kv: the KV cache stores int8 (or float8 e4m3) rows with a float32 scale per row.
+
+Rewrite (mode int8; fp8 is the same with f8e4m3 pages):
+    %kv_pages3: f16[pages, 2, H, S, D]                               (a graph input)
+    %o = paged_attention(%q, %k, %v, %kv_pages3, …) {layer=3}
+  ->
+    %kv_pages3: i8[pages, 2, H, S, D]    %kv_scales3: f32[pages, 2, H, S]   (new graph input)
+    %o = paged_attention(%q, %k, %v, %kv_pages3, …, %kv_scales3) {layer=3}
+The attention op quantises each new row (one token, one KV head, k or v) as it writes it and
+dequantises rows as it reads them (ir/ops.py paged_attention): the pages take 1 byte per value
+plus 4 bytes per row instead of 2 or 4 bytes per value.
+Requires: the pages are a graph input read by that one attention node.
+Leaves: q, k, v and the attention output keep their types.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.ir import Graph, TensorType
+from kiln.ir.quant import KV_SCHEMES
+
+from .rewrite import editable_copy, users
+
+
+@dataclass
+class QuantizeKV:
+    mode: str = "int8"
+
+    def __post_init__(self):
+        if self.mode not in KV_SCHEMES:
+            raise ValueError(f"unknown KV cache dtype {self.mode!r} (known: {', '.join(KV_SCHEMES)})")
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        storage = KV_SCHEMES[self.mode].storage_dtype
+        readers = users(graph)
+        for node in graph.nodes:
+            if node.op != "paged_attention" or len(node.inputs) > 9:
+                continue
+            pages = node.inputs[3]
+            if pages not in graph.inputs or len(readers[pages]) != 1:
+                continue
+            ty = graph.inputs[pages]
+            scales = pages.replace("kv_pages", "kv_scales") if "kv_pages" in pages else f"{pages}_scales"
+            graph.inputs[pages] = TensorType(ty.shape, storage)
+            graph.inputs[scales] = TensorType(ty.shape[:4], "float32")
+            node.inputs = node.inputs + [scales]
+        return graph
