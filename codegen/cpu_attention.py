@@ -4,8 +4,10 @@ One task per (sequence, KV head) serves the whole group of query heads that shar
 so each K/V row is read from the pages once per group (GQA) rather than once per query head; with
 group 1 it is plain MHA, with one KV head MQA. Each query walks only its own sequence's keys (cost
 O(context)), with an online softmax in float32.
+Queries are read from the fused projection qkv [T, (Hq + 2 Hkv) D] (q at column 0), rotated as
+they are read when `rope` is set (codegen/rope_load.py).
 Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
-    (q, q_indptr, pages, page_indptr, page_values, last_page_len, output)
+    (qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, output)
 With quantised pages (int8 or float8, `kv_dtype`) the kernel also takes the row scales
 [num_pages, 2, kv_heads, page_size] after last_page_len and multiplies each row by its scale as it
 reads it.
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .rope_load import load_head_element
+
 
 def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
-                        kv_dtype: str | None = None):
+                        kv_dtype: str | None = None, rope: bool = False):
     group = q_heads // kv_heads
+    width = (q_heads + 2 * kv_heads) * head_dim
     lowest = -3.0e38
     quantized = kv_dtype is not None and kv_dtype != dtype
     kv_dtype = kv_dtype or dtype
@@ -26,16 +31,18 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         return T.float32(1) if scales is None else scales[page, kind, kvh, row]
 
     @T.macro
-    def attend(q, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
-               batch, num_pages, nnz_pages, total_len):
+    def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
+               batch):
         for task in T.parallel(batch * kv_heads):
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
                 kvh = T.axis.spatial(kv_heads, task % kv_heads)
-                T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b], page_values[0:nnz_pages],
-                        q[0:total_len, kvh * group:kvh * group + group, 0:head_dim],
-                        pages[0:num_pages, 0:2, kvh, 0:page_size, 0:head_dim])
-                T.writes(output[0:total_len, kvh * group:kvh * group + group, 0:head_dim])
+                T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b],
+                        page_values[0:page_values.shape[0]], qkv[0:qkv.shape[0], 0:width],
+                        positions[0:positions.shape[0]], inv_freq[0:head_dim // 2],
+                        pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
+                        *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]]))
+                T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
                 acc = T.sblock_alloc_buffer((group, head_dim), "float32")
                 qv = T.sblock_alloc_buffer((group, head_dim), "float32")
                 kv = T.sblock_alloc_buffer((2, head_dim), "float32")     # this key and value row
@@ -47,7 +54,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 kv_len = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
                 for i in range(n_q):
                     for g, d in T.grid(group, head_dim):
-                        qv[g, d] = T.Cast("float32", q[q_start + i, kvh * group + g, d]) * T.float32(scale)
+                        qv[g, d] = load_head_element(qkv, positions, inv_freq, q_start + i, (kvh * group + g) * head_dim,
+                                                     d, head_dim, dtype, rope) * T.float32(scale)
                         acc[g, d] = T.float32(0)
                     for g in range(group):
                         state[g, 0] = T.float32(lowest)
@@ -75,27 +83,33 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                         output[q_start + i, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / state[g, 1])
 
     @T.prim_func(private=True, s_tir=True)
-    def paged_attention(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-                        var_page_values: T.handle, var_last_page_len: T.handle, var_output: T.handle):
+    def paged_attention(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle, var_q_indptr: T.handle,
+                        var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
+                        var_last_page_len: T.handle, var_output: T.handle):
         T.func_attr({"tirx.noalias": True})
-        total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (total_len, q_heads, head_dim), dtype)
+        total_len, n_pos, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qkv = T.match_buffer(var_qkv, (total_len, width), dtype)
+        positions = T.match_buffer(var_positions, (n_pos,), "int32")
+        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
         pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
         output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        attend(q, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
-               batch, num_pages, nnz_pages, total_len)
+        attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
+               batch)
 
     @T.prim_func(private=True, s_tir=True)
-    def paged_attention_scaled(var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
-                               var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
-                               var_scales: T.handle, var_output: T.handle):
+    def paged_attention_scaled(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle,
+                               var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+                               var_page_values: T.handle, var_last_page_len: T.handle, var_scales: T.handle,
+                               var_output: T.handle):
         T.func_attr({"tirx.noalias": True})
-        total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (total_len, q_heads, head_dim), dtype)
+        total_len, n_pos, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qkv = T.match_buffer(var_qkv, (total_len, width), dtype)
+        positions = T.match_buffer(var_positions, (n_pos,), "int32")
+        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
         pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
@@ -103,7 +117,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
         scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
         output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        attend(q, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
-               batch, num_pages, nnz_pages, total_len)
+        attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
+               batch)
 
     return paged_attention_scaled if quantized else paged_attention

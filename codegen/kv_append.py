@@ -1,10 +1,13 @@
-"""kiln's quantising KV append kernel: write each new token's K and V rows into quantised pages.
+"""kiln's CPU KV append kernel: write each new token's K and V rows into the pages.
 
-Each row (one token, one KV head, k or v) is stored as q = x / scale with
-scale = max|x| / qmax (1 for an all-zero row), exactly as ir/quant.py KVScheme.quantize_rows:
-int8 rounds half to even and clips to ±qmax, float8 e4m3 converts. One task per (token, KV head).
-Signature, pages and scales written in place:
-    (pages [P, 2, H, S, D], scales [P, 2, H, S] f32, k [T, H, D], v [T, H, D], slot_mapping [T] i32)
+K and V are read from the fused projection qkv [T, (Hq + 2 Hkv) D] (k at column Hq·D, v after
+it), with rope applied to k as it is read when `rope` is set. Pages are the model dtype, or a
+quantised KV scheme (ir/quant.py KVScheme): each row (one token, one KV head, k or v) stored as
+q = x / scale with scale = max|x| / qmax (1 for an all-zero row), int8 rounding half to even and
+clipping to ±qmax, float8 converting. One task per (token, KV head).
+Signature, pages (and scales) written in place:
+    (pages [P, 2, Hkv, S, D], [scales [P, 2, Hkv, S] f32,] qkv, positions [T] i32, inv_freq [D/2] f32,
+     slot_mapping [T] i32)
 A negative slot means "no row to write" (a padding token).
 """
 from __future__ import annotations
@@ -13,31 +16,32 @@ from tvm.script import tirx as T
 
 from kiln.ir.quant import KVScheme
 
+from .rope_load import load_head_element
 
-def quantized_kv_append(kv_heads: int, head_dim: int, page_size: int, dtype: str, scheme: KVScheme):
-    storage, qmax = scheme.storage_dtype, scheme.qmax
 
-    def encode(x):
-        if scheme.rounds:
-            return T.Cast(storage, T.max(T.min(T.nearbyint(x), T.float32(qmax)), T.float32(-qmax)))
-        return T.Cast(storage, x)
+def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str,
+                  scheme: KVScheme | None, rope: bool):
+    storage = scheme.storage_dtype if scheme else dtype
+    qmax = scheme.qmax if scheme else 1.0
+    rounds = bool(scheme and scheme.rounds)
+    width = (q_heads + 2 * kv_heads) * head_dim
 
-    @T.prim_func(private=True, s_tir=True)
-    def kv_append_quantized(var_pages: T.handle, var_scales: T.handle, var_k: T.handle, var_v: T.handle,
-                            var_slots: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        num_pages, tokens = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), storage)
-        scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
-        k = T.match_buffer(var_k, (tokens, kv_heads, head_dim), dtype)
-        v = T.match_buffer(var_v, (tokens, kv_heads, head_dim), dtype)
-        slots = T.match_buffer(var_slots, (tokens,), "int32")
+    def encode(x, scale):            # both variants are parsed: the unscaled one stores x as it is
+        if scale is None:
+            return T.Cast(storage, x)
+        if rounds:
+            return T.Cast(storage, T.max(T.min(T.nearbyint(x / scale), T.float32(qmax)), T.float32(-qmax)))
+        return T.Cast(storage, x / scale)
+
+    @T.macro
+    def append(pages, scales, qkv, positions, inv_freq, slots, tokens):
         for task in T.parallel(tokens * kv_heads):
             with T.sblock("append"):
                 t = T.axis.spatial(tokens, task // kv_heads)
                 h = T.axis.spatial(kv_heads, task % kv_heads)
-                T.reads(slots[t], k[t, h, 0:head_dim], v[t, h, 0:head_dim])
-                T.writes(pages[0:num_pages, 0:2, h, 0:page_size, 0:head_dim], scales[0:num_pages, 0:2, h, 0:page_size])
+                T.reads(slots[t], qkv[t, 0:width], positions[t], inv_freq[0:head_dim // 2])
+                T.writes(pages[0:pages.shape[0], 0:2, h, 0:page_size, 0:head_dim],
+                         *([] if scales is None else [scales[0:pages.shape[0], 0:2, h, 0:page_size]]))
                 row = T.sblock_alloc_buffer((2, head_dim), "float32")
                 amax = T.sblock_alloc_buffer((2,), "float32")
                 if slots[t] >= 0:
@@ -46,14 +50,42 @@ def quantized_kv_append(kv_heads: int, head_dim: int, page_size: int, dtype: str
                     amax[0] = T.float32(0)
                     amax[1] = T.float32(0)
                     for d in range(head_dim):
-                        row[0, d] = T.Cast("float32", k[t, h, d])
-                        row[1, d] = T.Cast("float32", v[t, h, d])
+                        row[0, d] = load_head_element(qkv, positions, inv_freq, t, (q_heads + h) * head_dim, d,
+                                                      head_dim, dtype, rope)
+                        row[1, d] = T.Cast("float32", qkv[t, (q_heads + kv_heads + h) * head_dim + d])
                         amax[0] = T.max(amax[0], T.fabs(row[0, d]))
                         amax[1] = T.max(amax[1], T.fabs(row[1, d]))
                     for kind in range(2):
-                        scales[page, kind, h, slot_row] = T.if_then_else(
-                            amax[kind] > T.float32(0), amax[kind] / T.float32(qmax), T.float32(1))
+                        if scales is not None:
+                            scales[page, kind, h, slot_row] = T.if_then_else(
+                                amax[kind] > T.float32(0), amax[kind] / T.float32(qmax), T.float32(1))
                         for d in range(head_dim):
-                            pages[page, kind, h, slot_row, d] = encode(row[kind, d] / scales[page, kind, h, slot_row])
+                            pages[page, kind, h, slot_row, d] = encode(
+                                row[kind, d], None if scales is None else scales[page, kind, h, slot_row])
 
-    return kv_append_quantized
+    @T.prim_func(private=True, s_tir=True)
+    def kv_append(var_pages: T.handle, var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle,
+                  var_slots: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, tokens, n_pos = T.int64(), T.int64(), T.int64()
+        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), storage)
+        qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
+        positions = T.match_buffer(var_positions, (n_pos,), "int32")
+        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
+        slots = T.match_buffer(var_slots, (tokens,), "int32")
+        append(pages, None, qkv, positions, inv_freq, slots, tokens)
+
+    @T.prim_func(private=True, s_tir=True)
+    def kv_append_scaled(var_pages: T.handle, var_scales: T.handle, var_qkv: T.handle, var_positions: T.handle,
+                         var_inv_freq: T.handle, var_slots: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, tokens, n_pos = T.int64(), T.int64(), T.int64()
+        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), storage)
+        scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
+        qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
+        positions = T.match_buffer(var_positions, (n_pos,), "int32")
+        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
+        slots = T.match_buffer(var_slots, (tokens,), "int32")
+        append(pages, scales, qkv, positions, inv_freq, slots, tokens)
+
+    return kv_append if scheme is None else kv_append_scaled

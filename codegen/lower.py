@@ -17,7 +17,7 @@ from kiln.errors import KilnError
 from kiln.ir import Graph
 
 from . import elementwise
-from .attention import emit_paged_attention
+from .attention import emit_paged_attention, emit_paged_attention_fused
 from .layouts import stored_shape
 from .linear import WeightFormat, emit_linear
 
@@ -111,6 +111,7 @@ LOWERINGS = {
     "linear_q4": _emit_linear,
     "linear_fp8": _emit_linear,
     "paged_attention": emit_paged_attention,
+    "paged_attention_fused": emit_paged_attention_fused,
 }
 
 

@@ -379,6 +379,48 @@ def _paged_attention():
     return rule, ref
 
 
+@op("paged_attention_fused",
+    ["qkv", "positions", "inv_freq", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values",
+     "last_page_len", "kv_scales?"],
+    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto", "q_heads": REQUIRED, "kv_heads": REQUIRED,
+     "head_dim": REQUIRED}, mutates=(3, 9))
+def _paged_attention_fused():
+    """paged_attention over the parts of one fused projection, rope applied inside: with
+    D = head_dim, Hq = q_heads, Hkv = kv_heads and qkv [tokens, (Hq + 2 Hkv) D],
+        q = rope(qkv[:, :Hq D]),  k = rope(qkv[:, Hq D:(Hq + Hkv) D]),  v = qkv[:, (Hq + Hkv) D:]
+    (rope as the rope op, rounded to qkv's dtype), each viewed [tokens, heads, D]; then exactly
+    paged_attention(q, k, v, kv_pages, slot_mapping, …, kv_scales)."""
+    def parts(at):
+        d, hq, hkv = at["head_dim"], at["q_heads"], at["kv_heads"]
+        return d, ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv))     # head ranges of q, k, v
+
+    def rule(types, attrs, fail):
+        qkv, pos, inv = types[:3]
+        d, ranges = parts(attrs)
+        _need_float(qkv, "qkv", fail)
+        if qkv.rank != 2 or qkv.shape[1] != ranges[2][1] * d:
+            fail(f"qkv must be [tokens, {ranges[2][1] * d}] for {attrs['q_heads']}/{attrs['kv_heads']} heads "
+                 f"of {d}, got {qkv}")
+        OPS["rope"].type_rule([TensorType((qkv.shape[0], d), qkv.dtype), pos, inv], {"head_dim": d}, fail)
+        q, k = (TensorType((qkv.shape[0], hi - lo, d), qkv.dtype) for lo, hi in ranges[:2])
+        return OPS["paged_attention"].type_rule([q, k, k, *types[3:]], attrs, fail)
+
+    def ref(x, at, ty, dims):
+        qkv, pos, inv = x[:3]
+        d, ranges = parts(at)
+        tokens = qkv.shape[0]
+        q, k, v = (np.ascontiguousarray(qkv[:, lo * d:hi * d]) for lo, hi in ranges)
+        rope = OPS["rope"].reference
+        q, k = (rope([t, pos, inv], {"head_dim": d}, TensorType((tokens, t.shape[1]), ty.dtype), dims)
+                for t in (q, k))
+        q, k, v = (t.reshape(tokens, -1, d) for t in (q, k, v))
+        return OPS["paged_attention"].reference([q, k, v, *x[3:]], at, ty, dims)
+    return rule, ref
+
+
+ATTENTION_OPS = ("paged_attention", "paged_attention_fused")     # both: kv_pages at input 3, kv_scales at 9
+
+
 def _kv_scheme_of(pages: np.ndarray):
     """The KV scheme of a page array, by its NumPy dtype (None for unquantised pages)."""
     return next((s for s in KV_SCHEMES.values() if np.dtype(pages.dtype) == numpy_dtype(s.storage_dtype)), None)

@@ -9,6 +9,7 @@ from typing import Callable
 
 from kiln.artifact import WEIGHTS, write_manifest
 from kiln.errors import KilnError
+from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.quant import KV_SCHEMES
 
 
@@ -115,7 +116,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],
         "kernels": kernels,
-        "attention_variants": sorted({n.attrs["variant"] for n in graph.nodes if n.op == "paged_attention"}),
+        "attention_variants": sorted({n.attrs["variant"] for n in graph.nodes if n.op in ATTENTION_OPS}),
         "launches_per_step": {"total": sum(launches.values()), "by_kernel": dict(sorted(launches.items()))},
         "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                     "nodes_after": r.nodes_after} for r in pass_records],

@@ -28,6 +28,7 @@ class PassRecord:
 def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None) -> list[tuple[str, Pass]]:
     """The passes for a target, in order: fuse -> attention specialisation -> quantise weights, KV."""
+    from .fuse_rope_attention import fuse_rope_attention
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
     from .fuse_residual_add import fuse_residual_add
@@ -38,8 +39,10 @@ def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),
-        ("specialize_attention", specialize_attention),
     ]
+    if target_name == "cpu":        # the target whose attention kernels read the fused qkv (codegen/attention.py)
+        passes.append(("fuse_rope_attention", fuse_rope_attention))
+    passes.append(("specialize_attention", specialize_attention))
     if quant:
         passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size)))
     if kv_dtype:

@@ -1,6 +1,6 @@
 """quantize_kv: the KV cache stores int8 (or float8 e4m3) rows with a float32 scale per row.
 
-Rewrite (mode int8; fp8 is the same with f8e4m3 pages):
+Rewrite (mode int8; fp8 is the same with f8e4m3 pages; paged_attention_fused alike):
     %kv_pages3: f16[pages, 2, H, S, D]                               (a graph input)
     %o = paged_attention(%q, %k, %v, %kv_pages3, …) {layer=3}
   ->
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.ir import Graph, TensorType
+from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.quant import KV_SCHEMES
 
 from .rewrite import editable_copy, users
@@ -35,7 +36,7 @@ class QuantizeKV:
         storage = KV_SCHEMES[self.mode].storage_dtype
         readers = users(graph)
         for node in graph.nodes:
-            if node.op != "paged_attention" or len(node.inputs) > 9:
+            if node.op not in ATTENTION_OPS or len(node.inputs) > 9:
                 continue
             pages = node.inputs[3]
             if pages not in graph.inputs or len(readers[pages]) != 1:

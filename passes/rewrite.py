@@ -53,3 +53,16 @@ def fused_param_name(names: list[str], parts: tuple[str, ...], fused: str) -> st
     if parts[0] in names[0] and all(n == names[0].replace(parts[0], p) for n, p in zip(names, parts)):
         return names[0].replace(parts[0], fused)
     return "+".join(names)
+
+
+def drop_dead_nodes(graph: Graph) -> Graph:
+    """Remove nodes whose result nothing reads (a node that writes an input in place stays)."""
+    from kiln.ir.ops import OPS
+    live = set(graph.outputs)
+    kept = []
+    for node in reversed(graph.nodes):
+        if node.output in live or OPS[node.op].mutates:
+            kept.append(node)
+            live.update(i for i in node.inputs if i is not None)
+    graph.nodes = kept[::-1]
+    return graph

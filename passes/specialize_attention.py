@@ -1,6 +1,6 @@
 """specialize_attention: record which attention kernel family fits each layer's head ratio.
 
-Rewrite:
+Rewrite (paged_attention or paged_attention_fused):
     %o = paged_attention(%q, %k, %v, …) {variant='auto'}
   ->
     %o = paged_attention(%q, %k, %v, …) {variant='gqa4'}     (q heads / kv heads = 4)
@@ -12,6 +12,7 @@ Requires: nothing. Leaves: the graph's meaning unchanged (only the attribute dif
 from __future__ import annotations
 
 from kiln.ir import Graph
+from kiln.ir.ops import ATTENTION_OPS
 
 from .rewrite import editable_copy
 
@@ -28,7 +29,10 @@ def specialize_attention(graph: Graph) -> Graph:
     graph = editable_copy(graph)
     types = graph.value_types()
     for node in graph.nodes:
-        if node.op == "paged_attention" and node.attrs["variant"] == "auto":
-            q_heads, kv_heads = types[node.inputs[0]].shape[1], types[node.inputs[1]].shape[1]
+        if node.op in ATTENTION_OPS and node.attrs["variant"] == "auto":
+            if node.op == "paged_attention":
+                q_heads, kv_heads = types[node.inputs[0]].shape[1], types[node.inputs[1]].shape[1]
+            else:
+                q_heads, kv_heads = node.attrs["q_heads"], node.attrs["kv_heads"]
             node.attrs = {**node.attrs, "variant": variant_for(q_heads, kv_heads)}
     return graph

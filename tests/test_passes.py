@@ -121,8 +121,10 @@ def test_pipeline_on_a_real_model_keeps_logits(make_model):
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
-    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add", "specialize_attention"]
-    assert {n.op for n in after.nodes} >= {"slice", "swiglu"} and len(after.nodes) < len(before.nodes)
+    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention",
+                                         "specialize_attention"]
+    assert {n.op for n in after.nodes} >= {"paged_attention_fused", "swiglu"} and len(after.nodes) < len(before.nodes)
+    assert not {"slice", "rope", "paged_attention"} & {n.op for n in after.nodes}
     ids = np.random.default_rng(0).integers(3, 400, 21).tolist()
     c = model.config
     outs = []
@@ -149,14 +151,22 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
 def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     from kiln.compiler import compile_model
     fused = compile_model(make_model("llama"), tmp_path / "fused", show=None)
-    plain = compile_model(make_model("llama"), tmp_path / "plain", show=None,
-                          disable_passes={"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "specialize_attention"})
+    every = {"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention", "specialize_attention"}
+    plain = compile_model(make_model("llama"), tmp_path / "plain", show=None, disable_passes=every)
+    no_rope = compile_model(make_model("llama"), tmp_path / "no-rope", show=None,
+                            disable_passes={"fuse_rope_attention"})
     layers = fused["model"]["config"]["num_layers"]
-    # per layer: q, k, v GEMMs -> one GEMM + the k/q ropes fused with their slices + a v slice (-1);
-    # gate, up GEMMs + silu*mul -> one GEMM + swiglu (-1); two residual adds into GEMM epilogues (-2)
-    assert plain["launches_per_step"]["total"] - fused["launches_per_step"]["total"] == 4 * layers
+    launches = {k: m["launches_per_step"]["total"] for k, m in (("fused", fused), ("plain", plain),
+                                                                   ("no_rope", no_rope))}
+    # fuse_rope_attention: the q/k slice+rope kernels, the v slice and the concat that joins q, k, v
+    # for kiln's CPU attention kernels when they are separate (-4 per layer)
+    assert launches["no_rope"] - launches["fused"] == 4 * layers
+    # from no fusion at all, per layer: q, k, v GEMMs -> one (-2); the two ropes and the concat go
+    # into the attention kernels (-3); gate and up GEMMs -> one (-1; silu*mul is one kernel either
+    # way); two residual adds into GEMM epilogues (-2): 8 in all
+    assert launches["plain"] - launches["fused"] == 8 * layers
     assert [p["name"] for p in fused["passes"]] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add",
-                                                    "specialize_attention"]
+                                                    "fuse_rope_attention", "specialize_attention"]
     assert fused["attention_variants"] == ["gqa4"] and plain["attention_variants"] == ["auto"]
     assert plain["passes"] == []
 
@@ -386,7 +396,8 @@ def test_quantize_kv_error_is_small_on_random_rows():
     inputs = attention_inputs()
     want = interpret(before, {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
     got = interpret(QuantizeKV("int8")(before), {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.int8),
-                                                "pages_scales": np.zeros((3, 2, 2, 4), np.float32)}, lambda n: None)["o"]
+                                                "pages_scales": np.zeros((3, 2, 2, 4), np.float32)},
+                  lambda n: None)["o"]
     assert 0 < np.abs(got - want).max() < 0.02 * np.abs(want).max()
 
 
@@ -401,3 +412,53 @@ def test_quantize_kv_near_miss_leaves_quantised_or_internal_pages():
     k = b.input("k", ("tokens", 1, 4), "float32")
     graph = verify(b.output(b.op("paged_attention", q, k, k, pages, *index, layer=0, scale=0.5, name="o")))
     assert print_graph(QuantizeKV("int8")(graph)) == print_graph(graph)
+
+
+# ---------------------------------------------------------------------------- fuse_rope_attention
+
+def rope_attention_graph(k_positions_differ=False, v_begin=12):
+    """The shape fuse_qkv leaves: slices of one qkv [tokens, (2 + 2·1)·4], ropes, reshapes, attention."""
+    b = GraphBuilder("attn")
+    qkv = b.input("qkv", ("tokens", 16), "float32")
+    pos = b.input("pos", ("tokens",), "int32")
+    pos2 = b.input("pos2", ("tokens",), "int32")
+    inv = b.param("rope.inv_freq", (2,), "float32")
+    q = b.op("reshape", b.op("rope", b.op("slice", qkv, begin=0, end=8), pos, inv, head_dim=4), shape=("tokens", 2, 4))
+    k = b.op("reshape", b.op("rope", b.op("slice", qkv, begin=8, end=12), pos2 if k_positions_differ else pos, inv,
+                             head_dim=4), shape=("tokens", 1, 4))
+    v = b.op("reshape", b.op("slice", qkv, begin=v_begin, end=v_begin + 4), shape=("tokens", 1, 4))
+    pages = b.input("pages", ("pages", 2, 1, 4, 4), "float32")
+    index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
+    return verify(b.output(b.op("paged_attention", q, k, v, pages, *index, layer=0, scale=0.5, name="o")))
+
+
+def test_fuse_rope_attention_rewrite():
+    from kiln.passes.fuse_rope_attention import fuse_rope_attention
+    assert body(fuse_rope_attention(rope_attention_graph())) == [
+        "  @rope.inv_freq: f32[2]",
+        "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %pages, %slots, %qi, %pi, %pv, %lpl) "
+        "{layer=0, scale=0.5, variant='auto', q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
+
+
+def test_fuse_rope_attention_keeps_outputs():
+    from kiln.passes.fuse_rope_attention import fuse_rope_attention
+    before = rope_attention_graph()
+    rng = np.random.default_rng(7)
+    inputs = {"qkv": rng.standard_normal((6, 16)).astype(np.float32), "pos": np.arange(6, dtype=np.int32),
+              "pos2": np.arange(6, dtype=np.int32), **{k: v for k, v in attention_inputs().items()
+                                                      if k in ("slots", "qi", "pi", "pv", "lpl")}}
+    inv = {"rope.inv_freq": np.array([1.0, 0.01], np.float32)}
+    outs, pages = [], []
+    for graph in (before, fuse_rope_attention(before)):
+        pages.append(np.zeros((3, 2, 1, 4, 4), np.float32))
+        outs.append(interpret(graph, {**inputs, "pages": pages[-1]}, inv.__getitem__)["o"])
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(pages[1], pages[0])          # the same rotated keys were written
+    assert np.abs(pages[0]).max() > 0
+
+
+@pytest.mark.parametrize("graph", [rope_attention_graph(k_positions_differ=True), rope_attention_graph(v_begin=11)],
+                         ids=["k-rotated-by-other-positions", "v-not-the-last-part"])
+def test_fuse_rope_attention_near_miss(graph):
+    from kiln.passes.fuse_rope_attention import fuse_rope_attention
+    assert body(fuse_rope_attention(graph)) == body(graph)

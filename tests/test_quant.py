@@ -99,7 +99,7 @@ def test_kv_quant_artifact_stores_quantised_pages(kv_quant):
     _, manifest, model = kv_quant
     kv = manifest["quantization"]["kv_cache"]
     assert manifest["kv"]["dtype"] == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv] and manifest["kv"]["row_scales"]
-    assert f"kv_append_{kv}" in manifest["kernels"]
+    assert f"kv_append_{kv}_rope" in manifest["kernels"] and f"paged_attention_{kv}_rope" in manifest["kernels"]
     c = manifest["model"]["config"]
     # a row of head_dim one-byte values plus its float32 scale, for k and v of every layer and KV head
     assert model.bytes_per_page == c["num_layers"] * 2 * c["num_kv_heads"] * 16 * (c["head_dim"] + 4)
