@@ -96,9 +96,9 @@ def main() -> None:
 
         def generate(batch, new_tokens, llm=llm, mode=mode):
             reqs = llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=new_tokens,
-                                                                ignore_eos=True))
-            greedy[mode] = reqs[0].output_ids
-            return max(r.first_token_time for r in reqs), max(r.finish_time for r in reqs)
+                                                                ignore_eos=True), use_tqdm=False)
+            greedy[mode] = reqs[0].outputs[0].token_ids
+            return max(r.metrics.first_token_time for r in reqs), max(r.metrics.finish_time for r in reqs)
         generate(1, 4)                                                                    # warm-up
         limit = bandwidth / step_weight_bytes(manifest)
         for batch in batches:

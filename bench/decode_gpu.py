@@ -37,8 +37,8 @@ def main() -> None:
         kiln_rates = []
         for _ in range(args.repeats):
             reqs = llm.generate(prompts, params)
-            first = max(r.first_token_time for r in reqs)
-            last = max(r.finish_time for r in reqs)
+            first = max(r.metrics.first_token_time for r in reqs)
+            last = max(r.metrics.finish_time for r in reqs)
             kiln_rates.append(batch * (args.new_tokens - 1) / (last - first))
         ids = torch.tensor(prompts).cuda()
         hf_rates = []

@@ -93,7 +93,8 @@ def inspect(artifact):
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 means off.")
 @click.option("--seed", default=None, type=int)
-@click.option("--kv-memory", default="auto", show_default=True, help="KV cache budget, e.g. 512MiB.")
+@click.option("--kv-memory", default="auto", show_default=True,
+              help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json):
     """Generate text with a compiled ARTIFACT."""

@@ -17,15 +17,17 @@ def _open(artifact, kv_memory):
     return llm, time.perf_counter() - t0
 
 
-def _timings(req, load_seconds: float) -> dict:
-    prefill = req.first_token_time - req.arrival
-    decode = req.finish_time - req.first_token_time
-    n_decode = len(req.output_ids) - 1
+def _timings(out, load_seconds: float) -> dict:
+    m = out.metrics
+    n_prompt, n_decode = len(out.prompt_token_ids), len(out.outputs[0].token_ids) - 1
+    prefill = m.first_token_time - m.arrival_time
+    decode = m.finish_time - m.first_token_time
     return {
         "load_seconds": round(load_seconds, 4),
-        "prefill_tokens": len(req.prompt_ids),
+        "prefill_tokens": n_prompt,
+        "cached_prompt_tokens": m.num_cached_tokens,
         "prefill_seconds": round(prefill, 4),
-        "prefill_tokens_per_second": round(len(req.prompt_ids) / prefill, 2) if prefill > 0 else None,
+        "prefill_tokens_per_second": round(n_prompt / prefill, 2) if prefill > 0 else None,
         "decode_tokens": n_decode,
         "decode_seconds": round(decode, 4),
         "decode_tokens_per_second": round(n_decode / decode, 2) if decode > 0 and n_decode else None,
@@ -33,25 +35,22 @@ def _timings(req, load_seconds: float) -> dict:
 
 
 def _generate_streaming(llm, prompt_ids, params, echo: bool):
-    from kiln.runtime.tokenizer import IncrementalDetokenizer
-    detok = IncrementalDetokenizer(llm.tokenizer, prompt_ids=prompt_ids)
-    pieces = []
-
-    def on_token(req, tok):
-        if tok in req.eos_ids and not req.params.ignore_eos:
-            return
-        piece = detok.add(tok)
-        pieces.append(piece)
-        if echo:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    [req] = llm.engine.generate([prompt_ids], params, on_token)
-    tail = detok.flush()
-    pieces.append(tail)
+    """Run one request, writing its text to stdout as it comes when `echo`; return its final output."""
+    engine = llm.engine
+    req = engine.add_request(prompt_ids, params)
+    final = None
+    while final is None:
+        for out in engine.step():
+            if out.request_id != req.request_id:
+                continue
+            if echo:
+                sys.stdout.write(out.outputs[0].new_text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
     if echo:
-        sys.stdout.write(tail + "\n")
-        sys.stdout.flush()
-    return req, "".join(pieces)
+        sys.stdout.write("\n")
+    return final
 
 
 def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool) -> None:
@@ -59,13 +58,15 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool) -> None:
     prompt_ids = llm.tokenizer.encode(prompt)
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
-    req, text = _generate_streaming(llm, prompt_ids, params, echo=not as_json)
-    t = _timings(req, load_seconds)
+    out = _generate_streaming(llm, prompt_ids, params, echo=not as_json)
+    t = _timings(out, load_seconds)
+    done = out.outputs[0]
     if as_json:
-        print(json.dumps({"prompt": prompt, "prompt_token_ids": req.prompt_ids, "output_token_ids": req.output_ids,
-                          "text": text, "finish_reason": req.finish_reason, "timings": t}))
+        print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids, "output_token_ids": done.token_ids,
+                          "text": done.text, "finish_reason": done.finish_reason, "timings": t}))
     else:
-        rate = lambda v: f"{v:.1f} tok/s" if v else "n/a"
+        def rate(v):
+            return f"{v:.1f} tok/s" if v else "n/a"
         click.echo(f"prefill: {t['prefill_tokens']} tokens in {t['prefill_seconds']:.3f}s "
                    f"({rate(t['prefill_tokens_per_second'])}); decode: {t['decode_tokens']} tokens in "
                    f"{t['decode_seconds']:.3f}s ({rate(t['decode_tokens_per_second'])})", err=True)
@@ -91,7 +92,7 @@ def chat(artifact, params, kv_memory) -> None:
         else:
             ids = tok.encode("\n".join(m["content"] for m in messages))
         try:
-            req, text = _generate_streaming(llm, ids, params, echo=True)
+            text = _generate_streaming(llm, ids, params, echo=True).outputs[0].text
         except KilnError as e:     # e.g. the conversation outgrew the context: say so, keep the session
             click.echo(f"kiln: {e}", err=True)
             messages.pop()

@@ -1,46 +1,27 @@
-"""The engine loop: admit requests, build a ragged step, run the compiled forward, sample, repeat.
+"""The engine: `step()` = schedule -> run the compiled forward -> sample -> update.
 
-First cut of continuous batching: every step mixes the decode tokens of
-running requests with prefill chunks of new ones, within a token budget.
-A request is admitted only when the pool can hold its whole prompt plus its
-max_tokens, so it never runs out of pages mid-generation.
+The model runner is anything with `page_size`, `vocab_size`, `max_context`, `forward(inputs)`
+(runtime/step.py inputs -> f32 logits [seqs, vocab]) and `copy_pages(pairs)`: a CompiledModel,
+or a fake one in the scheduler tests. Requests come in with `add_request` (token ids), leave
+when finished or through `abort`; every step returns a RequestOutput for each request that got
+tokens (or finished) in it.
 """
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 
 from kiln.errors import KilnError
 
-from .kv_pool import BlockTable, PagePool
-from .sampler import SamplerState, SamplingParams, sample
+from .kv_pool import PagePool
+from .request import Request, RequestOutput, Sequence
+from .sampler import SamplerState, SamplingParams, sample, top_logprobs
+from .scheduler import Scheduler
 from .step import SeqChunk, step_inputs
-
-
-@dataclass
-class Request:
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    state: SamplerState
-    eos_ids: frozenset[int]
-    output_ids: list[int] = field(default_factory=list)
-    table: BlockTable = field(default_factory=BlockTable)
-    num_computed: int = 0                  # tokens whose K/V are in the cache
-    finish_reason: str | None = None       # "stop" or "length"
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def max_total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
 
 
 @dataclass
@@ -49,25 +30,27 @@ class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0               # in step(), the forward included
+    forward_seconds: float = 0.0       # in the compiled forward alone
 
 
 class Engine:
-    """Runs many requests together on one compiled model."""
+    """Runs many requests together on one model runner."""
 
-    def __init__(self, model, num_pages: int, eos_ids=(), max_num_seqs: int = 64, max_batched_tokens: int = 2048):
-        self.model = model
-        self.pool = PagePool(num_pages, model.page_size)
+    def __init__(self, model, num_pages: int, eos_ids=(), max_num_seqs: int = 64, max_batched_tokens: int = 2048,
+                 tokenizer=None, prefix_caching: bool = True):
+        self.model, self.tokenizer = model, tokenizer
+        self.pool = PagePool(num_pages, model.page_size, prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_batched_tokens)
         self.eos_ids = frozenset(eos_ids)
-        self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self._reserved = 0                    # pages promised to running requests but not yet taken
-        self._next_id = 0
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
         self.stats = EngineStats()
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt: str | None = None, priority: int = 0) -> Request:
+        params = params or SamplingParams()
         if not prompt_ids:
             raise KilnError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
@@ -77,97 +60,171 @@ class Engine:
         if room < 1:
             raise KilnError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.model.max_context}")
         if params.max_tokens > room:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": room})
-        req = Request(self._next_id, list(prompt_ids), params, SamplerState(params), self.eos_ids)
-        if self.pool.pages_for(req.max_total_tokens) > self.pool.num_pages:
-            raise KilnError(f"request needs {self.pool.pages_for(req.max_total_tokens)} KV pages; "
-                            f"the pool has {self.pool.num_pages} (give more KV memory)")
-        self._next_id += 1
-        self.waiting.append(req)
+            params = SamplingParams(**{**params.__dict__, "max_tokens": room,
+                                       "min_tokens": min(params.min_tokens, room)})
+        need = self.pool.pages_for(len(prompt_ids) + params.max_tokens)
+        if need > self.pool.num_pages:
+            raise KilnError(f"request needs {need} KV pages; the pool has {self.pool.num_pages} (give more KV memory)")
+        if params.stop and self.tokenizer is None:
+            raise KilnError("stop strings need a tokenizer")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise KilnError(f"request id {request_id!r} is already running")
+        req = Request(request_id, list(prompt_ids), params, prompt, priority)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = self._new_sequence(req, 0, SamplerState(params, req.prompt_ids, stop_ids))
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
         return req
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def _new_sequence(self, req: Request, index: int, state: SamplerState) -> Sequence:
+        detok = None
+        if self.tokenizer is not None:
+            from .tokenizer import IncrementalDetokenizer
+            detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.prompt_ids)
+        seq = Sequence(req, index, state, detok)
+        req.sequences.append(seq)
+        return seq
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            need = self.pool.pages_for(self.waiting[0].max_total_tokens)
-            if need > self.pool.num_free - self._reserved:
-                break
-            self._reserved += need
-            self.running.append(self.waiting.pop(0))
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; None if it is not running."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.sequences:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        req.metrics.finish_time = time.perf_counter()
+        return req.output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
 
     # -- one step ----------------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, number of new tokens) for this step: decodes first, then prefill chunks."""
-        budget = self.max_batched_tokens
-        plan = []
-        for req in sorted(self.running, key=lambda r: len(r.all_ids) - r.num_computed):
-            pending = len(req.all_ids) - req.num_computed
-            n = min(pending, budget)
-            if n > 0:
-                plan.append((req, n))
-                budget -= n
-        return plan
-
-    def step(self) -> list[tuple[Request, int]]:
-        """Run one step; return (request, token) for every token sampled in it."""
-        self._admit()
-        plan = self._schedule()
-        if not plan:
-            return []
+    def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        chunks, stats = [], self.stats
-        for req, n in plan:
-            before = len(req.table.pages)
-            slots = self.pool.grow(req.table, n)
-            self._reserved -= len(req.table.pages) - before
-            is_prefill = req.num_computed < len(req.prompt_ids)
-            stats.prefill_tokens += n if is_prefill else 0
-            stats.decode_tokens += 0 if is_prefill else n
-            chunks.append(SeqChunk(req.all_ids[req.num_computed:req.num_computed + n], req.num_computed,
-                                   list(req.table.pages), slots))
-        logits = self.model.forward(step_inputs(chunks, self.model.page_size))
-        ready = []
-        for row, (req, n) in enumerate(plan):
-            req.num_computed += n
-            if req.num_computed == len(req.all_ids):     # caught up: this row's logits pick the next token
-                ready.append((row, req))
-        tokens = sample(logits[[r for r, _ in ready]], [req.state for _, req in ready]) if ready else []
+        schedule = self.scheduler.schedule()
+        if not schedule.chunks:
+            return []
+        copies = [c for chunk in schedule.chunks for c in chunk.copies]
+        if copies:
+            self.model.copy_pages(copies)
         now = time.perf_counter()
-        out = []
-        for (_, req), tok in zip(ready, tokens):
-            tok = int(tok)
-            req.output_ids.append(tok)
-            req.first_token_time = req.first_token_time or now
-            out.append((req, tok))
-            self._check_finished(req, tok, now)
-        stats.steps += 1
-        stats.seconds += time.perf_counter() - t0
-        return out
+        inputs = []
+        for c in schedule.chunks:
+            seq = c.seq
+            seq.new_text, seq.new_token_ids = "", []
+            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
+            in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
+            self.stats.prefill_tokens += in_prompt
+            self.stats.decode_tokens += c.num_tokens - in_prompt
+            inputs.append(SeqChunk(seq.all_ids[c.start:c.start + c.num_tokens], c.start, list(seq.table.pages), c.slots))
+        tf = time.perf_counter()
+        logits = self.model.forward(step_inputs(inputs, self.model.page_size))
+        self.stats.forward_seconds += time.perf_counter() - tf
+        rows, ready = [], []
+        for row, c in enumerate(schedule.chunks):
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
+            if seq.num_computed == seq.num_tokens:        # caught up: this row's logits pick the next token
+                for s in self._fork_samples(seq):
+                    rows.append(row)
+                    ready.append(s)
+        touched: dict[str, Request] = {}
+        if ready:
+            tokens = sample(logits[rows], [s.state for s in ready])
+            now = time.perf_counter()
+            for row, seq, tok in zip(rows, ready, tokens.tolist()):
+                self._append_token(seq, tok, logits[row], now)
+                touched[seq.request.request_id] = seq.request
+        self.stats.steps += 1
+        self.stats.seconds += time.perf_counter() - t0
+        outputs = [req.output() for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
 
-    def _check_finished(self, req: Request, tok: int, now: float) -> None:
-        p = req.params
-        if (not p.ignore_eos and tok in req.eos_ids) or tok in p.stop_token_ids:
-            req.finish_reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens:
-            req.finish_reason = "length"
-        if req.finish_reason:
-            req.finish_time = now
-            self.running.remove(req)
-            # pages it reserved but never took go back to the pool's budget
-            self._reserved -= self.pool.pages_for(req.max_total_tokens) - len(req.table.pages)
-            self.pool.release(req.table)
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that sample from `seq`'s logits: n > 1 samples fork when the prompt is done."""
+        req = seq.request
+        if len(req.sequences) == req.params.n or seq.output_ids:
+            return [seq]
+        children = []
+        after = seq
+        for index in range(1, req.params.n):
+            child = self._new_sequence(req, index, seq.state.fork(index))
+            child.table = self.pool.fork(seq.table)
+            child.num_computed = seq.num_computed
+            self.scheduler.add_running(child, after)
+            children.append(child)
+            after = child
+        return [seq, *children]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
-        """Run prompts to completion together; return their requests in prompt order."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+    def _append_token(self, seq: Sequence, tok: int, raw_logits: np.ndarray, now: float) -> None:
+        req, p = seq.request, seq.request.params
+        seq.output_ids.append(tok)
+        seq.new_token_ids.append(tok)
+        seq.state.append(tok)
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append(top_logprobs(raw_logits, tok, p.logprobs))
+        stopped_by_token = tok in seq.state.stop_ids and len(seq.output_ids) > p.min_tokens - 1
+        if seq.detokenizer is not None and not (stopped_by_token and tok in self.eos_ids):
+            self._add_text(seq, seq.detokenizer.add(tok))
+        if seq.finished:                                  # a stop string matched
+            pass
+        elif stopped_by_token:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        elif len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finished:
+            if seq.detokenizer is not None and seq.stop_reason not in p.stop:
+                self._add_text(seq, seq.detokenizer.flush())
+            self.scheduler.finish(seq)
+            if req.finished:
+                m.finish_time = now
+
+    def _add_text(self, seq: Sequence, piece: str) -> None:
+        """Append detokenised text, ending the sequence at the first stop string (which is dropped)."""
+        if not piece or seq.finished:
+            return
+        stops = seq.request.params.stop
+        before = len(seq.text)
+        seq.text += piece
+        if stops:
+            # a stop string may span tokens: search from where one ending in this piece could start
+            start = max(0, before - max(map(len, stops)) + 1)
+            found = [(seq.text.find(s, start), s) for s in stops]
+            found = [(i, s) for i, s in found if i >= 0]
+            if found:
+                cut, stop = min(found)
+                seq.text = seq.text[:cut]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                seq.new_text += seq.text[before:] if cut >= before else ""
+                return
+        seq.new_text += piece
+
+    # -- offline use ---------------------------------------------------------------------------
+    def run_to_completion(self, on_output: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
+        """Step until every request has finished; return each request's final output by id."""
+        final = {}
         while self.has_unfinished():
-            for req, tok in self.step():
-                if on_token:
-                    on_token(req, tok)
-        return reqs
+            for out in self.step():
+                if on_output:
+                    on_output(out)
+                if out.finished:
+                    final[out.request_id] = out
+        return final
 
-
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Run token-id prompts to completion together; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final = self.run_to_completion(on_output)
+        return [final[r.request_id] for r in reqs]

@@ -1,48 +1,199 @@
-"""The KV page pool: which pages are free, which belong to which sequence.
+"""The KV page pool: which sequence owns which page, shared pages, and the prefix cache.
 
-Pure bookkeeping (no tensors): the page tensors live in the model runner;
-this decides page ids and the flat slot of every token (page * page_size + row).
+Pure bookkeeping (no tensors): the page tensors live in the model; this decides page ids, the
+flat slot of every token (page * page_size + row), and which pages must be copied.
+
+Every page is in exactly one state:
+  free     refcount 0, holds nothing anyone wants;
+  owned    refcount n >= 1: it appears in n block tables;
+  idle     refcount 0, but its rows are registered in the prefix cache: a later request with the
+           same prefix takes it back; a fresh page is taken from `free` first, then by evicting
+           the least recently idle page.
+A full page is registered under a chained hash of (the hash of the page before it, its token
+ids), so a hit means the whole prefix up to and including that page is the same. Only full
+pages are shared through the cache, and they are never written again. `fork` shares every page
+of a table (for n > 1 samples of one prompt); the first write into a shared, partly filled last
+page copies it first (copy-on-write): `grow` returns the (source, destination) page copies the
+caller must make before it writes.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
 
 
+class OutOfPages(KilnError):
+    """The pool cannot supply the pages asked for (the scheduler preempts or waits)."""
+
+
 @dataclass
 class BlockTable:
-    """A sequence's pages in order and how many tokens they hold."""
+    """A sequence's pages in order, how many token rows they hold, and the chained hashes of
+    its first len(hashes) full pages."""
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    hashes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0           # prompt tokens looked up
+    hit_tokens: int = 0               # of those, found in the cache (their computation skipped)
+    evicted_pages: int = 0
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
         if num_pages < 1:
             raise KilnError("the KV memory budget holds no page; give more KV memory")
-        self.num_pages, self.page_size = num_pages, page_size
-        self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out low ids first
+        self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))     # pop() hands out low ids first
+        self._idle: OrderedDict[int, None] = OrderedDict()   # least recently idle first
+        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self.stats = PrefixCacheStats()
 
+    # -- capacity ---------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request can get now: free ones plus idle cached ones (evicted on demand)."""
+        return len(self._free) + len(self._idle)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def grow(self, table: BlockTable, new_tokens: int) -> list[int]:
-        """Extend `table` by `new_tokens` rows; return the flat slot of each new row."""
+    def pages_needed(self, table: BlockTable, new_tokens: int) -> int:
+        """Fresh pages `grow(table, new_tokens)` would take (a copy-on-write copy included)."""
+        need = self.pages_for(table.num_tokens + new_tokens) - len(table.pages)
+        return need + (1 if new_tokens and self._shared_partial_last(table) else 0)
+
+    # -- page states ---------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        elif self._idle:
+            page, _ = self._idle.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(page)]
+            self.stats.evicted_pages += 1
+        else:
+            raise OutOfPages("KV cache is full")
+        self.refcount[page] = 1
+        return page
+
+    def _incref(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            del self._idle[page]
+        self.refcount[page] += 1
+
+    def _decref(self, page: int) -> None:
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            if page in self._hash_of:
+                self._idle[page] = None
+            else:
+                self._free.append(page)
+
+    def _shared_partial_last(self, table: BlockTable) -> bool:
+        return bool(table.num_tokens % self.page_size) and self.refcount[table.pages[-1]] > 1
+
+    # -- tables ------------------------------------------------------------------------------
+    def grow(self, table: BlockTable, new_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Extend `table` by `new_tokens` rows. Returns the flat slot of each new row, and the page
+        copies (source, destination) to make before writing them. Raises OutOfPages (changing
+        nothing) when the pool cannot supply the pages."""
+        if self.pages_needed(table, new_tokens) > self.num_free:
+            raise OutOfPages(f"KV cache is full: need {self.pages_needed(table, new_tokens)} pages, "
+                             f"{self.num_free} free")
+        copies = []
+        if new_tokens and self._shared_partial_last(table):
+            shared = table.pages[-1]
+            private = self._take()
+            copies.append((shared, private))
+            self._decref(shared)
+            table.pages[-1] = private
         total = table.num_tokens + new_tokens
-        need = self.pages_for(total) - len(table.pages)
-        if need > len(self._free):
-            raise KilnError(f"KV cache is full: need {need} more pages, {len(self._free)} free")
-        table.pages += [self._free.pop() for _ in range(need)]
+        table.pages += [self._take() for _ in range(self.pages_for(total) - len(table.pages))]
         p = self.page_size
         slots = [table.pages[t // p] * p + t % p for t in range(table.num_tokens, total)]
         table.num_tokens = total
-        return slots
+        return slots, copies
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A new table sharing every page of `table`."""
+        for page in table.pages:
+            self._incref(page)
+        return BlockTable(list(table.pages), table.num_tokens, list(table.hashes))
 
     def release(self, table: BlockTable) -> None:
-        self._free.extend(reversed(table.pages))
-        table.pages, table.num_tokens = [], 0
+        """Give back the table's pages; its cached pages become idle, the last page first, so that
+        eviction takes a prefix's tail before its head."""
+        for page in reversed(table.pages):
+            self._decref(page)
+        table.pages, table.num_tokens, table.hashes = [], 0, []
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def _chain(self, parent: int | None, tokens: list[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match_prefix(self, table: BlockTable, token_ids: list[int]) -> int:
+        """Fill an empty `table` with the cached pages of the longest cached prefix of `token_ids`
+        (full pages only, and never the page holding the last token, whose logits must be
+        computed). Returns the number of tokens found."""
+        if table.pages:
+            raise ValueError("match_prefix needs an empty block table")
+        p = self.page_size
+        self.stats.queried_tokens += len(token_ids)
+        if not self.prefix_caching:
+            return 0
+        parent = None
+        for i in range((len(token_ids) - 1) // p):
+            h = self._chain(parent, token_ids[i * p:(i + 1) * p])
+            page = self._by_hash.get(h)
+            if page is None:
+                break
+            self._incref(page)
+            table.pages.append(page)
+            table.hashes.append(h)
+            parent = h
+        table.num_tokens = len(table.pages) * p
+        self.stats.hit_tokens += table.num_tokens
+        return table.num_tokens
+
+    def register_full_pages(self, table: BlockTable, token_ids: list[int], num_computed: int) -> None:
+        """Register the table's pages that `num_computed` rows have filled, keyed by their tokens."""
+        if not self.prefix_caching:
+            return
+        p = self.page_size
+        while (len(table.hashes) + 1) * p <= num_computed:
+            i = len(table.hashes)
+            h = self._chain(table.hashes[-1] if table.hashes else None, token_ids[i * p:(i + 1) * p])
+            table.hashes.append(h)
+            page = table.pages[i]
+            if h not in self._by_hash and page not in self._hash_of:
+                self._by_hash[h] = page
+                self._hash_of[page] = h
+
+    def cached_pages(self) -> int:
+        return len(self._hash_of)
+
+    # -- invariants (tests) ----------------------------------------------------------------------
+    def check(self, tables: list[BlockTable]) -> None:
+        """Raise AssertionError unless every page is in exactly one state and reference counts
+        equal the number of tables holding each page."""
+        held = [0] * self.num_pages
+        for table in tables:
+            for page in table.pages:
+                held[page] += 1
+        assert held == self.refcount, "reference counts differ from the block tables"
+        free, idle = set(self._free), set(self._idle)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not free & idle, "a page is both free and idle"
+        for page in range(self.num_pages):
+            states = (page in free) + (page in idle) + (self.refcount[page] > 0)
+            assert states == 1, f"page {page} is in {states} states"
+            assert (page in idle) <= (page in self._hash_of), f"idle page {page} is not cached"
+        assert all(self._by_hash[h] == pg for pg, h in self._hash_of.items()), "cache maps disagree"
+        assert len(self._by_hash) == len(self._hash_of), "cache maps disagree"

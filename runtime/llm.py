@@ -1,37 +1,73 @@
-"""The offline facade: open an artifact, then generate text for prompts."""
+"""The offline API: `LLM(artifact_dir).generate(prompts, SamplingParams(...))`, one RequestOutput
+per prompt, in prompt order (vLLM's shape); a progress bar for long batches."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from .engine import Engine, Request
+from kiln.errors import KilnError
+
+from .engine import Engine
 from .model import CompiledModel, parse_bytes
+from .request import RequestOutput
 from .sampler import SamplingParams
 from .tokenizer import Tokenizer
 
-AUTO_KV_CAP = {"cpu": 2 << 30, "cuda": 16 << 30}   # "auto" never takes more than this
+AUTO_FRACTION = 0.5      # "auto": this share of the device's free memory ...
+AUTO_CAP = 4 << 30       # ... but never more than this, nor more than max_num_seqs full contexts
+
+
+def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int) -> int:
+    """Bytes for the KV cache: a size ('512MiB', or an int), a fraction of the device's free
+    memory ('0.3'), or 'auto'."""
+    free = model.device.available_global_memory
+    if spec == "auto":
+        want = max_num_seqs * model.max_context * model.bytes_per_page // model.page_size
+        return min(want, AUTO_CAP, int(AUTO_FRACTION * free) if free else AUTO_CAP)
+    if isinstance(spec, float) or (isinstance(spec, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1(\.0*)?\s*", spec)):
+        fraction = float(spec)
+        if not 0 < fraction <= 1 or not free:
+            raise KilnError(f"KV memory fraction {spec} needs a value in (0, 1] and a device that reports "
+                            "its free memory")
+        return int(fraction * free)
+    return parse_bytes(spec) if isinstance(spec, str) else int(spec)
 
 
 class LLM:
-    def __init__(self, artifact_dir: str | Path, kv_memory: str | int = "auto", max_num_seqs: int = 64,
-                 max_batched_tokens: int = 2048, verify: bool = True):
+    def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
+                 max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True):
         self.model = CompiledModel(artifact_dir, verify=verify)
         self.tokenizer = Tokenizer(artifact_dir)
-        wanted = max_num_seqs * self.model.max_context * self.model.bytes_per_page // self.model.page_size
-        budget = (min(wanted, AUTO_KV_CAP[self.model.manifest["target"]["device"]])
-                  if kv_memory == "auto" else parse_bytes(kv_memory) if isinstance(kv_memory, str) else kv_memory)
-        num_pages = self.model.allocate_kv(budget)
+        num_pages = self.model.allocate_kv(kv_budget(kv_memory, self.model, max_num_seqs))
         self.kv_tokens = num_pages * self.model.page_size
-        self.engine = Engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens)
+        self.engine = Engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,
+                             tokenizer=self.tokenizer, prefix_caching=prefix_caching)
 
     def describe_kv(self) -> str:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20
+        kv = self.model.kv
         return (f"KV cache: {self.engine.pool.num_pages} pages of {self.model.page_size} tokens "
-                f"= {self.kv_tokens} tokens ({mib:.0f} MiB)")
+                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {kv['dtype']})")
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None,
-                 on_token=None) -> list[Request]:
-        params = params or SamplingParams()
-        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
-        return self.engine.generate(ids, params, on_token)
-
-
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) together; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise KilnError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        reqs = []
+        for prompt, sp in zip(prompts, plist):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+            reqs.append(self.engine.add_request(ids, sp, prompt=text))
+        bar = None
+        if use_tqdm and len(reqs) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        final = self.engine.run_to_completion(lambda out: bar.update(1) if bar and out.finished else None)
+        if bar:
+            bar.close()
+        return [final[r.request_id] for r in reqs]

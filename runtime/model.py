@@ -124,6 +124,16 @@ class CompiledModel:
                 self.kv_tensors[f"kv_scales{i}"] = tvm.runtime.empty(shape[:4], "float32", self.device)
         return num_pages
 
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV pages (every layer, k and v, and row scales) from source to destination
+        page: the copy-on-write of a shared page, done on the device through views."""
+        for tensor in self.kv_tensors.values():
+            page_shape = tuple(tensor.shape[1:])
+            page_bytes = int(np.prod(page_shape)) * tensor.dtype.itemsize
+            for src, dst in pairs:
+                view = tensor._create_view((1, *page_shape), relative_byte_offset=dst * page_bytes)
+                view.copyfrom(tensor._create_view((1, *page_shape), relative_byte_offset=src * page_bytes))
+
     def forward(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run one ragged step; return f32[seqs, vocab], the logits of each sequence's last new token."""
         import tvm

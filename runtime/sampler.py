@@ -1,12 +1,19 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+"""Token sampling: penalties, logit bias, greedy, temperature, top-k, top-p, min-p, a per-request
+seed, and logprobs.
 
-One row of logits per running request. Each request owns a `SamplerState`
-holding its params and its own `numpy.random.Generator`, so the tokens a seed
-gives do not depend on which other requests share the batch: a sampled row
-draws exactly one uniform number from its own generator, a greedy row none.
+One row of logits per running sequence. Each sequence owns a `SamplerState`
+holding its params, the token counts penalties need, and its own
+`numpy.random.Generator`, so the tokens a seed gives do not depend on which
+other requests share the batch: a sampled row draws exactly one uniform number
+from its own generator, a greedy row none. Sample i > 0 of a request with n > 1
+seeds its generator with (seed, i).
 
-Order of the transforms (as in transformers and vLLM): temperature, then
-top-k, then top-p over what top-k kept, then one draw by inverse CDF.
+Order of the transforms (as in vLLM): logit bias; min_tokens masks the stop
+tokens; repetition penalty (over prompt and output), frequency and presence
+penalties (over the output); then greedy argmax, or temperature, top-k, top-p
+over what top-k kept, min-p, and one draw by inverse CDF.
+Logprobs are those of the model's own distribution (the raw logits), as vLLM
+reports by default.
 """
 
 from __future__ import annotations
@@ -25,10 +32,20 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy (argmax, ties -> lowest id)
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 means off
     top_k: int = 0  # number of top tokens kept; 0 or -1 means off
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 means off
     seed: int | None = None  # None: fresh OS entropy
     max_tokens: int = 16
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are masked until this many are generated
+    n: int = 1  # samples of the same prompt, sharing its KV pages
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (as transformers)
+    presence_penalty: float = 0.0  # subtracted once from every token already generated (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check(_is_number(self.temperature) and math.isfinite(self.temperature)
@@ -43,7 +60,29 @@ class SamplingParams:
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, "an int in [0, max_tokens]")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) and x for x in self.stop),
+               "stop", self.stop, "a list of non-empty strings")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+               "repetition_penalty", self.repetition_penalty, "in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
+        _check(isinstance(self.logit_bias, dict)
+               and all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100
+                       for k, v in self.logit_bias.items()),
+               "logit_bias", self.logit_bias, "a dict of token id -> bias in [-100, 100]")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+               self.logprobs, "None or an int in [0, 20]")
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens, "a bool")
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = list(self.stop)
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -65,13 +104,61 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
 
 @dataclass
 class SamplerState:
-    """Per-request sampling state: the params and the request's own random generator."""
+    """Per-sequence sampling state: the params, the token counts the penalties read, the stop
+    ids min_tokens masks, and the sequence's own random generator."""
 
     params: SamplingParams
+    prompt_ids: Sequence[int] = ()
+    stop_ids: frozenset[int] = frozenset()       # EOS ids (unless ignore_eos) and stop_token_ids
+    index: int = 0                               # which of the request's n samples
     rng: np.random.Generator = field(init=False, repr=False)
+    output_counts: dict[int, int] = field(init=False, repr=False)
+    num_output: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.params.seed)
+        seed = self.params.seed
+        self.rng = np.random.default_rng(seed if self.index == 0 or seed is None else [seed, self.index])
+        self.output_counts = {}
+        self.seen = np.unique(np.asarray(self.prompt_ids, np.int64))   # for the repetition penalty
+
+    def append(self, token: int) -> None:
+        """Record a generated token (penalties and min_tokens read the counts)."""
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        self.num_output += 1
+
+    def fork(self, index: int) -> "SamplerState":
+        """The state of sample `index` of the same request, before any output."""
+        return SamplerState(self.params, self.prompt_ids, self.stop_ids, index)
+
+
+def process_logits(logits: np.ndarray, state: SamplerState) -> np.ndarray:
+    """The row the draw sees (float64): bias, min_tokens mask, repetition/presence/frequency penalties."""
+    p = state.params
+    x = logits.astype(np.float64)
+    for tok, bias in p.logit_bias.items():
+        if tok < x.shape[0]:
+            x[tok] += bias
+    if state.num_output < p.min_tokens and state.stop_ids:
+        x[[t for t in state.stop_ids if t < x.shape[0]]] = -np.inf
+    if p.repetition_penalty != 1.0:
+        seen = np.union1d(state.seen, np.fromiter(state.output_counts, np.int64)) if state.output_counts \
+            else state.seen
+        seen = seen[seen < x.shape[0]]
+        x[seen] = np.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.output_counts:
+        ids = np.fromiter(state.output_counts, np.int64)
+        counts = np.fromiter(state.output_counts.values(), np.float64)
+        keep = ids < x.shape[0]
+        x[ids[keep]] -= p.frequency_penalty * counts[keep] + p.presence_penalty
+    return x
+
+
+def top_logprobs(logits: np.ndarray, token: int, k: int) -> dict[int, float]:
+    """log-softmax of the raw logits: the sampled token's logprob and the top k alternatives'."""
+    x = logits.astype(np.float64)
+    logz = x.max() + np.log(np.exp(x - x.max()).sum())
+    best = np.argsort(-x, kind="stable")[:k] if k else np.array([], np.int64)
+    return {int(t): float(x[t] - logz) for t in [token, *best.tolist()]}
 
 
 def sample(logits: np.ndarray, states: Sequence[SamplerState]) -> np.ndarray:
@@ -84,9 +171,10 @@ def sample(logits: np.ndarray, states: Sequence[SamplerState]) -> np.ndarray:
 def sample_row(logits: np.ndarray, state: SamplerState) -> int:
     """Pick one token from one row of logits [V], advancing the state's generator if not greedy."""
     p = state.params
+    x = process_logits(logits, state)
     if p.greedy:
-        return int(np.argmax(logits))
-    x = logits.astype(np.float64) / p.temperature  # [V]
+        return int(np.argmax(x))
+    x = x / p.temperature  # [V]
     ids = _candidates(x, p.top_k, p.top_p < 1.0)  # token ids, best first when filtered
     xs = x[ids]
     probs = np.exp(xs - xs.max())
@@ -95,6 +183,9 @@ def sample_row(logits: np.ndarray, state: SamplerState) -> int:
         # Keep the shortest best-first prefix whose mass reaches top_p (always >= 1 token).
         keep = int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1
         ids, probs = ids[:keep], probs[:keep]
+    if p.min_p > 0:
+        keep = probs >= p.min_p * probs.max()
+        ids, probs = ids[keep], probs[keep]
     cdf = np.cumsum(probs)
     u = state.rng.random() * cdf[-1]
     # side="right": zero-probability entries (masked -inf logits) are never picked.

@@ -83,7 +83,7 @@ def test_greedy_generation_equals_transformers(llama):
     llm = LLM(artifact, kv_memory="16MiB")
     ids = prompt(11, 8)
     [req] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    assert req.output_ids == hf_greedy(hf, ids, 32)
+    assert req.outputs[0].token_ids == hf_greedy(hf, ids, 32)
 
 
 def test_batched_greedy_equals_each_alone(llama):
@@ -93,8 +93,8 @@ def test_batched_greedy_equals_each_alone(llama):
     llm = LLM(llama[0], kv_memory="16MiB", max_batched_tokens=24)   # a small budget forces chunked prefill
     prompts = [prompt(n, 20 + n) for n in (3, 17, 40, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    together = [r.output_ids for r in llm.generate(prompts, params)]
-    alone = [llm.generate([p], params)[0].output_ids for p in prompts]
+    together = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
 
 
@@ -103,8 +103,8 @@ def test_seeded_sampling_is_reproducible(llama):
     from kiln.runtime.sampler import SamplingParams
     llm = LLM(llama[0], kv_memory="16MiB")
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
-    first = llm.generate([prompt(7, 9)], params)[0].output_ids
-    second = llm.generate([prompt(7, 9), prompt(19, 10)], params)[0].output_ids
+    first = llm.generate([prompt(7, 9)], params)[0].outputs[0].token_ids
+    second = llm.generate([prompt(7, 9), prompt(19, 10)], params)[0].outputs[0].token_ids
     assert first == second
-    other = llm.generate([prompt(7, 9)], SamplingParams(**{**params.__dict__, "seed": 99}))[0].output_ids
+    other = llm.generate([prompt(7, 9)], SamplingParams(**{**params.__dict__, "seed": 99}))[0].outputs[0].token_ids
     assert other != first

@@ -66,7 +66,7 @@ def test_greedy_generation_fp32(gpu_bundle, hf):
     llm = LLM(gpu_bundle / "cuda-float32", kv_memory="64MiB")
     ids = prompt(11, 8)
     [req] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    assert req.output_ids == hf_greedy(hf, ids, 32)
+    assert req.outputs[0].token_ids == hf_greedy(hf, ids, 32)
 
 
 @pytest.mark.parametrize("variant,bound", [("q8", 0.999), ("q4", 0.98), ("fp8", 0.998)])

@@ -1,0 +1,63 @@
+"""A stand-in for a compiled model that keeps the engine honest about its KV pages.
+
+Its "KV cache" is an array of token ids, one per slot: each step writes every new token at its
+slot, then every sequence reads its whole history back through its page list (page_values,
+last_page_len), exactly where the real attention kernel would look. The next-token logits are
+a deterministic function of that history, so a wrong page table, a missed copy-on-write or a
+stale prefix-cache page changes the tokens a test sees.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, page_size: int = 4, vocab_size: int = 50, max_context: int = 512):
+        self.page_size, self.vocab_size, self.max_context = page_size, vocab_size, max_context
+        self.kv = np.full(num_pages * page_size, -1, np.int64)     # -1: never written
+        self.steps: list[dict] = []                                  # what each forward was asked
+        self.copied = 0                                              # pages copied (copy-on-write)
+
+    @staticmethod
+    def next_token_logits(history: list[int], vocab_size: int) -> np.ndarray:
+        """Peaked on a token that depends on the whole history (order included)."""
+        h = 7
+        for t in history:
+            h = (h * 31 + t + 1) % 1_000_003
+        logits = np.zeros(vocab_size, np.float32)
+        logits[h % vocab_size] = 5.0
+        logits[(h // vocab_size) % vocab_size] += 3.0
+        return logits
+
+    def copy_pages(self, pairs):
+        p = self.page_size
+        for src, dst in pairs:
+            self.kv[dst * p:(dst + 1) * p] = self.kv[src * p:(src + 1) * p]
+            self.copied += 1
+
+    def forward(self, inputs: dict) -> np.ndarray:
+        self.steps.append({k: v.copy() for k, v in inputs.items()})
+        self.kv[inputs["slot_mapping"]] = inputs["tokens"]
+        p = self.page_size
+        out = []
+        qi, pi, pv, lpl = inputs["q_indptr"], inputs["page_indptr"], inputs["page_values"], inputs["last_page_len"]
+        for s in range(len(qi) - 1):
+            pages = pv[pi[s]:pi[s + 1]]
+            kv_len = (len(pages) - 1) * p + lpl[s]
+            slots = [pages[t // p] * p + t % p for t in range(kv_len)]
+            history = self.kv[slots].tolist()
+            assert -1 not in history, "a sequence read a KV slot nothing wrote"
+            out.append(self.next_token_logits(history, self.vocab_size))
+        return np.stack(out)
+
+
+def reference_greedy(prompt: list[int], max_tokens: int, vocab_size: int, stop_ids=()) -> list[int]:
+    """What greedy generation must give, computed without any paging."""
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        tok = int(np.argmax(FakeRunner.next_token_logits(ids, vocab_size)))
+        out.append(tok)
+        ids.append(tok)
+        if tok in stop_ids:
+            break
+    return out

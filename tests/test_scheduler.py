@@ -1,0 +1,199 @@
+"""The scheduler and engine against a fake model runner (no TVM): budgets, chunked prefill,
+admission, preemption with recompute, abort, prefix caching, n > 1 with copy-on-write, stops."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_runner import FakeRunner, reference_greedy
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+
+VOCAB = 50
+
+
+def engine_for(num_pages=64, page_size=4, max_num_seqs=16, max_batched_tokens=32, prefix_caching=True,
+               tokenizer=None, eos=()):
+    runner = FakeRunner(num_pages, page_size, VOCAB)
+    return Engine(runner, num_pages, eos, max_num_seqs, max_batched_tokens, tokenizer=tokenizer,
+                  prefix_caching=prefix_caching), runner
+
+
+def prompts(count, seed=0, lo=3, hi=30):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, int(rng.integers(lo, hi))).tolist() for _ in range(count)]
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def tokens_of(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_outputs_equal_the_unpaged_reference():
+    engine, _ = engine_for()
+    ps = prompts(10)
+    outs = engine.generate(ps, [greedy(3 + i) for i in range(10)])
+    assert tokens_of(outs) == [reference_greedy(p, 3 + i, VOCAB) for i, p in enumerate(ps)]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_token_budget_is_respected_and_prefill_chunks_share_steps_with_decodes():
+    engine, runner = engine_for(max_batched_tokens=10)
+    engine.add_request(list(range(1, 4)), greedy(12))           # decodes soon
+    engine.step()
+    engine.add_request(list(range(1, 40)), greedy(2))           # a 39-token prompt: four chunks
+    mixed = 0
+    while engine.has_unfinished():
+        engine.step()
+        step = runner.steps[-1]
+        assert len(step["tokens"]) <= 10
+        lens = np.diff(step["q_indptr"])
+        mixed += int(1 in lens.tolist() and lens.max() > 1)
+    assert mixed >= 3
+
+
+def test_waiting_request_is_admitted_as_soon_as_pages_allow():
+    engine, _ = engine_for(num_pages=6, max_batched_tokens=64)
+    first = engine.add_request(list(range(1, 21)), greedy(4))   # 20 + 4 tokens: all 6 pages of 4
+    second = engine.add_request(list(range(1, 6)), greedy(2))   # needs 2 pages; 1 is free after step 1
+    engine.step()
+    while not first.finished:
+        assert [s.request for s in engine.scheduler.running] == [first]
+        engine.step()
+    engine.step()                                               # the first step after it freed its pages
+    assert second.sequences[0].num_computed == 5
+
+
+def test_preemption_recomputes_and_keeps_outputs_exact():
+    ps = prompts(8, seed=1, lo=5, hi=14)
+    params = [greedy(10 + i) for i in range(8)]
+    engine, _ = engine_for(num_pages=10, max_batched_tokens=16, prefix_caching=False)
+    outs = engine.generate(ps, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert tokens_of(outs) == [reference_greedy(p, sp.max_tokens, VOCAB) for p, sp in zip(ps, params)]
+    assert sum(o.metrics.num_preemptions for o in outs) == engine.scheduler.num_preemptions
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_abort_frees_pages_at_once():
+    engine, _ = engine_for(num_pages=16)
+    keep = engine.add_request(prompts(1, seed=2)[0], greedy(20))
+    gone = engine.add_request(list(range(1, 30)), greedy(20))
+    engine.step()
+    engine.step()
+    used = engine.pool.num_pages - engine.pool.num_free
+    out = engine.abort(gone.request_id)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.pool.num_pages - engine.pool.num_free < used
+    assert engine.abort(gone.request_id) is None
+    final = engine.run_to_completion()
+    assert list(final) == [keep.request_id]
+
+
+def test_prefix_cache_hits_skip_computation_and_keep_tokens():
+    system = list(range(1, 33))                                  # 32 tokens = 8 full pages
+    ps = [system + [40 + i, 41, 42] for i in range(3)]
+    runs = {}
+    for caching in (False, True):
+        engine, runner = engine_for(prefix_caching=caching, max_batched_tokens=64)
+        outs = [engine.generate([p], greedy(5))[0] for p in ps]  # one after another: later ones hit
+        computed = sum(len(s["tokens"]) for s in runner.steps)
+        runs[caching] = (tokens_of(outs), computed, [o.num_cached_tokens for o in outs], engine.pool.stats)
+    assert runs[True][0] == runs[False][0] == [reference_greedy(p, 5, VOCAB) for p in ps]
+    assert runs[True][2] == [0, 32, 32] and runs[False][2] == [0, 0, 0]
+    assert runs[False][1] - runs[True][1] == 64                  # two prompts skipped 32 tokens each
+    assert runs[True][3].hit_tokens == 64
+
+
+def test_priority_runs_first_and_fcfs_within_a_priority():
+    engine, _ = engine_for(max_num_seqs=1)
+    order = []
+    a = engine.add_request([1, 2, 3], greedy(1), priority=1)
+    b = engine.add_request([4, 5, 6], greedy(1), priority=0)
+    c = engine.add_request([7, 8, 9], greedy(1), priority=0)
+    engine.run_to_completion(lambda out: order.append(out.request_id))
+    assert order == [b.request_id, c.request_id, a.request_id]
+
+
+def test_n_samples_share_the_prompt_pages_with_copy_on_write():
+    engine, runner = engine_for(num_pages=32)
+    prompt = list(range(1, 11))                                  # 10 tokens: the third page is partial
+    params = SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=6, ignore_eos=True)
+    [out] = engine.generate([prompt], params)
+    assert len(out.outputs) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    prefill_tokens = sum(len(s["tokens"]) for s in runner.steps if len(s["tokens"]) > 4)
+    assert prefill_tokens == 10                                   # the prompt was computed once
+    assert runner.copied == 3                   # the shared partial page, copied once per extra sample
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1    # own generators: samples differ
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_n_samples_greedy_are_identical_and_exact():
+    engine, runner = engine_for(num_pages=32)
+    prompt = list(range(1, 11))
+    [out] = engine.generate([prompt], greedy(7, n=3))
+    assert runner.copied == 2
+    assert [c.token_ids for c in out.outputs] == [reference_greedy(prompt, 7, VOCAB)] * 3
+
+
+def test_stop_token_min_tokens_and_logprobs():
+    engine, _ = engine_for()
+    prompt = [5, 6, 7]
+    ref = reference_greedy(prompt, 10, VOCAB)
+    stop = ref[2]
+    [out] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop],
+                                                     logprobs=2))
+    first = ref.index(stop)
+    c = out.outputs[0]
+    assert c.token_ids == ref[:first + 1] and c.finish_reason == "stop" and c.stop_reason == stop
+    assert len(c.logprobs) == len(c.token_ids) and all(len(lp) in (2, 3) for lp in c.logprobs)
+    assert c.cumulative_logprob < 0
+    [late] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop],
+                                                      min_tokens=first + 2))
+    assert stop not in late.outputs[0].token_ids[:first + 2]
+
+
+def test_metrics_are_ordered():
+    engine, _ = engine_for()
+    [out] = engine.generate([[1, 2, 3]], greedy(5))
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finish_time
+    assert m.ttft >= 0 and m.tpot(5) >= 0
+
+
+@pytest.mark.parametrize("bad", [dict(n=0), dict(min_p=2.0), dict(logprobs=99), dict(stop=[""]),
+                                 dict(presence_penalty=3.0), dict(logit_bias={-1: 1.0}),
+                                 dict(min_tokens=20, max_tokens=5)])
+def test_bad_sampling_params_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from kiln.runtime.tokenizer import Tokenizer
+    from kiln.tiny import train_tokenizer
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(out)
+    return Tokenizer(out)
+
+
+def test_stop_string_spanning_tokens_ends_the_text_before_it(tokenizer):
+    vocab = tokenizer.vocab_size
+    runner = FakeRunner(64, 4, vocab)
+    engine = Engine(runner, 64, (), tokenizer=tokenizer)
+    prompt = tokenizer.encode("The quick brown fox")
+    ref = reference_greedy(prompt, 24, vocab)
+    pieces = [tokenizer.decode(ref[:i + 1]) for i in range(len(ref))]
+    full = pieces[-1]
+    # a stop string that starts inside one token's text and ends inside a later one
+    boundary = next(len(pieces[i]) for i in range(3, len(ref)) if 2 < len(pieces[i]) < len(full) - 3)
+    stop = full[boundary - 2:boundary + 2]
+    [out] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=True))
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full[:full.find(stop)]
+    assert len(c.token_ids) < 24
