@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	# torch pinned to the local CPU build; transformers/torch are for import and tests only.
 	$(PY) -m pip install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
 	    "transformers>=4.45" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
-	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "pytest>=8" "hypothesis>=6.100" "setuptools>=68"
+	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
+	    "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" "schemathesis>=3.30" "setuptools>=68"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

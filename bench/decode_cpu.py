@@ -16,7 +16,9 @@ import statistics
 import time
 from pathlib import Path
 
-MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8"), "q4": ("float32", "q4")}
+# mode -> (dtype, weight quant, KV cache dtype)
+MODES = {"f32": ("float32", None, None), "bf16": ("bfloat16", None, None), "q8": ("float32", "q8", None),
+         "q4": ("float32", "q4", None), "fp8": ("float32", "fp8", None), "q8+kv8": ("float32", "q8", "int8")}
 
 
 def copy_bandwidth() -> float:
@@ -33,7 +35,7 @@ def copy_bandwidth() -> float:
 
 def step_weight_bytes(manifest: dict) -> int:
     """Bytes of weights one decode step streams: all stored weights but the embedding rows table."""
-    item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1}
+    item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
     return sum(item[w["dtype"]] * _prod(w["shape"]) for w in manifest["weights"]
                if w["name"] != "model.embed_tokens.weight")
 
@@ -86,10 +88,10 @@ def main() -> None:
 
     rows, greedy = [], {}
     for mode in args.modes.split(","):
-        dtype, quant = MODES[mode]
+        dtype, quant, kv = MODES[mode]
         t0 = time.perf_counter()
         manifest = compile_model(model_dir, work / f"artifact-{mode}", target="cpu", dtype=dtype, quant=quant,
-                                 show=None)
+                                 kv_dtype=kv, show=None)
         compile_s = time.perf_counter() - t0
         size_mib = sum(f["bytes"] for f in manifest["files"].values()) / 2**20
         llm = LLM(work / f"artifact-{mode}", kv_memory="512MiB", max_num_seqs=max(batches))

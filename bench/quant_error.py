@@ -56,7 +56,7 @@ def teacher_forced_logits(artifact: Path, docs: list[list[int]]) -> np.ndarray:
     tables = [BlockTable() for _ in docs]
     steps = []
     for t in range(length - 1):
-        chunks = [SeqChunk([d[t]], t, table.pages, pool.grow(table, 1)) for d, table in zip(docs, tables)]
+        chunks = [SeqChunk([d[t]], t, table.pages, pool.grow(table, 1)[0]) for d, table in zip(docs, tables)]
         steps.append(model.forward(step_inputs(chunks, model.page_size)))
     return np.stack(steps, axis=1)
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from .quant import KV_SCHEMES, kv_scheme_for
+from .quant import kv_scheme_for
 from .types import FLOAT_DTYPES, IRError, TensorType, numpy_dtype
 
 REQUIRED = object()
@@ -345,7 +345,7 @@ def _paged_attention():
         scales = x[9] if len(x) > 9 else None
         page_size = pages.shape[3]
         page, row = slots // page_size, slots % page_size
-        scheme = _kv_scheme_of(pages)
+        scheme = kv_scheme_for(pages.dtype.name)
         for kind, new in ((0, k), (1, v)):
             if scheme is None:
                 pages[page, kind, :, row] = new
@@ -419,11 +419,6 @@ def _paged_attention_fused():
 
 
 ATTENTION_OPS = ("paged_attention", "paged_attention_fused")     # both: kv_pages at input 3, kv_scales at 9
-
-
-def _kv_scheme_of(pages: np.ndarray):
-    """The KV scheme of a page array, by its NumPy dtype (None for unquantised pages)."""
-    return next((s for s in KV_SCHEMES.values() if np.dtype(pages.dtype) == numpy_dtype(s.storage_dtype)), None)
 
 
 @op("take_rows", ["x", "rows"])

@@ -110,5 +110,31 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
         run_prompt(artifact, prompt, params, kv_memory, as_json)
 
 
+@main.command()
+@click.argument("artifact")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes.")
+@click.option("--served-model-name", default=None, help="The model id clients use (default: the artifact's name).")
+@click.option("--kv-memory", default="auto", show_default=True,
+              help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
+@click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Sequences in one batch.")
+@click.option("--max-batched-tokens", default=2048, show_default=True, type=int, help="Tokens per engine step.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@click.option("--max-waiting", default=512, show_default=True, type=int, help="Queued requests before 429s.")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds running requests get to finish after SIGTERM.")
+def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
+          prefix_caching, max_waiting, drain_timeout):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
+    sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
+    from kiln.artifact import read_manifest
+    from kiln.serve.app import ServerConfig
+    from kiln.serve.server import serve as run_server
+    read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
+    run_server(ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
+                            prefix_caching, max_waiting), host, port, drain_timeout)
+
+
 if __name__ == "__main__":
     main()

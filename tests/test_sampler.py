@@ -141,3 +141,59 @@ def test_top_k_off_values():
 def test_batch_shape_mismatch():
     with pytest.raises(ValueError):
         sample(np.zeros((2, 4), dtype=np.float32), [_state()])
+
+
+# ---------------------------------------------------------------------------- processors (known values)
+
+def test_logit_bias_and_min_tokens_mask_on_known_logits():
+    from kiln.runtime.sampler import process_logits
+    logits = np.array([1.0, 2.0, 3.0, 0.5], np.float32)
+    state = SamplerState(SamplingParams(logit_bias={0: 5.0, 2: -1.0}, min_tokens=2), stop_ids=frozenset({3}))
+    assert process_logits(logits, state).tolist() == [6.0, 2.0, 2.0, -np.inf]
+    state.append(1)
+    state.append(1)                                     # min_tokens reached: the stop id is back
+    assert process_logits(logits, state)[3] == 0.5
+
+
+def test_repetition_presence_and_frequency_penalties_on_known_logits():
+    from kiln.runtime.sampler import process_logits
+    logits = np.array([2.0, -2.0, 1.0, 4.0], np.float32)
+    rep = SamplerState(SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 1])
+    rep.append(3)
+    # seen tokens 0, 1 (prompt) and 3 (output): positive logits halved, negative ones doubled
+    assert process_logits(logits, rep).tolist() == [1.0, -4.0, 1.0, 2.0]
+    pen = SamplerState(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[0])
+    for tok in (2, 2, 3):
+        pen.append(tok)
+    # the prompt is not penalised; token 2: 0.5 + 2 * 0.25, token 3: 0.5 + 0.25
+    assert process_logits(logits, pen).tolist() == [2.0, -2.0, 0.0, 3.25]
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability():
+    # probabilities 0.6, 0.3, 0.1 and min_p 0.4: the threshold is 0.24, so 0.1 goes and 0.3 stays
+    logits = np.log(np.array([0.6, 0.3, 0.1]))
+    counts = np.zeros(3, int)
+    state = _state(temperature=1.0, min_p=0.4, seed=0)
+    for _ in range(3000):
+        counts[sample(logits[None], [state])[0]] += 1
+    assert counts[2] == 0                              # 0.1 < 0.4 * 0.6
+    assert abs(counts[0] / 3000 - 2 / 3) < 0.03        # renormalised over 0.6 and 0.3
+
+
+def test_top_logprobs_are_the_log_softmax_of_the_raw_logits():
+    from kiln.runtime.sampler import top_logprobs
+    logits = np.array([0.0, np.log(3.0), np.log(6.0)])  # softmax 0.1, 0.3, 0.6
+    lp = top_logprobs(logits, 0, 2)
+    assert set(lp) == {0, 2, 1}
+    assert np.allclose([lp[0], lp[1], lp[2]], np.log([0.1, 0.3, 0.6]))
+
+
+def test_n_samples_seed_their_generators_apart():
+    base = SamplerState(SamplingParams(temperature=1.0, seed=5))
+    other = base.fork(1)
+    logits = np.zeros((1, 1000))
+    a = [sample(logits, [base])[0] for _ in range(20)]
+    b = [sample(logits, [other])[0] for _ in range(20)]
+    assert a != b
+    again = SamplerState(SamplingParams(temperature=1.0, seed=5)).fork(1)
+    assert [sample(logits, [again])[0] for _ in range(20)] == b

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible HTTP app (FastAPI): requests in, engine calls, responses out.
+
+It holds no scheduling logic: a request becomes `AsyncEngine.generate` and its outputs become
+OpenAI JSON or server-sent events. Every error is OpenAI's error object with the right status
+(400 invalid parameter, naming it; 401 bad key; 404 unknown model; 413 body too large; 429
+queue full; 503 loading or draining); one bad request never touches the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kiln
+from kiln.errors import KilnError
+
+from . import responses
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class ServerConfig:
+    artifact: str
+    served_model_name: str | None = None
+    api_key: str | None = None
+    kv_memory: str = "auto"
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    prefix_caching: bool = True
+    max_waiting: int = 512                 # requests queued beyond this get a 429
+    max_body_bytes: int = 4 << 20
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.artifact).name
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before anything parses it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise APIError(413, f"request body over {self.limit} bytes")
+            return message
+        try:
+            await self.app(scope, limited, send)
+        except APIError as e:
+            await error_response(e.status, e.message)(scope, receive, send)
+
+
+def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
+    state = {"llm": None, "engine": None, "draining": False, "load_error": None}
+    metrics = ServerMetrics(lambda: state["llm"].engine if state["llm"] else None)
+
+    def load():
+        llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
+                       max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching)
+        state["llm"], state["engine"] = llm, kiln.AsyncEngine(llm.engine)
+        return llm
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if state["llm"] is None:
+            async def load_in_background():
+                try:
+                    await asyncio.to_thread(load)
+                except Exception as e:        # /health reports it; requests get 503
+                    state["load_error"] = str(e)
+            task = asyncio.get_running_loop().create_task(load_in_background())
+        yield
+        state["draining"] = True
+        if state["llm"] is None:
+            task.cancel()
+
+    if load_now:
+        load()
+    app = FastAPI(title="kiln", version=kiln.__version__, lifespan=lifespan)
+    app.state.kiln = state
+    app.state.config = config
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.kind)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):    # unparsable body, unknown route, wrong method
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind=kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):      # never a bare 500 page; the server keeps serving
+        return error_response(500, f"internal error: {type(e).__name__}", kind="server_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                return error_response(401, "missing or wrong API key", kind="authentication_error")
+        return await call_next(request)
+
+    def ready():
+        if state["draining"]:
+            raise APIError(503, "the server is shutting down", kind="service_unavailable")
+        if state["llm"] is None:
+            raise APIError(503, "the model is loading" if not state["load_error"] else
+                           f"the model failed to load: {state['load_error']}", kind="service_unavailable")
+        return state["llm"], state["engine"]
+
+    @app.get("/health")
+    async def health():
+        if state["load_error"]:
+            return JSONResponse({"status": "error", "message": state["load_error"]}, status_code=503)
+        if state["draining"] or state["llm"] is None:
+            return JSONResponse({"status": "draining" if state["draining"] else "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": kiln.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        llm, _ = ready()
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kiln", "max_model_len": llm.model.max_context}]}
+
+    def admit(body, llm, ids: list[int], max_tokens: int | None, default_max: int | None, logprobs: int | None):
+        if body.model not in (None, config.model_name):
+            raise APIError(404, f"model {body.model!r} does not exist (this server has {config.model_name!r})",
+                           "model", "not_found_error")
+        context = llm.model.max_context
+        if any(not 0 <= t < llm.model.vocab_size for t in ids):
+            raise APIError(400, "prompt holds a token id outside the vocabulary", "prompt")
+        if len(ids) >= context:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {context}", "messages"
+                           if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+        room = context - len(ids)
+        if max_tokens is None:
+            max_tokens = min(room, default_max or room)
+        elif max_tokens > room:
+            raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has "
+                           f"{len(ids)} and max_tokens asks {max_tokens} more", "max_tokens",
+                           "context_length_exceeded")
+        if len(llm.engine.scheduler.waiting) >= config.max_waiting:
+            raise APIError(429, "too many requests are waiting; retry later", kind="rate_limit_error")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            text = str(e)
+            param = text.split(".")[1].split(" ")[0] if text.startswith("SamplingParams.") else None
+            raise APIError(400, text, param) from None
+
+    async def run(engine, ids, params, body, prompt_text, fmt):
+        request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+        tracker = metrics.tracker()
+        created = int(time.time())
+        try:
+            stream = engine.generate(ids, params, request_id, prompt_text, body.priority)
+        except KilnError as e:
+            raise APIError(400, str(e)) from None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events():
+                async with contextlib.aclosing(stream) as outs:
+                    last = None
+                    async for out in outs:
+                        tracker.observe(out)
+                        last = out
+                        for chunk in fmt.chunks(out, request_id, created, config.model_name):
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                    if include_usage and last is not None:
+                        yield f"data: {json.dumps(fmt.usage_chunk(last, request_id, created, config.model_name))}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        final = None
+        async with contextlib.aclosing(stream) as outs:
+            async for out in outs:
+                tracker.observe(out)
+                final = out
+        return fmt.response(final, request_id, created, config.model_name)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        llm, engine = ready()
+        text = body.prompt if isinstance(body.prompt, str) else None
+        ids = llm.tokenizer.encode(text) if text is not None else list(body.prompt)
+        params = admit(body, llm, ids, body.max_tokens, 16, body.logprobs)
+        return await run(engine, ids, params, body, text, responses.Completion(llm.tokenizer, body, ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        llm, engine = ready()
+        tok = llm.tokenizer
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except KilnError as e:
+            raise APIError(400, str(e), "messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = admit(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs)
+        return await run(engine, ids, params, body, text, responses.Chat(tok, body, ids))
+
+    return app

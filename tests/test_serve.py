@@ -1,0 +1,258 @@
+"""`kiln serve` on loopback, driven by the official `openai` client and by raw HTTP: answers equal
+the offline API's, every bad input gets its 4xx, a fuzzer finds no 5xx, disconnects free pages."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("torch")
+
+KEY = "sk-kiln-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def artifact(make_model, tmp_path_factory):
+    from kiln.compiler import compile_model
+    out = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    compile_model(make_model("llama"), out, target="cpu", show=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--port", str(port),
+                             "--api-key", KEY, "--kv-memory", "64MiB", "--max-num-seqs", "16", "--max-waiting", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def offline(artifact):
+    from kiln.runtime.llm import LLM
+    return LLM(artifact, kv_memory="16MiB")
+
+
+def post(server, path, body=None, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=60, **kw)
+
+
+def used_pages(server) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    return float(re.search(r"^kiln_kv_pages_used (\S+)$", text, re.M).group(1))
+
+
+# ---------------------------------------------------------------------------- answers
+
+def test_completion_equals_the_offline_api(client, offline, artifact):
+    from kiln.runtime.sampler import SamplingParams
+    got = client.completions.create(model="tiny-llama", prompt="The quick brown fox", max_tokens=12, temperature=0)
+    want = offline.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_chat_equals_the_offline_api_streaming_or_not(client, offline):
+    from kiln.runtime.sampler import SamplingParams
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0)
+    tok = offline.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert whole.choices[0].message.content == want.outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids) and not chunks[-1].choices
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_n_seed_stop_and_logprobs(client):
+    kw = dict(model="tiny-llama", prompt="Once upon", max_tokens=8, temperature=1.0, seed=11, n=3)
+    first, again = (client.completions.create(**kw) for _ in range(2))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    greedy = client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=16, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[3:6]
+    stopped = client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=16, temperature=0,
+                                        stop=[stop])
+    assert stopped.choices[0].text == text[:text.find(stop)] and stopped.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model="tiny-llama", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2)
+    p = lp.choices[0].logprobs
+    assert len(p.tokens) == 4 and all(v <= 0 for v in p.token_logprobs) and all(len(t) >= 2 for t in p.top_logprobs)
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-9 for c in content)
+
+
+def test_models_health_version_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert "version" in httpx.get(f"{server}/version").json()
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("kiln_requests_running", "kiln_requests_waiting", "kiln_kv_cache_usage_ratio",
+                 "kiln_prefix_cache_hit_rate", "kiln_prompt_tokens_total", "kiln_generation_tokens_total",
+                 "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
+                 "kiln_e2e_request_latency_seconds_bucket", "kiln_requests_finished_total"):
+        assert name in text, name
+
+
+# ---------------------------------------------------------------------------- bad input
+
+BAD = [
+    ("malformed json", dict(content=b'{"prompt": "x", '), 400, None),
+    ("wrong type", dict(json={"prompt": "x", "max_tokens": "many"}), 400, "max_tokens"),
+    ("negative max_tokens", dict(json={"prompt": "x", "max_tokens": -3}), 400, "max_tokens"),
+    ("huge max_tokens", dict(json={"prompt": "x", "max_tokens": 10**9}), 400, "max_tokens"),
+    ("empty prompt", dict(json={"prompt": ""}), 400, "prompt"),
+    ("prompt over the context", dict(json={"prompt": [5] * 5000}), 400, "prompt"),
+    ("token outside the vocabulary", dict(json={"prompt": [10**6]}), 400, "prompt"),
+    ("unknown model", dict(json={"prompt": "x", "model": "gpt-9"}), 404, "model"),
+    ("invalid utf-8", dict(content=b'{"prompt": "\xff\xfe"}'), 400, None),
+    ("temperature out of range", dict(json={"prompt": "x", "temperature": 7}), 400, "temperature"),
+    ("bad logit_bias", dict(json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias"),
+    ("min_tokens above max_tokens", dict(json={"prompt": "x", "max_tokens": 2, "min_tokens": 9}), 400, None),
+    ("10 MB body", dict(content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}'), 413, None),
+]
+
+
+@pytest.mark.parametrize("name,kw,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(server, client, name, kw, status, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server}/v1/completions", headers=headers, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and (param is None or err["param"] == param), err
+    assert client.completions.create(model="tiny-llama", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_missing_or_wrong_key_is_401(server, key):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=key)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_empty_chat_is_400(server):
+    r = post(server, "/v1/chat/completions", {"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+# ---------------------------------------------------------------------------- disconnects, fuzzing, load
+
+def test_client_that_disconnects_mid_stream_frees_its_pages(server):
+    body = {"prompt": "A long story:", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.time() + 10
+    while used_pages(server) and time.time() < deadline:
+        time.sleep(0.1)
+    assert used_pages(server) == 0
+
+
+@pytest.mark.skipif(shutil.which("schemathesis") is None and not os.path.exists(
+    os.path.join(os.path.dirname(sys.executable), "schemathesis")), reason="schemathesis is not installed")
+def test_fuzzing_the_openapi_schema_finds_no_5xx(server):
+    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
+    proc = subprocess.run([st, "run", f"{server}/openapi.json", "--checks", "not_a_server_error", "-n", "25",
+                           "-H", f"Authorization: Bearer {KEY}", "--request-timeout", "30",
+                           "--phases", "examples,fuzzing"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "/v1/completions" in proc.stdout and "/v1/chat/completions" in proc.stdout   # both were fuzzed
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_sixty_four_streaming_clients_with_disconnects(server):
+    """64 concurrent streaming clients for a bounded time, a quarter of them hanging up early:
+    no 5xx, every accepted request completes or ends with an explicit error, no page left held."""
+    import asyncio
+    import random
+    duration = float(os.environ.get("KILN_LOAD_SECONDS", "60"))
+    results = {"done": 0, "dropped": 0, "errors": 0, "5xx": 0}
+
+    async def one_client(i, http):
+        rng = random.Random(i)
+        end = time.time() + duration
+        while time.time() < end:
+            body = {"prompt": [rng.randrange(3, 500) for _ in range(rng.randrange(4, 80))],
+                    "max_tokens": rng.randrange(4, 64), "stream": True, "temperature": 0.8}
+            hang_up = rng.random() < 0.25
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code >= 500:
+                        results["5xx"] += 1
+                        continue
+                    if r.status_code != 200:
+                        results["errors"] += 1
+                        continue
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += 1
+                        if hang_up and n > 3:
+                            results["dropped"] += 1
+                            break
+                        if line == "data: [DONE]":
+                            results["done"] += 1
+            except httpx.HTTPError:
+                results["errors"] += 1
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                                     limits=httpx.Limits(max_connections=128)) as http:
+            await asyncio.gather(*(one_client(i, http) for i in range(64)))
+
+    asyncio.run(main())
+    assert results["5xx"] == 0 and results["done"] > 64 and results["dropped"] > 0, results
+    deadline = time.time() + 20
+    while used_pages(server) and time.time() < deadline:
+        time.sleep(0.2)
+    assert used_pages(server) == 0
+    assert httpx.get(f"{server}/health").status_code == 200
