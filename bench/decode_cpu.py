@@ -75,13 +75,10 @@ def main() -> None:
     from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from kiln.tiny import PRESETS, make_tiny_model
+    from kiln.tiny import preset_model
 
     work = Path(args.workdir) / args.preset
-    family, overrides = PRESETS[args.preset]
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir, family or "llama", seed=0, **overrides)
+    model_dir = preset_model(args.preset, work / "model")
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [np.random.default_rng(i).integers(3, 500, args.prompt_len).tolist() for i in range(max(batches))]
     bandwidth = copy_bandwidth()

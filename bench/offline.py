@@ -4,8 +4,8 @@ without prefix caching; then the engine's Python overhead per step.
 
     python bench/offline.py [--preset tiny|llama-3.2-1b] [--prompts 64] [--prefix-prompts N] [--threads 2]
 
-Workload: --prompts prompts of 16-256 random tokens, each asking for 16-128 new tokens (greedy,
-EOS ignored). HF gets the same prompts in one batch padded to the longest, generating the
+Workload: --prompts prompts of --prompt-lens random tokens (16-256), each asking for --new-tokens
+(16-128) new tokens (greedy, EOS ignored). HF gets the same prompts in one batch padded to the longest, generating the
 longest request's token count (the shorter requests' extra tokens are not counted for it).
 """
 from __future__ import annotations
@@ -17,11 +17,15 @@ import time
 from pathlib import Path
 
 
+PROMPT_LENS, NEW_TOKENS = (16, 256), (16, 128)
+
+
 def workload(n: int, seed: int = 0, prefix: list[int] | None = None):
     import numpy as np
     rng = np.random.default_rng(seed)
-    prompts = [(prefix or []) + rng.integers(3, 500, int(rng.integers(16, 257))).tolist() for _ in range(n)]
-    return prompts, [int(rng.integers(16, 129)) for _ in range(n)]
+    lo, hi = PROMPT_LENS
+    prompts = [(prefix or []) + rng.integers(3, 500, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+    return prompts, [int(rng.integers(NEW_TOKENS[0], NEW_TOKENS[1] + 1)) for _ in range(n)]
 
 
 def run_kiln(llm, prompts, max_tokens) -> dict:
@@ -63,8 +67,13 @@ def main() -> None:
     ap.add_argument("--workdir", default="build/bench")
     ap.add_argument("--prefix-prompts", type=int, default=None, help="prompts in the shared-prefix run "
                     "(default: --prompts)")
+    ap.add_argument("--prompt-lens", default="16-256", help="prompt length range (own tokens)")
+    ap.add_argument("--new-tokens", default="16-128", help="new tokens range")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
+    global PROMPT_LENS, NEW_TOKENS
+    PROMPT_LENS = tuple(map(int, args.prompt_lens.split("-")))
+    NEW_TOKENS = tuple(map(int, args.new_tokens.split("-")))
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import numpy as np
     import torch
@@ -72,18 +81,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
-    from kiln.tiny import PRESETS, make_tiny_model
+    from kiln.tiny import preset_model
 
     work = Path(args.workdir) / args.preset
-    family, overrides = PRESETS[args.preset]
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        make_tiny_model(model_dir, family or "llama", seed=0, **overrides)
+    model_dir = preset_model(args.preset, work / "model")
     artifact = work / "artifact-f32"
     if not (artifact / "manifest.json").exists():
         compile_model(model_dir, artifact, target="cpu", show=None)
-    print(f"\n{args.preset}: {args.threads} threads, f32, {args.prompts} prompts of 16-256 tokens, "
-          f"16-128 new tokens each, greedy")
+    print(f"\n{args.preset}: {args.threads} threads, f32, {args.prompts} prompts of {args.prompt_lens} tokens, "
+          f"{args.new_tokens} new tokens each, greedy")
 
     prompts, max_tokens = workload(args.prompts)
     kv = "2GiB"
@@ -105,7 +111,7 @@ def main() -> None:
     prefix = np.random.default_rng(99).integers(3, 500, 512).tolist()
     n_shared = args.prefix_prompts or args.prompts
     shared, shared_max = workload(n_shared, seed=1, prefix=prefix)
-    print(f"\nshared 512-token prefix + 16-256 own tokens, {n_shared} prompts")
+    print(f"\nshared 512-token prefix + {args.prompt_lens} own tokens, {n_shared} prompts")
     print("| prefix caching | wall (s) | output tok/s | median TTFT (s) | prompt tokens from cache |\n|---|---|---|---|---|")
     for caching in (False, True):
         llm = LLM(artifact, kv_memory=kv, max_num_seqs=args.prompts, max_batched_tokens=2048, prefix_caching=caching)

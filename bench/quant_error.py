@@ -95,12 +95,9 @@ def main() -> None:
         run = lambda path: teacher_forced_logits(path, docs)   # noqa: E731
         what = f"{len(docs)} held-out documents, every next-token prediction over their first {args.tokens} tokens"
     else:
-        from kiln.tiny import PRESETS, make_tiny_model
+        from kiln.tiny import preset_model
         work = Path(args.workdir) / args.preset
-        family, overrides = PRESETS[args.preset]
-        model_dir = work / "model"
-        if not (model_dir / "config.json").exists():
-            make_tiny_model(model_dir, family or "llama", seed=0, **overrides)
+        model_dir = preset_model(args.preset, work / "model")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, 500, int(rng.integers(8, 40))).tolist() for _ in range(args.prompts)]
         run = lambda path: last_logits(path, prompts)            # noqa: E731

@@ -31,8 +31,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         return T.float32(1) if scales is None else scales[page, kind, kvh, row]
 
     @T.macro
-    def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
-               batch):
+    def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
+               output, batch):
         for task in T.parallel(batch * kv_heads):
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
@@ -54,8 +54,9 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 kv_len = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
                 for i in range(n_q):
                     for g, d in T.grid(group, head_dim):
-                        qv[g, d] = load_head_element(qkv, positions, inv_freq, q_start + i, (kvh * group + g) * head_dim,
-                                                     d, head_dim, dtype, rope) * T.float32(scale)
+                        qv[g, d] = load_head_element(qkv, positions, inv_freq, q_start + i,
+                                                     (kvh * group + g) * head_dim, d, head_dim, dtype,
+                                                     rope) * T.float32(scale)
                         acc[g, d] = T.float32(0)
                     for g in range(group):
                         state[g, 0] = T.float32(lowest)

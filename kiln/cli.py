@@ -136,5 +136,39 @@ def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_s
                             prefix_caching, max_waiting), host, port, drain_timeout)
 
 
+@main.group()
+def bench():
+    """Benchmarks."""
+
+
+@bench.command("serve")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="An OpenAI-compatible server.")
+@click.option("--model", default=None, help="Model id (default: the server's first).")
+@click.option("--num-prompts", default=100, show_default=True, type=int)
+@click.option("--request-rate", default="inf", show_default=True, help="Poisson arrivals per second, or inf.")
+@click.option("--max-concurrency", default=None, type=int, help="Requests in flight at most.")
+@click.option("--input-len", default=128, show_default=True, type=int)
+@click.option("--output-len", default=128, show_default=True, type=int)
+@click.option("--dataset", type=click.Choice(["random", "sharegpt-like"]), default="random", show_default=True)
+@click.option("--api-key", default=None)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "json_path", default=None, help="Also write the report as JSON to this file.")
+def bench_serve(url, model, num_prompts, request_rate, max_concurrency, input_len, output_len, dataset, api_key, seed,
+                json_path):
+    """Load an OpenAI-compatible server and report throughput and latency (as `vllm bench serve`)."""
+    import asyncio
+    import json
+    from kiln.serve.bench import format_report, make_requests, run_benchmark
+    rate = float(request_rate)
+    if rate <= 0 or num_prompts < 1 or (max_concurrency is not None and max_concurrency < 1):
+        raise KilnError("--request-rate, --num-prompts and --max-concurrency must be positive")
+    requests = make_requests(num_prompts, input_len, output_len, dataset, seed)
+    report = asyncio.run(run_benchmark(url.rstrip("/"), model, requests, rate, max_concurrency, api_key, seed))
+    click.echo(format_report(report))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 if __name__ == "__main__":
     main()

@@ -62,8 +62,9 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool) -> None:
     t = _timings(out, load_seconds)
     done = out.outputs[0]
     if as_json:
-        print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids, "output_token_ids": done.token_ids,
-                          "text": done.text, "finish_reason": done.finish_reason, "timings": t}))
+        print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
+                          "output_token_ids": done.token_ids, "text": done.text,
+                          "finish_reason": done.finish_reason, "timings": t}))
     else:
         def rate(v):
             return f"{v:.1f} tok/s" if v else "n/a"

@@ -205,6 +205,15 @@ def make_tiny_model(out_dir, family: str = "llama", seed: int = 0, **overrides) 
     return out
 
 
+def preset_model(preset: str, out_dir) -> Path:
+    """The model of a PRESETS entry at `out_dir`, made there first if it is not yet (benchmarks)."""
+    family, overrides = PRESETS[preset]
+    out = Path(out_dir)
+    if not (out / "config.json").exists():
+        make_tiny_model(out, family or "llama", seed=0, **overrides)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kiln.tiny", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path)

@@ -119,7 +119,8 @@ class Engine:
             in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
             self.stats.prefill_tokens += in_prompt
             self.stats.decode_tokens += c.num_tokens - in_prompt
-            inputs.append(SeqChunk(seq.all_ids[c.start:c.start + c.num_tokens], c.start, list(seq.table.pages), c.slots))
+            tokens = seq.all_ids[c.start:c.start + c.num_tokens]
+            inputs.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots))
         tf = time.perf_counter()
         logits = self.model.forward(step_inputs(inputs, self.model.page_size))
         self.stats.forward_seconds += time.perf_counter() - tf

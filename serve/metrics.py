@@ -31,9 +31,11 @@ class ServerMetrics:
             engine_value(lambda e: e.pool.num_pages - e.pool.num_free))
         Gauge("kiln_kv_pages_total", "KV pages in the pool", registry=r).set_function(
             engine_value(lambda e: e.pool.num_pages))
+        def hit_rate(e):
+            stats = e.pool.stats
+            return stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0
         Gauge("kiln_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
-              registry=r).set_function(engine_value(
-                  lambda e: e.pool.stats.hit_tokens / e.pool.stats.queried_tokens if e.pool.stats.queried_tokens else 0))
+              registry=r).set_function(engine_value(hit_rate))
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter("kiln_requests_finished", "Finished requests by finish reason", ["reason"], registry=r)

@@ -20,3 +20,15 @@ def make_model(tmp_path_factory):
             built[family] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, seed=0)
         return built[family]
     return make
+
+
+@pytest.fixture(scope="session")
+def llama_cpu(make_model, tmp_path_factory):
+    """(artifact dir, HF model) of the tiny GQA Llama compiled for the CPU, built once."""
+    transformers = pytest.importorskip("transformers")
+    from kiln.compiler import compile_model
+    model_dir = make_model("llama")
+    artifact = tmp_path_factory.mktemp("cpu") / "artifact"
+    compile_model(model_dir, artifact, target="cpu", show=None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    return artifact, hf

@@ -15,14 +15,9 @@ NUM_PAGES = 32
 
 
 @pytest.fixture(scope="module")
-def llama(make_model, tmp_path_factory):
-    """(artifact dir, HF model) for the tiny GQA Llama."""
-    from kiln.compiler import compile_model
-    model_dir = make_model("llama")
-    artifact = tmp_path_factory.mktemp("cpu") / "artifact"
-    compile_model(model_dir, artifact, target="cpu", show=None)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    return artifact, hf
+def llama(llama_cpu):
+    """(artifact dir, HF model) for the tiny GQA Llama (tests/conftest.py)."""
+    return llama_cpu
 
 
 @pytest.fixture

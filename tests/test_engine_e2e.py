@@ -14,13 +14,9 @@ from reference import hf_greedy, random_prompt as prompt  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def llama(make_model, tmp_path_factory):
-    from kiln.compiler import compile_model
-    model_dir = make_model("llama")
-    artifact = tmp_path_factory.mktemp("engine") / "artifact"
-    compile_model(model_dir, artifact, target="cpu", show=None)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    return artifact, hf
+def llama(llama_cpu):
+    """(artifact dir, HF model) for the tiny GQA Llama (tests/conftest.py)."""
+    return llama_cpu
 
 
 def greedy(max_tokens, **kw):

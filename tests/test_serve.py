@@ -18,6 +18,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
 KEY = "sk-kiln-test"
+server_pids: dict[str, int] = {}
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def free_port() -> int:
@@ -53,6 +59,7 @@ def server(artifact):
     else:
         proc.kill()
         pytest.fail("server did not become healthy")
+    server_pids[url] = proc.pid
     yield url
     proc.terminate()
     proc.wait(timeout=60)
@@ -249,10 +256,69 @@ def test_sixty_four_streaming_clients_with_disconnects(server):
                                      limits=httpx.Limits(max_connections=128)) as http:
             await asyncio.gather(*(one_client(i, http) for i in range(64)))
 
+    rss_before = rss_mib(server_pids[server])
     asyncio.run(main())
+    rss_after = rss_mib(server_pids[server])
     assert results["5xx"] == 0 and results["done"] > 64 and results["dropped"] > 0, results
+    assert rss_after - rss_before < 150, (rss_before, rss_after)        # memory stays flat
     deadline = time.time() + 20
     while used_pages(server) and time.time() < deadline:
         time.sleep(0.2)
     assert used_pages(server) == 0
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_bench_serve_reports_against_the_server(server, tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "serve", "--url", server, "--api-key", KEY,
+                           "--num-prompts", "12", "--max-concurrency", "4", "--request-rate", "50",
+                           "--input-len", "20", "--output-len", "8", "--dataset", "sharegpt-like",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                 "Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "Median E2EL (ms):"):
+        assert line in proc.stdout, line
+    report = json.loads(out.read_text())
+    assert report["successful_requests"] == 12 and report["failed_requests"] == 0
+    assert report["total_output_tokens"] > 12 and report["total_input_tokens"] > 12
+    assert 0 < report["ttft_ms"]["median"] <= report["e2el_ms"]["median"]
+
+
+def test_sigterm_drains_running_requests_then_exits(artifact):
+    """SIGTERM: the stream already running still ends with [DONE], then the process exits 0."""
+    import signal
+    import threading
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--port", str(port),
+                             "--kv-memory", "16MiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    statuses = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                statuses.append(httpx.get(f"{url}/health", timeout=2).status_code)
+                if statuses[-1] == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert statuses[-1] == 200
+        lines: list[str] = []
+        body = {"prompt": "Tell a long story", "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not lines:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(timeout=120)
+        assert proc.wait(timeout=120) == 0
+        assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 250
+    finally:
+        if proc.poll() is None:
+            proc.kill()
