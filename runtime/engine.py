@@ -174,15 +174,14 @@ class Engine:
         m.last_token_time = now
         if seq.logprobs is not None:
             seq.logprobs.append(top_logprobs(raw_logits, tok, p.logprobs))
-        stopped_by_token = tok in seq.state.stop_ids and len(seq.output_ids) > p.min_tokens - 1
+        stopped_by_token = tok in seq.state.stop_ids      # the sampler masks them until min_tokens
         if seq.detokenizer is not None and not (stopped_by_token and tok in self.eos_ids):
             self._add_text(seq, seq.detokenizer.add(tok))
-        if seq.finished:                                  # a stop string matched
-            pass
-        elif stopped_by_token:
-            seq.finish_reason, seq.stop_reason = "stop", tok
-        elif len(seq.output_ids) >= p.max_tokens:
-            seq.finish_reason = "length"
+        if not seq.finished:                              # (a stop string may have ended it already)
+            if stopped_by_token:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+            elif len(seq.output_ids) >= p.max_tokens:
+                seq.finish_reason = "length"
         if seq.finished:
             if seq.detokenizer is not None and seq.stop_reason not in p.stop:
                 self._add_text(seq, seq.detokenizer.flush())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
         llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
                        max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching)
         state["llm"], state["engine"] = llm, kiln.AsyncEngine(llm.engine)
+        print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}", file=sys.stderr, flush=True)
         return llm
 
     @contextlib.asynccontextmanager
@@ -181,13 +183,17 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
         if len(ids) >= context:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {context}", "messages"
                            if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
-        room = context - len(ids)
+        pool = llm.engine.pool
+        room = min(context, pool.num_pages * pool.page_size) - len(ids)   # what the context and KV cache allow
         if max_tokens is None:
+            if room < 1:
+                raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in this server's KV cache",
+                               "prompt", "context_length_exceeded")
             max_tokens = min(room, default_max or room)
         elif max_tokens > room:
-            raise APIError(400, f"this model's maximum context length is {context} tokens; the prompt has "
-                           f"{len(ids)} and max_tokens asks {max_tokens} more", "max_tokens",
-                           "context_length_exceeded")
+            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens asks {max_tokens} more; at most "
+                           f"{max(room, 0)} fit (context {context} tokens, KV cache {pool.num_pages * pool.page_size})",
+                           "max_tokens", "context_length_exceeded")
         if len(llm.engine.scheduler.waiting) >= config.max_waiting:
             raise APIError(429, "too many requests are waiting; retry later", kind="rate_limit_error")
         try:

@@ -5,7 +5,7 @@ Requests go to /v1/completions, streaming, with Poisson arrivals at --request-ra
 at once) and at most --max-concurrency in flight. Prompts are random words (so any server's
 tokenizer can read them); the server's `usage` gives the true token counts. Every request asks
 for its output length with `ignore_eos` (servers that do not know it stop at their EOS; the
-report counts what came back). TTFT is the time to the first text chunk, ITL the gaps between
+report counts what came back). TTFT is the time to the first chunk, ITL the gaps between
 chunks, TPOT (E2EL - TTFT) / (output tokens - 1).
 """
 from __future__ import annotations
@@ -72,7 +72,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_toke
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # every chunk with a choice carries a token, even when its text is still empty
+                # (a character split across tokens, or a random-weight model's unprintable ids)
+                if chunk.get("choices"):
                     if last is None:
                         res.ttft = now - start
                     else:

@@ -41,11 +41,12 @@ def artifact(make_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(artifact):
+def server(artifact, tmp_path_factory):
     port = free_port()
+    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w")     # a file: a pipe could fill and block
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--port", str(port),
                              "--api-key", KEY, "--kv-memory", "64MiB", "--max-num-seqs", "16", "--max-waiting", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -54,7 +55,7 @@ def server(artifact):
                 break
         except httpx.HTTPError:
             pass
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, open(log.name).read()
         time.sleep(0.3)
     else:
         proc.kill()
@@ -63,6 +64,7 @@ def server(artifact):
     yield url
     proc.terminate()
     proc.wait(timeout=60)
+    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +225,7 @@ def test_sixty_four_streaming_clients_with_disconnects(server):
     import asyncio
     import random
     duration = float(os.environ.get("KILN_LOAD_SECONDS", "60"))
-    results = {"done": 0, "dropped": 0, "errors": 0, "5xx": 0}
+    results = {"done": 0, "dropped": 0, "errors": 0, "5xx": 0, "incomplete": 0}
 
     async def one_client(i, http):
         rng = random.Random(i)
@@ -240,14 +242,15 @@ def test_sixty_four_streaming_clients_with_disconnects(server):
                     if r.status_code != 200:
                         results["errors"] += 1
                         continue
-                    n = 0
+                    n, done = 0, False
                     async for line in r.aiter_lines():
                         n += 1
                         if hang_up and n > 3:
                             results["dropped"] += 1
                             break
-                        if line == "data: [DONE]":
-                            results["done"] += 1
+                        done = done or line == "data: [DONE]"
+                    else:
+                        results["done" if done else "incomplete"] += 1
             except httpx.HTTPError:
                 results["errors"] += 1
 
@@ -259,7 +262,8 @@ def test_sixty_four_streaming_clients_with_disconnects(server):
     rss_before = rss_mib(server_pids[server])
     asyncio.run(main())
     rss_after = rss_mib(server_pids[server])
-    assert results["5xx"] == 0 and results["done"] > 64 and results["dropped"] > 0, results
+    assert results["5xx"] == 0 and results["incomplete"] == 0, results     # every stream ends in [DONE] or an error
+    assert results["done"] > 64 and results["dropped"] > 0, results
     assert rss_after - rss_before < 150, (rss_before, rss_after)        # memory stays flat
     deadline = time.time() + 20
     while used_pages(server) and time.time() < deadline:
@@ -284,13 +288,14 @@ def test_bench_serve_reports_against_the_server(server, tmp_path):
     assert 0 < report["ttft_ms"]["median"] <= report["e2el_ms"]["median"]
 
 
-def test_sigterm_drains_running_requests_then_exits(artifact):
+def test_sigterm_drains_running_requests_then_exits(artifact, tmp_path):
     """SIGTERM: the stream already running still ends with [DONE], then the process exits 0."""
     import signal
     import threading
     port = free_port()
+    log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--port", str(port),
-                             "--kv-memory", "16MiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--kv-memory", "16MiB"], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     statuses = []
     try:
@@ -319,6 +324,7 @@ def test_sigterm_drains_running_requests_then_exits(artifact):
         reader.join(timeout=120)
         assert proc.wait(timeout=120) == 0
         assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 250
+        assert "tokens fit" in log.read_text()             # the KV capacity is printed at start-up
     finally:
         if proc.poll() is None:
             proc.kill()
