@@ -29,6 +29,13 @@ class _Format:
             self._sent_tokens[c.index] = len(c.token_ids)
         return self.logprobs(c.token_ids[start:], c.logprobs[start:])
 
+    def chunks(self, out, request_id, created, model):
+        """One stream chunk per choice that got tokens (or finished) in this step."""
+        for c in out.outputs:
+            if c.new_text or c.new_token_ids or c.finish_reason:
+                yield {"id": request_id, "object": self.chunk_name, "created": created, "model": model,
+                       "choices": [self.stream_choice(c)]}
+
     def usage_chunk(self, out, request_id, created, model) -> dict:
         return {"id": request_id, "object": self.chunk_name, "created": created, "model": model, "choices": [],
                 "usage": usage(out)}
@@ -57,13 +64,9 @@ class Completion(_Format):
         return {"id": request_id, "object": self.object_name, "created": created, "model": model,
                 "choices": choices, "usage": usage(out)}
 
-    def chunks(self, out, request_id, created, model):
-        for c in out.outputs:
-            if not (c.new_text or c.new_token_ids or c.finish_reason):
-                continue
-            yield {"id": request_id, "object": self.chunk_name, "created": created, "model": model,
-                   "choices": [{"index": c.index, "text": c.new_text, "logprobs": self._new_logprobs(c, True),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+    def stream_choice(self, c) -> dict:
+        return {"index": c.index, "text": c.new_text, "logprobs": self._new_logprobs(c, True),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
 class Chat(_Format):
@@ -90,14 +93,10 @@ class Chat(_Format):
         return {"id": request_id, "object": self.object_name, "created": created, "model": model,
                 "choices": choices, "usage": usage(out)}
 
-    def chunks(self, out, request_id, created, model):
-        for c in out.outputs:
-            if not (c.new_text or c.new_token_ids or c.finish_reason):
-                continue
-            delta = {"content": c.new_text}
-            if c.index not in self._started:
-                self._started.add(c.index)
-                delta = {"role": "assistant", **delta}
-            yield {"id": request_id, "object": self.chunk_name, "created": created, "model": model,
-                   "choices": [{"index": c.index, "delta": delta, "logprobs": self._new_logprobs(c, True),
-                                "finish_reason": c.finish_reason}]}
+    def stream_choice(self, c) -> dict:
+        delta = {"content": c.new_text}
+        if c.index not in self._started:            # the first chunk of a choice names the role
+            self._started.add(c.index)
+            delta = {"role": "assistant", **delta}
+        return {"index": c.index, "delta": delta, "logprobs": self._new_logprobs(c, True),
+                "finish_reason": c.finish_reason}

@@ -289,7 +289,7 @@ def test_bench_serve_reports_against_the_server(server, tmp_path):
 
 
 def test_sigterm_drains_running_requests_then_exits(artifact, tmp_path):
-    """SIGTERM: the stream already running still ends with [DONE], then the process exits 0."""
+    """SIGTERM: the stream already running still ends with [DONE], then the server shuts down."""
     import signal
     import threading
     port = free_port()
@@ -314,17 +314,19 @@ def test_sigterm_drains_running_requests_then_exits(artifact, tmp_path):
 
         def stream():
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    lines.append(line)
+                lines.extend(line for line in r.iter_lines() if line)      # one event at a time
         reader = threading.Thread(target=stream)
         reader.start()
         while not lines:
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         reader.join(timeout=120)
-        assert proc.wait(timeout=120) == 0
+        # uvicorn re-raises the signal after its graceful shutdown: the exit status is -SIGTERM
+        assert proc.wait(timeout=120) in (0, -signal.SIGTERM)
         assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 250
-        assert "tokens fit" in log.read_text()             # the KV capacity is printed at start-up
+        text = log.read_text()
+        assert "Application shutdown complete" in text      # it drained, it was not killed
+        assert "tokens fit" in text                         # the KV capacity is printed at start-up
     finally:
         if proc.poll() is None:
             proc.kill()
