@@ -225,7 +225,7 @@ def test_sixty_four_streaming_clients_with_disconnects(server):
     no 5xx, every accepted request completes or ends with an explicit error, no page left held."""
     import asyncio
     import random
-    duration = float(os.environ.get("KILN_LOAD_SECONDS", "60"))
+    duration = float(os.environ.get("KILN_LOAD_SECONDS", "60")) / 3
     results = {"done": 0, "dropped": 0, "errors": 0, "5xx": 0, "incomplete": 0}
 
     async def one_client(i, http):
@@ -260,12 +260,14 @@ def test_sixty_four_streaming_clients_with_disconnects(server):
                                      limits=httpx.Limits(max_connections=128)) as http:
             await asyncio.gather(*(one_client(i, http) for i in range(64)))
 
-    rss_before = rss_mib(server_pids[server])
-    asyncio.run(main())
-    rss_after = rss_mib(server_pids[server])
+    rss = [rss_mib(server_pids[server])]
+    for _ in range(3):                      # three equal rounds: memory may grow while warming up, then not
+        asyncio.run(main())
+        rss.append(rss_mib(server_pids[server]))
     assert results["5xx"] == 0 and results["incomplete"] == 0, results     # every stream ends in [DONE] or an error
     assert results["done"] > 64 and results["dropped"] > 0, results
-    assert rss_after - rss_before < 150, (rss_before, rss_after)        # memory stays flat
+    print(f"server RSS (MiB) before and after each round: {rss}; {results}")
+    assert rss[3] - rss[2] < max(20.0, 0.25 * (rss[2] - rss[0])), rss    # memory stays flat after warm-up
     deadline = time.time() + 20
     while used_pages(server) and time.time() < deadline:
         time.sleep(0.2)
