@@ -119,7 +119,7 @@ class Engine:
             in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
             self.stats.prefill_tokens += in_prompt
             self.stats.decode_tokens += c.num_tokens - in_prompt
-            tokens = seq.all_ids[c.start:c.start + c.num_tokens]
+            tokens = seq.tokens(c.start, c.start + c.num_tokens)
             inputs.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots))
         tf = time.perf_counter()
         logits = self.model.forward(step_inputs(inputs, self.model.page_size))
@@ -128,7 +128,8 @@ class Engine:
         for row, c in enumerate(schedule.chunks):
             seq = c.seq
             seq.num_computed += c.num_tokens
-            self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
+            if seq.num_computed // self.pool.page_size > len(seq.table.hashes):    # a page just filled
+                self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
             if seq.num_computed == seq.num_tokens:        # caught up: this row's logits pick the next token
                 for s in self._fork_samples(seq):
                     rows.append(row)

@@ -91,6 +91,14 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (the per-step path reads only the new tokens)."""
+        prompt = self.request.prompt_ids
+        n = len(prompt)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return prompt[start:end] + self.output_ids[:max(0, end - n)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
