@@ -108,7 +108,7 @@ def build_graph(c: LlamaConfig, dtype: str, page_size: int) -> Graph:
     page_values = b.input("page_values", ("nnz_pages",), "int32")
     last_page_len = b.input("last_page_len", ("seqs",), "int32")
     slot_mapping = b.input("slot_mapping", ("tokens",), "int32")
-    logit_rows = b.input("logit_rows", ("seqs",), "int32")
+    logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
     kv_pages = [b.input(f"kv_pages{i}", ("pages", 2, HKV, page_size, D), dtype) for i in range(c.num_layers)]
     inv_freq = b.param(ROPE_PARAM, (D // 2,), "float32")
 

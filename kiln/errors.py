@@ -1,5 +1,13 @@
-"""The one exception type users see: a clear, one-line message about their input."""
+"""The exception types users see: a clear, one-line message about their input."""
 
 
 class KilnError(Exception):
     """Bad input or an unsupported feature; the CLI prints it on one line and exits with code 2."""
+
+
+class ParamError(KilnError, ValueError):
+    """A request parameter is invalid; `param` names it (the server's 400 reports it as is)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param

@@ -15,13 +15,13 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import ParamError
 
 from .kv_pool import PagePool
 from .request import Request, RequestOutput, Sequence
 from .sampler import SamplerState, SamplingParams, sample, top_logprobs
 from .scheduler import Scheduler
-from .step import SeqChunk, step_inputs
+from .step import SeqChunk, output_offsets, step_inputs
 
 
 @dataclass
@@ -50,30 +50,47 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     prompt: str | None = None, priority: int = 0) -> Request:
+        """Validate and queue a request (raises ParamError, changing nothing, if it cannot run)."""
+        return self.enqueue(self.check_request(prompt_ids, params, request_id, prompt, priority))
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, prompt: str | None = None, priority: int = 0) -> Request:
+        """Everything `add_request` checks, without touching the engine's state: safe to call while
+        a step runs in another thread. Returns the Request for `enqueue`."""
         params = params or SamplingParams()
         if not prompt_ids:
-            raise KilnError("the prompt is empty")
+            raise ParamError("prompt", "the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
-            raise KilnError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.model.vocab_size})")
+            raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary "
+                                       f"(size {self.model.vocab_size})")
         room = self.model.max_context - len(prompt_ids)
         if room < 1:
-            raise KilnError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.model.max_context}")
+            raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; the model's context is "
+                                       f"{self.model.max_context}")
         if params.max_tokens > room:
             params = SamplingParams(**{**params.__dict__, "max_tokens": room,
                                        "min_tokens": min(params.min_tokens, room)})
         need = self.pool.pages_for(len(prompt_ids) + params.max_tokens)
         if need > self.pool.num_pages:
-            raise KilnError(f"request needs {need} KV pages; the pool has {self.pool.num_pages} (give more KV memory)")
+            too_long = self.pool.pages_for(len(prompt_ids) + 1) > self.pool.num_pages
+            raise ParamError("prompt" if too_long else "max_tokens",
+                             f"request needs {need} KV pages; the pool has {self.pool.num_pages} "
+                             "(give more KV memory)")
         if params.stop and self.tokenizer is None:
-            raise KilnError("stop strings need a tokenizer")
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
-            raise KilnError(f"request id {request_id!r} is already running")
-        req = Request(request_id, list(prompt_ids), params, prompt, priority)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = self._new_sequence(req, 0, SamplerState(params, req.prompt_ids, stop_ids))
-        self.requests[request_id] = req
+            raise ParamError("stop", "stop strings need a tokenizer")
+        if request_id is not None and request_id in self.requests:
+            raise ParamError("request_id", f"request id {request_id!r} is already running")
+        return Request(str(next(self._ids)) if request_id is None else request_id, list(prompt_ids), params,
+                       prompt, priority)
+
+    def enqueue(self, req: Request) -> Request:
+        """Queue a request made by `check_request` (between steps)."""
+        if req.request_id in self.requests:
+            raise ParamError("request_id", f"request id {req.request_id!r} is already running")
+        stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
+        seq = self._new_sequence(req, 0, SamplerState(req.params, req.prompt_ids, stop_ids))
+        self.requests[req.request_id] = req
         self.scheduler.add(seq)
         return req
 
@@ -120,21 +137,30 @@ class Engine:
             self.stats.prefill_tokens += in_prompt
             self.stats.decode_tokens += c.num_tokens - in_prompt
             tokens = seq.tokens(c.start, c.start + c.num_tokens)
-            inputs.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots))
+            inputs.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots,
+                                   all_rows=bool(in_prompt) and seq.request.needs_prompt_logprobs))
         tf = time.perf_counter()
         logits = self.model.forward(step_inputs(inputs, self.model.page_size))
         self.stats.forward_seconds += time.perf_counter() - tf
+        offsets = output_offsets(inputs)
         rows, ready = [], []
-        for row, c in enumerate(schedule.chunks):
+        touched: dict[str, Request] = {}
+        for i, c in enumerate(schedule.chunks):
             seq = c.seq
+            row = offsets[i + 1] - 1                      # this chunk's last token's logits
+            if inputs[i].all_rows:
+                self._add_prompt_logprobs(seq.request, c.start, logits[offsets[i]:offsets[i + 1]])
             seq.num_computed += c.num_tokens
             if seq.num_computed // self.pool.page_size > len(seq.table.hashes):    # a page just filled
                 self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
             if seq.num_computed == seq.num_tokens:        # caught up: this row's logits pick the next token
                 for s in self._fork_samples(seq):
+                    if s.request.params.max_tokens == 0:      # prompt only (scoring): nothing to sample
+                        self._finish_unsampled(s, now)
+                        touched[s.request.request_id] = s.request
+                        continue
                     rows.append(row)
                     ready.append(s)
-        touched: dict[str, Request] = {}
         if ready:
             tokens = sample(logits[rows], [s.state for s in ready])
             now = time.perf_counter()
@@ -148,6 +174,21 @@ class Engine:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
+
+    def _finish_unsampled(self, seq: Sequence, now: float) -> None:
+        seq.finish_reason = "length"
+        self.scheduler.finish(seq)
+        if seq.request.finished:
+            seq.request.metrics.finish_time = now
+
+    def _add_prompt_logprobs(self, req: Request, start: int, logits: np.ndarray) -> None:
+        """Logprobs of the prompt tokens these rows predict: row j (position start + j) predicts
+        prompt token start + j + 1. Rows recomputed after a preemption are skipped."""
+        k = req.params.prompt_logprobs
+        for j in range(logits.shape[0]):
+            target = start + j + 1
+            if target == len(req.prompt_logprobs) and target < len(req.prompt_ids):
+                req.prompt_logprobs.append(top_logprobs(logits[j], req.prompt_ids[target], k))
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: n > 1 samples fork when the prompt is done."""

@@ -65,6 +65,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then {id: logprob}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -127,6 +129,13 @@ class Request:
         self.arrival_no = next(_arrivals)
         self.metrics = RequestMetrics(time.perf_counter())
         self.sequences: list[Sequence] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt tokens' logprobs are still to be computed (their rows' logits wanted)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:
@@ -135,4 +144,4 @@ class Request:
     def output(self) -> RequestOutput:
         completions = [s.completion() for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), completions, self.finished,
-                             self.metrics)
+                             self.metrics, None if self.prompt_logprobs is None else list(self.prompt_logprobs))

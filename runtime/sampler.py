@@ -24,6 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kiln.errors import ParamError
+
 
 @dataclass
 class SamplingParams:
@@ -33,8 +35,8 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 means off
     top_k: int = 0  # number of top tokens kept; 0 or -1 means off
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 means off
-    seed: int | None = None  # None: fresh OS entropy
-    max_tokens: int = 16
+    seed: int | None = None  # None: fresh OS entropy; any int (folded into [0, 2**64))
+    max_tokens: int = 16  # 0: compute the prompt only (its logprobs), generate nothing
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) are masked until this many are generated
     n: int = 1  # samples of the same prompt, sharing its KV pages
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
@@ -45,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI)
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    prompt_logprobs: int | None = None  # as logprobs, for every prompt token after the first
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -54,8 +57,8 @@ class SamplingParams:
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "an int >= 1, or 0 / -1 for off")
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an int or None")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an int >= 1")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens", self.max_tokens,
+               "an int >= 0")
         _check(isinstance(self.stop_token_ids, (list, tuple))
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
@@ -77,8 +80,9 @@ class SamplingParams:
                and all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100
                        for k, v in self.logit_bias.items()),
                "logit_bias", self.logit_bias, "a dict of token id -> bias in [-100, 100]")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
-               self.logprobs, "None or an int in [0, 20]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= 20), name, value, "None or an int in [0, 20]")
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens, "a bool")
         self.stop_token_ids = list(self.stop_token_ids)
         self.stop = list(self.stop)
@@ -99,7 +103,17 @@ def _is_number(x) -> bool:
 
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+        raise ParamError(name, f"SamplingParams.{name} must be {expected}, got {_short(value)}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _seed_words(seed: int) -> int:
+    """Any int as a seed numpy accepts: folded into [0, 2**64) (negative and huge seeds included)."""
+    return int(seed) % (1 << 64)
 
 
 @dataclass
@@ -116,7 +130,7 @@ class SamplerState:
     num_output: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        seed = self.params.seed
+        seed = None if self.params.seed is None else _seed_words(self.params.seed)
         self.rng = np.random.default_rng(seed if self.index == 0 or seed is None else [seed, self.index])
         self.output_counts = {}
         self.seen = np.unique(np.asarray(self.prompt_ids, np.int64))   # for the repetition penalty
@@ -157,8 +171,14 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> dict[int, float]:
     """log-softmax of the raw logits: the sampled token's logprob and the top k alternatives'."""
     x = logits.astype(np.float64)
     logz = x.max() + np.log(np.exp(x - x.max()).sum())
-    best = np.argsort(-x, kind="stable")[:k] if k else np.array([], np.int64)
-    return {int(t): float(x[t] - logz) for t in [token, *best.tolist()]}
+    best = []
+    if k:
+        # every id tied with the k-th best, then a stable sort: ties go to the lowest ids
+        k = min(k, x.shape[0])
+        kth = np.partition(x, x.shape[0] - k)[x.shape[0] - k]
+        ids = np.flatnonzero(x >= kth)
+        best = ids[np.argsort(-x[ids], kind="stable")][:k].tolist()
+    return {int(t): float(x[t] - logz) for t in [token, *best]}
 
 
 def sample(logits: np.ndarray, states: Sequence[SamplerState]) -> np.ndarray:

@@ -103,7 +103,8 @@ class Scheduler:
             return out
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if seq.num_computed == 0 and not seq.table.pages:
+            # a request that wants its prompt's logprobs computes every prompt row: no cache lookup
+            if seq.num_computed == 0 and not seq.table.pages and not seq.request.needs_prompt_logprobs:
                 seq.num_computed = cached = self.pool.match_prefix(seq.table, seq.all_ids)
             else:
                 cached = None

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI): requests in, engine calls, responses out.
 
-It holds no scheduling logic: a request becomes `AsyncEngine.generate` and its outputs become
-OpenAI JSON or server-sent events. Every error is OpenAI's error object with the right status
+It holds no scheduling logic: a request's prompts are admitted with one synchronous
+`AsyncEngine.add_requests` (so whatever the engine refuses is a 4xx before any byte is sent),
+and their outputs become OpenAI JSON or server-sent events. Every error is OpenAI's error object with the right status
 (400 invalid parameter, naming it; 401 bad key; 404 unknown model; 413 body too large; 429
 queue full; 503 loading or draining); one bad request never touches the others.
 """
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
-from kiln.errors import KilnError
+from kiln.errors import KilnError, ParamError
 
 from . import responses
 from .metrics import ServerMetrics
@@ -173,86 +174,125 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "kiln", "max_model_len": llm.model.max_context}]}
 
-    def admit(body, llm, ids: list[int], max_tokens: int | None, default_max: int | None, logprobs: int | None):
+    def check_model(body):
         if body.model not in (None, config.model_name):
             raise APIError(404, f"model {body.model!r} does not exist (this server has {config.model_name!r})",
                            "model", "not_found_error")
+
+    def sampling(body, llm, ids: list[int], max_tokens: int | None, default_max: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None = None, prompt_param: str = "prompt"):
+        """The request's SamplingParams for one prompt; max_tokens defaults to what the context and
+        the KV cache leave (at most `default_max`)."""
         context = llm.model.max_context
-        if any(not 0 <= t < llm.model.vocab_size for t in ids):
-            raise APIError(400, "prompt holds a token id outside the vocabulary", "prompt")
         if len(ids) >= context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {context}", "messages"
-                           if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {context}", prompt_param,
+                           "context_length_exceeded")
         pool = llm.engine.pool
         room = min(context, pool.num_pages * pool.page_size) - len(ids)   # what the context and KV cache allow
         if max_tokens is None:
             if room < 1:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in this server's KV cache",
-                               "prompt", "context_length_exceeded")
+                               prompt_param, "context_length_exceeded")
             max_tokens = min(room, default_max or room)
         elif max_tokens > room:
             raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens asks {max_tokens} more; at most "
                            f"{max(room, 0)} fit (context {context} tokens, KV cache {pool.num_pages * pool.page_size})",
                            "max_tokens", "context_length_exceeded")
-        if len(llm.engine.scheduler.waiting) >= config.max_waiting:
-            raise APIError(429, "too many requests are waiting; retry later", kind="rate_limit_error")
         try:
-            return body.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            text = str(e)
-            param = text.split(".")[1].split(" ")[0] if text.startswith("SamplingParams.") else None
-            raise APIError(400, text, param) from None
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from None
 
-    async def run(engine, ids, params, body, prompt_text, fmt):
-        request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
-        tracker = metrics.tracker()
-        created = int(time.time())
+    def submit(engine, body, ids: list[list[int]], params: list, texts: list[str | None], prefix: str,
+               prompt_param: str = "prompt"):
+        """Admit every prompt of the request in one synchronous step, before any byte is sent.
+        Returns the response id and the stream of the engine requests (one per prompt)."""
+        if len(engine.engine.scheduler.waiting) + engine.num_pending + len(ids) > config.max_waiting:
+            raise APIError(429, "too many requests are waiting; retry later", kind="rate_limit_error")
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            stream = engine.generate(ids, params, request_id, prompt_text, body.priority)
+            return request_id, engine.add_requests([dict(prompt_ids=i, params=p, request_id=f"{request_id}-{k}", prompt=t,
+                                             priority=body.priority)
+                                        for k, (i, p, t) in enumerate(zip(ids, params, texts))])
+        except ParamError as e:
+            raise APIError(400, str(e), prompt_param if e.param == "prompt" else e.param) from None
         except KilnError as e:
             raise APIError(400, str(e)) from None
+
+    async def respond(request_id, stream, body, fmt):
+        """Stream the outputs as server-sent events, or wait for the whole response."""
+        tracker = metrics.tracker()
+        created = int(time.time())
+        finals: dict[str, object] = {}
+
+        def in_prompt_order():
+            return [finals[r] for r in stream.request_ids]
+
+        async def drain():
+            """Every output, tracked; counts what a closed or failed stream leaves unfinished as aborted."""
+            try:
+                async for out in stream:
+                    tracker.observe(out)
+                    if out.finished:
+                        finals[out.request_id] = out
+                    yield out
+            finally:
+                unfinished = len(stream.request_ids) - len(finals)
+                if unfinished:
+                    tracker.aborted(unfinished * body.n)
+                await stream.aclose()
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def events():
-                async with contextlib.aclosing(stream) as outs:
-                    last = None
-                    async for out in outs:
-                        tracker.observe(out)
-                        last = out
-                        for chunk in fmt.chunks(out, request_id, created, config.model_name):
-                            yield f"data: {json.dumps(chunk)}\n\n"
-                    if include_usage and last is not None:
-                        yield f"data: {json.dumps(fmt.usage_chunk(last, request_id, created, config.model_name))}\n\n"
+                try:
+                    async with contextlib.aclosing(drain()) as outs:
+                        async for out in outs:
+                            for chunk in fmt.chunks(out, request_id, created, config.model_name):
+                                yield f"data: {json.dumps(chunk)}\n\n"
+                except Exception as e:        # the stream already began: end it with an error event
+                    error = {"message": f"internal error: {type(e).__name__}", "type": "server_error",
+                             "param": None, "code": 500}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                else:
+                    if include_usage:
+                        yield f"data: {json.dumps(fmt.usage_chunk(in_prompt_order(), request_id, created, config.model_name))}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        final = None
-        async with contextlib.aclosing(stream) as outs:
-            async for out in outs:
-                tracker.observe(out)
-                final = out
-        return fmt.response(final, request_id, created, config.model_name)
+        async with contextlib.aclosing(drain()) as outs:
+            async for _ in outs:
+                pass
+        return fmt.response(in_prompt_order(), request_id, created, config.model_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         llm, engine = ready()
-        text = body.prompt if isinstance(body.prompt, str) else None
-        ids = llm.tokenizer.encode(text) if text is not None else list(body.prompt)
-        params = admit(body, llm, ids, body.max_tokens, 16, body.logprobs)
-        return await run(engine, ids, params, body, text, responses.Completion(llm.tokenizer, body, ids))
+        check_model(body)
+        texts = [p if isinstance(p, str) else None for p in body.prompts]
+        ids = [llm.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
+        scoring = body.logprobs if body.echo else None      # echo + logprobs: the prompt's logprobs too
+        params = [sampling(body, llm, i, body.max_tokens, 16, body.logprobs, scoring) for i in ids]
+        request_id, stream = submit(engine, body, ids, params, texts, "cmpl")
+        return await respond(request_id, stream, body, responses.Completion(llm.tokenizer, body, ids, texts, stream.request_ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         llm, engine = ready()
+        check_model(body)
         tok = llm.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except KilnError as e:
             raise APIError(400, str(e), "messages") from None
+        except Exception as e:          # the template itself failed on these messages (raise_exception, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
         ids = tok.encode(text, add_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = admit(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs)
-        return await run(engine, ids, params, body, text, responses.Chat(tok, body, ids))
+        params = sampling(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs,
+                          prompt_param="messages")
+        request_id, stream = submit(engine, body, [ids], [params], [text], "chatcmpl", prompt_param="messages")
+        return await respond(request_id, stream, body, responses.Chat(tok, body, [ids], [text], stream.request_ids))
 
     return app

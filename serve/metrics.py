@@ -21,10 +21,13 @@ class ServerMetrics:
         def engine_value(fn):
             return lambda: (fn(self._engine()) if self._engine() is not None else 0.0)
 
-        Gauge("kiln_requests_running", "Sequences in the running batch", registry=r).set_function(
-            engine_value(lambda e: len(e.scheduler.running)))
-        Gauge("kiln_requests_waiting", "Sequences waiting to be admitted", registry=r).set_function(
-            engine_value(lambda e: len(e.scheduler.waiting)))
+        def request_ids(seqs) -> set[str]:      # n > 1 samples of one request count once
+            return {s.request.request_id for s in list(seqs)}
+        Gauge("kiln_requests_running", "Requests with a sequence in the running batch", registry=r).set_function(
+            engine_value(lambda e: len(request_ids(e.scheduler.running))))
+        Gauge("kiln_requests_waiting", "Requests waiting to be admitted (none of their sequences running)",
+              registry=r).set_function(engine_value(
+                  lambda e: len(request_ids(e.scheduler.waiting) - request_ids(e.scheduler.running))))
         Gauge("kiln_kv_cache_usage_ratio", "Share of KV pages held by sequences", registry=r).set_function(
             engine_value(lambda e: 1 - e.pool.num_free / e.pool.num_pages))
         Gauge("kiln_kv_pages_used", "KV pages held by sequences", registry=r).set_function(
@@ -79,5 +82,6 @@ class RequestTracker:
             for c in out.outputs:
                 self.m.finished.labels(c.finish_reason or "unknown").inc()
 
-    def aborted(self) -> None:
-        self.m.finished.labels("abort").inc()
+    def aborted(self, choices: int = 1) -> None:
+        """A request (with `choices` unfinished samples) that a client closed or a failure ended."""
+        self.m.finished.labels("abort").inc(choices)

@@ -1,39 +1,80 @@
 """The OpenAI request bodies kiln accepts (pydantic), and their translation to SamplingParams.
 
 Field names and ranges follow OpenAI's API; the extensions vLLM users expect (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority) sit beside them. Unknown
-fields are ignored, as OpenAI's server does. A value out of range fails validation, which the
-app turns into a 400 naming the parameter.
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority) sit beside them. As in
+OpenAI's schema every optional field is nullable: an explicit `null` means the default. Unknown
+fields are ignored, as OpenAI's server does; fields kiln knows but does not implement (`suffix`,
+`tools`, a JSON `response_format`, image or audio content, ...) are refused by name rather than
+silently dropped. A value out of range fails validation, which the app turns into a 400 naming
+the parameter.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln.runtime.sampler import SamplingParams
+
+
+def _no_lone_surrogates(value: Any) -> None:
+    """JSON may carry unpaired UTF-16 surrogates ("\\ud800"); they are not text a tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("holds an unpaired surrogate (\\ud800-\\udfff): not valid Unicode text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_lone_surrogates(k)
+            _no_lone_surrogates(v)
+    elif isinstance(value, list):
+        for v in value:
+            _no_lone_surrogates(v)
+
+
+def _unsupported(name: str, what: str) -> ValueError:
+    return ValueError(f"{name} is not supported by kiln yet ({what})")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_is_unicode(cls, v):
+        _no_lone_surrogates(v)
+        return v
+
+
+class _Sampling(_Request):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = None                       # any integer: the sampler folds it into range
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
     # extensions
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -63,47 +104,116 @@ class _Sampling(BaseModel):
             out[int(key)] = bias
         return out
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if v:
+            raise _unsupported(info.field_name, "no tool calling")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v not in (None, "none"):
+            raise _unsupported(info.field_name, "no tool calling; only 'none'")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise _unsupported("response_format", f"type {v.get('type')!r}; only 'text'")
+        return v
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        return self
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, n=self.n, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {}, logprobs=logprobs)
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {}, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Sampling):
+    # one prompt (text or token ids) or several: one choice per prompt x n, in that order
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)    # 0 with echo: score the prompt only
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("kiln takes one prompt per request (send several requests instead)")
-            v = v[0]
-        if not v:
+    def _prompts(cls, v):
+        prompts = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if not prompts or any(not p for p in prompts):
             raise ValueError("prompt is empty")
+        if len(prompts) > 256:
+            raise ValueError("at most 256 prompts per request")
+        return prompts
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise _unsupported("suffix", "no fill-in-the-middle")
         return v
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return self.prompt                          # normalised to a list by the validator
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v):
+        for i, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part {i} has type {kind!r}: this model takes text only "
+                                 "(no image, audio or file parts)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} has no 'text' string")
+        return v
+
     def text(self) -> str:
-        if isinstance(self.content, list):         # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    audio: dict | None = None
+    modalities: list[str] | None = None
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v):
+        if v is not None:
+            raise _unsupported("audio", "text output only")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v):
+        if v and set(v) != {"text"}:
+            raise _unsupported("modalities", "text only")
+        return v

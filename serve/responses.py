@@ -1,12 +1,11 @@
 """RequestOutputs as OpenAI JSON: whole responses, stream chunks, usage and logprobs, for
-/v1/completions (`Completion`) and /v1/chat/completions (`Chat`)."""
+/v1/completions (`Completion`) and /v1/chat/completions (`Chat`).
+
+One HTTP request may hold several engine requests (one per prompt); prompt k's sample i is the
+response's choice k * n + i, as in OpenAI's API. Usage sums over prompts (each prompt's tokens
+counted once) and over every choice's completion tokens.
+"""
 from __future__ import annotations
-
-
-def usage(out) -> dict:
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-            "total_tokens": len(out.prompt_token_ids) + completion}
 
 
 class _Format:
@@ -14,69 +13,110 @@ class _Format:
     object_name = ""
     chunk_name = ""
 
-    def __init__(self, tokenizer, body, prompt_ids):
-        self.tok, self.body, self.prompt_ids = tokenizer, body, prompt_ids
+    def __init__(self, tokenizer, body, prompt_ids: list[list[int]], prompt_texts: list[str | None],
+                 request_ids: list[str]):
+        self.tok, self.body, self.prompt_ids, self.prompt_texts = tokenizer, body, prompt_ids, prompt_texts
+        self._prompt_of = {rid: k for k, rid in enumerate(request_ids)}
         self._sent_tokens: dict[int, int] = {}     # per choice: how many tokens' logprobs were streamed
+
+    def choice_index(self, out, c) -> int:
+        return self._prompt_of[out.request_id] * self.body.n + c.index
 
     def token_text(self, token: int) -> str:
         return self.tok.decode_raw([token], skip_special_tokens=False)
 
-    def _new_logprobs(self, c, streaming: bool):
+    def _new_logprobs(self, out, c, streaming: bool):
         if c.logprobs is None:
             return None
-        start = self._sent_tokens.get(c.index, 0) if streaming else 0
+        index = self.choice_index(out, c)
+        start = self._sent_tokens.get(index, 0) if streaming else 0
         if streaming:
-            self._sent_tokens[c.index] = len(c.token_ids)
-        return self.logprobs(c.token_ids[start:], c.logprobs[start:])
+            self._sent_tokens[index] = len(c.token_ids)
+        return self.logprobs(out, c.token_ids[start:], c.logprobs[start:], first=start == 0,
+                             stream_index=index if streaming else None)
+
+    def usage(self, finals: list) -> dict:
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _envelope(self, request_id, created, model, name) -> dict:
+        return {"id": request_id, "object": name, "created": created, "model": model}
+
+    def response(self, finals: list, request_id, created, model) -> dict:
+        """The whole response from each prompt's final output (in prompt order)."""
+        choices = [self.choice(out, c) for out in finals for c in out.outputs]
+        return {**self._envelope(request_id, created, model, self.object_name), "choices": choices,
+                "usage": self.usage(finals)}
 
     def chunks(self, out, request_id, created, model):
         """One stream chunk per choice that got tokens (or finished) in this step."""
         for c in out.outputs:
-            if c.new_text or c.new_token_ids or c.finish_reason:
-                yield {"id": request_id, "object": self.chunk_name, "created": created, "model": model,
-                       "choices": [self.stream_choice(c)]}
+            if c.new_text or c.new_token_ids or c.finish_reason or self.choice_index(out, c) not in self._sent_tokens:
+                yield {**self._envelope(request_id, created, model, self.chunk_name),
+                       "choices": [self.stream_choice(out, c)]}
 
-    def usage_chunk(self, out, request_id, created, model) -> dict:
-        return {"id": request_id, "object": self.chunk_name, "created": created, "model": model, "choices": [],
-                "usage": usage(out)}
+    def usage_chunk(self, finals: list, request_id, created, model) -> dict:
+        return {**self._envelope(request_id, created, model, self.chunk_name), "choices": [],
+                "usage": self.usage(finals)}
 
 
 class Completion(_Format):
     prefix, object_name, chunk_name = "cmpl", "text_completion", "text_completion"
 
-    def logprobs(self, tokens, lps) -> dict:
-        texts = [self.token_text(t) for t in tokens]
-        offsets, pos = [], 0
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._text_pos: dict[int | None, int] = {}     # per streamed choice: where its next token's text starts
+
+    def _prompt_text(self, out) -> str:
+        k = self._prompt_of[out.request_id]
+        text = self.prompt_texts[k]
+        return text if text is not None else self.tok.decode(self.prompt_ids[k])
+
+    def logprobs(self, out, tokens, lps, first: bool, stream_index: int | None = None) -> dict:
+        """OpenAI's completion logprobs; with echo, the prompt's tokens come first (the first one
+        has no logprob: nothing predicts it). Text offsets run on across a choice's stream chunks."""
+        entries = list(zip(tokens, (lp[t] for t, lp in zip(tokens, lps)), lps))
+        if self.body.echo and first:
+            prompt = self.prompt_ids[self._prompt_of[out.request_id]]
+            plps = out.prompt_logprobs or [None] * len(prompt)
+            entries = [(t, None if lp is None else lp[t], lp) for t, lp in zip(prompt, plps)] + entries
+        texts = [self.token_text(t) for t, _, _ in entries]
+        offsets, pos = [], self._text_pos.get(stream_index, 0)
         for t in texts:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": texts, "token_logprobs": [lp[t] for t, lp in zip(tokens, lps)],
-                "top_logprobs": [{self.token_text(a): v for a, v in lp.items()} for lp in lps],
+        if stream_index is not None:
+            self._text_pos[stream_index] = pos
+        return {"tokens": texts, "token_logprobs": [value for _, value, _ in entries],
+                "top_logprobs": [None if lp is None else {self.token_text(a): v for a, v in lp.items()}
+                                 for _, _, lp in entries],
                 "text_offset": offsets}
 
-    def _text(self, c) -> str:
-        prompt = self.tok.decode(self.prompt_ids) if self.body.echo else ""
-        return prompt + c.text
+    def _logprobs_whole(self, out, c):
+        if c.logprobs is None:
+            return None
+        return self.logprobs(out, c.token_ids, c.logprobs, first=True)
 
-    def response(self, out, request_id, created, model) -> dict:
-        choices = [{"index": c.index, "text": self._text(c), "logprobs": self._new_logprobs(c, False),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": request_id, "object": self.object_name, "created": created, "model": model,
-                "choices": choices, "usage": usage(out)}
-
-    def stream_choice(self, c) -> dict:
-        return {"index": c.index, "text": c.new_text, "logprobs": self._new_logprobs(c, True),
+    def choice(self, out, c) -> dict:
+        text = (self._prompt_text(out) if self.body.echo else "") + c.text
+        return {"index": self.choice_index(out, c), "text": text, "logprobs": self._logprobs_whole(out, c),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def stream_choice(self, out, c) -> dict:
+        index = self.choice_index(out, c)
+        first = index not in self._sent_tokens
+        logprobs = self._new_logprobs(out, c, True)
+        self._sent_tokens.setdefault(index, 0)
+        text = (self._prompt_text(out) if self.body.echo and first else "") + c.new_text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
 
 class Chat(_Format):
     prefix, object_name, chunk_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, tokenizer, body, prompt_ids):
-        super().__init__(tokenizer, body, prompt_ids)
-        self._started: set[int] = set()
-
-    def logprobs(self, tokens, lps) -> dict:
+    def logprobs(self, out, tokens, lps, first: bool, stream_index: int | None = None) -> dict:
         def entry(token, value):
             text = self.token_text(token)
             return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
@@ -86,17 +126,16 @@ class Chat(_Format):
                                               ][:self.body.top_logprobs or 0]}
                             for t, lp in zip(tokens, lps)]}
 
-    def response(self, out, request_id, created, model) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._new_logprobs(c, False), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": request_id, "object": self.object_name, "created": created, "model": model,
-                "choices": choices, "usage": usage(out)}
+    def choice(self, out, c) -> dict:
+        return {"index": self.choice_index(out, c), "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._new_logprobs(out, c, False), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
-    def stream_choice(self, c) -> dict:
+    def stream_choice(self, out, c) -> dict:
+        index = self.choice_index(out, c)
         delta = {"content": c.new_text}
-        if c.index not in self._started:            # the first chunk of a choice names the role
-            self._started.add(c.index)
+        if index not in self._sent_tokens:            # the first chunk of a choice names the role
             delta = {"role": "assistant", **delta}
-        return {"index": c.index, "delta": delta, "logprobs": self._new_logprobs(c, True),
-                "finish_reason": c.finish_reason}
+        logprobs = self._new_logprobs(out, c, True)
+        self._sent_tokens.setdefault(index, 0)
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}

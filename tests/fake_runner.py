@@ -47,7 +47,9 @@ class FakeRunner:
             slots = [pages[t // p] * p + t % p for t in range(kv_len)]
             history = self.kv[slots].tolist()
             assert -1 not in history, "a sequence read a KV slot nothing wrote"
-            out.append(self.next_token_logits(history, self.vocab_size))
+            for row in inputs["logit_rows"]:              # the rows asked for that belong to this sequence
+                if qi[s] <= row < qi[s + 1]:
+                    out.append(self.next_token_logits(history[:kv_len - (qi[s + 1] - 1 - row)], self.vocab_size))
         return np.stack(out)
 
 

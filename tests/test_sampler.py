@@ -124,13 +124,16 @@ def test_masked_logits_are_never_sampled():
     ({"top_k": -2}, "top_k"),
     ({"top_k": 2.5}, "top_k"),
     ({"seed": "x"}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_invalid_params_name_the_parameter(kw, name):
-    with pytest.raises(ValueError, match=name):
+    from kiln.errors import ParamError
+    with pytest.raises(ParamError, match=name) as e:
         SamplingParams(**kw)
+    assert e.value.param == name
 
 
 def test_top_k_off_values():
@@ -197,3 +200,67 @@ def test_n_samples_seed_their_generators_apart():
     assert a != b
     again = SamplerState(SamplingParams(temperature=1.0, seed=5)).fork(1)
     assert [sample(logits, [again])[0] for _ in range(20)] == b
+
+
+# ---------------------------------------------------------------------------- seeds, and every accepted combination
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64 + 5, 2**200])
+def test_any_int_seed_is_folded_into_range_and_repeats(seed):
+    logits = np.zeros((1, 500))
+    draws = [sample(logits, [_state(temperature=1.0, seed=seed)])[0] for _ in range(2)]
+    assert draws[0] == draws[1]
+    folded = SamplerState(SamplingParams(temperature=1.0, seed=seed % 2**64))
+    assert sample(logits, [folded])[0] == draws[0]          # -1 is the same stream as 2**64 - 1
+
+
+def _maybe(strategy):
+    from hypothesis import strategies as st
+    return st.one_of(st.none(), strategy)
+
+
+def _param_strategies():
+    from hypothesis import strategies as st
+    num = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**20, 10**20))
+    small = st.integers(-3, 70)
+    return dict(
+        temperature=st.one_of(num, st.floats(0, 3)), top_p=st.one_of(num, st.floats(0, 1)),
+        top_k=st.one_of(small, st.integers(-2**70, 2**70)), min_p=st.one_of(num, st.floats(0, 1)),
+        seed=_maybe(st.integers(-2**80, 2**80)), max_tokens=small, min_tokens=small, n=st.integers(-1, 4),
+        stop=st.lists(st.text(max_size=5), max_size=3), stop_token_ids=st.lists(st.integers(-2, 80), max_size=4),
+        ignore_eos=st.booleans(), repetition_penalty=st.one_of(num, st.floats(0, 10)),
+        presence_penalty=st.one_of(num, st.floats(-2, 2)), frequency_penalty=st.one_of(num, st.floats(-2, 2)),
+        logit_bias=st.dictionaries(st.integers(-2, 80), st.one_of(num, st.floats(-100, 100)), max_size=4),
+        logprobs=_maybe(small), prompt_logprobs=_maybe(small))
+
+
+def test_every_accepted_combination_samples_without_error():
+    """Property: any SamplingParams that constructs samples valid tokens, step after step (or
+    construction fails with a ParamError naming a field)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from kiln.errors import ParamError
+    from kiln.runtime.sampler import top_logprobs
+    fields = _param_strategies()
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(kw=st.fixed_dictionaries({}, optional=fields), vocab=st.integers(1, 60),
+           steps=st.integers(1, 4), prompt=st.lists(st.integers(0, 59), max_size=6), data=st.data())
+    def check(kw, vocab, steps, prompt, data):
+        try:
+            params = SamplingParams(**kw)
+        except ParamError as e:
+            assert e.param in fields
+            return
+        states = [SamplerState(params, [t % vocab for t in prompt], frozenset(params.stop_token_ids), i)
+                  for i in range(params.n)]
+        for _ in range(steps):
+            logits = np.asarray(data.draw(st.lists(st.floats(-1e4, 1e4), min_size=vocab, max_size=vocab)),
+                                np.float32)[None].repeat(len(states), 0)
+            tokens = sample(logits, states)
+            assert all(0 <= t < vocab for t in tokens.tolist())
+            for st_, tok in zip(states, tokens.tolist()):
+                if params.logprobs is not None:
+                    lp = top_logprobs(logits[0], tok, params.logprobs)
+                    assert tok in lp and all(v <= 1e-9 for v in lp.values())
+                st_.append(tok)
+    check()

@@ -197,3 +197,48 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(tokenizer):
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == full[:full.find(stop)]
     assert len(c.token_ids) < 24
+
+
+# ---------------------------------------------------------------------------- prompt logprobs, prompt-only requests
+
+def reference_prompt_logprobs(prompt, k):
+    """log-softmax of the unpaged reference's logits at every prompt position, computed here."""
+    out = [None]
+    for t in range(1, len(prompt)):
+        x = FakeRunner.next_token_logits(prompt[:t], VOCAB).astype(np.float64)
+        lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+        best = np.argsort(-lp, kind="stable")[:k].tolist()
+        out.append({i: lp[i] for i in [prompt[t], *best]})
+    return out
+
+
+def assert_same_logprobs(got, want):
+    assert len(got) == len(want) and got[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys() and all(abs(g[i] - w[i]) < 1e-5 for i in g)
+
+
+@pytest.mark.parametrize("budget,num_pages", [(64, 64), (7, 64), (32, 12)],
+                         ids=["one chunk", "chunked prefill", "preempted"])
+def test_prompt_logprobs_equal_the_reference(budget, num_pages):
+    engine, runner = engine_for(num_pages=num_pages, max_batched_tokens=budget)
+    ps = prompts(4, seed=3, lo=20, hi=30)
+    outs = engine.generate(ps, [greedy(6, prompt_logprobs=2) for _ in ps])
+    for p, out in zip(ps, outs):
+        assert_same_logprobs(out.prompt_logprobs, reference_prompt_logprobs(p, 2))
+        assert out.outputs[0].token_ids == reference_greedy(p, 6, VOCAB)
+    if num_pages == 12:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_max_tokens_0_scores_only():
+    engine, runner = engine_for()
+    prompt = prompts(1, seed=4, lo=24, hi=25)[0]
+    engine.generate([prompt], greedy(3))                         # its full pages are now cached
+    [scored] = engine.generate([prompt], greedy(0, prompt_logprobs=0, n=2))
+    assert_same_logprobs(scored.prompt_logprobs, reference_prompt_logprobs(prompt, 0))
+    assert scored.num_cached_tokens == 0 and scored.finished
+    assert [(c.token_ids, c.finish_reason) for c in scored.outputs] == [([], "length")] * 2
+    assert engine.pool.num_free == engine.pool.num_pages and not engine.has_unfinished()
+    rows = runner.steps[-1]["logit_rows"].tolist()
+    assert rows == list(range(len(prompt)))                      # every prompt row's logits came back

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -189,6 +190,151 @@ def test_missing_or_wrong_key_is_401(server, key):
 def test_empty_chat_is_400(server):
     r = post(server, "/v1/chat/completions", {"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+# ---------------------------------------------------------------------------- the OpenAI surface clients use
+
+def test_several_prompts_give_one_choice_per_prompt_and_sample_in_order(client, offline):
+    from kiln.runtime.sampler import SamplingParams
+    prompts = ["The quick brown fox", "Once upon a time"]
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    want = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    for prompt in (prompts, ids):                        # strings, or token-id lists
+        got = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6, temperature=0, n=2)
+        assert [c.index for c in got.choices] == [0, 1, 2, 3]
+        assert [c.text for c in got.choices] == [w.outputs[0].text for w in want for _ in range(2)]
+        assert got.usage.prompt_tokens == sum(len(i) for i in ids)
+        assert got.usage.completion_tokens == 2 * sum(len(w.outputs[0].token_ids) for w in want)
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompts, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {k: w.outputs[0].text for k, w in enumerate(want)}
+    assert chunks[-1].usage.prompt_tokens == sum(len(i) for i in ids)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, make_model):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0."""
+    import torch
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(make_model("llama")).eval()
+    ids = [1, 57, 203, 88, 411, 9, 300, 17, 250, 33, 120, 64]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    for stream in (False, True):
+        r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0,
+                                             "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            [choice] = [c for e in events for c in e["choices"] if c["logprobs"]]
+        else:
+            [choice] = r.json()["choices"]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [ref[t - 1, ids[t]] for t in range(1, len(ids))]
+        assert np.allclose(lp["token_logprobs"][1:], want, atol=1e-3), (lp["token_logprobs"], want)
+        assert all(max(top.values()) == pytest.approx(ref[t].max(), abs=1e-3)
+                   for t, top in enumerate(lp["top_logprobs"][1:]))
+        assert choice["finish_reason"] == "length"
+    # with generation: the prompt's entries, then the generated tokens'
+    r = post(server, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 3,
+                                         "temperature": 0}).json()
+    assert len(r["choices"][0]["logprobs"]["tokens"]) == len(ids) + 3
+    assert r["usage"]["completion_tokens"] == 3
+
+
+NULLABLE = [
+    ("temperature null", {"temperature": None}),
+    ("max_tokens null", {"max_tokens": None}),
+    ("every optional field null", {k: None for k in (
+        "temperature", "top_p", "n", "stream", "stop", "seed", "presence_penalty", "frequency_penalty",
+        "logit_bias", "logprobs", "user", "echo", "suffix", "stream_options", "best_of", "tools")}),
+    ("negative seed", {"seed": -1}),
+    ("64-bit seed", {"seed": 2**63 - 1}),
+    ("seed past 64 bits", {"seed": -(2**70)}),
+]
+
+
+@pytest.mark.parametrize("name,fields", NULLABLE, ids=[n[0] for n in NULLABLE])
+def test_nulls_mean_defaults_and_any_int_seeds(server, name, fields):
+    for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 3}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                                 "max_tokens": 3})):
+        r = post(server, path, {**body, **fields})
+        assert r.status_code == 200, r.text
+    if fields.get("seed") is not None:
+        again = [post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 5, "temperature": 1, **fields})
+                 .json()["choices"][0]["text"] for _ in range(2)]
+        assert again[0] == again[1]
+
+
+UNSUPPORTED = [
+    ("image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content", "image_url"),
+    ("audio part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, "messages.0.content",
+     "input_audio"),
+    ("suffix", "/v1/completions", {"prompt": "def f(", "suffix": "return 1"}, "suffix", "suffix"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
+    ("tool_choice", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                             "tool_choice": "required"}, "tool_choice", "tool"),
+    ("json response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "response_format": {"type": "json_object"}},
+     "response_format", "json_object"),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "\\ud800abc"}', "prompt", "surrogate"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param,word", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_what_kiln_does_not_support_is_refused_by_name(server, name, path, body, param, word):
+    if isinstance(body, bytes):             # JSON text the client library would not encode
+        r = httpx.post(f"{server}{path}", content=body, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    else:
+        r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and word in err["message"], err
+
+
+ENGINE_REJECTS = [       # requests the protocol layer lets through and the engine refuses
+    ("token outside the vocabulary", {"prompt": [3, 10**6]}, "prompt"),
+    ("min_tokens above max_tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 9}, "min_tokens"),
+    ("negative stop token id", {"prompt": "x", "max_tokens": 2, "stop_token_ids": [-4]}, "stop_token_ids"),
+    ("one bad prompt of two", {"prompt": [[5, 6], [7, 10**7]], "max_tokens": 2}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name,body,param", ENGINE_REJECTS, ids=[e[0] for e in ENGINE_REJECTS])
+def test_engine_rejections_are_400s_before_any_byte_streamed_or_not(server, name, body, param, stream):
+    r = post(server, "/v1/completions", {**body, "stream": stream})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert used_pages(server) == 0          # nothing of the refused request was admitted
+
+
+def test_metrics_count_requests_and_aborts(server):
+    def metric(name):
+        m = re.search(rf"^{name} (\S+)$", httpx.get(f"{server}/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+    aborts = metric('kiln_requests_finished_total{reason="abort"}')
+    body = {"prompt": "Count:", "max_tokens": 300, "n": 4, "temperature": 1, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(8):
+            next(lines)
+        assert metric("kiln_requests_running") == 1.0         # one request, four sequences
+    deadline = time.time() + 10
+    while metric('kiln_requests_finished_total{reason="abort"}') == aborts and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric('kiln_requests_finished_total{reason="abort"}') == aborts + 4    # each unfinished choice
 
 
 # ---------------------------------------------------------------------------- disconnects, fuzzing, load
