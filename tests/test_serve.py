@@ -1,12 +1,10 @@
 """`kiln serve` on loopback, driven by the official `openai` client and by raw HTTP: answers equal
-the offline API's, every bad input gets its 4xx, a fuzzer finds no 5xx, disconnects free pages."""
+the offline API's, every bad input gets its 4xx, disconnects free pages (fuzzing: test_serve_fuzz.py)."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,19 +16,14 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("torch")
 
-KEY = "sk-kiln-test"
+from serving import KEY, free_port, running_server
+
 server_pids: dict[str, int] = {}
 
 
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +36,11 @@ def artifact(make_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(artifact, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w")     # a file: a pipe could fill and block
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--port", str(port),
-                             "--api-key", KEY, "--kv-memory", "64MiB", "--max-num-seqs", "16", "--max-waiting", "200"],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, open(log.name).read()
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy")
-    server_pids[url] = proc.pid
-    yield url
-    proc.terminate()
-    proc.wait(timeout=60)
-    log.close()
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    with running_server(artifact, log, "--kv-memory", "64MiB", "--max-num-seqs", "16", "--max-waiting", "200") \
+            as (url, proc):
+        server_pids[url] = proc.pid
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -350,20 +325,6 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(server):
     while used_pages(server) and time.time() < deadline:
         time.sleep(0.1)
     assert used_pages(server) == 0
-
-
-@pytest.mark.skipif(shutil.which("schemathesis") is None and not os.path.exists(
-    os.path.join(os.path.dirname(sys.executable), "schemathesis")), reason="schemathesis is not installed")
-def test_fuzzing_the_openapi_schema_finds_no_5xx(server, tmp_path):
-    st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
-    proc = subprocess.run([st, "run", f"{server}/openapi.json", "--checks", "not_a_server_error", "-n", "25",
-                           "-H", f"Authorization: Bearer {KEY}", "--request-timeout", "300",
-                           "--phases", "examples,fuzzing"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)   # its cache goes there
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    tested = re.search(r"Selected: (\d+)/\d+\s+Tested: (\d+)", proc.stdout)
-    assert tested and int(tested.group(2)) == int(tested.group(1)) >= 6, proc.stdout[-2000:]   # every route
-    assert httpx.get(f"{server}/health").status_code == 200
 
 
 def test_sixty_four_streaming_clients_with_disconnects(server):
