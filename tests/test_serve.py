@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -440,3 +441,27 @@ def test_sigterm_drains_running_requests_then_exits(artifact, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_chat_on_a_model_without_a_template_is_a_400_naming_it(make_model, tmp_path):
+    """A checkpoint that has no chat template anywhere: chat is a 400, plain completions still work."""
+    from fastapi.testclient import TestClient
+
+    from kiln.compiler import compile_model
+    from kiln.serve.app import ServerConfig, create_app
+    model = tmp_path / "no-template"
+    shutil.copytree(make_model("llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (model / name).unlink(missing_ok=True)
+    compile_model(model, tmp_path / "artifact", target="cpu", show=None)
+    app = create_app(ServerConfig(str(tmp_path / "artifact"), kv_memory="8MiB"), load_now=True)
+    with TestClient(app) as http:
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert "chat template" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
