@@ -114,3 +114,29 @@ def test_grow_raises_and_changes_nothing_when_pages_run_out():
     with pytest.raises(OutOfPages):
         pool.grow(table, 1)
     assert table.num_tokens == 8 and len(table.pages) == 2
+
+
+def test_a_digest_collision_never_reuses_another_prefix_s_page(monkeypatch):
+    """Every page digests the same (a forced collision): a lookup finds the cached page by its
+    digest, but its token ids (or its parent's) differ, so the page is not reused."""
+    from kiln.runtime import kv_pool
+    monkeypatch.setattr(kv_pool, "page_digest", lambda parent, tokens: b"collision")
+    pool = PagePool(8, PAGE)
+    first, ids = BlockTable(), list(range(9))              # pages: [0-3] [4-7] [8]
+    pool.grow(first, len(ids))
+    pool.register_full_pages(first, ids, len(ids))
+    assert pool.cached_pages() == 1                        # the second page's digest is taken
+    other = BlockTable()
+    assert pool.match_prefix(other, [9, 9, 9, 9, 4]) == 0  # same digest, other tokens: a miss
+    same = BlockTable()
+    assert pool.match_prefix(same, ids) == 4               # the genuine first page still hits, the
+    assert same.pages == first.pages[:1]                   # second (same digest too) does not
+    pool.check([first, other, same])
+
+
+def test_digests_chain_over_the_whole_prefix():
+    from kiln.runtime.kv_pool import page_digest
+    a, b = page_digest(None, [1, 2, 3, 4]), page_digest(None, [1, 2, 3, 5])
+    assert a != b and len(a) == 32
+    assert page_digest(a, [5, 6, 7, 8]) != page_digest(b, [5, 6, 7, 8])
+    assert page_digest(None, [1 << 40]) != page_digest(None, [0])   # ids wider than 32 bits count
