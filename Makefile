@@ -5,7 +5,6 @@ PY     := $(VENV)/bin/python
 MODEL  ?=
 DEMO   := build/demo
 PROMPT ?= The quick brown fox
-export TVM_NUM_THREADS ?= 2
 
 .PHONY: demo test setup clean rocm-deps metal-deps
 
@@ -16,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
 	    "transformers>=4.45" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
 	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
-	    "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" "schemathesis>=3.30" "setuptools>=68"
+	    "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" "schemathesis>=3.30" "setuptools>=68" \
+	    "sentencepiece>=0.2" "protobuf>=4"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -25,9 +25,9 @@ setup: $(VENV)/.installed
 demo: setup
 ifeq ($(MODEL),)
 	$(PY) -m kiln.tiny $(DEMO)/model --family llama
-	$(VENV)/bin/kiln compile $(DEMO)/model --target cpu -o $(DEMO)/artifact
+	$(VENV)/bin/kiln compile $(DEMO)/model --target cpu -o $(DEMO)/artifact --force
 else
-	$(VENV)/bin/kiln compile $(MODEL) --target cpu -o $(DEMO)/artifact
+	$(VENV)/bin/kiln compile $(MODEL) --target cpu -o $(DEMO)/artifact --force
 endif
 	$(VENV)/bin/kiln inspect $(DEMO)/artifact
 	$(VENV)/bin/kiln run $(DEMO)/artifact --prompt "$(PROMPT)" --max-tokens 64

@@ -1,10 +1,11 @@
 """CPU decode: kiln (per quantisation mode, batch 1 and 8) beside HF transformers, and beside the
 memory-bandwidth limit; compile time, artifact size and kernel launches per step.
 
-    python bench/decode_cpu.py [--preset tiny|llama-3.2-1b] [--modes f32,bf16,q8] [--threads 2]
+    python bench/decode_cpu.py [--preset tiny|llama-3.2-1b] [--modes f32,bf16,q8] [--threads N]
                                [--new-tokens 32] [--repeats 3] [--no-fusion]
 
-Everything runs in this process with the same thread count; numbers are medians of --repeats.
+Everything runs in this process with the same thread count (default: $TVM_NUM_THREADS, else every
+core, as `kiln run`); numbers are medians of --repeats.
 "Limit" is this machine's streaming bandwidth (np.copyto of 1 GiB, read + write, measured in the
 same run) divided by the weight bytes one decode step reads; "of limit" is kiln's share of it.
 """
@@ -34,10 +35,21 @@ def copy_bandwidth() -> float:
 
 
 def step_weight_bytes(manifest: dict) -> int:
-    """Bytes of weights one decode step streams: all stored weights but the embedding rows table."""
+    """Bytes of weights one decode step streams: all stored weights but a table only the embedding
+    gather reads (it reads a few rows). A table shared with the LM head is read whole by the head."""
     item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
     return sum(item[w["dtype"]] * _prod(w["shape"]) for w in manifest["weights"]
-               if w["name"] != "model.embed_tokens.weight")
+               if not _gather_only(w, manifest["quantization"]))
+
+
+def _gather_only(weight: dict, quant: dict) -> bool:
+    table = "model.embed_tokens.weight"
+    if quant.get("embedding_shared_with_lm_head"):
+        return False
+    scheme = quant.get("embedding", "none")
+    if scheme == "none":
+        return weight["name"] == table            # a tied head reads its own copy, "<table>@packedNB"
+    return weight["param"] in (f"{table}.{scheme}", f"{table}.{scheme}_scale")
 
 
 def _prod(shape):
@@ -60,12 +72,14 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny", choices=["tiny", "llama-3.2-1b"])
     ap.add_argument("--modes", default="f32,bf16,q8,q4")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: $TVM_NUM_THREADS, else every core")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default="build/bench")
     args = ap.parse_args()
+    from kiln.runtime.threads import resolve_threads
+    args.threads = resolve_threads(args.threads)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
     import numpy as np
@@ -88,7 +102,7 @@ def main() -> None:
         dtype, quant, kv = MODES[mode]
         t0 = time.perf_counter()
         manifest = compile_model(model_dir, work / f"artifact-{mode}", target="cpu", dtype=dtype, quant=quant,
-                                 kv_dtype=kv, show=None)
+                                 kv_dtype=kv, show=None, force=True)
         compile_s = time.perf_counter() - t0
         size_mib = sum(f["bytes"] for f in manifest["files"].values()) / 2**20
         llm = LLM(work / f"artifact-{mode}", kv_memory="512MiB", max_num_seqs=max(batches))

@@ -1,6 +1,6 @@
 """A baseline OpenAI-compatible server: HF transformers, one request at a time (no batching).
 
-    python bench/hf_server.py MODEL_DIR [--port 8001] [--threads 2]
+    python bench/hf_server.py MODEL_DIR [--port 8001] [--threads N]
 
 Serves GET /v1/models and POST /v1/completions (streaming or not, greedy or temperature
 sampling, `max_tokens`, `ignore_eos`, `stream_options.include_usage`), enough for
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import threading
 import time
 import uuid
@@ -101,9 +102,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
     ap.add_argument("--port", type=int, default=8001)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: every core")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     uvicorn.run(build_app(args.model_dir), host="127.0.0.1", port=args.port, log_level="warning")
 
 

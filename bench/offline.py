@@ -2,7 +2,7 @@
 `generate` (left padding), measured in the same run; then a shared 512-token prefix with and
 without prefix caching; then the engine's Python overhead per step.
 
-    python bench/offline.py [--preset tiny|llama-3.2-1b] [--prompts 64] [--prefix-prompts N] [--threads 2]
+    python bench/offline.py [--preset tiny|llama-3.2-1b] [--prompts 64] [--prefix-prompts N] [--threads N]
 
 Workload: --prompts prompts of --prompt-lens random tokens (16-256), each asking for --new-tokens
 (16-128) new tokens (greedy, EOS ignored). HF gets the same prompts in one batch padded to the longest, generating the
@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=["tiny", "llama-3.2-1b"])
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: $TVM_NUM_THREADS, else every core")
     ap.add_argument("--workdir", default="build/bench")
     ap.add_argument("--prefix-prompts", type=int, default=None, help="prompts in the shared-prefix run "
                     "(default: --prompts)")
@@ -74,6 +74,8 @@ def main() -> None:
     global PROMPT_LENS, NEW_TOKENS
     PROMPT_LENS = tuple(map(int, args.prompt_lens.split("-")))
     NEW_TOKENS = tuple(map(int, args.new_tokens.split("-")))
+    from kiln.runtime.threads import resolve_threads
+    args.threads = resolve_threads(args.threads)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import numpy as np
     import torch

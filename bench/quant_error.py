@@ -9,7 +9,8 @@ whose DIR/heldout.json holds text it never saw): every next-token prediction ove
 --tokens tokens of N held-out documents, teacher-forced one decode step at a time with all
 documents batched; that adds each mode's held-out perplexity.
 Prints cosine similarity (min, mean), max relative error (|diff| / max |ref|) and top-1 agreement
-per mode.
+per mode. A weight quant quantises the embedding table too (kiln's default); the "+ float embedding"
+modes keep it float (--no-quant-embedding), to show what quantising it costs.
 """
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-# mode -> (weight quant, group size, KV cache dtype)
-MODES = {"q8": ("q8", 32, None), "q4 g32": ("q4", 32, None), "q4 g128": ("q4", 128, None),
-         "fp8": ("fp8", 32, None), "kv int8": (None, 32, "int8"), "kv fp8": (None, 32, "fp8"),
-         "q4 g32 + kv int8": ("q4", 32, "int8")}
+# mode -> (weight quant, group size, KV cache dtype, quantised embedding); with a weight quant the
+# embedding is quantised too (kiln's default) unless the mode says "float embedding"
+MODES = {"q8": ("q8", 32, None, True), "q8 + float embedding": ("q8", 32, None, False),
+         "q4 g32": ("q4", 32, None, True), "q4 g32 + float embedding": ("q4", 32, None, False),
+         "q4 g128": ("q4", 128, None, True), "fp8": ("fp8", 32, None, True), "kv int8": (None, 32, "int8", True),
+         "kv fp8": (None, 32, "fp8", True), "q4 g32 + kv int8": ("q4", 32, "int8", True)}
 
 
 def open_model(artifact: Path, max_tokens: int, seqs: int):
     from kiln.runtime.model import CompiledModel
+    from kiln.runtime.threads import set_threads
+    set_threads()                       # $TVM_NUM_THREADS, else every core (as kiln.LLM)
     model = CompiledModel(artifact, verify=False)
     model.allocate_kv(seqs * -(-max_tokens // model.page_size) * model.bytes_per_page)
     return model
@@ -102,12 +107,13 @@ def main() -> None:
         prompts = [rng.integers(3, 500, int(rng.integers(8, 40))).tolist() for _ in range(args.prompts)]
         run = lambda path: last_logits(path, prompts)            # noqa: E731
         what = f"last-token logits of {args.prompts} random prompts of 8-39 tokens"
-    modes = {"f32": (None, 32, None), **{m: MODES[m] for m in args.modes.split(",")}}
+    modes = {"f32": (None, 32, None, True), **{m: MODES[m] for m in args.modes.split(",")}}
     logits = {}
-    for mode, (quant, group, kv) in modes.items():
+    for mode, (quant, group, kv, quant_embedding) in modes.items():
         path = work / f"artifact-{mode.replace(' + ', '-').replace(' ', '-')}"
         if not (path / "manifest.json").exists():
-            compile_model(model_dir, path, target="cpu", quant=quant, group_size=group, kv_dtype=kv, show=None)
+            compile_model(model_dir, path, target="cpu", quant=quant, group_size=group, kv_dtype=kv,
+                          quant_embedding=quant_embedding, show=None)
         logits[mode] = run(path)
     ref = logits["f32"]
     print(f"\n{model_dir.name}: logits against the float32 artifact; {what}")

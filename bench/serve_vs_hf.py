@@ -2,7 +2,7 @@
 (bench/hf_server.py), same client, same requests, same run; one table of ratios.
 
     python bench/serve_vs_hf.py ARTIFACT MODEL_DIR [--concurrency 1,8,32] [--num-prompts 32]
-                                [--input-len 64] [--output-len 32] [--threads 2]
+                                [--input-len 64] [--output-len 32] [--threads N]
 
 Each server runs alone on the machine while it is measured. The full reports go to
 --out-dir as JSON (one file per server and concurrency).
@@ -47,9 +47,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: $TVM_NUM_THREADS, else every core")
     ap.add_argument("--out-dir", default="build/bench/serve")
     args = ap.parse_args()
+    from kiln.runtime.threads import resolve_threads
+    args.threads = resolve_threads(args.threads)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TVM_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}

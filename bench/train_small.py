@@ -1,12 +1,13 @@
 """Train a small Llama on text from Python's standard library, so quantisation error can be
 measured on a model whose weights mean something (random weights amplify every error).
 
-    python bench/train_small.py OUT [--minutes 6] [--vocab 2048]
+    python bench/train_small.py OUT [--minutes 6] [--vocab 2048] [--tie-embeddings]
 
 The corpus is kiln.tiny.corpus() (the docstrings of ~60 stdlib modules, ~0.5 MB); every 20th
 document is held out and written to OUT/heldout.json for evaluation. Architecture: Llama with
-GQA (8 query / 2 KV heads), 4 layers, hidden 256, untied LM head. Training: AdamW, sequences of
-128 tokens, a cosine learning-rate schedule over the time budget. Prints the held-out loss.
+GQA (8 query / 2 KV heads), 4 layers, hidden 256, untied LM head (--tie-embeddings: tied, as in
+Llama-3.2). Training: AdamW, sequences of 128 tokens, a cosine learning-rate schedule over the
+time budget. Prints the held-out loss.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=6.0)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tie-embeddings", action="store_true", help="the LM head is the embedding table")
     args = ap.parse_args()
     import torch
     import transformers
@@ -65,7 +67,8 @@ def main() -> None:
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     train_docs, held_docs = split_corpus()
     train_ids, held_ids = token_stream(tok, train_docs), token_stream(tok, held_docs)
-    config = transformers.LlamaConfig(**CONFIG, vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(BOS),
+    config = transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": args.tie_embeddings},
+                                      vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(BOS),
                                       eos_token_id=tok.token_to_id(EOS))
     model = transformers.LlamaForCausalLM(config).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))

@@ -39,10 +39,6 @@ def emit_swiglu(ctx, node, x):
     return ctx.bb.emit(relax.op.multiply(ctx.bb.emit(relax.op.nn.silu(gate)), up))
 
 
-def emit_embed(ctx, node, ids, table):
-    return ctx.bb.emit(relax.op.take(table, ids, axis=0, mode="clip"))
-
-
 def emit_take_rows(ctx, node, x, rows):
     return ctx.bb.emit(relax.op.take(x, rows, axis=0, mode="clip"))
 

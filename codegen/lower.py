@@ -15,9 +15,11 @@ from tvm import relax, tirx
 
 from kiln.errors import KilnError
 from kiln.ir import Graph
+from kiln.ir.ops import EMBED_OPS
 
 from . import elementwise
 from .attention import emit_paged_attention, emit_paged_attention_fused
+from .embed import emit_embed
 from .layouts import stored_shape
 from .linear import WeightFormat, emit_linear
 
@@ -94,6 +96,15 @@ def _emit_linear(ctx, node, x, w, *rest):
     return emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt)
 
 
+def _emit_embed(ctx, node, ids, table, scale=None):
+    """embed(ids, table) and embed_q8/q4/fp8(ids, table, scale), the table in its stored layout."""
+    quantized = node.op != "embed"
+    fmt = WeightFormat(node.op.removeprefix("embed_") if quantized else "float", node.attrs.get("group_size", 0))
+    layout = _layout_for(node, 1, ctx.graph, ctx.target) if node.inputs[1] in ctx.graph.params else "nk"
+    vocab = ctx.types[node.inputs[1]].shape[0]
+    return emit_embed(ctx, ids, table, scale, layout, vocab, node.type.shape[1], node.type.dtype, fmt)
+
+
 LOWERINGS = {
     "add": elementwise.emit_add,
     "mul": elementwise.emit_mul,
@@ -102,7 +113,10 @@ LOWERINGS = {
     "reshape": elementwise.emit_reshape,
     "slice": elementwise.emit_slice,
     "swiglu": elementwise.emit_swiglu,
-    "embed": elementwise.emit_embed,
+    "embed": _emit_embed,
+    "embed_q8": _emit_embed,
+    "embed_q4": _emit_embed,
+    "embed_fp8": _emit_embed,
     "take_rows": elementwise.emit_take_rows,
     "rms_norm": elementwise.emit_rms_norm,
     "rope": elementwise.emit_rope,
@@ -116,9 +130,14 @@ LOWERINGS = {
 
 
 def _layout_for(node, pos: int, graph: Graph, target) -> str:
-    """The stored layout of the param at input `pos` of `node`: linear weights take the target's."""
-    if node.op in LINEAR_OPS and pos == 1:
-        return target.linear_layout(*graph.params[node.inputs[pos]].type.shape)
+    """The stored layout of the param at input `pos` of `node`: linear weights take the target's; an
+    embedding table that is also a linear weight (tied to the LM head) takes that layout too, so it
+    is stored once; other tables stay 'nk' (rows contiguous)."""
+    name = node.inputs[pos]
+    shared = node.op in EMBED_OPS and pos == 1 and any(
+        n.op in LINEAR_OPS and n.inputs[1] == name for n in graph.nodes)
+    if (node.op in LINEAR_OPS or shared) and pos == 1:
+        return target.linear_layout(*graph.params[name].type.shape)
     return "nk"
 
 

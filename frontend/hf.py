@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,13 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": (llama.parse_config, llama.build_graph),
 }
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# Every tokenizer-side file a checkpoint may carry; the artifact gets a copy of each one present.
+# The chat template lives in tokenizer_config.json (older), chat_template.jinja (transformers
+# >= 4.50 saves it there) or chat_template.json (processors). tokenizer.model is a SentencePiece
+# model: copied only where it is the only tokenizer, and then converted to tokenizer.json, which
+# is all the runtime reads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model")
 
 
 @dataclass
@@ -43,7 +50,35 @@ class HFModel:
         return arr.astype(numpy_dtype(dtype), copy=False)
 
     def tokenizer_files(self) -> list[Path]:
-        return [self.model_dir / f for f in TOKENIZER_FILES if (self.model_dir / f).exists()]
+        """The TOKENIZER_FILES present; tokenizer.model only when there is no tokenizer.json (the
+        runtime never reads it, and it can be megabytes)."""
+        present = [f for f in TOKENIZER_FILES if (self.model_dir / f).exists()]
+        if "tokenizer.json" in present and "tokenizer.model" in present:
+            present.remove("tokenizer.model")
+        return [self.model_dir / f for f in present]
+
+    def write_tokenizer(self, out_dir: Path) -> list[str]:
+        """Copy the tokenizer files into `out_dir`; return the names written. A checkpoint whose only
+        tokenizer is tokenizer.model gets a tokenizer.json made by transformers' converter (the
+        runtime reads tokenizer.json only; transformers does the same conversion when it loads it)."""
+        names = []
+        for f in self.tokenizer_files():
+            shutil.copy(f, out_dir / f.name)
+            names.append(f.name)
+        if "tokenizer.json" not in names and "tokenizer.model" in names:
+            _convert_sentencepiece(self.model_dir, out_dir / "tokenizer.json")
+            names.append("tokenizer.json")
+        return sorted(names)
+
+
+def _convert_sentencepiece(model_dir: Path, out: Path) -> None:
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok.backend_tokenizer.save(str(out))
+    except Exception as e:   # transformers raises many kinds here (a missing sentencepiece/protobuf, ...)
+        raise KilnError(f"{model_dir}: has tokenizer.model but no tokenizer.json, and converting it failed "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def load_hf_model(model_dir: str | Path) -> HFModel:

@@ -153,6 +153,72 @@ def _embed():
     return rule, lambda x, at, ty, dims: np.asarray(x[1])[np.asarray(x[0])]
 
 
+def _quantized_embed_rule(table_dtype: str, grouped: bool):
+    """The type rule of embed_q8/fp8 (`grouped` False: one f32 scale per row) and embed_q4
+    (two nibbles per byte along hidden, f16 scales [hidden / group_size, vocab])."""
+    short = str(TensorType((), table_dtype))[:-2]
+
+    def rule(types, attrs, fail):
+        ids, table, scale = types
+        if ids.dtype != "int32" or ids.rank != 1:
+            fail(f"ids must be i32[tokens], got {ids}")
+        if attrs["dtype"] not in FLOAT_DTYPES:
+            fail(f"dtype must be a float dtype, got {attrs['dtype']!r}")
+        if table.dtype != table_dtype or table.rank != 2:
+            fail(f"table must be {short}[vocab, {'hidden / 2' if grouped else 'hidden'}], got {table}")
+        vocab, hidden = table.shape[0], table.shape[1] * (2 if grouped else 1)
+        if grouped:
+            g = attrs["group_size"]
+            if g <= 0 or g % 2 or hidden % g:
+                fail(f"hidden width {hidden} must be a multiple of an even group_size {g}")
+            if scale.dtype != "float16" or scale.shape != (hidden // g, vocab):
+                fail(f"scale must be f16[{hidden // g}, {vocab}], got {scale}")
+        elif scale.dtype != "float32" or scale.shape != (vocab,):
+            fail(f"scale must be f32[{vocab}], got {scale}")
+        return TensorType((ids.shape[0], hidden), attrs["dtype"])
+    return rule
+
+
+def _per_row_embed_ref(x, at, ty, dims):
+    """Gather the rows first, then dequantise only those: q[ids] * scale[ids][:, None]."""
+    ids = np.asarray(x[0])
+    rows = np.asarray(x[1])[ids].astype(np.float32)                           # [tokens, hidden]
+    return _as(rows * _f32(x[2])[ids][:, None], ty)
+
+
+@op("embed_q8", ["ids", "table", "scale"], {"dtype": REQUIRED})
+def _embed_q8():
+    """table[ids] from an int8 table [vocab, hidden] with one float32 scale per row: row r reads
+    table[r] * scale[r], computed in float32 and rounded to `dtype` (only gathered rows are decoded)."""
+    return _quantized_embed_rule("int8", grouped=False), _per_row_embed_ref
+
+
+@op("embed_fp8", ["ids", "table", "scale"], {"dtype": REQUIRED})
+def _embed_fp8():
+    """table[ids] from a float8 e4m3 table [vocab, hidden] with one float32 scale per row: row r
+    reads table[r] * scale[r], computed in float32 and rounded to `dtype`."""
+    return _quantized_embed_rule("float8_e4m3fn", grouped=False), _per_row_embed_ref
+
+
+@op("embed_q4", ["ids", "table", "scale"], {"dtype": REQUIRED, "group_size": REQUIRED})
+def _embed_q4():
+    """table[ids] from an int4 table in groups along hidden: table u8[vocab, hidden/2] holds two
+    nibbles per byte (q + 8, even column low), scale f16[hidden/group_size, vocab]; row r, column c
+    reads (nibble - 8) * scale[c // group_size, r], rounded to `dtype`."""
+    def ref(x, at, ty, dims):
+        ids = np.asarray(x[0])
+        packed = np.asarray(x[1])[ids]                                         # [tokens, hidden/2]
+        low, high = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+        q = np.empty((len(ids), 2 * packed.shape[1]), np.float32)
+        q[:, 0::2], q[:, 1::2] = low - 8, high - 8
+        scale = _f32(x[2])[:, ids].T                                           # [tokens, hidden/group]
+        return _as(q * np.repeat(scale, at["group_size"], axis=1), ty)
+    return _quantized_embed_rule("uint8", grouped=True), ref
+
+
+EMBED_OPS = ("embed", "embed_q8", "embed_q4", "embed_fp8")      # all: ids at input 0, table at 1
+
+
 def _linear_out(x: TensorType, n_out: int, bias, residual, fail) -> TensorType:
     """The output type of every linear variant, checking the optional bias and residual."""
     out = TensorType(x.shape[:-1] + (n_out,), x.dtype)

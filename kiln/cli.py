@@ -13,6 +13,10 @@ import click
 from kiln.errors import KilnError
 
 
+THREADS_HELP = ("CPU threads for the model's kernels (default: $TVM_NUM_THREADS if set, else every core this "
+                "process may run on).")
+
+
 def _err(line: str) -> None:
     click.echo(line, err=True)
 
@@ -48,18 +52,27 @@ def main(debug):
 @click.option("--group-size", type=click.Choice(["32", "128"]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
-              help="Quantise the LM head too (the embedding table stays unquantised).")
+              help="Quantise the LM head too.")
+@click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
+              help="With --quant: quantise the embedding table with the same scheme (a table tied to a "
+                   "quantised LM head is then stored once); --no-quant-embedding keeps it in --dtype.")
 @click.option("--kv-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
               help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a float32 scale "
                    "per token and KV head.")
-@click.option("-o", "--output", required=True, help="Artifact directory to write.")
+@click.option("-o", "--output", required=True,
+              help="Artifact directory to write: a new path or an empty directory (or a kiln artifact, "
+                   "with --force).")
+@click.option("--force", is_flag=True, help="Replace the kiln artifact at -o (only ever a kiln artifact; the old "
+              "one stays until the new one is complete).")
 @click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
 @click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")
 @click.option("--disable-pass", multiple=True, metavar="PASS", help="Skip this pass (repeatable).")
-def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, kv_dtype, output, print_after_all,
-            print_after, disable_pass):
+def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
+            force, print_after_all, print_after, disable_pass):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
+    The artifact is written beside -o and moved there when complete: a failed or interrupted compile
+    leaves nothing behind, and nothing but a kiln artifact (with --force) is ever replaced.
     KILN_DUMP=DIR writes the IR after import and after every pass into DIR, one file each."""
     from kiln.compiler import compile_model
     from kiln.passes.pipeline import make_dumper
@@ -72,7 +85,8 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, kv
         dtype, quant = as_dtype[quant], None
     m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
                       disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head,
-                      group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+                      group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype,
+                      quant_embedding=quant_embedding, force=force)
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
 
@@ -96,7 +110,8 @@ def inspect(artifact):
 @click.option("--kv-memory", default="auto", show_default=True,
               help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json):
+@click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
+def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json, threads):
     """Generate text with a compiled ARTIFACT."""
     # tvm_ffi imports torch whenever it is installed (seconds of start-up) though the runtime never
     # uses it; keep it out of this process.
@@ -105,9 +120,9 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
     from kiln.runtime.sampler import SamplingParams
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
     if prompt is None:
-        chat(artifact, params, kv_memory)
+        chat(artifact, params, kv_memory, threads)
     else:
-        run_prompt(artifact, prompt, params, kv_memory, as_json)
+        run_prompt(artifact, prompt, params, kv_memory, as_json, threads)
 
 
 @main.command()
@@ -124,8 +139,9 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
 @click.option("--max-waiting", default=512, show_default=True, type=int, help="Queued requests before 429s.")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="Seconds running requests get to finish after SIGTERM.")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
 def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
-          prefix_caching, max_waiting, drain_timeout):
+          prefix_caching, max_waiting, drain_timeout, threads):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
     from kiln.artifact import read_manifest
@@ -133,7 +149,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_s
     from kiln.serve.server import serve as run_server
     read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
     run_server(ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
-                            prefix_caching, max_waiting), host, port, drain_timeout)
+                            prefix_caching, max_waiting, threads=threads), host, port, drain_timeout)
 
 
 @main.group()

@@ -1,13 +1,12 @@
 """`kiln compile`: HF directory -> IR -> passes -> TVM module -> built library + weights -> artifact."""
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from kiln.artifact import WEIGHTS, write_manifest
+from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
 from kiln.errors import KilnError
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.quant import KV_SCHEMES
@@ -35,18 +34,39 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu", arch: str | None = None,
+def _embedding_storage(graph) -> tuple[str, bool]:
+    """The embedding's quantisation scheme ("none" for a float table) and whether its stored table is
+    the LM head's weight too (one tensor read by both: codegen stores a shared table once)."""
+    from kiln.ir.ops import EMBED_OPS
+    embed = next((n for n in graph.nodes if n.op in EMBED_OPS), None)
+    if embed is None:
+        return "none", False
+    shared = any(n.op.startswith("linear") and n.inputs[1] == embed.inputs[1] for n in graph.nodes)
+    return (embed.op.removeprefix("embed_") if embed.op != "embed" else "none"), shared
+
+
+def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> dict:
+    """Compile `model_dir` into an artifact at `out_dir`; `options` are `_compile_into`'s.
+
+    `out_dir` must not exist, be an empty directory, or (with `force`) hold a kiln artifact. The
+    artifact is written beside it and moved into place once complete, so a failed or interrupted
+    compile leaves nothing at `out_dir` (and an old artifact there untouched)."""
+    with new_artifact_dir(out_dir, force) as partial:
+        return _compile_into(model_dir, partial, **options)
+
+
+def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arch: str | None = None,
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
                   quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
-                  kv_dtype: str | None = None) -> dict:
-    """Compile `model_dir` into an artifact at `out_dir`; `dump(pass_name, graph)` sees the IR after each pass."""
+                  kv_dtype: str | None = None, quant_embedding: bool = True) -> dict:
+    """Compile `model_dir` into the empty directory `out_dir`; `dump(pass_name, graph)` sees the IR after each
+    pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch)
     dtype = dtype or tgt.default_dtype
     tgt.check_dtype(dtype)
     tgt.check_quant(quant, kv_dtype)
-    out_dir = Path(out_dir)
     phases = Phases(show)
 
     from kiln.frontend import load_hf_model
@@ -56,7 +76,8 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
     from kiln.passes import run_pipeline
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes,
                                                                     quant=quant, quant_lm_head=quant_lm_head,
-                                                                    group_size=group_size, kv_dtype=kv_dtype))
+                                                                    group_size=group_size, kv_dtype=kv_dtype,
+                                                                    quant_embedding=quant_embedding))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -70,9 +91,6 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         return tgt.build(mod), kernels, kernel_launches(mod, "forward")
     executable, kernels, launches = phases.run("build", build)
 
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
     def write_weights():
@@ -82,7 +100,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         from kiln.ir import weight_loader
         load = weight_loader(graph, lambda name: model.weight(name, dtype))
         tensors, read = {}, {}
-        for w in lowered.weights:              # a param stored in two layouts (tied embeddings) is read once
+        for w in lowered.weights:              # a param stored in two layouts is read once
             if w.param not in read:
                 read[w.param] = load(w.param)
             tensors[w.name] = apply_layout(w.layout, read[w.param])
@@ -93,18 +111,19 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         # safetensors' NumPy reader has no float8: store the bytes, the manifest keeps the dtype.
         save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
                   str(out_dir / WEIGHTS))
-        for f in model.tokenizer_files():
-            shutil.copy(f, out_dir / f.name)
     phases.run("weights", write_weights)
+    tokenizer_files = model.write_tokenizer(out_dir)
 
     c = model.config
+    embedding, embedding_shared = _embedding_storage(graph)
     kv_storage = KV_SCHEMES[kv_dtype].storage_dtype if kv_dtype else dtype
     return write_manifest(out_dir, {
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
         "dtype": dtype,
-        "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": "none",
+        "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": embedding,
+                         "embedding_shared_with_lm_head": embedding_shared,
                          "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {})},
         "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
                "head_dim": c.head_dim, "dtype": kv_storage, "row_scales": kv_storage != dtype},
@@ -121,5 +140,5 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, target: str = "cpu
         "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                     "nodes_after": r.nodes_after} for r in pass_records],
         "compile_seconds": phases.seconds,
-        "tokenizer_files": [f.name for f in model.tokenizer_files()],
+        "tokenizer_files": tokenizer_files,
     })

@@ -11,3 +11,7 @@ class ParamError(KilnError, ValueError):
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
+
+
+class NoChatTemplate(KilnError, ValueError):
+    """The model has no chat template, so chat messages cannot be turned into a prompt."""

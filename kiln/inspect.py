@@ -4,6 +4,13 @@ from __future__ import annotations
 from kiln.artifact import read_manifest
 
 
+def _embedding(quant: dict) -> str:
+    """How the embedding table is stored (manifests before the field existed kept it in float)."""
+    scheme = quant.get("embedding", "none")
+    kept = "embedding kept" if scheme == "none" else f"embedding {scheme}"
+    return kept + (", one table shared with the LM head" if quant.get("embedding_shared_with_lm_head") else "")
+
+
 def summary(artifact_dir) -> str:
     m = read_manifest(artifact_dir, verify=False)
     c = m["model"]["config"]
@@ -18,7 +25,7 @@ def summary(artifact_dir) -> str:
         f"target     {t['name']}" + (f" {t['arch']}" if t.get("arch") else "") + f" ({where})",
         f"quant      weights {m['quantization']['weights']}"
         + (f" group {m['quantization']['group_size']}" if "group_size" in m["quantization"] else "") + " (LM head "
-        f"{'quantised' if m['quantization']['lm_head'] else 'kept'}, embedding kept), KV cache "
+        f"{'quantised' if m['quantization']['lm_head'] else 'kept'}, {_embedding(m['quantization'])}), KV cache "
         f"{m['quantization']['kv_cache']}" + (f" ({m['kv']['dtype']} rows, a float32 scale per row)"
                                                if m["kv"].get("row_scales") else ""),
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",

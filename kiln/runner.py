@@ -7,22 +7,23 @@ import time
 
 import click
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, NoChatTemplate
 
 
-def _open(artifact, kv_memory):
+def _open(artifact, kv_memory, threads: int | None = None):
     from kiln.runtime.llm import LLM
     t0 = time.perf_counter()
-    llm = LLM(artifact, kv_memory=kv_memory, max_num_seqs=1)
+    llm = LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads)
     return llm, time.perf_counter() - t0
 
 
-def _timings(out, load_seconds: float) -> dict:
+def _timings(out, load_seconds: float, threads: int) -> dict:
     m = out.metrics
     n_prompt, n_decode = len(out.prompt_token_ids), len(out.outputs[0].token_ids) - 1
     prefill = m.first_token_time - m.arrival_time
     decode = m.finish_time - m.first_token_time
     return {
+        "threads": threads,
         "load_seconds": round(load_seconds, 4),
         "prefill_tokens": n_prompt,
         "cached_prompt_tokens": m.num_cached_tokens,
@@ -53,13 +54,13 @@ def _generate_streaming(llm, prompt_ids, params, echo: bool):
     return final
 
 
-def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool) -> None:
-    llm, load_seconds = _open(artifact, kv_memory)
+def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads: int | None = None) -> None:
+    llm, load_seconds = _open(artifact, kv_memory, threads)
     prompt_ids = llm.tokenizer.encode(prompt)
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
     out = _generate_streaming(llm, prompt_ids, params, echo=not as_json)
-    t = _timings(out, load_seconds)
+    t = _timings(out, load_seconds, llm.threads)
     done = out.outputs[0]
     if as_json:
         print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
@@ -70,14 +71,19 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool) -> None:
             return f"{v:.1f} tok/s" if v else "n/a"
         click.echo(f"prefill: {t['prefill_tokens']} tokens in {t['prefill_seconds']:.3f}s "
                    f"({rate(t['prefill_tokens_per_second'])}); decode: {t['decode_tokens']} tokens in "
-                   f"{t['decode_seconds']:.3f}s ({rate(t['decode_tokens_per_second'])})", err=True)
+                   f"{t['decode_seconds']:.3f}s ({rate(t['decode_tokens_per_second'])}); "
+                   f"{t['threads']} thread{'s' * (t['threads'] != 1)}", err=True)
 
 
-def chat(artifact, params, kv_memory) -> None:
-    """Read a line, answer it, repeat; uses the model's chat template when it has one."""
-    llm, _ = _open(artifact, kv_memory)
+def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
+    """Read a line, answer it, repeat, through the model's chat template (a model without one is
+    refused: joining the turns by hand would feed it text in a format it was never trained on)."""
+    llm, _ = _open(artifact, kv_memory, threads)
     tok = llm.tokenizer
-    click.echo(llm.describe_kv(), err=True)
+    if tok.chat_template is None:
+        raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "
+                             "or chat_template.json), so it cannot chat; give it a prompt with --prompt TEXT")
+    click.echo(f"{llm.describe_kv()}; {llm.threads} thread{'s' * (llm.threads != 1)}", err=True)
     click.echo("kiln chat: type a message, an empty line or Ctrl-D to quit.", err=True)
     messages: list[dict] = []
     while True:
@@ -88,10 +94,7 @@ def chat(artifact, params, kv_memory) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        if tok.chat_template:
-            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
-        else:
-            ids = tok.encode("\n".join(m["content"] for m in messages))
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
         try:
             text = _generate_streaming(llm, ids, params, echo=True).outputs[0].text
         except KilnError as e:     # e.g. the conversation outgrew the context: say so, keep the session

@@ -26,13 +26,16 @@ class PassRecord:
 
 
 def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True,
-                 group_size: int = 32, kv_dtype: str | None = None) -> list[tuple[str, Pass]]:
-    """The passes for a target, in order: fuse -> attention specialisation -> quantise weights, KV."""
+                 group_size: int = 32, kv_dtype: str | None = None,
+                 quant_embedding: bool = True) -> list[tuple[str, Pass]]:
+    """The passes for a target, in order: fuse -> attention specialisation -> quantise weights
+    (the embedding table too unless `quant_embedding` is off), KV."""
     from .fuse_rope_attention import fuse_rope_attention
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
     from .fuse_residual_add import fuse_residual_add
     from .quantize import Quantize
+    from .quantize_embedding import QuantizeEmbedding
     from .quantize_kv import QuantizeKV
     from .specialize_attention import specialize_attention
     passes: list[tuple[str, Pass]] = [
@@ -45,6 +48,8 @@ def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool
     passes.append(("specialize_attention", specialize_attention))
     if quant:
         passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size)))
+        if quant_embedding:
+            passes.append(("quantize_embedding", QuantizeEmbedding(quant, group_size=group_size)))
     if kv_dtype:
         passes.append(("quantize_kv", QuantizeKV(kv_dtype)))
     return passes

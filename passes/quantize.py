@@ -7,17 +7,35 @@ f16 group scales):
     %y = linear_q8(%x, @w.q8, @w.q8_scale[, @b][, %r])
         @w.q8 = q8.q(@w)   @w.q8_scale = q8.scale(@w)      (computed once, when weights are written)
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
-  logits) only when `lm_head` is set. Embedding tables are never touched.
+  logits) only when `lm_head` is set. Embedding tables are left to quantize_embedding.
 Leaves: %y keeps its name and type; the float weight param is dropped once no node reads it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.ir import Graph, Param, TensorType
+from kiln.ir import Graph, IRError, Param, TensorType
 from kiln.ir.quant import SCHEMES
 
 from .rewrite import drop_unused_params, editable_copy
+
+
+def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> tuple[str, str]:
+    """Declare the params holding `w` [out, in] quantised with `mode`: @w.<mode> and @w.<mode>_scale,
+    made from @w by recipe when weights are written. Declared once: a table that is both an LM head and
+    an embedding (tied) gets one pair, which both ops read."""
+    scheme = SCHEMES[mode]
+    shapes = scheme.part_shapes(*w.type.shape, group_size)
+    names = {"q": f"{w.name}.{mode}", "scale": f"{w.name}.{mode}_scale"}
+    dtypes = {"q": scheme.weight_dtype, "scale": scheme.scale_dtype}
+    for part, name in names.items():
+        recipe = {"quantize": mode, "of": w.name, "part": part}
+        if scheme.grouped:
+            recipe["group_size"] = group_size
+        param = graph.params.setdefault(name, Param(name, TensorType(shapes[part], dtypes[part]), recipe))
+        if param.recipe != recipe:
+            raise IRError(f"param @{name} is already made by {param.recipe}, not {recipe}")
+    return names["q"], names["scale"]
 
 
 @dataclass
@@ -53,18 +71,10 @@ class Quantize:
             if node.op != "linear" or node.output in skip or node.inputs[1] not in graph.params:
                 continue
             w = graph.params[node.inputs[1]]
-            n_out, n_in = w.type.shape
-            if grouped and n_in % self.group_size:
+            if grouped and w.type.shape[1] % self.group_size:
                 continue                  # a width the groups do not divide stays in float
-            shapes = scheme.part_shapes(n_out, n_in, self.group_size)
-            names = {"q": f"{w.name}.{self.mode}", "scale": f"{w.name}.{self.mode}_scale"}
-            dtypes = {"q": scheme.weight_dtype, "scale": scheme.scale_dtype}
-            for part, name in names.items():
-                recipe = {"quantize": self.mode, "of": w.name, "part": part}
-                if grouped:
-                    recipe["group_size"] = self.group_size
-                graph.params.setdefault(name, Param(name, TensorType(shapes[part], dtypes[part]), recipe))
+            q, scale = add_quantized_params(graph, w, self.mode, self.group_size)
             node.op = f"linear_{self.mode}"
-            node.inputs = [node.inputs[0], names["q"], names["scale"], *node.inputs[2:]]
+            node.inputs = [node.inputs[0], q, scale, *node.inputs[2:]]
             node.attrs = {"group_size": self.group_size} if grouped else {}
         return drop_unused_params(graph)

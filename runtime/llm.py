@@ -11,6 +11,7 @@ from .engine import Engine
 from .model import CompiledModel, parse_bytes
 from .request import RequestOutput
 from .sampler import SamplingParams
+from .threads import set_threads
 from .tokenizer import Tokenizer
 
 AUTO_FRACTION = 0.5      # "auto": this share of the device's free memory ...
@@ -35,7 +36,10 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int) 
 
 class LLM:
     def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
-                 max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True):
+                 max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
+                 threads: int | None = None):
+        # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
+        self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
         self.tokenizer = Tokenizer(artifact_dir)
         num_pages = self.model.allocate_kv(kv_budget(kv_memory, self.model, max_num_seqs))

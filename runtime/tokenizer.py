@@ -1,8 +1,9 @@
 """Tokenizer and chat template for the runtime, without transformers.
 
 `Tokenizer` reads the files a Hugging Face model directory (or a kiln
-artifact) carries: tokenizer.json, tokenizer_config.json, chat_template.jinja
-and generation_config.json. It reproduces what transformers'
+artifact) carries: tokenizer.json, tokenizer_config.json, generation_config.json
+and the chat template from wherever the checkpoint keeps it (chat_template.jinja,
+tokenizer_config.json's "chat_template", or chat_template.json). It reproduces what transformers'
 `AutoTokenizer` (the tokenizers-backed class) does with the same files:
 encode, decode, and the chat template rendered in a sandboxed jinja2
 environment. `IncrementalDetokenizer` turns a stream of generated ids into
@@ -22,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, NoChatTemplate
 
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -33,7 +34,9 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise KilnError(f"no tokenizer.json in {path}")
+            hint = (" (only a SentencePiece tokenizer.model: `kiln compile` converts it)"
+                    if (path / "tokenizer.model").is_file() else "")
+            raise KilnError(f"no tokenizer.json in {path}{hint}")
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         gen_config = _read_json(path / "generation_config.json")
@@ -68,9 +71,7 @@ class Tokenizer:
         gen_eos = gen_config.get("eos_token_id")
         self.eos_token_ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
 
-        self.chat_template: str | None = _pick_template(config.get("chat_template"))
-        if (path / "chat_template.jinja").is_file():  # the newer file wins, as in transformers
-            self.chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        self.chat_template: str | None = _find_template(path, config)
         self._compiled_template: jinja2.Template | None = None
 
     @property
@@ -103,8 +104,8 @@ class Tokenizer:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render messages with the model's chat template; kwargs (tools=...) reach the template."""
         if self.chat_template is None:
-            raise ValueError("this model has no chat template (none in tokenizer_config.json or "
-                             "chat_template.jinja); send a plain prompt instead")
+            raise NoChatTemplate("this model has no chat template (none in chat_template.jinja, "
+                                 "tokenizer_config.json or chat_template.json); send a plain prompt instead")
         if self._compiled_template is None:
             self._compiled_template = _jinja_env().from_string(self.chat_template)
         names = {k: v for k, v in self.special_tokens.items() if v is not None}
@@ -164,6 +165,16 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _token_str(value: Any) -> str | None:
     """A special token in tokenizer_config.json is a string or an AddedToken dict."""
     return value.get("content") if isinstance(value, dict) else value
+
+
+def _find_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The default chat template, looked up as transformers does: chat_template.jinja wins over
+    tokenizer_config.json's entry; chat_template.json (a processor's file) is the last resort."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if (template := _pick_template(config.get("chat_template"))) is not None:
+        return template
+    return _pick_template(_read_json(path / "chat_template.json").get("chat_template"))
 
 
 def _pick_template(value: Any) -> str | None:

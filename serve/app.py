@@ -41,6 +41,7 @@ class ServerConfig:
     prefix_caching: bool = True
     max_waiting: int = 512                 # requests queued beyond this get a 429
     max_body_bytes: int = 4 << 20
+    threads: int | None = None             # CPU threads for the kernels (None: kiln.runtime.threads decides)
 
     @property
     def model_name(self) -> str:
@@ -91,9 +92,11 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
 
     def load():
         llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
-                       max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching)
+                       max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching,
+                       threads=config.threads)
         state["llm"], state["engine"] = llm, kiln.AsyncEngine(llm.engine)
-        print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}", file=sys.stderr, flush=True)
+        print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}; "
+              f"{llm.threads} thread{'s' * (llm.threads != 1)}", file=sys.stderr, flush=True)
         return llm
 
     @contextlib.asynccontextmanager

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,32 @@ def test_run_json(artifact):
     assert len(out["output_token_ids"]) == 6 and out["prompt_token_ids"]
     assert out["timings"]["decode_tokens_per_second"] > 0
     assert out["finish_reason"] in ("length", "stop")
+
+
+def _run_threads(artifact, *flags, **env) -> int:
+    environ = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"} | env
+    proc = kiln("run", artifact, "--prompt", "def", "--max-tokens", "2", "--json", *flags, env=environ)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["timings"]["threads"]
+
+
+def test_run_uses_every_core_unless_told_otherwise(artifact):
+    """--threads, then $TVM_NUM_THREADS, then every core the process may run on."""
+    assert _run_threads(artifact) == len(os.sched_getaffinity(0))
+    assert _run_threads(artifact, "--threads", "1") == 1
+    assert _run_threads(artifact, TVM_NUM_THREADS="1") == 1
+    assert _run_threads(artifact, "--threads", "2", TVM_NUM_THREADS="1") == 2
+
+
+def test_tvm_takes_the_thread_count():
+    """The count reaches TVM's pool, in the calling thread and in threads made later."""
+    code = ("import threading, tvm; from kiln.runtime.threads import set_threads; n = set_threads(); "
+            "seen = []; t = threading.Thread(target=lambda: seen.append(tvm.runtime.num_threads())); "
+            "t.start(); t.join(); print(n, tvm.runtime.num_threads(), seen[0])")
+    env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(len(os.sched_getaffinity(0)))] * 3
 
 
 def test_run_streams_text_and_prints_throughput(artifact):

@@ -38,7 +38,10 @@ def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quantization"]["weights"] == "fp8"
-    assert sum(w["dtype"] == "float8_e4m3fn" for w in manifest["weights"]) == 2 * 4 + 1
+    assert manifest["quantization"]["embedding"] == "fp8"
+    # per layer qkv, o, gate_up, down; the LM head; the embedding table (untied), gathered by a device kernel
+    assert sum(w["dtype"] == "float8_e4m3fn" for w in manifest["weights"]) == 2 * 4 + 2
+    assert any("embed_fp8" in k for k in manifest["kernels"])
     library = (out / "model.cuda.so").read_bytes()
     assert b"sm_90" in library and b"__global__" not in library
     for name in manifest["kernels"]:

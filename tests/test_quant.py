@@ -17,8 +17,10 @@ def build(make_model, tmp_path_factory, quant, group_size=32, kv_dtype=None):
     from kiln.runtime.model import CompiledModel
     model_dir = make_model("qwen2")                # biases, fused QKV and gate/up: every linear variant
     out = tmp_path_factory.mktemp(quant or kv_dtype) / "artifact"
+    # The embedding stays float here so that the bounds below measure the weight quantisers alone;
+    # tests/test_quant_embedding.py covers the quantised embedding (the default).
     manifest = compile_model(model_dir, out, target="cpu", quant=quant, group_size=group_size, show=None,
-                             kv_dtype=kv_dtype)
+                             kv_dtype=kv_dtype, quant_embedding=False)
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return model_dir, manifest, model
@@ -60,7 +62,7 @@ def compiled_matches_interpreter(artifact, quant, group_size=32, kv_dtype=None, 
     model_dir, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
     graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, group_size=group_size,
-                            kv_dtype=kv_dtype)
+                            kv_dtype=kv_dtype, quant_embedding=False)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     ids = random_prompt(29, 5)
     c = hf_model.config

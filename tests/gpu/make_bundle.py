@@ -38,7 +38,7 @@ def main() -> None:
     for name, flags in VARIANTS.items():
         # each CUDA compile runs in its own process: the CUDA loader must be set up before TVM loads
         subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(model), "--target", "cuda",
-                        "--arch", args.arch, *flags, "-o", str(out / f"cuda-{name}")], check=True)
+                        "--arch", args.arch, *flags, "-o", str(out / f"cuda-{name}"), "--force"], check=True)
 
 
 if __name__ == "__main__":

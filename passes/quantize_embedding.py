@@ -1,0 +1,49 @@
+"""quantize_embedding: the embedding gather reads its table quantised with the weights' scheme.
+
+Rewrite (mode q8; fp8 is embed_fp8 with an e4m3 table; q4 is embed_q4 {dtype, group_size} with
+u8 packed nibbles and f16 group scales):
+    %h = embed(%ids, @t)
+  ->
+    %h = embed_q8(%ids, @t.q8, @t.q8_scale) {dtype='float32'}
+        @t.q8 = q8.q(@t)   @t.q8_scale = q8.scale(@t)      (computed once, when weights are written)
+The quantised params are named as `quantize` names those of a linear weight, so a tied table
+whose LM head was quantised with the same scheme is one pair of params that the gather and the
+LM head both read: the artifact stores the table once.
+Requires: the table is a float param; q4: group_size divides the hidden width.
+Leaves: %h keeps its name and type; the float table is dropped once no node reads it (a tied
+  table whose LM head stays float is still read, and stored, for the head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.ir import Graph
+from kiln.ir.quant import SCHEMES
+
+from .quantize import add_quantized_params
+from .rewrite import drop_unused_params, editable_copy
+
+
+@dataclass
+class QuantizeEmbedding:
+    mode: str = "q8"
+    group_size: int = 32          # q4 only: hidden columns per scale
+
+    def __post_init__(self):
+        if self.mode not in SCHEMES:
+            raise ValueError(f"unknown quantisation mode {self.mode!r} (known: {', '.join(SCHEMES)})")
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        grouped = SCHEMES[self.mode].grouped
+        for node in graph.nodes:
+            if node.op != "embed" or node.inputs[1] not in graph.params:
+                continue
+            table = graph.params[node.inputs[1]]
+            if grouped and table.type.shape[1] % self.group_size:
+                continue                  # a width the groups do not divide stays in float
+            q, scale = add_quantized_params(graph, table, self.mode, self.group_size)
+            node.op = f"embed_{self.mode}"
+            node.inputs = [node.inputs[0], q, scale]
+            node.attrs = {"dtype": node.type.dtype, **({"group_size": self.group_size} if grouped else {})}
+        return drop_unused_params(graph)
