@@ -472,15 +472,50 @@ def _paged_attention_fused():
         return OPS["paged_attention"].type_rule([q, k, k, *types[3:]], attrs, fail)
 
     def ref(x, at, ty, dims):
-        qkv, pos, inv = x[:3]
-        d, ranges = parts(at)
-        tokens = qkv.shape[0]
-        q, k, v = (np.ascontiguousarray(qkv[:, lo * d:hi * d]) for lo, hi in ranges)
-        rope = OPS["rope"].reference
-        q, k = (rope([t, pos, inv], {"head_dim": d}, TensorType((tokens, t.shape[1]), ty.dtype), dims)
-                for t in (q, k))
-        q, k, v = (t.reshape(tokens, -1, d) for t in (q, k, v))
-        return OPS["paged_attention"].reference([q, k, v, *x[3:]], at, ty, dims)
+        # Written apart from the rope and paged_attention references (tests compare the two
+        # graphs): token by token, each query walks its sequence's slots through the page table.
+        qkv, pos, inv, pages, slots, qi, pi, pv, lpl = x[:9]
+        scales = x[9] if len(x) > 9 else None
+        d, (_, k_heads, v_heads) = parts(at)
+        half, page_size, dtype = d // 2, pages.shape[3], numpy_dtype(ty.dtype)
+        heads = _f32(qkv).reshape(qkv.shape[0], -1, d)                          # [T, Hq + 2 Hkv, D]
+
+        def rotated(t: int, h: int) -> np.ndarray:     # head h of token t turned by pos[t] * inv_freq
+            ang = np.float32(pos[t]) * _f32(inv)
+            a, b = heads[t, h, :half], heads[t, h, half:]
+            return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)]).astype(dtype)
+
+        scheme = kv_scheme_for(pages.dtype.name)
+        for t, slot in enumerate(slots.tolist()):
+            page, row = divmod(slot, page_size)
+            new = (np.stack([rotated(t, h) for h in range(*k_heads)]), heads[t, v_heads[0]:v_heads[1]].astype(dtype))
+            for kind in (0, 1):
+                if scheme is None:
+                    pages[page, kind, :, row] = new[kind]
+                else:
+                    pages[page, kind, :, row], scales[page, kind, :, row] = scheme.quantize_rows(new[kind])
+
+        def stored(kind: int, slot_ids: np.ndarray) -> np.ndarray:         # [L, Hkv, D] in float32
+            page, row = slot_ids // page_size, slot_ids % page_size
+            vals = _f32(pages[page, kind, :, row])
+            return vals if scheme is None else vals * scales[page, kind, :, row][..., None]
+
+        group = at["q_heads"] // at["kv_heads"]
+        out = np.zeros((qkv.shape[0], at["q_heads"], d), np.float32)
+        for s in range(len(qi) - 1):
+            seq_pages = np.asarray(pv[pi[s]:pi[s + 1]], np.int64)
+            kv_len = (len(seq_pages) - 1) * page_size + int(lpl[s])
+            seq_slots = seq_pages[np.arange(kv_len) // page_size] * page_size + np.arange(kv_len) % page_size
+            keys, values = stored(0, seq_slots), stored(1, seq_slots)
+            first = kv_len - (int(qi[s + 1]) - int(qi[s]))                     # position of the first query
+            for i, t in enumerate(range(int(qi[s]), int(qi[s + 1]))):
+                seen = first + i + 1                                            # causal: itself and before
+                for h in range(at["q_heads"]):
+                    q = _f32(rotated(t, h))
+                    logits = keys[:seen, h // group] @ q * np.float32(at["scale"])
+                    w = np.exp(logits - logits.max())
+                    out[t, h] = (w / w.sum()) @ values[:seen, h // group]
+        return _as(out, ty)
     return rule, ref
 
 

@@ -4,9 +4,12 @@ Rewrite (paged_attention or paged_attention_fused):
     %o = paged_attention(%q, %k, %v, …) {variant='auto'}
   ->
     %o = paged_attention(%q, %k, %v, …) {variant='gqa4'}     (q heads / kv heads = 4)
-Variants: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV head). Codegen instantiates
-the kernel for that ratio: one task per KV head serving its N query heads, so each KV page is read
-once per group and K/V heads are never repeated in memory.
+Variants: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV head).
+This pass only annotates: no kernel is chosen from the attribute yet. The CPU attention kernel
+derives the group size from the q and kv head counts itself (one task per KV head serving its N
+query heads), and CUDA uses TVM's prefill kernel for every ratio. The variant is written to the
+manifest (`attention_variants`) and shown by `kiln inspect`; a per-target attention-kernel registry
+that reads it is the next step (DESIGN.md).
 Requires: nothing. Leaves: the graph's meaning unchanged (only the attribute differs).
 """
 from __future__ import annotations

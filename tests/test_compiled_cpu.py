@@ -103,3 +103,21 @@ def test_seeded_sampling_is_reproducible(llama):
     assert first == second
     other = llm.generate([prompt(7, 9)], SamplingParams(**{**params.__dict__, "seed": 99}))[0].outputs[0].token_ids
     assert other != first
+
+
+def test_the_runtime_runs_an_artifact_without_torch_or_transformers(llama_cpu):
+    """Every runtime module is imported and an artifact generates with torch made unimportable
+    (as `kiln run` does: tvm_ffi would import it otherwise), and transformers never loads."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import kiln.runtime.engine, kiln.runtime.async_engine, kiln.runtime.sampler, kiln.runtime.tokenizer\n"
+            "from kiln.runtime.llm import LLM\n"
+            "from kiln.runtime.sampler import SamplingParams\n"
+            f"llm = LLM({str(llama_cpu[0])!r}, kv_memory='8MiB')\n"
+            "out = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]\n"
+            "assert len(out.outputs[0].token_ids) == 3\n"
+            "bad = [m for m in ('transformers',) if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]

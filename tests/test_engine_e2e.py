@@ -127,7 +127,7 @@ def test_text_prompts_and_the_async_api(llama):
     (text, last), (_, other) = asyncio.run(main())
     assert last.finished and text == last.outputs[0].text == offline.outputs[0].text
     assert other.finished and len(other.outputs[0].token_ids) == 8
-    assert llm.engine.pool.num_free == llm.engine.pool.num_pages or llm.engine.pool.cached_pages() > 0
+    assert not any(llm.engine.pool.refcount)       # no page is still held (cached idle pages may stay)
 
 
 def test_async_consumer_that_leaves_early_aborts_its_request(llama):

@@ -1,4 +1,6 @@
-"""CUDA artifacts on a GPU against transformers (fp32 on the CPU as the reference)."""
+"""CUDA artifacts on a GPU against the reference interpreter on the same graph and weights (codegen
+error alone, tight bounds), and against transformers in fp32 (codegen plus rounding and
+quantisation error, loose bounds)."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from paging import make_step_inputs  # noqa: E402
+from paging import make_kv_pages, make_step_inputs  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -18,6 +20,44 @@ from reference import hf_greedy, hf_last_logits as ref_logits, random_prompt as 
 # q8/q4 are float16 activations with int8/int4 weights: rounding plus quantisation error
 # (q4 on the CPU against fp32: up to 0.23 of max |logit| on these random weights).
 TOLERANCE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 1.5e-1, "q8": 8e-2, "q4": 3.5e-1, "fp8": 1.5e-1}
+
+
+# artifact variant (tests/gpu/make_bundle.py) -> (activation dtype, --quant)
+VARIANTS = {"float32": ("float32", None), "float16": ("float16", None), "bfloat16": ("bfloat16", None),
+            "q8": ("float16", "q8"), "q4": ("float16", "q4"), "fp8": ("float16", "fp8")}
+# Against the interpreter on the very graph the artifact was compiled from (same passes, same
+# quantised weights, activations rounded to the same dtype at every op), only the kernels'
+# accumulation order and fp32-vs-rounded intermediates differ: as the CPU tests, but half precision
+# rounds each op's output to ~3 (fp16) or ~2 (bf16) significant digits.
+INTERPRETER_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2, "q8": 1e-2, "q4": 1e-2, "fp8": 1e-2}
+
+
+def interpreter_for(bundle: Path, variant: str, page_size: int):
+    """(graph, weights, config) as `kiln compile --target cuda` built this variant."""
+    from kiln.frontend import load_hf_model
+    from kiln.ir import weight_loader
+    from kiln.passes import run_pipeline
+    dtype, quant = VARIANTS[variant]
+    hf_model = load_hf_model(bundle / "model")
+    graph, _ = run_pipeline(hf_model.build_graph(dtype, page_size), "cuda", quant=quant)
+    return graph, weight_loader(graph, lambda name: hf_model.weight(name, dtype)), hf_model.config
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_and_decode_match_the_interpreter(gpu_bundle, variant):
+    from kiln.ir import interpret
+    from kiln.ir.types import numpy_dtype
+    model = open_model(gpu_bundle, variant)
+    graph, weights, c = interpreter_for(gpu_bundle, variant, model.page_size)
+    kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, model.page_size, c.head_dim,
+                       dtype=numpy_dtype(VARIANTS[variant][0]))
+    ids, pages = prompt(29, 5), [1, 6]
+    for tokens, start in ((ids, 0), ([7], 29), ([11], 30)):
+        step = make_step_inputs([(tokens, start, pages)], model.page_size)
+        want = interpret(graph, {**step, **kv}, weights)["logits"]
+        got = model.forward(step)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= INTERPRETER_TOLERANCE[variant], f"{variant}: {err:.2e} of max |logit| from the interpreter"
 
 
 @pytest.fixture(scope="module")
