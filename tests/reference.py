@@ -20,3 +20,15 @@ def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
         out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           do_sample=False, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def last_logit_cosines(hf, compiled, prompts: int = 8) -> list[float]:
+    """Cosine between a compiled model's last-token logits and transformers' over random prompts."""
+    from paging import make_step_inputs
+    cosines = []
+    for seed in range(prompts):
+        ids = random_prompt(20 + seed, 100 + seed)
+        got = compiled.forward(make_step_inputs([(ids, 0, [seed, 9])], compiled.page_size))[0]
+        ref = hf_last_logits(hf, ids)
+        cosines.append(float(got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)))
+    return cosines

@@ -288,16 +288,10 @@ def test_quantised_embedding_error_against_transformers(artifact):
     by the final norm, so its q4 error is the largest (measured: q8 0.9994, q4 0.915 tied; q8 0.9998,
     q4 0.979, fp8 0.9977 untied). See bench/quant_error.py for a trained model."""
     import transformers
-    from paging import make_step_inputs
-    from reference import hf_last_logits, random_prompt
+    from reference import last_logit_cosines
     tied, quant, model_dir, _, _, compiled = artifact
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    cosines = []
-    for seed in range(8):
-        ids = random_prompt(20 + seed, 100 + seed)
-        got = compiled.forward(make_step_inputs([(ids, 0, [seed, 9])], 16))[0]
-        ref = hf_last_logits(hf, ids)
-        cosines.append(float(got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)))
+    cosines = last_logit_cosines(hf, compiled)
     assert min(cosines) >= {"q8": 0.999, "q4": 0.9 if tied else 0.97, "fp8": 0.997}[quant]
 
 
