@@ -8,6 +8,7 @@ import time
 import click
 
 from kiln.errors import KilnError, NoChatTemplate
+from kiln.runtime.threads import describe_threads
 
 
 def _open(artifact, kv_memory, threads: int | None = None):
@@ -72,7 +73,7 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
         click.echo(f"prefill: {t['prefill_tokens']} tokens in {t['prefill_seconds']:.3f}s "
                    f"({rate(t['prefill_tokens_per_second'])}); decode: {t['decode_tokens']} tokens in "
                    f"{t['decode_seconds']:.3f}s ({rate(t['decode_tokens_per_second'])}); "
-                   f"{t['threads']} thread{'s' * (t['threads'] != 1)}", err=True)
+                   f"{describe_threads(t['threads'])}", err=True)
 
 
 def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
@@ -83,7 +84,7 @@ def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
     if tok.chat_template is None:
         raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "
                              "or chat_template.json), so it cannot chat; give it a prompt with --prompt TEXT")
-    click.echo(f"{llm.describe_kv()}; {llm.threads} thread{'s' * (llm.threads != 1)}", err=True)
+    click.echo(f"{llm.describe_kv()}; {describe_threads(llm.threads)}", err=True)
     click.echo("kiln chat: type a message, an empty line or Ctrl-D to quit.", err=True)
     messages: list[dict] = []
     while True:

@@ -52,3 +52,8 @@ def set_threads(threads: int | None = None) -> int:
     if configure is not None:
         configure(_BIG_CORES, n)
     return n
+
+
+def describe_threads(n: int) -> str:
+    """'1 thread', '2 threads': how the CLI and the server report the count."""
+    return f"{n} thread{'s' * (n != 1)}"

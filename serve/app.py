@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
 from kiln.errors import KilnError, ParamError
+from kiln.runtime.threads import describe_threads
 
 from . import responses
 from .metrics import ServerMetrics
@@ -96,7 +97,7 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
                        threads=config.threads)
         state["llm"], state["engine"] = llm, kiln.AsyncEngine(llm.engine)
         print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}; "
-              f"{llm.threads} thread{'s' * (llm.threads != 1)}", file=sys.stderr, flush=True)
+              f"{describe_threads(llm.threads)}", file=sys.stderr, flush=True)
         return llm
 
     @contextlib.asynccontextmanager
