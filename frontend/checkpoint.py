@@ -1,19 +1,24 @@
-"""Lazy access to a Hugging Face safetensors checkpoint (single file or sharded with an index)."""
+"""Lazy access to a Hugging Face safetensors checkpoint (single file or sharded with an index).
+
+Each tensor is read into its own array with plain reads (kiln/safetensors_io.py), not through a
+memory map of the file: a map's pages stay resident while it is open, so reading a 16 GB
+checkpoint through one would count all 16 GB against compile's memory."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
 from kiln.errors import KilnError
+from kiln.safetensors_io import Entry, read_header, read_tensor
 
 
 class Checkpoint:
     """Maps tensor names to the shard that holds them; reads a tensor only when asked."""
 
     def __init__(self, model_dir: Path):
+        self._headers: dict[Path, dict[str, Entry]] = {}
         index = model_dir / "model.safetensors.index.json"
         single = model_dir / "model.safetensors"
         if index.exists():
@@ -23,18 +28,14 @@ class Checkpoint:
                 raise KilnError(f"{index}: not a valid safetensors index ({e})") from None
             self.files = {name: model_dir / shard for name, shard in weight_map.items()}
         elif single.exists():
-            self.files = {name: single for name in self._keys(single)}
+            self.files = {name: single for name in self._entries(single)}
         else:
             raise KilnError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-        self._handles: dict[Path, object] = {}
 
-    @staticmethod
-    def _keys(path: Path) -> list[str]:
-        try:
-            with safe_open(str(path), framework="numpy") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise KilnError(f"{path}: cannot read safetensors file ({e})") from None
+    def _entries(self, path: Path) -> dict[str, Entry]:
+        if path not in self._headers:
+            self._headers[path] = read_header(path)[0]
+        return self._headers[path]
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -45,11 +46,7 @@ class Checkpoint:
         path = self.files[name]
         if not path.exists():
             raise KilnError(f"{path}: shard named in the index is missing")
-        try:
-            if path not in self._handles:
-                self._handles[path] = safe_open(str(path), framework="numpy")
-            return self._handles[path].get_tensor(name)
-        except KilnError:
-            raise
-        except Exception as e:
-            raise KilnError(f"{path}: cannot read tensor {name!r} ({e})") from None
+        entry = self._entries(path).get(name)
+        if entry is None:
+            raise KilnError(f"{path}: has no tensor {name!r}, though the index names this file")
+        return read_tensor(path, entry)

@@ -39,33 +39,44 @@ def _q8_dequantize(parts: dict[str, np.ndarray]) -> np.ndarray:
     return parts["q"].astype(np.float32) * parts["scale"][:, None]
 
 
+Q4_SHRINKS = np.linspace(0.7, 1.0, 13).astype(np.float32)
+
+
 def _q4_quantize(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
     """int4 in groups of `group_size` along the input axis, one float16 scale per group.
 
-    q in [-8, 7]; the scale maps the group's largest-magnitude value to -8 (all 16 levels used),
-    shrunk by the factor in [0.7, 1] that minimises the group's squared error. q + 8 is stored in
-    a nibble, two per byte along the input axis (even k in the low nibble); scales are stored
-    [in / group, out] so that a kernel reading consecutive outputs reads consecutive scales."""
+    q in [-8, 7]. The group's peak is its first largest-magnitude value (1 if all are zero); each
+    candidate scale is float16(peak * shrink / -8) in float32 arithmetic, for the 13 shrinks of
+    Q4_SHRINKS: shrink 1 maps the peak to -8, using all 16 levels. q = clip(rint(w / scale), -8, 7)
+    (0 where the scale is 0); the chosen scale is the first with the least squared error, summed in
+    float64. q + 8 is stored in a nibble, two per byte along the input axis (even k in the low
+    nibble); scales are stored [in / group, out] so that a kernel reading consecutive outputs reads
+    consecutive scales. This is the reference; compile runs the same rule as a TVM kernel
+    (codegen/quantize_q4.py), which tests hold to these exact bytes."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
     groups = w.reshape(n, k // group_size, group_size)
     idx = np.abs(groups).argmax(axis=-1)
     peak = np.take_along_axis(groups, idx[..., None], axis=-1)[..., 0]
-    peak = np.where(peak == 0, 1.0, peak)
-    best_err = best_scale = None
-    for shrink in np.linspace(0.7, 1.0, 13):
-        scale = (peak * shrink / -8).astype(np.float16).astype(np.float32)
-        q = np.clip(np.rint(groups / scale[..., None]), -8, 7)
-        err = ((q * scale[..., None] - groups) ** 2).sum(axis=-1)
-        if best_err is None:
-            best_err, best_scale = err, scale
-        else:
-            better = err < best_err
-            best_err, best_scale = np.where(better, err, best_err), np.where(better, scale, best_scale)
-    q = np.clip(np.rint(groups / best_scale[..., None]), -8, 7).astype(np.int8).reshape(n, k)
+    peak = np.where(peak == 0, np.float32(1), peak)
+    best_err = np.full(peak.shape, np.inf)
+    best_scale = np.zeros(peak.shape, np.float32)
+    for shrink in Q4_SHRINKS:
+        scale = (peak * shrink / np.float32(-8)).astype(np.float16).astype(np.float32)
+        q = _q4_levels(groups, scale)
+        err = ((q.astype(np.float64) * scale[..., None] - groups) ** 2).sum(axis=-1)
+        better = err < best_err
+        best_err, best_scale = np.where(better, err, best_err), np.where(better, scale, best_scale)
+    q = _q4_levels(groups, best_scale).astype(np.int8).reshape(n, k)
     nibbles = (q + 8).astype(np.uint8)
     return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4),
             "scale": np.ascontiguousarray(best_scale.T.astype(np.float16))}
+
+
+def _q4_levels(groups: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """clip(rint(groups / scale), -8, 7) in float32, 0 where the scale underflowed to 0."""
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+    return np.where(scale[..., None] == 0, np.float32(0), np.clip(np.rint(groups / safe), -8, 7))
 
 
 def _q4_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.ndarray:

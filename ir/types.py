@@ -47,7 +47,7 @@ class TensorType:
 
 def numpy_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype of an IR dtype (bfloat16 and float8_e4m3fn through ml_dtypes)."""
-    if dtype in ("bfloat16", "float8_e4m3fn"):
+    if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
         return np.dtype(getattr(ml_dtypes, dtype))
     return np.dtype(dtype)

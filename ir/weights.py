@@ -12,8 +12,11 @@ from .types import IRError
 RECIPES = ("concat", "quantize")
 
 
-def weight_loader(graph: Graph, load: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
-    """A loader for every param of `graph`: `load(name)` for plain weights, recipes applied for derived ones."""
+def weight_loader(graph: Graph, load: Callable[[str], np.ndarray],
+                  quantizers: dict[str, Callable] | None = None) -> Callable[[str], np.ndarray]:
+    """A loader for every param of `graph`: `load(name)` for plain weights, recipes applied for derived ones.
+    `quantizers` replaces a scheme's reference quantiser by a faster one that gives the same bytes."""
+    quantizers = quantizers or {}
     quantized: dict[tuple[str, str], dict] = {}      # (scheme, source) -> parts: quantise each weight once
 
     def get(name: str) -> np.ndarray:
@@ -28,7 +31,8 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray]) -> Callable[[
             if key not in quantized:
                 quantized.clear()                    # parts of one weight are asked for together
                 options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
-                quantized[key] = SCHEMES[recipe["quantize"]].quantize(get(recipe["of"]), **options)
+                quantize = quantizers.get(recipe["quantize"], SCHEMES[recipe["quantize"]].quantize)
+                quantized[key] = quantize(get(recipe["of"]), **options)
             out = quantized[key][recipe["part"]]
         else:
             raise IRError(f"param @{name}: unknown recipe {recipe} (known: {', '.join(RECIPES)})")

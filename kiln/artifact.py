@@ -2,7 +2,10 @@
 
 manifest.json records what the runtime needs to drive the compiled `forward`
 (interface version, inputs, stored weights in argument order, KV layout) and a
-SHA-256 of every other file, checked when the artifact is opened.
+BLAKE3 digest of every other file (SHA-256 in artifacts from before it), checked
+when the artifact is opened: BLAKE3 runs at memory speed on every core, so the
+check costs about what reading the weights once does, and the runtime runs it
+beside the loading (`start_verify`). Compile hashes the weights as it writes them.
 
 An artifact is written into a sibling `OUT.partial-XXXX` directory and renamed into place once its
 manifest is written (`new_artifact_dir`), so OUT is never half-written and a failed or interrupted
@@ -16,8 +19,9 @@ import json
 import os
 import secrets
 import shutil
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kiln import __version__
 from kiln.errors import KilnError
@@ -27,7 +31,12 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 
 
-def sha256_file(path: Path) -> str:
+def file_digest(path: Path, algorithm: str = "blake3") -> str:
+    """The hex digest of a file: BLAKE3 (memory-mapped, multi-threaded, without the GIL) or SHA-256."""
+    if algorithm == "blake3":
+        hasher = new_hasher()
+        hasher.update_mmap(str(path))
+        return hasher.hexdigest()
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -35,17 +44,26 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(artifact_dir: Path, manifest: dict) -> dict:
-    """Add the kiln version, interface version and file checksums, then write manifest.json."""
+def new_hasher():
+    """A BLAKE3 hasher on every core."""
+    import blake3
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+
+def write_manifest(artifact_dir: Path, manifest: dict, digests: dict[str, str] | None = None) -> dict:
+    """Add the kiln version, interface version and file checksums, then write manifest.json.
+    `digests` gives the BLAKE3 of files already hashed as they were written."""
+    digests = digests or {}
     files = sorted(p for p in artifact_dir.iterdir() if p.is_file() and p.name != MANIFEST)
     manifest = {"kiln_version": __version__, "interface_version": INTERFACE_VERSION, **manifest,
-                "files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}}
+                "files": {p.name: {"blake3": digests.get(p.name) or file_digest(p), "bytes": p.stat().st_size}
+                          for p in files}}
     (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
 def read_manifest(artifact_dir: str | Path, verify: bool = True) -> dict:
-    """Read manifest.json; with verify, check the interface version and every file's checksum."""
+    """Read manifest.json; check the interface version, and with `verify` every file's checksum."""
     artifact_dir = Path(artifact_dir)
     path = artifact_dir / MANIFEST
     if not artifact_dir.is_dir():
@@ -61,13 +79,52 @@ def read_manifest(artifact_dir: str | Path, verify: bool = True) -> dict:
         raise KilnError(f"{artifact_dir}: interface version {version} is not supported by this kiln "
                         f"(it runs version {INTERFACE_VERSION}); recompile the model")
     if verify:
-        for name, info in manifest.get("files", {}).items():
-            file = artifact_dir / name
-            if not file.exists():
-                raise KilnError(f"{artifact_dir}: file {name} named in the manifest is missing")
-            if file.stat().st_size != info["bytes"] or sha256_file(file) != info["sha256"]:
-                raise KilnError(f"{artifact_dir}: checksum mismatch for {name} (the file is corrupted or was changed)")
+        verify_files(artifact_dir, manifest)
     return manifest
+
+
+def check_sizes(artifact_dir: Path, manifest: dict) -> None:
+    """Every file the manifest names is present with its recorded size (cheap: no byte is read)."""
+    for name, info in manifest.get("files", {}).items():
+        file = artifact_dir / name
+        if not file.exists():
+            raise KilnError(f"{artifact_dir}: file {name} named in the manifest is missing")
+        if file.stat().st_size != info["bytes"]:
+            raise KilnError(f"{artifact_dir}: {name} has {file.stat().st_size} bytes, the manifest says "
+                            f"{info['bytes']} (the file is corrupted or was changed)")
+
+
+def verify_files(artifact_dir: Path, manifest: dict) -> int:
+    """Check every file's size and digest; return the bytes hashed."""
+    check_sizes(artifact_dir, manifest)
+    hashed = 0
+    for name, info in manifest.get("files", {}).items():
+        algorithm = "blake3" if "blake3" in info else "sha256"
+        if file_digest(artifact_dir / name, algorithm) != info[algorithm]:
+            raise KilnError(f"{artifact_dir}: checksum mismatch for {name} (the file is corrupted or was changed)")
+        hashed += info["bytes"]
+    return hashed
+
+
+def start_verify(artifact_dir: Path, manifest: dict) -> Callable[[], None]:
+    """Check sizes now and digests in a background thread (hashing releases the GIL, so loading goes
+    on beside it); return `wait()`, which blocks until the check is done and raises what it found."""
+    check_sizes(artifact_dir, manifest)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            verify_files(artifact_dir, manifest)
+        except BaseException as e:       # handed to the waiting thread
+            errors.append(e)
+    thread = threading.Thread(target=work, name="kiln-verify", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if errors:
+            raise errors[0]
+    return wait
 
 
 def is_artifact(path: Path) -> bool:

@@ -93,10 +93,13 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
 
 @main.command()
 @click.argument("artifact")
-def inspect(artifact):
+@click.option("--verify", is_flag=True, help="Also check every file against its manifest checksum.")
+def inspect(artifact, verify):
     """Print a summary of a compiled ARTIFACT."""
-    from kiln.inspect import summary
-    click.echo(summary(artifact))
+    from kiln import inspect as inspect_artifact
+    click.echo(inspect_artifact.summary(artifact))
+    if verify:
+        click.echo(inspect_artifact.verify(artifact))
 
 
 @main.command()

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+
+import numpy as np
 from typing import Callable
 
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
@@ -21,13 +24,24 @@ class Phases:
         self.seconds: dict[str, float] = {}
 
     def run(self, name: str, fn, *args):
+        self.current, self.shown_tenths = name, 0
         if self.live:
             print(f"  {name:<8} ...", end="\r", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         result = fn(*args)
         self.seconds[name] = round(time.perf_counter() - t0, 3)
+        if self.live:
+            print(" " * 100, end="\r", file=sys.stderr)     # clear the progress line
         self.show(f"  {name:<8} {self.seconds[name]:6.1f}s")
         return result
+
+    def progress(self, text: str, fraction: float) -> None:
+        """How far the running phase is: every step on a terminal, each tenth elsewhere (logs)."""
+        if self.live:
+            print(f"  {self.current:<8} {text}"[:100].ljust(100), end="\r", file=sys.stderr, flush=True)
+        elif int(fraction * 10) > self.shown_tenths:
+            self.shown_tenths = int(fraction * 10)
+            self.show(f"  {self.current:<8} {self.shown_tenths * 10:3d}% {text}")
 
 
 def _stderr(line: str) -> None:
@@ -93,31 +107,14 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
 
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
-    def write_weights():
-        import numpy as np
-        from safetensors.numpy import save_file
-        from kiln.codegen.layouts import apply_layout
-        from kiln.ir import weight_loader
-        load = weight_loader(graph, lambda name: model.weight(name, dtype))
-        tensors, read = {}, {}
-        for w in lowered.weights:              # a param stored in two layouts is read once
-            if w.param not in read:
-                read[w.param] = load(w.param)
-            tensors[w.name] = apply_layout(w.layout, read[w.param])
-        del read
-        for w in lowered.weights:
-            if tuple(tensors[w.name].shape) != tuple(w.shape):
-                raise KilnError(f"weight {w.param} has shape {tensors[w.name].shape}, the graph expects {w.shape}")
-        # safetensors' NumPy reader has no float8: store the bytes, the manifest keeps the dtype.
-        save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
-                  str(out_dir / WEIGHTS))
-    phases.run("weights", write_weights)
+    weights_digest = phases.run("weights", write_weights, model, graph, lowered.weights, dtype, out_dir / WEIGHTS,
+                                phases.progress)
     tokenizer_files = model.write_tokenizer(out_dir)
 
     c = model.config
     embedding, embedding_shared = _embedding_storage(graph)
     kv_storage = KV_SCHEMES[kv_dtype].storage_dtype if kv_dtype else dtype
-    return write_manifest(out_dir, {
+    return write_manifest(out_dir, digests={WEIGHTS: weights_digest}, manifest={
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
@@ -142,3 +139,45 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "compile_seconds": phases.seconds,
         "tokenizer_files": tokenizer_files,
     })
+
+
+def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -> str:
+    """Stream the artifact's weights to `path`, one stored tensor at a time: read from the checkpoint,
+    convert, fuse, quantise, lay out, write, drop. A param that several stored tensors come from is
+    kept only until its last one is written. Return the file's BLAKE3, hashed as it is written."""
+    from kiln.artifact import new_hasher
+    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.quantize_q4 import fast_quantizers
+    from kiln.ir import weight_loader
+    from kiln.safetensors_io import TensorSpec, write_safetensors
+
+    load = weight_loader(graph, lambda name: model.weight(name, dtype), quantizers=fast_quantizers())
+    uses_left = Counter(w.param for w in stored)
+    held: dict[str, object] = {}
+    by_name = {w.name: w for w in stored}
+    # safetensors' NumPy side has no float8: it is stored as its bytes, the manifest keeps the dtype.
+    specs = [TensorSpec(w.name, tuple(w.shape), "uint8" if w.dtype.startswith("float8") else w.dtype)
+             for w in stored]
+
+    def produce(spec):
+        w = by_name[spec.name]
+        source = held.pop(w.param) if w.param in held else load(w.param)
+        uses_left[w.param] -= 1
+        if uses_left[w.param]:
+            held[w.param] = source
+        arr = apply_layout(w.layout, source)
+        if tuple(arr.shape) != tuple(w.shape):
+            raise KilnError(f"weight {w.param} has shape {arr.shape}, the graph expects {w.shape}")
+        return arr.view(np.uint8) if arr.dtype.name.startswith("float8") else arr
+
+    hasher = new_hasher()
+    total = sum(spec.nbytes for spec in specs)
+    done = [0]
+
+    def step(i, spec):
+        if progress:
+            progress(f"{i + 1}/{len(specs)} {spec.name} ({done[0] / 2**30:.1f}/{total / 2**30:.1f} GiB)",
+                     done[0] / total if total else 1.0)
+        done[0] += spec.nbytes
+    write_safetensors(path, specs, produce, metadata={"format": "kiln"}, hasher=hasher, progress=step)
+    return hasher.hexdigest()

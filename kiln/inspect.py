@@ -1,7 +1,7 @@
 """`kiln inspect`: a readable summary of an artifact's manifest."""
 from __future__ import annotations
 
-from kiln.artifact import read_manifest
+from kiln.artifact import read_manifest, verify_files
 
 
 def _embedding(quant: dict) -> str:
@@ -39,6 +39,22 @@ def summary(artifact_dir) -> str:
         "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m["compile_seconds"].items()),
         f"files      {total / 2**20:.1f} MiB",
     ]
-    lines += [f"  {name:<28} {info['bytes'] / 2**20:9.2f} MiB  sha256 {info['sha256'][:16]}…"
+    lines += [f"  {name:<28} {info['bytes'] / 2**20:9.2f} MiB  {_digest(info)}"
               for name, info in sorted(m["files"].items())]
     return "\n".join(lines)
+
+
+def _digest(info: dict) -> str:
+    algorithm = "blake3" if "blake3" in info else "sha256"       # sha256: artifacts from before blake3
+    return f"{algorithm} {info[algorithm][:16]}…"
+
+
+def verify(artifact_dir) -> str:
+    """Check every file of the artifact against its manifest digest; a line saying what was checked."""
+    import time
+    from pathlib import Path
+    t0 = time.perf_counter()
+    m = read_manifest(artifact_dir, verify=False)
+    hashed = verify_files(Path(artifact_dir), m)
+    return (f"verified   {len(m['files'])} files, {hashed / 2**20:.1f} MiB, in {time.perf_counter() - t0:.1f}s: "
+            "every checksum matches")

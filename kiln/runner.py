@@ -11,11 +11,13 @@ from kiln.errors import KilnError, NoChatTemplate
 from kiln.runtime.threads import describe_threads
 
 
-def _open(artifact, kv_memory, threads: int | None = None):
+CHAT_CONTEXT = 8192      # tokens of KV cache a chat gets (a conversation's length is not known)
+
+
+def _open(artifact, kv_memory, threads: int | None, kv_tokens: int, tokenizer=None):
     from kiln.runtime.llm import LLM
-    t0 = time.perf_counter()
-    llm = LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads)
-    return llm, time.perf_counter() - t0
+    return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, kv_tokens=kv_tokens,
+               tokenizer=tokenizer)
 
 
 def _timings(out, load_seconds: float, threads: int) -> dict:
@@ -56,8 +58,15 @@ def _generate_streaming(llm, prompt_ids, params, echo: bool):
 
 
 def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads: int | None = None) -> None:
-    llm, load_seconds = _open(artifact, kv_memory, threads)
-    prompt_ids = llm.tokenizer.encode(prompt)
+    from kiln.artifact import read_manifest
+    from kiln.runtime.tokenizer import Tokenizer
+    t0 = time.perf_counter()
+    read_manifest(artifact, verify=False)       # a missing or broken artifact is named as such first
+    tokenizer = Tokenizer(artifact)
+    prompt_ids = tokenizer.encode(prompt)
+    # The cache this one request needs (its prompt and every token it may write), not a server's.
+    llm = _open(artifact, kv_memory, threads, len(prompt_ids) + params.max_tokens, tokenizer)
+    load_seconds = time.perf_counter() - t0
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
     out = _generate_streaming(llm, prompt_ids, params, echo=not as_json)
@@ -79,7 +88,7 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
 def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
     """Read a line, answer it, repeat, through the model's chat template (a model without one is
     refused: joining the turns by hand would feed it text in a format it was never trained on)."""
-    llm, _ = _open(artifact, kv_memory, threads)
+    llm = _open(artifact, kv_memory, threads, CHAT_CONTEXT)
     tok = llm.tokenizer
     if tok.chat_template is None:
         raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "

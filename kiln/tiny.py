@@ -57,6 +57,13 @@ FAMILIES = {
         "max_position_embeddings": 131072,
         "tie_word_embeddings": True,
     }),
+    "llama31": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    }),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),          # Qwen2 has q/k/v bias by construction
 }
@@ -71,7 +78,12 @@ PRESETS = {
     "llama-3.2-1b": ("llama32", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                      num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                                      vocab_size=128256)),
+    # Streamed: written tensor by tensor in bfloat16 (make_streamed_model), as it would not fit in memory.
+    "llama-3.1-8b": ("llama31", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                     vocab_size=128256)),
 }
+STREAMED = {"llama-3.1-8b"}
 
 LOGIT_STD = 4.0   # target std of the logits of a normalised hidden state
 
@@ -133,8 +145,9 @@ def train_tokenizer(out_dir, vocab_size: int = 512) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 
 
-def _spread_weights(model, seed: int, hidden: int, tied: bool) -> None:
-    """Re-draw every parameter in place so that logits are a few units apart (see module docstring).
+def _init_rule(name: str, shape: tuple[int, ...], hidden: int, tied: bool) -> tuple[float, float, float]:
+    """(std, shift, scale): parameter `name` is drawn from N(0, std), then shifted, then scaled, so
+    that logits are a few units apart (see module docstring).
 
     Logits are head @ (final_norm_weight * unit-rms hidden), so their std is
     head_std * sqrt(hidden) * final_norm_scale. Untied: the head carries the
@@ -142,26 +155,28 @@ def _spread_weights(model, seed: int, hidden: int, tied: bool) -> None:
     stream; a large one would make each token predict itself, so it stays at
     1/sqrt(hidden) and the final norm's scale carries the spread.
     """
+    if len(shape) == 1 and name.endswith("bias"):
+        return 0.1, 0.0, 1.0
+    if len(shape) == 1:                                # rms norm scales
+        return 0.1, 1.0, LOGIT_STD if tied and name == "model.norm.weight" else 1.0
+    if name.endswith("embed_tokens.weight"):
+        return 1.0 / math.sqrt(hidden) if tied else 1.0, 0.0, 1.0
+    if name.endswith("lm_head.weight"):
+        return LOGIT_STD / math.sqrt(hidden), 0.0, 1.0
+    if len(shape) == 2:                                # linear [out, in]: unit-variance outputs
+        return 1.0 / math.sqrt(shape[1]), 0.0, 1.0
+    raise ValueError(f"no init rule for parameter {name} of shape {tuple(shape)}")
+
+
+def _spread_weights(model, seed: int, hidden: int, tied: bool) -> None:
+    """Re-draw every parameter in place by `_init_rule`."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    head_std = LOGIT_STD / math.sqrt(hidden)
     with torch.no_grad():
         for name, p in model.named_parameters():     # a tied lm_head is listed once, as embed_tokens
-            if p.ndim == 1 and name.endswith("bias"):
-                p.normal_(0.0, 0.1, generator=gen)
-            elif p.ndim == 1:                          # rms norm scales
-                p.normal_(0.0, 0.1, generator=gen).add_(1.0)
-                if tied and name == "model.norm.weight":
-                    p.mul_(LOGIT_STD)
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0.0, 1.0 / math.sqrt(hidden) if tied else 1.0, generator=gen)
-            elif name.endswith("lm_head.weight"):
-                p.normal_(0.0, head_std, generator=gen)
-            elif p.ndim == 2:                          # linear [out, in]: unit-variance outputs
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=gen)
-            else:
-                raise ValueError(f"no init rule for parameter {name} of shape {tuple(p.shape)}")
+            std, shift, scale = _init_rule(name, tuple(p.shape), hidden, tied)
+            p.normal_(0.0, std, generator=gen).add_(shift).mul_(scale)
 
 
 def _no_init_weights():
@@ -172,36 +187,96 @@ def _no_init_weights():
     return no_init_weights()
 
 
-def make_tiny_model(out_dir, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Train the tokenizer into `out_dir`, then build and save a random `family` model there (float32)."""
-    import torch
+def _configure(out: Path, family: str, overrides: dict):
+    """Train the tokenizer into `out`; return the transformers config, its generation config, and
+    whether the head is tied."""
     import transformers
     from tokenizers import Tokenizer
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
-    out = Path(out_dir)
     train_tokenizer(out)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    config_name, model_name, family_fields = FAMILIES[family]
+    config_name, _, family_fields = FAMILIES[family]
     fields = {**TINY, **family_fields, "vocab_size": tok.get_vocab_size(),
               "bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), **overrides}
     if fields["vocab_size"] < tok.get_vocab_size():
         raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {tok.get_vocab_size()}")
-    config = getattr(transformers, config_name)(**fields)
+    generation = transformers.GenerationConfig(
+        bos_token_id=fields["bos_token_id"],
+        eos_token_id=[fields["eos_token_id"], tok.token_to_id(END_OF_TURN)],   # stop at end of turn too
+        do_sample=False)
+    return getattr(transformers, config_name)(**fields), generation, bool(fields["tie_word_embeddings"])
+
+
+def make_tiny_model(out_dir, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Train the tokenizer into `out_dir`, then build and save a random `family` model there (float32)."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    config, generation, tied = _configure(out, family, overrides)
+    model_name = FAMILIES[family][1]
     torch.manual_seed(seed)
     with _no_init_weights():     # every parameter is drawn by _spread_weights; skip transformers' init
         model = getattr(transformers, model_name)(config).to(torch.float32).eval()
     model.tie_weights()          # skipped with the init
-    tied = bool(fields["tie_word_embeddings"])
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         raise RuntimeError(f"{model_name}: tie_word_embeddings is set but lm_head is not tied")
     _spread_weights(model, seed, config.hidden_size, tied)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=fields["bos_token_id"],
-        eos_token_id=[fields["eos_token_id"], tok.token_to_id(END_OF_TURN)],   # stop at end of turn too
-        do_sample=False)
+    model.generation_config = generation
     model.save_pretrained(out)
+    return out
+
+
+SHARD_BYTES = 5 << 30        # transformers' default max_shard_size
+
+
+def make_streamed_model(out_dir, family: str = "llama", seed: int = 0, dtype: str = "bfloat16",
+                        **overrides) -> Path:
+    """make_tiny_model for models too big to hold in memory: each tensor is drawn with NumPy by the
+    same rules, converted to `dtype` and written on its own, into safetensors shards with an index
+    (transformers' layout). Peak memory is one tensor in float32 and in `dtype`."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from kiln.ir.types import numpy_dtype
+    from kiln.safetensors_io import TensorSpec, write_safetensors
+
+    out = Path(out_dir)
+    config, generation, tied = _configure(out, family, overrides)
+    with torch.device("meta"):                   # names and shapes only: no memory
+        model = getattr(transformers, FAMILIES[family][1])(config)
+    if tied:
+        model.tie_weights()
+    specs = [TensorSpec(name, tuple(p.shape), dtype) for name, p in model.named_parameters()]
+    shards: list[list[TensorSpec]] = [[]]
+    for spec in specs:
+        if shards[-1] and sum(s.nbytes for s in shards[-1]) + spec.nbytes > SHARD_BYTES:
+            shards.append([])
+        shards[-1].append(spec)
+    index = {name: i for i, spec_list in enumerate(shards) for name in (s.name for s in spec_list)}
+    order = {spec.name: i for i, spec in enumerate(specs)}
+
+    def draw(spec: TensorSpec):
+        std, shift, scale = _init_rule(spec.name, spec.shape, config.hidden_size, tied)
+        rng = np.random.default_rng([seed, order[spec.name]])
+        x = rng.standard_normal(spec.shape, dtype=np.float32)
+        x *= np.float32(std)
+        x += np.float32(shift)
+        x *= np.float32(scale)
+        return x.astype(numpy_dtype(dtype))
+
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, spec_list in zip(names, shards):
+        write_safetensors(out / name, spec_list, draw, metadata={"format": "pt"}, align=False,
+                          progress=lambda i, spec: print(f"  {spec.name}", file=sys.stderr, flush=True))
+    (out / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": sum(s.nbytes for s in specs)},
+        "weight_map": {name: names[index[name]] for name in index}}, indent=2))
+    config.save_pretrained(out)
+    generation.save_pretrained(out)
     return out
 
 
@@ -210,7 +285,8 @@ def preset_model(preset: str, out_dir) -> Path:
     family, overrides = PRESETS[preset]
     out = Path(out_dir)
     if not (out / "config.json").exists():
-        make_tiny_model(out, family or "llama", seed=0, **overrides)
+        make = make_streamed_model if preset in STREAMED else make_tiny_model
+        make(out, family or "llama", seed=0, **overrides)
     return out
 
 
@@ -232,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         # Build beside it and rename, so that an interrupted run never leaves a half model behind.
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        make_tiny_model(partial, family, seed=args.seed, **overrides)
+        make = make_streamed_model if args.preset in STREAMED else make_tiny_model
+        make(partial, family, seed=args.seed, **overrides)
         if out.exists():
             out.rmdir()
         partial.rename(out)

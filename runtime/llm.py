@@ -18,31 +18,46 @@ AUTO_FRACTION = 0.5      # "auto": this share of the device's free memory ...
 AUTO_CAP = 4 << 30       # ... but never more than this, nor more than max_num_seqs full contexts
 
 
-def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int) -> int:
-    """Bytes for the KV cache: a size ('512MiB', or an int), a fraction of the device's free
-    memory ('0.3'), or 'auto'."""
+def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
+              tokens: int | None = None) -> tuple[int, str]:
+    """Bytes for the KV cache, and how they were chosen. `spec` is a size ('512MiB', or an int), a
+    fraction of the device's free memory ('0.3'), or 'auto'. With `tokens` (a job that knows how
+    long it is), the cache holds that many tokens, and `spec` is only a ceiling."""
     free = model.device.available_global_memory
     if spec == "auto":
         want = max_num_seqs * model.max_context * model.bytes_per_page // model.page_size
-        return min(want, AUTO_CAP, int(AUTO_FRACTION * free) if free else AUTO_CAP)
-    if isinstance(spec, float) or (isinstance(spec, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1(\.0*)?\s*", spec)):
+        cap = min(want, AUTO_CAP, int(AUTO_FRACTION * free) if free else AUTO_CAP)
+        how = (f"auto: {max_num_seqs} full context{'s' if max_num_seqs > 1 else ''}, at most "
+               f"{AUTO_FRACTION:.0%} of free memory and {AUTO_CAP >> 30} GiB")
+    elif isinstance(spec, float) or (isinstance(spec, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1(\.0*)?\s*", spec)):
         fraction = float(spec)
         if not 0 < fraction <= 1 or not free:
             raise KilnError(f"KV memory fraction {spec} needs a value in (0, 1] and a device that reports "
                             "its free memory")
-        return int(fraction * free)
-    return parse_bytes(spec) if isinstance(spec, str) else int(spec)
+        cap, how = int(fraction * free), f"{fraction:g} of free memory"
+    else:
+        cap = parse_bytes(spec) if isinstance(spec, str) else int(spec)
+        how = f"--kv-memory {spec}"
+    if tokens is None:
+        return cap, how
+    pages = -(-tokens // model.page_size)
+    if pages * model.bytes_per_page <= cap:
+        return pages * model.bytes_per_page, f"sized for {tokens} tokens"
+    return cap, f"{how}; {tokens} tokens asked for"
 
 
 class LLM:
     def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, kv_tokens: int | None = None, tokenizer: Tokenizer | None = None):
+        """`kv_tokens`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
+        knows its length; otherwise `kv_memory` sets it."""
         # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
-        self.tokenizer = Tokenizer(artifact_dir)
-        num_pages = self.model.allocate_kv(kv_budget(kv_memory, self.model, max_num_seqs))
+        self.tokenizer = tokenizer or Tokenizer(artifact_dir)
+        budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, kv_tokens)
+        num_pages = self.model.allocate_kv(budget)
         self.kv_tokens = num_pages * self.model.page_size
         self.engine = Engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,
                              tokenizer=self.tokenizer, prefix_caching=prefix_caching)
@@ -51,7 +66,7 @@ class LLM:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20
         kv = self.model.kv
         return (f"KV cache: {self.engine.pool.num_pages} pages of {self.model.page_size} tokens "
-                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {kv['dtype']})")
+                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {kv['dtype']}; {self.kv_how})")
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -1,6 +1,8 @@
 """Open an artifact and run its compiled `forward`: weights and KV pages on the device, logits back.
 
-Uses only TVM's runtime (no compiler), NumPy and safetensors.
+Uses only TVM's runtime (no compiler) and NumPy. A CPU artifact's weights are the memory map of its
+weights file, handed to TVM without a copy; a GPU artifact's are uploaded from that map one tensor at
+a time. The files' checksums are checked in a background thread while this happens.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.artifact import WEIGHTS, read_manifest
+from kiln.artifact import WEIGHTS, read_manifest, start_verify
 from kiln.errors import KilnError
 
 DEVICES = ("cpu", "cuda", "rocm", "metal")
@@ -63,7 +65,8 @@ class CompiledModel:
         import tvm
         from tvm.runtime.vm import VirtualMachine
         self.dir = Path(artifact_dir)
-        self.manifest = m = read_manifest(self.dir, verify=verify)
+        self.manifest = m = read_manifest(self.dir, verify=False)
+        verified = start_verify(self.dir, m) if verify else (lambda: None)
         device = m["target"]["device"]
         if device not in DEVICES:
             raise KilnError(f"artifact targets device {device!r}, which this runtime cannot drive")
@@ -81,22 +84,37 @@ class CompiledModel:
         self.vm = VirtualMachine(lib, self.device)
         self.forward_fn = self.vm[m["entry"]]
         self.weights = self._load_weights()
+        verified()
         self.kv_tensors: dict = {}         # kv_pages{i} (and kv_scales{i} for a quantised cache)
         self.input_names = m["inputs"]
 
     def _load_weights(self) -> list:
+        """The weights in argument order: views of the file's memory map on the CPU, uploads from it
+        elsewhere. A tensor at an offset TVM cannot take as it is (artifacts written before weights
+        were aligned) is copied instead."""
         import tvm
-        from safetensors import safe_open
+        from kiln.safetensors_io import ALIGNMENT, map_file, read_header
+        path = self.dir / WEIGHTS
+        entries, _ = read_header(path)
+        mapped = map_file(path)
+        on_host = self.manifest["target"]["device"] == "cpu"
         tensors = []
-        with safe_open(str(self.dir / WEIGHTS), framework="numpy") as f:
-            for w in self.manifest["weights"]:
-                arr = f.get_tensor(w["name"])
-                if w["dtype"].startswith("float8"):       # stored as its bytes (safetensors' NumPy has no fp8)
-                    import ml_dtypes
-                    arr = arr.view(getattr(ml_dtypes, w["dtype"]))
-                if list(arr.shape) != w["shape"]:
-                    raise KilnError(f"weight {w['name']} has shape {list(arr.shape)}, manifest says {w['shape']}")
-                tensors.append(tvm.runtime.tensor(arr, self.device))
+        for w in self.manifest["weights"]:
+            entry = entries.get(w["name"])
+            if entry is None:
+                raise KilnError(f"weight {w['name']} named in the manifest is not in {WEIGHTS}")
+            float8_as_bytes = entry.dtype == "uint8" and w["dtype"].startswith("float8")
+            if list(entry.shape) != w["shape"] or not (entry.dtype == w["dtype"] or float8_as_bytes):
+                raise KilnError(f"weight {w['name']} is {entry.dtype}{list(entry.shape)} in {WEIGHTS}, "
+                                f"the manifest says {w['dtype']}{w['shape']}")
+            raw = mapped[entry.begin:entry.end]
+            whole = tvm.runtime.tensor(np.array(raw)) if entry.begin % ALIGNMENT else tvm.runtime.from_dlpack(raw)
+            host = whole._create_view(tuple(w["shape"]), w["dtype"])        # the view keeps `whole`'s bytes
+            if on_host:
+                tensors.append(host)
+            else:
+                tensors.append(tvm.runtime.empty(tuple(w["shape"]), w["dtype"], self.device))
+                tensors[-1].copyfrom(host)
         return tensors
 
     @property
