@@ -44,6 +44,9 @@ class Phases:
             self.show(f"  {self.current:<8} {self.shown_tenths * 10:3d}% {text}")
 
 
+PROGRESS_BYTES = 256 << 20     # weights smaller than this are written without a progress line
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -147,7 +150,7 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     kept only until its last one is written. Return the file's BLAKE3, hashed as it is written."""
     from kiln.artifact import new_hasher
     from kiln.codegen.layouts import apply_layout
-    from kiln.codegen.quantize_q4 import fast_quantizers
+    from kiln.codegen.quantizers import fast_quantizers
     from kiln.ir import weight_loader
     from kiln.safetensors_io import TensorSpec, write_safetensors
 
@@ -175,7 +178,7 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     done = [0]
 
     def step(i, spec):
-        if progress:
+        if progress and total >= PROGRESS_BYTES:
             progress(f"{i + 1}/{len(specs)} {spec.name} ({done[0] / 2**30:.1f}/{total / 2**30:.1f} GiB)",
                      done[0] / total if total else 1.0)
         done[0] += spec.nbytes

@@ -272,6 +272,7 @@ def make_streamed_model(out_dir, family: str = "llama", seed: int = 0, dtype: st
     for name, spec_list in zip(names, shards):
         write_safetensors(out / name, spec_list, draw, metadata={"format": "pt"}, align=False,
                           progress=lambda i, spec: print(f"  {spec.name}", file=sys.stderr, flush=True))
+    config.architectures = [FAMILIES[family][1]]       # what save_pretrained of a model records
     (out / "model.safetensors.index.json").write_text(json.dumps({
         "metadata": {"total_size": sum(s.nbytes for s in specs)},
         "weight_map": {name: names[index[name]] for name in index}}, indent=2))

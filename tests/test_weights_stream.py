@@ -93,7 +93,7 @@ def _q4_inputs():
 
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_q4_kernel_gives_the_reference_bytes(group_size):
-    from kiln.codegen.quantize_q4 import quantize_q4
+    from kiln.codegen.quantizers import quantize_q4
     from kiln.ir.quant import SCHEMES
     for w in _q4_inputs():
         if w.shape[1] % group_size:
@@ -105,14 +105,18 @@ def test_q4_kernel_gives_the_reference_bytes(group_size):
             assert np.array_equal(fast[part].view(np.uint8), ref[part].view(np.uint8)), (w.shape, part)
 
 
-def test_q4_kernel_in_row_chunks(monkeypatch):
-    """Tensors larger than one kernel call go through in row chunks: the same bytes."""
-    import kiln.codegen.quantize_q4 as q4
+@pytest.mark.parametrize("scheme", ["q4", "q8", "fp8"])
+def test_compile_quantizers_in_row_chunks(monkeypatch, scheme):
+    """Tensors larger than one block go through in blocks of rows: the reference's bytes."""
+    import kiln.codegen.quantizers as quantizers
     from kiln.ir.quant import SCHEMES
     w = np.random.default_rng(3).standard_normal((37, 256)).astype(np.float32)
-    monkeypatch.setattr(q4, "CHUNK_ELEMENTS", 256 * 5)
-    ref, fast = SCHEMES["q4"].quantize(w), q4.quantize_q4(w)
-    assert np.array_equal(ref["q"], fast["q"]) and np.array_equal(ref["scale"], fast["scale"])
+    monkeypatch.setattr(quantizers, "CHUNK_ELEMENTS", 256 * 5)
+    ref, fast = SCHEMES[scheme].quantize(w), quantizers.fast_quantizers()[scheme](w)
+    assert ref.keys() == fast.keys()
+    for part in ref:
+        assert fast[part].dtype == ref[part].dtype and fast[part].shape == ref[part].shape
+        assert np.array_equal(fast[part].view(np.uint8), ref[part].view(np.uint8)), part
 
 
 def test_cpu_weights_are_views_of_one_map(llama_cpu):

@@ -1,26 +1,30 @@
-"""The q4 weight quantiser as a TVM kernel for the host CPU, so that compile does not wait on NumPy.
+"""The weight quantisers compile runs: ir/quant.py's rules (the references), byte for byte, in
+bounded memory and, for q4, fast.
 
-It computes ir/quant.py's q4 rule (the reference) in one pass per group of `group_size` inputs: find
-the peak, try the 13 candidate scales, keep the first with the least float64 squared error, pack
-the nibbles. NumPy's version makes a dozen passes over memory per candidate; this one reads each
-group into registers once per candidate, and runs on every core. Rows go through in chunks, so the
-kernel's own buffers stay small whatever the tensor.
+- q4 is a TVM kernel for the host CPU. It computes the reference rule in one pass per group of
+  `group_size` inputs: find the peak, try the 13 candidate scales, keep the first with the least
+  float64 squared error, pack the nibbles. NumPy's version makes a dozen passes over memory per
+  candidate; this one reads each group into registers once per candidate, on every core.
+- q8 and fp8 (one scale per output row) run the NumPy reference on a block of rows at a time, so its
+  temporaries are a block's, not a 2 GB embedding table's several times over.
 """
 from __future__ import annotations
 
 import functools
+import gc
 
 import numpy as np
 
 from kiln.ir.quant import Q4_SHRINKS, SCHEMES
 
-CHUNK_ELEMENTS = 1 << 24            # float32 inputs per kernel call (64 MiB)
+CHUNK_ELEMENTS = 1 << 24            # float32 inputs per kernel call or NumPy block (64 MiB)
 
 
 @functools.cache
 def _kernel(group_size: int, k: int):
-    """The kernel for rows of `k` inputs, read transposed as [rows, group_size, k / group_size]: the
-    groups of a row lie side by side, so each step of the rule runs on a vector of groups."""
+    """The kernel for rows of `k` inputs. Each row is first copied group-minor ([group_size,
+    k / group_size]) into a buffer of its own: the groups lie side by side, so each step of the rule
+    runs on a vector of groups."""
     import tvm
     from tvm.script import tirx as T
 
@@ -55,17 +59,20 @@ def _kernel(group_size: int, k: int):
     @T.prim_func(s_tir=True)
     def quantize_q4(w_handle: T.handle, shrink_handle: T.handle, q_handle: T.handle, s_handle: T.handle):
         n = T.int64()
-        w = T.match_buffer(w_handle, (n, group_size, groups), "float32")     # w[r, i, g] = W[r, g * size + i]
+        w = T.match_buffer(w_handle, (n, k), "float32")
         shrinks = T.match_buffer(shrink_handle, (candidates,), "float32")
         q = T.match_buffer(q_handle, (n, k // 2), "uint8")
         scales = T.match_buffer(s_handle, (groups, n), "float16")
         for task in T.parallel(n):
             with T.sblock("row"):
                 r = T.axis.spatial(n, task)
-                T.reads(w[r, 0:group_size, 0:groups], shrinks[0:candidates])
+                T.reads(w[r, 0:k], shrinks[0:candidates])
                 T.writes(q[r, 0:k // 2], scales[0:groups, r])
+                wt = T.sblock_alloc_buffer((group_size, groups), "float32")     # the row, group-minor
                 st = T.sblock_alloc_buffer((4, groups), "float32")       # MAGNITUDE, PEAK, SCALE, BEST
                 err = T.sblock_alloc_buffer((2, groups), "float64")      # ERR, BEST_ERR
+                for g, i in T.grid(groups, group_size):
+                    wt[i, g] = w[r, g * group_size + i]
                 for go, gi in T.grid(groups // lanes, lanes):
                     st[MAGNITUDE, go * lanes + gi] = T.float32(-1)
                     st[PEAK, go * lanes + gi] = T.float32(0)
@@ -75,9 +82,9 @@ def _kernel(group_size: int, k: int):
                     for go in range(groups // lanes):
                         for gi in T.vectorized(lanes):
                             st[PEAK, go * lanes + gi] = T.Select(
-                                larger(w[r, i, go * lanes + gi], st[MAGNITUDE, go * lanes + gi]),
-                                w[r, i, go * lanes + gi], st[PEAK, go * lanes + gi])
-                            st[MAGNITUDE, go * lanes + gi] = T.max(T.abs(w[r, i, go * lanes + gi]),
+                                larger(wt[i, go * lanes + gi], st[MAGNITUDE, go * lanes + gi]),
+                                wt[i, go * lanes + gi], st[PEAK, go * lanes + gi])
+                            st[MAGNITUDE, go * lanes + gi] = T.max(T.abs(wt[i, go * lanes + gi]),
                                                                    st[MAGNITUDE, go * lanes + gi])
                 for c in range(candidates):
                     for go in range(groups // lanes):
@@ -89,7 +96,7 @@ def _kernel(group_size: int, k: int):
                         for go in range(groups // lanes):
                             for gi in T.vectorized(lanes):
                                 err[ERR, go * lanes + gi] = err[ERR, go * lanes + gi] + squared_error(
-                                    w[r, i, go * lanes + gi], st[SCALE, go * lanes + gi])
+                                    wt[i, go * lanes + gi], st[SCALE, go * lanes + gi])
                     for go in range(groups // lanes):
                         for gi in T.vectorized(lanes):
                             st[BEST, go * lanes + gi] = T.Select(err[ERR, go * lanes + gi] < err[BEST_ERR, go * lanes + gi],
@@ -98,9 +105,8 @@ def _kernel(group_size: int, k: int):
                 for g in range(groups):
                     scales[g, r] = T.Cast("float16", st[BEST, g])
                 for j in range(k // 2):
-                    q[r, j] = T.Cast("uint8", level(w[r, 2 * (j % half), j // half], st[BEST, j // half]) + T.float32(8)) | (
-                        T.Cast("uint8", level(w[r, 2 * (j % half) + 1, j // half], st[BEST, j // half]) + T.float32(8))
-                        << T.uint8(4))
+                    q[r, j] = T.Cast("uint8", level(w[r, 2 * j], st[BEST, j // half]) + T.float32(8)) | (
+                        T.Cast("uint8", level(w[r, 2 * j + 1], st[BEST, j // half]) + T.float32(8)) << T.uint8(4))
 
     func = quantize_q4.with_attr("global_symbol", "quantize_q4")
     return tvm.compile(tvm.IRModule({"quantize_q4": func}), target=host_cpu_target())["quantize_q4"]
@@ -110,23 +116,54 @@ def quantize_q4(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
     """ir/quant.py's q4 quantiser, run by the TVM kernel: the same parts, byte for byte."""
     import tvm
     n, k = w.shape
+    built = _kernel.cache_info().misses
     kernel = _kernel(group_size, k)
+    if _kernel.cache_info().misses != built:
+        # TVMScript's parser keeps the calling frames in a reference cycle, and this frame holds
+        # `w` (2 GB for an 8B model's embedding): collect it now, not at some later collection.
+        gc.collect()
     shrinks = tvm.runtime.tensor(Q4_SHRINKS)
     packed = np.empty((n, k // 2), np.uint8)
     scales = np.empty((k // group_size, n), np.float16)
-    rows = max(1, CHUNK_ELEMENTS // k)
+    rows = max(1, min(n, CHUNK_ELEMENTS // k))
+    staging = aligned_empty((rows, k), np.float32)     # TVM takes it without a copy
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        chunk = np.asarray(w[start:stop], np.float32).reshape(stop - start, k // group_size, group_size)
+        np.copyto(staging[:stop - start], w[start:stop], casting="unsafe")     # bf16 is widened here
         q_out = tvm.runtime.empty((stop - start, k // 2), "uint8")
         s_out = tvm.runtime.empty((k // group_size, stop - start), "float16")
-        kernel(tvm.runtime.tensor(np.ascontiguousarray(chunk.transpose(0, 2, 1))), shrinks, q_out, s_out)
+        kernel(tvm.runtime.from_dlpack(staging[:stop - start]), shrinks, q_out, s_out)
         packed[start:stop] = q_out.numpy()
         scales[:, start:stop] = s_out.numpy()
     return {"q": packed, "scale": scales}
 
 
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (TVM's DLPack
+    import requires it; NumPy guarantees 16)."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    offset = -raw.ctypes.data % 64
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def by_rows(quantize):
+    """A per-row scheme's reference run on blocks of rows: the same parts, in a block's memory."""
+    def run(w: np.ndarray, **options) -> dict[str, np.ndarray]:
+        n, k = w.shape
+        rows = max(1, CHUNK_ELEMENTS // k)
+        parts = None
+        for start in range(0, n, rows):
+            block = quantize(w[start:start + rows], **options)
+            if parts is None:
+                parts = {name: np.empty((n, *p.shape[1:]), p.dtype) for name, p in block.items()}
+            for name, p in block.items():
+                parts[name][start:start + rows] = p
+        return parts
+    return run
+
+
 def fast_quantizers() -> dict:
-    """Scheme name -> quantiser for compile, where one is faster than ir/quant.py's reference."""
-    assert SCHEMES["q4"].grouped
-    return {"q4": quantize_q4}
+    """Scheme name -> the quantiser compile runs in place of ir/quant.py's reference."""
+    assert SCHEMES["q4"].grouped and not SCHEMES["q8"].grouped and not SCHEMES["fp8"].grouped
+    return {"q4": quantize_q4, "q8": by_rows(SCHEMES["q8"].quantize), "fp8": by_rows(SCHEMES["fp8"].quantize)}
