@@ -52,7 +52,7 @@ def _q4_quantize(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
     float64. q + 8 is stored in a nibble, two per byte along the input axis (even k in the low
     nibble); scales are stored [in / group, out] so that a kernel reading consecutive outputs reads
     consecutive scales. This is the reference; compile runs the same rule as a TVM kernel
-    (codegen/quantize_q4.py), which tests hold to these exact bytes."""
+    (codegen/quantizers.py), which tests hold to these exact bytes."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
     groups = w.reshape(n, k // group_size, group_size)
