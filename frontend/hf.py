@@ -49,6 +49,15 @@ class HFModel:
         arr = self.checkpoint.get(name)
         return arr.astype(numpy_dtype(dtype), copy=False)
 
+    def weight_source(self, name: str, dtype: str) -> np.ndarray:
+        """`weight(name, dtype)` for a quantiser: as stored where `dtype` would only widen it exactly
+        (bfloat16 or float16 to float32), which spares a float32 copy of every tensor."""
+        if name == llama.ROPE_PARAM:
+            return self.weight(name, dtype)
+        arr = self.checkpoint.get(name)
+        exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
+        return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
+
     def tokenizer_files(self) -> list[Path]:
         """The TOKENIZER_FILES present; tokenizer.model only when there is no tokenizer.json (the
         runtime never reads it, and it can be megabytes)."""

@@ -20,6 +20,10 @@ class Scheme:
     scale_dtype: str = "float32"
     grouped: bool = False          # scales per group of inputs (and two 4-bit values per byte)
 
+    def output_axis(self, part: str) -> int:
+        """The axis of a stored part that runs over output features (grouped scales are [in / group, out])."""
+        return 1 if self.grouped and part == "scale" else 0
+
     def part_shapes(self, out_features: int, in_features: int, group_size: int = 0) -> dict[str, tuple]:
         if self.grouped:
             return {"q": (out_features, in_features // 2), "scale": (in_features // group_size, out_features)}

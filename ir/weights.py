@@ -12,12 +12,34 @@ from .types import IRError
 RECIPES = ("concat", "quantize")
 
 
-def weight_loader(graph: Graph, load: Callable[[str], np.ndarray],
-                  quantizers: dict[str, Callable] | None = None) -> Callable[[str], np.ndarray]:
+def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: dict[str, Callable] | None = None,
+                  load_source: Callable[[str], np.ndarray] | None = None) -> Callable[[str], np.ndarray]:
     """A loader for every param of `graph`: `load(name)` for plain weights, recipes applied for derived ones.
-    `quantizers` replaces a scheme's reference quantiser by a faster one that gives the same bytes."""
+
+    `quantizers` replaces a scheme's reference quantiser by a faster one that gives the same bytes.
+    `load_source(name)` reads a plain weight that only a quantiser will see: it may return it in a
+    narrower float dtype whose widening to the graph's is exact (bfloat16 for float32), as every
+    quantiser reads its input as float32 anyway. A fused projection (rows concatenated) is quantised
+    part by part and the parts joined: every scheme quantises each output row on its own, so the
+    bytes are those of quantising the concatenation, without making it."""
     quantizers = quantizers or {}
+    load_source = load_source or load
     quantized: dict[tuple[str, str], dict] = {}      # (scheme, source) -> parts: quantise each weight once
+
+    def source(name: str) -> np.ndarray:
+        param = graph.params.get(name)
+        return load_source(name) if param is None or param.recipe is None else get(name)
+
+    def quantize(recipe: dict) -> dict[str, np.ndarray]:
+        scheme = SCHEMES[recipe["quantize"]]
+        run = quantizers.get(scheme.name, scheme.quantize)
+        options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
+        fused = graph.params.get(recipe["of"])
+        if fused is not None and fused.recipe and "concat" in fused.recipe and fused.recipe["axis"] == 0:
+            pieces = [run(source(part), **options) for part in fused.recipe["concat"]]
+            return {part: np.concatenate([p[part] for p in pieces], axis=scheme.output_axis(part))
+                    for part in pieces[0]}
+        return run(source(recipe["of"]), **options)
 
     def get(name: str) -> np.ndarray:
         param = graph.params.get(name)
@@ -30,9 +52,7 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray],
             key = (recipe["quantize"], recipe["of"])
             if key not in quantized:
                 quantized.clear()                    # parts of one weight are asked for together
-                options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
-                quantize = quantizers.get(recipe["quantize"], SCHEMES[recipe["quantize"]].quantize)
-                quantized[key] = quantize(get(recipe["of"]), **options)
+                quantized[key] = quantize(recipe)
             out = quantized[key][recipe["part"]]
         else:
             raise IRError(f"param @{name}: unknown recipe {recipe} (known: {', '.join(RECIPES)})")

@@ -154,7 +154,8 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     from kiln.ir import weight_loader
     from kiln.safetensors_io import TensorSpec, write_safetensors
 
-    load = weight_loader(graph, lambda name: model.weight(name, dtype), quantizers=fast_quantizers())
+    load = weight_loader(graph, lambda name: model.weight(name, dtype), quantizers=fast_quantizers(),
+                         load_source=lambda name: model.weight_source(name, dtype))
     uses_left = Counter(w.param for w in stored)
     held: dict[str, object] = {}
     by_name = {w.name: w for w in stored}

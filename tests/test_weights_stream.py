@@ -38,23 +38,51 @@ def _lowered(model_dir, dtype, quant=None, group_size=32, quant_embedding=True):
     return model, graph, lower_graph(graph, target).weights
 
 
+def _recipe_value(graph, model, name, dtype):
+    """A param's array by the recipes' plain meaning, written here apart from ir/weights.py: parts
+    converted to the graph dtype, concatenated, then quantised by ir/quant.py's reference."""
+    from kiln.ir.quant import SCHEMES
+    recipe = graph.params[name].recipe if name in graph.params else None
+    if recipe is None:
+        return model.weight(name, dtype)
+    if "concat" in recipe:
+        return np.concatenate([_recipe_value(graph, model, p, dtype) for p in recipe["concat"]], axis=recipe["axis"])
+    options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
+    return SCHEMES[recipe["quantize"]].quantize(_recipe_value(graph, model, recipe["of"], dtype),
+                                                **options)[recipe["part"]]
+
+
 def _old_writer(model, graph, stored, dtype, path):
     """What compile wrote before streaming: every tensor in memory (reference quantisers), one save_file."""
     from safetensors.numpy import save_file
     from kiln.codegen.layouts import apply_layout
-    from kiln.ir import weight_loader
-    load = weight_loader(graph, lambda name: model.weight(name, dtype))
-    tensors = {w.name: apply_layout(w.layout, load(w.param)) for w in stored}
+    tensors = {w.name: apply_layout(w.layout, _recipe_value(graph, model, w.param, dtype)) for w in stored}
     save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
               str(path))
 
 
+@pytest.fixture(scope="module")
+def bf16_checkpoint(make_model, tmp_path_factory):
+    """The tiny Llama with its weights stored in bfloat16 (as most checkpoints are)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+    source, out = make_model("llama"), tmp_path_factory.mktemp("bf16-checkpoint")
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_streamed_weights_hold_the_old_writers_bytes(make_model, tmp_path, mode):
+def test_streamed_weights_hold_the_old_writers_bytes(make_model, bf16_checkpoint, tmp_path, mode, checkpoint):
     from safetensors import safe_open
     from kiln.compiler import write_weights
     options = MODES[mode]
-    model, graph, stored = _lowered(make_model("llama"), **options)
+    model_dir = make_model("llama") if checkpoint == "float32" else bf16_checkpoint
+    model, graph, stored = _lowered(model_dir, **options)
     write_weights(model, graph, stored, options["dtype"], tmp_path / "new.safetensors")
     _old_writer(model, graph, stored, options["dtype"], tmp_path / "old.safetensors")
     with safe_open(str(tmp_path / "new.safetensors"), "numpy") as new, \
