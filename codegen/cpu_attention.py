@@ -14,11 +14,14 @@ reads it.
 """
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 from .rope_load import load_head_element
 
 
+@functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
                         kv_dtype: str | None = None, rope: bool = False):
     group = q_heads // kv_heads

@@ -12,6 +12,8 @@ A negative slot means "no row to write" (a padding token).
 """
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 from kiln.ir.quant import KVScheme
@@ -19,6 +21,7 @@ from kiln.ir.quant import KVScheme
 from .rope_load import load_head_element
 
 
+@functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str,
                   scheme: KVScheme | None, rope: bool):
     storage = scheme.storage_dtype if scheme else dtype
