@@ -10,7 +10,7 @@ from .verify import verify
 from .printer import print_graph
 from .serialize import graph_to_json, graph_from_json
 from .interpreter import interpret
-from .weights import weight_loader
+from .weights import plain_reads, weight_loader
 
 __all__ = ["TensorType", "Dim", "DTYPES", "IRError", "Graph", "Node", "Param", "GraphBuilder",
-           "OPS", "OpDef", "verify", "print_graph", "graph_to_json", "graph_from_json", "interpret", "weight_loader"]
+           "OPS", "OpDef", "verify", "print_graph", "graph_to_json", "graph_from_json", "interpret", "plain_reads", "weight_loader"]

@@ -12,6 +12,25 @@ from .types import IRError
 RECIPES = ("concat", "quantize")
 
 
+def plain_reads(graph: Graph, names: list[str]) -> list[str]:
+    """The plain params a weight loader reads to make `names` in turn, in the order it reads them,
+    each once (a loader keeps what it has just read or quantised)."""
+    order: dict[str, None] = {}
+
+    def walk(name: str) -> None:
+        param = graph.params.get(name)
+        recipe = param.recipe if param is not None else None
+        if recipe is None:
+            order.setdefault(name)
+        for part in (recipe or {}).get("concat", ()):
+            walk(part)
+        if recipe and "quantize" in recipe:
+            walk(recipe["of"])
+    for name in names:
+        walk(name)
+    return list(order)
+
+
 def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: dict[str, Callable] | None = None,
                   load_source: Callable[[str], np.ndarray] | None = None) -> Callable[[str], np.ndarray]:
     """A loader for every param of `graph`: `load(name)` for plain weights, recipes applied for derived ones.

@@ -151,11 +151,12 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     from kiln.artifact import new_hasher
     from kiln.codegen.layouts import apply_layout
     from kiln.codegen.quantizers import fast_quantizers
-    from kiln.ir import weight_loader
+    from kiln.ir import plain_reads, weight_loader
     from kiln.safetensors_io import TensorSpec, write_safetensors
 
     load = weight_loader(graph, lambda name: model.weight(name, dtype), quantizers=fast_quantizers(),
                          load_source=lambda name: model.weight_source(name, dtype))
+    model.checkpoint.read_ahead(plain_reads(graph, [w.param for w in stored]))
     uses_left = Counter(w.param for w in stored)
     held: dict[str, object] = {}
     by_name = {w.name: w for w in stored}

@@ -97,7 +97,7 @@ class CompiledModel:
         path = self.dir / WEIGHTS
         entries, _ = read_header(path)
         mapped = map_file(path)
-        on_host = self.manifest["target"]["device"] == "cpu"
+        on_host = self.maps_weights()
         tensors = []
         for w in self.manifest["weights"]:
             entry = entries.get(w["name"])
@@ -116,6 +116,11 @@ class CompiledModel:
                 tensors.append(tvm.runtime.empty(tuple(w["shape"]), w["dtype"], self.device))
                 tensors[-1].copyfrom(host)
         return tensors
+
+    def maps_weights(self) -> bool:
+        """Whether the kernels read the weights where the file's memory map has them: the device is
+        the host. Elsewhere each tensor is uploaded from the map."""
+        return self.manifest["target"]["device"] == "cpu"
 
     @property
     def bytes_per_page(self) -> int:

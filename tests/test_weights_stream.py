@@ -95,6 +95,22 @@ def test_streamed_weights_hold_the_old_writers_bytes(make_model, bf16_checkpoint
             assert a.tobytes() == b.tobytes(), name
 
 
+def test_read_ahead_gives_what_plain_reads_give(make_model):
+    """Tensors read ahead in the announced order, asked for in that order and out of it, are the
+    checkpoint's (safetensors' own reader)."""
+    from safetensors import safe_open
+    from kiln.frontend.checkpoint import Checkpoint
+    model_dir = make_model("llama")
+    with safe_open(str(model_dir / "model.safetensors"), "numpy") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    names = sorted(want)
+    checkpoint = Checkpoint(model_dir)
+    checkpoint.read_ahead(names)
+    asked = names[:3] + names[4:] + names[3:4]          # one asked for late
+    for name in asked:
+        assert np.array_equal(checkpoint.get(name), want[name]), name
+
+
 def test_streamed_file_is_aligned_for_tvm(make_model, tmp_path):
     from kiln.compiler import write_weights
     from kiln.safetensors_io import ALIGNMENT, read_header
@@ -161,6 +177,20 @@ def test_cpu_weights_are_views_of_one_map(llama_cpu):
         entry = entries[w["name"]]
         assert tensor.data_ptr() == base + entry.begin, w["name"]
         assert tensor.numpy().view(np.uint8).tobytes() == raw[entry.begin:entry.end].tobytes(), w["name"]
+
+
+def test_uploaded_weights_equal_the_mapped_ones(llama_cpu, monkeypatch):
+    """The path a GPU artifact takes (a device tensor per weight, copied from the map) run on the CPU:
+    fresh buffers, not the map, holding the same bytes."""
+    from kiln.runtime.model import CompiledModel
+    artifact, _ = llama_cpu
+    mapped = CompiledModel(artifact)
+    monkeypatch.setattr(CompiledModel, "maps_weights", lambda self: False)
+    uploaded = CompiledModel(artifact)
+    for w, a, b in zip(mapped.manifest["weights"], mapped.weights, uploaded.weights):
+        assert a.data_ptr() != b.data_ptr(), w["name"]
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.numpy().tobytes() == b.numpy().tobytes(), w["name"]
 
 
 def test_tampered_weights_are_refused_at_load_and_by_inspect_verify(llama_cpu, tmp_path):
