@@ -94,11 +94,13 @@ def check_sizes(artifact_dir: Path, manifest: dict) -> None:
                             f"{info['bytes']} (the file is corrupted or was changed)")
 
 
-def verify_files(artifact_dir: Path, manifest: dict) -> int:
-    """Check every file's size and digest; return the bytes hashed."""
+def verify_files(artifact_dir: Path, manifest: dict, names=None) -> int:
+    """Check the size and digest of every file (or of `names`); return the bytes hashed."""
     check_sizes(artifact_dir, manifest)
     hashed = 0
     for name, info in manifest.get("files", {}).items():
+        if names is not None and name not in names:
+            continue
         algorithm = "blake3" if "blake3" in info else "sha256"
         if file_digest(artifact_dir / name, algorithm) != info[algorithm]:
             raise KilnError(f"{artifact_dir}: checksum mismatch for {name} (the file is corrupted or was changed)")
@@ -107,14 +109,16 @@ def verify_files(artifact_dir: Path, manifest: dict) -> int:
 
 
 def start_verify(artifact_dir: Path, manifest: dict) -> Callable[[], None]:
-    """Check sizes now and digests in a background thread (hashing releases the GIL, so loading goes
-    on beside it); return `wait()`, which blocks until the check is done and raises what it found."""
-    check_sizes(artifact_dir, manifest)
+    """Check every file but the weights now (the library is checked before it is loaded) and the
+    weights in a background thread (hashing releases the GIL, so they load beside it); return
+    `wait()`, which blocks until the check is done and raises what it found."""
+    files = set(manifest.get("files", {}))
+    verify_files(artifact_dir, manifest, files - {WEIGHTS})
     errors: list[BaseException] = []
 
     def work():
         try:
-            verify_files(artifact_dir, manifest)
+            verify_files(artifact_dir, manifest, files & {WEIGHTS})
         except BaseException as e:       # handed to the waiting thread
             errors.append(e)
     thread = threading.Thread(target=work, name="kiln-verify", daemon=True)

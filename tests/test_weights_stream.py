@@ -210,6 +210,14 @@ def test_tampered_weights_are_refused_at_load_and_by_inspect_verify(llama_cpu, t
     ok = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(artifact), "--verify"],
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "every checksum matches" in ok.stdout
+    library = next(p.name for p in artifact.iterdir() if p.suffix == ".so")
+    shutil.copy(artifact / "weights.safetensors", weights)
+    data = bytearray((broken / library).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (broken / library).write_bytes(bytes(data))
+    with pytest.raises(KilnError, match=f"checksum mismatch for {library}"):    # before it is loaded
+        CompiledModel(broken)
+    shutil.copy(artifact / library, broken / library)
     with open(weights, "ab") as f:                 # a longer file is named without hashing it
         f.write(b"\0")
     with pytest.raises(KilnError, match="weights.safetensors has .* bytes, the manifest says"):
