@@ -193,15 +193,24 @@ def test_uploaded_weights_equal_the_mapped_ones(llama_cpu, monkeypatch):
         assert a.numpy().tobytes() == b.numpy().tobytes(), w["name"]
 
 
+def _tampered_copy(artifact, out, name, change):
+    """A copy of `artifact` whose file `name` is changed by `change(bytearray)`. (Each case gets its own
+    copy: a file a failed load still has mapped, or a library it loaded, is never rewritten in place.)"""
+    shutil.copytree(artifact, out)
+    data = bytearray((out / name).read_bytes())
+    change(data)
+    (out / name).write_bytes(bytes(data))
+    return out
+
+
+def _flip_middle_bit(data: bytearray) -> None:
+    data[len(data) // 2] ^= 0x01
+
+
 def test_tampered_weights_are_refused_at_load_and_by_inspect_verify(llama_cpu, tmp_path):
     from kiln.runtime.model import CompiledModel
     artifact, _ = llama_cpu
-    broken = tmp_path / "a"
-    shutil.copytree(artifact, broken)
-    weights = broken / "weights.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    weights.write_bytes(bytes(data))
+    broken = _tampered_copy(artifact, tmp_path / "weights", "weights.safetensors", _flip_middle_bit)
     with pytest.raises(KilnError, match="checksum mismatch for weights.safetensors"):
         CompiledModel(broken)
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(broken), "--verify"],
@@ -210,16 +219,21 @@ def test_tampered_weights_are_refused_at_load_and_by_inspect_verify(llama_cpu, t
     ok = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(artifact), "--verify"],
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "every checksum matches" in ok.stdout
+
+
+def test_a_tampered_library_is_refused_before_it_is_loaded(llama_cpu, tmp_path):
+    from kiln.runtime.model import CompiledModel
+    artifact, _ = llama_cpu
     library = next(p.name for p in artifact.iterdir() if p.suffix == ".so")
-    shutil.copy(artifact / "weights.safetensors", weights)
-    data = bytearray((broken / library).read_bytes())
-    data[len(data) // 2] ^= 0x01
-    (broken / library).write_bytes(bytes(data))
-    with pytest.raises(KilnError, match=f"checksum mismatch for {library}"):    # before it is loaded
+    broken = _tampered_copy(artifact, tmp_path / "library", library, _flip_middle_bit)
+    with pytest.raises(KilnError, match=f"checksum mismatch for {library}"):
         CompiledModel(broken)
-    shutil.copy(artifact / library, broken / library)
-    with open(weights, "ab") as f:                 # a longer file is named without hashing it
-        f.write(b"\0")
+
+
+def test_a_longer_weights_file_is_named_without_hashing(llama_cpu, tmp_path):
+    from kiln.runtime.model import CompiledModel
+    artifact, _ = llama_cpu
+    broken = _tampered_copy(artifact, tmp_path / "longer", "weights.safetensors", lambda data: data.append(0))
     with pytest.raises(KilnError, match="weights.safetensors has .* bytes, the manifest says"):
         CompiledModel(broken)
 
