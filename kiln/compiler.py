@@ -1,6 +1,7 @@
 """`kiln compile`: HF directory -> IR -> passes -> TVM module -> built library + weights -> artifact."""
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections import Counter
@@ -176,13 +177,12 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
         return arr.view(np.uint8) if arr.dtype.name.startswith("float8") else arr
 
     hasher = new_hasher()
-    total = sum(spec.nbytes for spec in specs)
-    done = [0]
+    before = [0, *itertools.accumulate(spec.nbytes for spec in specs)]      # bytes written before each
+    total = before[-1]
 
     def step(i, spec):
         if progress and total >= PROGRESS_BYTES:
-            progress(f"{i + 1}/{len(specs)} {spec.name} ({done[0] / 2**30:.1f}/{total / 2**30:.1f} GiB)",
-                     done[0] / total if total else 1.0)
-        done[0] += spec.nbytes
+            progress(f"{i + 1}/{len(specs)} {spec.name} ({before[i] / 2**30:.1f}/{total / 2**30:.1f} GiB)",
+                     before[i] / total)
     write_safetensors(path, specs, produce, metadata={"format": "kiln"}, hasher=hasher, progress=step)
     return hasher.hexdigest()

@@ -14,9 +14,9 @@ from kiln.runtime.threads import describe_threads
 CHAT_CONTEXT = 8192      # tokens of KV cache a chat gets (a conversation's length is not known)
 
 
-def _open(artifact, kv_memory, threads: int | None, kv_tokens: int, tokenizer=None):
+def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, tokenizer=None):
     from kiln.runtime.llm import LLM
-    return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, kv_tokens=kv_tokens,
+    return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, size_kv_for=size_kv_for,
                tokenizer=tokenizer)
 
 

@@ -47,23 +47,18 @@ CORPUS_MODULES = (
     "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile",
 )
 
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3.1/3.2's long-context rope fields; they differ only in the scaling factor."""
+    return {"rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+
+
 # family -> (transformers config/model class names, config fields that make the family what it is)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "llama32": ("LlamaConfig", "LlamaForCausalLM", {
-        "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-    }),
-    "llama31": ("LlamaConfig", "LlamaForCausalLM", {
-        "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-    }),
+    "llama32": ("LlamaConfig", "LlamaForCausalLM", {**_llama3_rope(32.0), "tie_word_embeddings": True}),
+    "llama31": ("LlamaConfig", "LlamaForCausalLM", {**_llama3_rope(8.0), "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),          # Qwen2 has q/k/v bias by construction
 }

@@ -49,14 +49,14 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
 class LLM:
     def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
-                 threads: int | None = None, kv_tokens: int | None = None, tokenizer: Tokenizer | None = None):
-        """`kv_tokens`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
+                 threads: int | None = None, size_kv_for: int | None = None, tokenizer: Tokenizer | None = None):
+        """`size_kv_for`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
         knows its length; otherwise `kv_memory` sets it."""
         # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
         self.tokenizer = tokenizer or Tokenizer(artifact_dir)
-        budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, kv_tokens)
+        budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for)
         num_pages = self.model.allocate_kv(budget)
         self.kv_tokens = num_pages * self.model.page_size
         self.engine = Engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,

@@ -302,7 +302,7 @@ def test_run_sizes_the_kv_cache_for_the_request(llama_cpu):
     pages = -(-want_tokens // page)
     assert f"KV cache: {pages} pages of {page} tokens" in proc.stderr
     assert f"sized for {want_tokens} tokens" in proc.stderr
-    one_page = LLM(artifact, max_num_seqs=1, kv_tokens=1)
-    capped = LLM(artifact, max_num_seqs=1, kv_memory=one_page.model.bytes_per_page, kv_tokens=want_tokens)
+    one_page = LLM(artifact, max_num_seqs=1, size_kv_for=1)
+    capped = LLM(artifact, max_num_seqs=1, kv_memory=one_page.model.bytes_per_page, size_kv_for=want_tokens)
     assert one_page.engine.pool.num_pages == 1
     assert capped.engine.pool.num_pages == 1 and f"{want_tokens} tokens asked for" in capped.describe_kv()
