@@ -6,16 +6,42 @@ from collections import Counter
 import tvm
 from tvm import relax
 
+RUN_OR_CAPTURE = "vm.builtin.cuda_graph.run_or_capture"
+
+
+def _calls(mod: tvm.IRModule, func_name: str):
+    for block in mod[func_name].body.blocks:
+        for binding in block.bindings:
+            if isinstance(binding.value, relax.Call):
+                yield binding.value
+
 
 def kernel_launches(mod: tvm.IRModule, func_name: str = "forward") -> Counter:
-    """kernel name -> launches per call of `func_name`, over its straight-line body.
+    """kernel name -> launches per call of `func_name`, over its straight-line body, kernels replayed
+    inside its CUDA graphs included.
 
     Host-side shape functions are not kernels and are not counted."""
     counts: Counter = Counter()
-    for block in mod[func_name].body.blocks:
-        for binding in block.bindings:
-            call = binding.value
-            if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.GlobalVar) \
-                    and isinstance(mod[call.op], tvm.tirx.PrimFunc) and not call.op.name_hint.startswith("shape_func"):
-                counts[call.op.name_hint] += 1
+    for call in _calls(mod, func_name):
+        if isinstance(call.op, tvm.ir.GlobalVar) and isinstance(mod[call.op], tvm.tirx.PrimFunc) \
+                and not call.op.name_hint.startswith("shape_func"):
+            counts[call.op.name_hint] += 1
+    for captured in graph_captures(mod, func_name):
+        counts.update(kernel_launches(mod, captured))
     return counts
+
+
+def graph_captures(mod: tvm.IRModule, func_name: str) -> list[str]:
+    """The functions `func_name` replays as CUDA graphs (TVM's RewriteCUDAGraph), one per graph launch."""
+    names = []
+    for call in _calls(mod, func_name):
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_builtin_with_ctx" \
+                and isinstance(call.args[0], relax.ExternFunc) and call.args[0].global_symbol == RUN_OR_CAPTURE:
+            names.append(call.args[1].fields[0].name_hint)
+    return names
+
+
+def host_launches(mod: tvm.IRModule, func_name: str) -> int:
+    """Launches the host issues per call: kernels outside CUDA graphs, plus one per graph."""
+    captured = sum(sum(kernel_launches(mod, name).values()) for name in graph_captures(mod, func_name))
+    return sum(kernel_launches(mod, func_name).values()) - captured + len(graph_captures(mod, func_name))

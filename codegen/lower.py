@@ -1,9 +1,10 @@
-"""Lower an IR graph to a TVM IRModule with one Relax function, `forward`.
+"""Lower an IR graph to a TVM IRModule with one Relax function per step kind.
 
-forward's parameters are the graph's inputs (in order) followed by the stored
-weights (in `LoweredModel.weights` order); it returns the graph's output.
-Weight layouts are chosen here, from the target, so the artifact stores each
-weight the way its kernel reads it.
+`forward` runs any step; `decode` runs steps of one new token per sequence and is emitted only
+where some layer's decode kernel differs from its mixed-step kernel (codegen/attention_kernels.py).
+Both take the graph's inputs (in order) followed by the stored weights (in `LoweredModel.weights`
+order) and return the graph's output. Weight layouts are chosen here, from the target, so the
+artifact stores each weight the way its kernel reads it.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from tvm import relax, tirx
 
 from kiln.errors import KilnError
 from kiln.ir import Graph
-from kiln.ir.ops import EMBED_OPS
+from kiln.ir.ops import ATTENTION_OPS, EMBED_OPS
 
 from . import elementwise
-from .attention import emit_paged_attention, emit_paged_attention_fused
+from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
 from .layouts import stored_shape
 from .linear import WeightFormat, emit_linear
@@ -33,23 +34,28 @@ class StoredWeight:
     dtype: str
 
 
+ENTRY_NAMES = {"mixed": "forward", "decode": "decode"}      # step kind -> Relax function
+
+
 @dataclass
 class LoweredModel:
     module: tvm.IRModule
     inputs: list[str]
     weights: list[StoredWeight] = field(default_factory=list)
+    entries: dict[str, str] = field(default_factory=lambda: {"mixed": "forward"})
 
 
 class _Context:
-    """What an op lowering may use: the block builder, symbolic dims, weights and kernels."""
+    """What an op lowering may use while one entry function is built: the block builder, the step
+    kind, symbolic dims, weights, and the kernels (shared by every entry)."""
 
-    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder):
-        self.graph, self.target, self.bb = graph, target, bb
+    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict):
+        self.graph, self.target, self.bb, self.step = graph, target, bb, step
         self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
         self.inputs: dict[str, relax.Var] = {}
         self.weights: dict[tuple[str, str], tuple[StoredWeight, relax.Var]] = {}
-        self.kernels: dict[str, tvm.ir.GlobalVar] = {}
+        self.kernels = kernels
 
     def shape(self, dims) -> list:
         return [self.dims.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in dims]
@@ -74,7 +80,8 @@ class _Context:
         if scheduled:
             func = func.with_attr("tirx.is_scheduled", True)
         if name in self.kernels:
-            if not tvm_ffi.structural_equal(self.bb.get()[self.kernels[name]], func):
+            # map_free_vars: TVM's decode kernel factory leaves a free variable, new on each call
+            if not tvm_ffi.structural_equal(self.bb.get()[self.kernels[name]], func, map_free_vars=True):
                 raise KilnError(f"two different kernels want the name {name!r}")
             return self.kernels[name]
         self.kernels[name] = self.bb.add_func(func, name)
@@ -151,24 +158,61 @@ def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
     return plan
 
 
-def lower_graph(graph: Graph, target) -> LoweredModel:
-    missing = sorted({n.op for n in graph.nodes} - set(LOWERINGS))
-    if missing:
-        raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")
-    bb = relax.BlockBuilder()
-    ctx = _Context(graph, target, bb)
-    for name, ty in graph.inputs.items():
-        ctx.inputs[name] = relax.Var(name, relax.TensorType(ctx.shape(ty.shape), ty.dtype))
-    weight_vars = [ctx.weight(param, layout) for param, layout in _weight_layouts(graph, target)]
-    with bb.function("forward", list(ctx.inputs.values()) + weight_vars):
+def entry_steps(graph: Graph, target) -> list[str]:
+    """Step kinds that get their own function: "mixed" always; "decode" where a layer's decode kernel
+    is not its mixed-step kernel."""
+    types = graph.value_types()
+    kernels = [(step_kernel(target, n, types[n.inputs[3]].dtype, "mixed"),
+                step_kernel(target, n, types[n.inputs[3]].dtype, "decode"))
+               for n in graph.nodes if n.op in ATTENTION_OPS]
+    return ["mixed"] + (["decode"] if any(mixed != decode for mixed, decode in kernels) else [])
+
+
+def _emit_entry(ctx: _Context, name: str) -> None:
+    graph, bb = ctx.graph, ctx.bb
+    for input_name, ty in graph.inputs.items():
+        ctx.inputs[input_name] = relax.Var(input_name, relax.TensorType(ctx.shape(ty.shape), ty.dtype))
+    weight_vars = [ctx.weight(param, layout) for param, layout in _weight_layouts(graph, ctx.target)]
+    with bb.function(name, list(ctx.inputs.values()) + weight_vars):
         with bb.dataflow():
             env: dict = dict(ctx.inputs)
             for node in graph.nodes:
                 args = [None if i is None else env[i] if i in env else
-                        ctx.weight(i, _layout_for(node, pos, graph, target)) for pos, i in enumerate(node.inputs)]
+                        ctx.weight(i, _layout_for(node, pos, graph, ctx.target)) for pos, i in enumerate(node.inputs)]
                 while args and args[-1] is None:
                     args.pop()
                 env[node.output] = LOWERINGS[node.op](ctx, node, *args)
             out = bb.emit_output(env[graph.outputs[0]])
         bb.emit_func_output(out)
-    return LoweredModel(bb.get(), list(graph.inputs), [w for w, _ in ctx.weights.values()])
+
+
+def lower_graph(graph: Graph, target) -> LoweredModel:
+    missing = sorted({n.op for n in graph.nodes} - set(LOWERINGS))
+    if missing:
+        raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")
+    bb = relax.BlockBuilder()
+    kernels: dict[str, tvm.ir.GlobalVar] = {}
+    entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph, target)}
+    if target.graph_batches:
+        entries[GRAPH_ENTRY] = GRAPH_ENTRY
+    for step, name in entries.items():
+        ctx = _Context(graph, target, bb, "decode" if step == GRAPH_ENTRY else step, kernels)
+        _emit_entry(ctx, name)
+    module = bb.get()
+    if target.graph_batches:
+        module[GRAPH_ENTRY] = _graph_attrs(module[GRAPH_ENTRY], max(target.graph_batches))
+    return LoweredModel(module, list(graph.inputs), [w for w, _ in ctx.weights.values()], entries)
+
+
+GRAPH_ENTRY = "decode_graph"      # decode steps of up to max(target.graph_batches) sequences, as a CUDA graph
+
+
+def _graph_attrs(func: relax.Function, max_batch: int) -> relax.Function:
+    """Mark a decode function for TVM's RewriteCUDAGraph: every parameter stays at one address
+    (num_input 0: the runtime passes persistent buffers, padded to a batch bucket), so the kernels
+    between its inputs and its output are captured, one graph per bucket; intermediate storage is
+    planned for the largest bucket. In a decode step tokens, sequences and logit rows are one
+    count; `seqs1` is that count plus one."""
+    bounds = {"tokens": max_batch, "seqs": max_batch, "rows": max_batch, "seqs1": max_batch + 1}
+    return func.with_attrs({"num_input": 0, "tir_var_upper_bound": bounds,
+                            "relax.rewrite_cuda_graph.capture_symbolic_vars": list(bounds)})

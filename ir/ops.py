@@ -366,7 +366,8 @@ def _rope():
 @op("paged_attention",
     ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len",
      "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto"}, mutates=(3, 9))
+    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto", "kernel": "auto", "decode_kernel": "auto"},
+    mutates=(3, 9))
 def _paged_attention():
     """Causal attention of a ragged batch over paged KV.
 
@@ -379,8 +380,9 @@ def _paged_attention():
     Quantised pages (int8 or float8_e4m3fn, ir/quant.py KV_SCHEMES) store each row as
     x / scale with its float32 scale in kv_scales [num_pages, 2, kv_heads, page_size];
     attention reads q * scale.
-    `variant` names the kernel family chosen for the head ratio ("mha", "gqaN", "mqa"; "auto"
-    until specialize_attention decides); it does not change the result.
+    `variant` names the kernel family chosen for the head ratio ("mha", "gqaN", "mqa"), `kernel`
+    the attention kernel that runs in steps with prefill tokens and `decode_kernel` the one in
+    decode-only steps ("auto" until specialize_attention decides); none changes the result.
     """
     def rule(types, attrs, fail):
         q, k, v, pages, slots, qi, pi, pv, lpl, scales = types
@@ -448,8 +450,8 @@ def _paged_attention():
 @op("paged_attention_fused",
     ["qkv", "positions", "inv_freq", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values",
      "last_page_len", "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto", "q_heads": REQUIRED, "kv_heads": REQUIRED,
-     "head_dim": REQUIRED}, mutates=(3, 9))
+    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto", "kernel": "auto", "decode_kernel": "auto",
+     "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
 def _paged_attention_fused():
     """paged_attention over the parts of one fused projection, rope applied inside: with
     D = head_dim, Hq = q_heads, Hkv = kv_heads and qkv [tokens, (Hq + 2 Hkv) D],

@@ -67,8 +67,11 @@ def main(debug):
 @click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
 @click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")
 @click.option("--disable-pass", multiple=True, metavar="PASS", help="Skip this pass (repeatable).")
+@click.option("--weights/--no-weights", default=True, show_default=True,
+              help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
+                   "`kiln fill-weights` draws seeded random ones there).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
-            force, print_after_all, print_after, disable_pass):
+            force, print_after_all, print_after, disable_pass, weights):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile
@@ -86,9 +89,10 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
     m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
                       disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head,
                       group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                      quant_embedding=quant_embedding, force=force)
+                      quant_embedding=quant_embedding, force=force, weights=weights)
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
-         f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
+         f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
+         + ("" if weights else "; no weights (kiln fill-weights draws them)"))
 
 
 @main.command()
@@ -100,6 +104,26 @@ def inspect(artifact, verify):
     click.echo(inspect_artifact.summary(artifact))
     if verify:
         click.echo(inspect_artifact.verify(artifact))
+
+
+@main.command("fill-weights")
+@click.argument("artifact")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="The same seed gives the same bytes.")
+@click.option("--force", is_flag=True, help="Redraw weights this command wrote before (never a checkpoint's).")
+def fill_weights(artifact, seed, force):
+    """Write seeded random weights into ARTIFACT, compiled with --no-weights: for benchmarks, not a trained model.
+
+    One tensor per manifest weight, with its shape and dtype, drawn on every core and recorded in the
+    manifest with its seed. Weights from a checkpoint are never replaced."""
+    from kiln.artifact import WEIGHTS
+    from kiln.compiler import Phases
+    from kiln.generated_weights import fill_weights as fill
+    phases = Phases(_err)
+    m = phases.run("weights", fill, artifact, seed, force, phases.progress)
+    size, seconds = m["files"][WEIGHTS]["bytes"], phases.seconds["weights"]
+    _err(f"wrote {artifact}: {len(m['weights'])} tensors, {size / 2**20:.1f} MiB of seeded random weights "
+         f"(seed {seed}) in {seconds:.1f}s ({size / 2**30 / max(seconds, 1e-3):.1f} GiB/s)")
 
 
 @main.command()

@@ -63,6 +63,24 @@ def _embedding_storage(graph) -> tuple[str, bool]:
     return (embed.op.removeprefix("embed_") if embed.op != "embed" else "none"), shared
 
 
+def _attention_kernels(graph, target) -> dict[str, list[str]]:
+    """Step kind -> the attention kernels its steps run (over all layers)."""
+    from kiln.codegen.attention import step_kernel
+    types = graph.value_types()
+    nodes = [n for n in graph.nodes if n.op in ATTENTION_OPS]
+    return {step: sorted({step_kernel(target, n, types[n.inputs[3]].dtype, step) for n in nodes})
+            for step in ("mixed", "decode")}
+
+
+def _launch_counts(launches: dict) -> dict:
+    """The manifest's launches_per_step: the mixed entry's kernels, and per entry the kernels a step
+    runs and the launches the host issues for them (fewer where kernels replay as a CUDA graph)."""
+    by_kernel, _ = launches["mixed"]
+    return {"total": sum(by_kernel.values()), "by_kernel": dict(sorted(by_kernel.items())),
+            "entries": {step: {"kernels": sum(kernels.values()), "host_launches": host}
+                        for step, (kernels, host) in launches.items()}}
+
+
 def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> dict:
     """Compile `model_dir` into an artifact at `out_dir`; `options` are `_compile_into`'s.
 
@@ -77,11 +95,12 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
                   quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
-                  kv_dtype: str | None = None, quant_embedding: bool = True) -> dict:
+                  kv_dtype: str | None = None, quant_embedding: bool = True, weights: bool = True) -> dict:
     """Compile `model_dir` into the empty directory `out_dir`; `dump(pass_name, graph)` sees the IR after each
-    pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False."""
+    pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False. Without
+    `weights`, no weights file is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
-    tgt = get_target(target, arch)
+    tgt = get_target(target, arch) if isinstance(target, str) else target
     dtype = dtype or tgt.default_dtype
     tgt.check_dtype(dtype)
     tgt.check_quant(quant, kv_dtype)
@@ -92,7 +111,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
 
     from kiln.passes import run_pipeline
-    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt.name, dump, disable=disable_passes,
+    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, disable=disable_passes,
                                                                     quant=quant, quant_lm_head=quant_lm_head,
                                                                     group_size=group_size, kv_dtype=kv_dtype,
                                                                     quant_embedding=quant_embedding))
@@ -102,23 +121,29 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
 
     def build():
         import tvm
-        with tgt.tvm_target():
-            mod = tgt.relax_pipeline()(lowered.module)
-        from kiln.codegen.launches import kernel_launches
+        module = lowered.module
+        if tgt.device_sampling:
+            from kiln.codegen.sampling import add_sampling_functions
+            module = add_sampling_functions(module, model.config.vocab_size)
+        with tgt.tvm_target(), tvm.transform.PassContext(config=tgt.pass_config()):
+            mod = tgt.relax_pipeline()(module)
+        from kiln.codegen.launches import host_launches, kernel_launches
         kernels = sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
-        return tgt.build(mod), kernels, kernel_launches(mod, "forward")
+        launches = {step: (kernel_launches(mod, name), host_launches(mod, name))
+                    for step, name in lowered.entries.items()}
+        return tgt.build(mod), kernels, launches
     executable, kernels, launches = phases.run("build", build)
 
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
     weights_digest = phases.run("weights", write_weights, model, graph, lowered.weights, dtype, out_dir / WEIGHTS,
-                                phases.progress)
+                                phases.progress) if weights else None
     tokenizer_files = model.write_tokenizer(out_dir)
 
     c = model.config
     embedding, embedding_shared = _embedding_storage(graph)
     kv_storage = KV_SCHEMES[kv_dtype].storage_dtype if kv_dtype else dtype
-    return write_manifest(out_dir, digests={WEIGHTS: weights_digest}, manifest={
+    return write_manifest(out_dir, digests={WEIGHTS: weights_digest} if weights else {}, manifest={
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {})},
@@ -132,12 +157,17 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "max_context": c.max_position_embeddings,
         "library": tgt.library_name,
         "entry": "forward",
+        "entries": lowered.entries,
         "inputs": lowered.inputs,
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],
+        "weights_source": "checkpoint" if weights else "absent",
         "kernels": kernels,
         "attention_variants": sorted({n.attrs["variant"] for n in graph.nodes if n.op in ATTENTION_OPS}),
-        "launches_per_step": {"total": sum(launches.values()), "by_kernel": dict(sorted(launches.items()))},
+        "attention_kernels": _attention_kernels(graph, tgt),
+        "graph_batches": list(tgt.graph_batches),
+        "sampling": "device" if tgt.device_sampling else "host",
+        "launches_per_step": _launch_counts(launches),
         "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                     "nodes_after": r.nodes_after} for r in pass_records],
         "compile_seconds": phases.seconds,

@@ -4,11 +4,42 @@ from __future__ import annotations
 from kiln.artifact import read_manifest, verify_files
 
 
+def _attention_kernels(m: dict) -> str:
+    """Which attention kernels run which steps (artifacts from before the record: unknown)."""
+    kernels = m.get("attention_kernels")
+    if not kernels:
+        return "kernels not recorded"
+    return "; ".join(f"{step} steps: {', '.join(names)}" for step, names in kernels.items())
+
+
+def _entry_launches(m: dict) -> str:
+    """Per entry function other than forward: kernels per step, and host launches where they differ."""
+    parts = []
+    for step, n in m["launches_per_step"].get("entries", {}).items():
+        if step != "mixed":
+            graphs = f" in {n['host_launches']} host launches (CUDA graph, batches " \
+                     f"{', '.join(map(str, m.get('graph_batches', [])))})" if n["host_launches"] != n["kernels"] else ""
+            parts.append(f"; {step} steps: {n['kernels']} kernels{graphs}")
+    return "".join(parts)
+
+
 def _embedding(quant: dict) -> str:
     """How the embedding table is stored (manifests before the field existed kept it in float)."""
     scheme = quant.get("embedding", "none")
     kept = "embedding kept" if scheme == "none" else f"embedding {scheme}"
     return kept + (", one table shared with the LM head" if quant.get("embedding_shared_with_lm_head") else "")
+
+
+def _weights_origin(m: dict) -> str:
+    """Where the weights came from: a checkpoint, seeded random draws, or nowhere yet."""
+    from kiln.artifact import WEIGHTS
+    from kiln.generated_weights import weights_source
+    source = weights_source(m)
+    if source == "generated":
+        return f"generated (seeded random, seed {m['files'][WEIGHTS]['generated']['seed']}): not a trained model"
+    if source == "absent":
+        return "absent (compiled with --no-weights; `kiln fill-weights ARTIFACT --seed N` draws them)"
+    return "from the checkpoint"
 
 
 def summary(artifact_dir) -> str:
@@ -29,11 +60,15 @@ def summary(artifact_dir) -> str:
         f"{m['quantization']['kv_cache']}" + (f" ({m['kv']['dtype']} rows, a float32 scale per row)"
                                                if m["kv"].get("row_scales") else ""),
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
-        f"weights    {len(m['weights'])} tensors",
-        f"attention  paged, page size {m['kv']['page_size']}, kernel variant {', '.join(m['attention_variants'])}",
+        f"weights    {len(m['weights'])} tensors, {_weights_origin(m)}",
+        f"attention  paged, page size {m['kv']['page_size']}, kernel variant {', '.join(m['attention_variants'])}; "
+        + _attention_kernels(m),
+        "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
+                         if m.get("sampling") == "device" else "on the host (NumPy), from the step's logits"),
         f"kernels    {len(m['kernels'])}: {', '.join(m['kernels'])}",
-        f"launches   {m['launches_per_step']['total']} kernel launches per forward step (one decode step): "
-        + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items()),
+        f"launches   {m['launches_per_step']['total']} kernel launches per forward step: "
+        + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items())
+        + _entry_launches(m),
         "passes     " + (", ".join(f"{p['name']} ({p['nodes_before']}→{p['nodes_after']} nodes, {p['seconds'] * 1e3:.1f} ms)"
                                 for p in m["passes"]) or "(none)"),
         "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m["compile_seconds"].items()),

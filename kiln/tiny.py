@@ -276,6 +276,19 @@ def make_streamed_model(out_dir, family: str = "llama", seed: int = 0, dtype: st
     return out
 
 
+def make_config_only_model(out_dir, family: str = "llama", **overrides) -> Path:
+    """A model directory with the tokenizer and config of make_tiny_model but no weights: an empty
+    safetensors index. Enough for `kiln compile --no-weights` (and for transformers' from_config)."""
+    out = Path(out_dir)
+    config, generation, _ = _configure(out, family, overrides)
+    config.architectures = [FAMILIES[family][1]]
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
+                                                                  "weight_map": {}}, indent=2))
+    config.save_pretrained(out)
+    generation.save_pretrained(out)
+    return out
+
+
 def preset_model(preset: str, out_dir) -> Path:
     """The model of a PRESETS entry at `out_dir`, made there first if it is not yet (benchmarks)."""
     family, overrides = PRESETS[preset]

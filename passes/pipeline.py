@@ -25,11 +25,13 @@ class PassRecord:
     nodes_after: int
 
 
-def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool = True,
+def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None,
                  quant_embedding: bool = True) -> list[tuple[str, Pass]]:
-    """The passes for a target, in order: fuse -> attention specialisation -> quantise weights
-    (the embedding table too unless `quant_embedding` is off), KV."""
+    """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
+    the fusions the target's kernels want) -> quantise weights (the embedding table too unless
+    `quant_embedding` is off), KV -> attention kernel choice."""
+    from kiln.targets import target_defaults
     from .fuse_rope_attention import fuse_rope_attention
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
@@ -37,29 +39,30 @@ def pipeline_for(target_name: str, quant: str | None = None, quant_lm_head: bool
     from .quantize import Quantize
     from .quantize_embedding import QuantizeEmbedding
     from .quantize_kv import QuantizeKV
-    from .specialize_attention import specialize_attention
+    from .specialize_attention import SpecializeAttention
+    target = target_defaults(target) if isinstance(target, str) else target
     passes: list[tuple[str, Pass]] = [
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),
     ]
-    if target_name == "cpu":        # the target whose attention kernels read the fused qkv (codegen/attention.py)
+    if "fuse_rope_attention" in target.fusions:
         passes.append(("fuse_rope_attention", fuse_rope_attention))
-    passes.append(("specialize_attention", specialize_attention))
     if quant:
         passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size)))
         if quant_embedding:
             passes.append(("quantize_embedding", QuantizeEmbedding(quant, group_size=group_size)))
     if kv_dtype:
         passes.append(("quantize_kv", QuantizeKV(kv_dtype)))
+    passes.append(("specialize_attention", SpecializeAttention(target)))
     return passes
 
 
-def run_pipeline(graph: Graph, target_name: str, dump: Callable[[str, Graph], None] | None = None,
+def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None = None,
                  passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset(),
                  **options) -> tuple[Graph, list[PassRecord]]:
     """Run `passes`, or the target's pipeline (`options` go to pipeline_for: quant, kv_dtype, …)."""
-    passes = pipeline_for(target_name, **options) if passes is None else passes
+    passes = pipeline_for(target, **options) if passes is None else passes
     unknown = set(disable) - {name for name, _ in passes}
     if unknown:
         from kiln.errors import KilnError

@@ -1,19 +1,22 @@
-"""specialize_attention: record which attention kernel family fits each layer's head ratio.
+"""specialize_attention: record each layer's kernel family and the attention kernels that run it.
 
-Rewrite (paged_attention or paged_attention_fused):
-    %o = paged_attention(%q, %k, %v, …) {variant='auto'}
+Rewrite (paged_attention or paged_attention_fused), for a target whose kernels are
+{"mixed": ("tvm_prefill",), "decode": ("tvm_decode", "tvm_prefill")}:
+    %o = paged_attention(%q, %k, %v, …) {variant='auto', kernel='auto', decode_kernel='auto'}
   ->
-    %o = paged_attention(%q, %k, %v, …) {variant='gqa4'}     (q heads / kv heads = 4)
-Variants: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV head).
-This pass only annotates: no kernel is chosen from the attribute yet. The CPU attention kernel
-derives the group size from the q and kv head counts itself (one task per KV head serving its N
-query heads), and CUDA uses TVM's prefill kernel for every ratio. The variant is written to the
-manifest (`attention_variants`) and shown by `kiln inspect`; a per-target attention-kernel registry
-that reads it is the next step (DESIGN.md).
-Requires: nothing. Leaves: the graph's meaning unchanged (only the attribute differs).
+    %o = paged_attention(%q, %k, %v, …) {variant='gqa4', kernel='tvm_prefill', decode_kernel='tvm_decode'}
+`variant` is the head ratio's family: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV
+head). `kernel` runs steps with prefill tokens, `decode_kernel` decode-only steps: for each, the
+first of the target's kernels for that step kind that supports the op and the layer's KV page
+dtype (codegen/attention_kernels.py). Codegen emits what is recorded; the compiler gives decode
+its own entry function where the two differ. Attributes already chosen are kept. The kernels
+are recorded in the manifest and shown by `kiln inspect`.
+Requires: quantize_kv already run (the page dtype decides which kernels can read the pages).
+Leaves: the graph's meaning unchanged (only attributes differ).
 """
 from __future__ import annotations
 
+from kiln.codegen.attention_kernels import choose_kernel
 from kiln.ir import Graph
 from kiln.ir.ops import ATTENTION_OPS
 
@@ -28,14 +31,26 @@ def variant_for(q_heads: int, kv_heads: int) -> str:
     return f"gqa{q_heads // kv_heads}"
 
 
-def specialize_attention(graph: Graph) -> Graph:
-    graph = editable_copy(graph)
-    types = graph.value_types()
-    for node in graph.nodes:
-        if node.op in ATTENTION_OPS and node.attrs["variant"] == "auto":
-            if node.op == "paged_attention":
-                q_heads, kv_heads = types[node.inputs[0]].shape[1], types[node.inputs[1]].shape[1]
-            else:
-                q_heads, kv_heads = node.attrs["q_heads"], node.attrs["kv_heads"]
-            node.attrs = {**node.attrs, "variant": variant_for(q_heads, kv_heads)}
-    return graph
+class SpecializeAttention:
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        types = graph.value_types()
+        for node in graph.nodes:
+            if node.op not in ATTENTION_OPS:
+                continue
+            attrs = dict(node.attrs)
+            if attrs["variant"] == "auto":
+                if node.op == "paged_attention":
+                    q_heads, kv_heads = types[node.inputs[0]].shape[1], types[node.inputs[1]].shape[1]
+                else:
+                    q_heads, kv_heads = attrs["q_heads"], attrs["kv_heads"]
+                attrs["variant"] = variant_for(q_heads, kv_heads)
+            kv_dtype = types[node.inputs[3]].dtype
+            for attr, step in (("kernel", "mixed"), ("decode_kernel", "decode")):
+                if attrs[attr] == "auto":
+                    attrs[attr] = choose_kernel(self.target, node.op, kv_dtype, step)
+            node.attrs = attrs
+        return graph

@@ -2,9 +2,10 @@
 
 The model runner is anything with `page_size`, `vocab_size`, `max_context`, `forward(inputs)`
 (runtime/step.py inputs -> f32 logits [seqs, vocab]) and `copy_pages(pairs)`: a CompiledModel,
-or a fake one in the scheduler tests. Requests come in with `add_request` (token ids), leave
-when finished or through `abort`; every step returns a RequestOutput for each request that got
-tokens (or finished) in it.
+or a fake one in the scheduler tests. A runner whose `sampler` is not None samples on its device:
+`run(inputs)` leaves the logits there and only token ids and asked-for logprobs come back.
+Requests come in with `add_request` (token ids), leave when finished or through `abort`; every
+step returns a RequestOutput for each request that got tokens (or finished) in it.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from kiln.errors import ParamError
 
 from .kv_pool import PagePool
 from .request import Request, RequestOutput, Sequence
-from .sampler import SamplerState, SamplingParams, sample, top_logprobs
+from .device_sampler import DeviceLogits, HostLogits
+from .sampler import SamplerState, SamplingParams
 from .scheduler import Scheduler
 from .step import SeqChunk, output_offsets, step_inputs
 
@@ -140,7 +142,7 @@ class Engine:
             inputs.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots,
                                    all_rows=bool(in_prompt) and seq.request.needs_prompt_logprobs))
         tf = time.perf_counter()
-        logits = self.model.forward(step_inputs(inputs, self.model.page_size))
+        logits = self._run(step_inputs(inputs, self.model.page_size))
         self.stats.forward_seconds += time.perf_counter() - tf
         offsets = output_offsets(inputs)
         rows, ready = [], []
@@ -149,7 +151,7 @@ class Engine:
             seq = c.seq
             row = offsets[i + 1] - 1                      # this chunk's last token's logits
             if inputs[i].all_rows:
-                self._add_prompt_logprobs(seq.request, c.start, logits[offsets[i]:offsets[i + 1]])
+                self._add_prompt_logprobs(seq.request, c.start, logits, offsets[i], offsets[i + 1])
             seq.num_computed += c.num_tokens
             if seq.num_computed // self.pool.page_size > len(seq.table.hashes):    # a page just filled
                 self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
@@ -162,10 +164,14 @@ class Engine:
                     rows.append(row)
                     ready.append(s)
         if ready:
-            tokens = sample(logits[rows], [s.state for s in ready])
+            tokens = logits.sample(rows, [s.state for s in ready]).tolist()
+            asked = [i for i, seq in enumerate(ready) if seq.logprobs is not None]
+            found = logits.logprobs([rows[i] for i in asked], [tokens[i] for i in asked],
+                                    [ready[i].request.params.logprobs for i in asked])
+            logprobs = dict(zip(asked, found))
             now = time.perf_counter()
-            for row, seq, tok in zip(rows, ready, tokens.tolist()):
-                self._append_token(seq, tok, logits[row], now)
+            for i, (seq, tok) in enumerate(zip(ready, tokens)):
+                self._append_token(seq, tok, logprobs.get(i), now)
                 touched[seq.request.request_id] = seq.request
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
@@ -181,14 +187,23 @@ class Engine:
         if seq.request.finished:
             seq.request.metrics.finish_time = now
 
-    def _add_prompt_logprobs(self, req: Request, start: int, logits: np.ndarray) -> None:
-        """Logprobs of the prompt tokens these rows predict: row j (position start + j) predicts
-        prompt token start + j + 1. Rows recomputed after a preemption are skipped."""
-        k = req.params.prompt_logprobs
-        for j in range(logits.shape[0]):
+    def _run(self, inputs: dict[str, np.ndarray]):
+        """The step's logits: left on the device where the model samples there, else on the host."""
+        sampler = getattr(self.model, "sampler", None)
+        if sampler is not None:
+            return DeviceLogits(self.model.run(inputs), sampler)
+        return HostLogits(self.model.forward(inputs))
+
+    def _add_prompt_logprobs(self, req: Request, start: int, logits, first: int, end: int) -> None:
+        """Logprobs of the prompt tokens logits rows first..end-1 predict: row first + j (position
+        start + j) predicts prompt token start + j + 1. Rows recomputed after a preemption are skipped."""
+        rows, targets = [], []
+        for j in range(end - first):
             target = start + j + 1
-            if target == len(req.prompt_logprobs) and target < len(req.prompt_ids):
-                req.prompt_logprobs.append(top_logprobs(logits[j], req.prompt_ids[target], k))
+            if target == len(req.prompt_logprobs) + len(targets) and target < len(req.prompt_ids):
+                rows.append(first + j)
+                targets.append(req.prompt_ids[target])
+        req.prompt_logprobs += logits.logprobs(rows, targets, [req.params.prompt_logprobs] * len(rows))
 
     def _fork_samples(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: n > 1 samples fork when the prompt is done."""
@@ -206,7 +221,7 @@ class Engine:
             after = child
         return [seq, *children]
 
-    def _append_token(self, seq: Sequence, tok: int, raw_logits: np.ndarray, now: float) -> None:
+    def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None, now: float) -> None:
         req, p = seq.request, seq.request.params
         seq.output_ids.append(tok)
         seq.new_token_ids.append(tok)
@@ -215,7 +230,7 @@ class Engine:
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
         if seq.logprobs is not None:
-            seq.logprobs.append(top_logprobs(raw_logits, tok, p.logprobs))
+            seq.logprobs.append(logprobs)
         stopped_by_token = tok in seq.state.stop_ids      # the sampler masks them until min_tokens
         if seq.detokenizer is not None and not (stopped_by_token and tok in self.eos_ids):
             self._add_text(seq, seq.detokenizer.add(tok))

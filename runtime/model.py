@@ -1,8 +1,14 @@
-"""Open an artifact and run its compiled `forward`: weights and KV pages on the device, logits back.
+"""Open an artifact and run its compiled steps: weights and KV pages on the device, logits back.
 
 Uses only TVM's runtime (no compiler) and NumPy. A CPU artifact's weights are the memory map of its
 weights file, handed to TVM without a copy; a GPU artifact's are uploaded from that map one tensor at
 a time. The files' checksums are checked in a background thread while this happens.
+
+Each step runs the entry its shape calls for (`step_kind`): `forward` for any step, `decode` for
+one new token per sequence, `decode_graph` (CUDA) for those of up to 64 sequences, padded to a batch
+bucket with sequences on a scratch page so that each bucket replays one captured CUDA graph. The
+step's small inputs go through persistent device buffers (runtime/step_buffers.py); the graph's are
+fixed, as the captured graph reads them where they were at capture.
 """
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ import numpy as np
 from kiln.artifact import WEIGHTS, read_manifest, start_verify
 from kiln.errors import KilnError
 
+from .device_sampler import DeviceSampler
+from .step import graph_step_capacities, pad_decode_step
+from .step_buffers import StepBuffers
+
+GRAPH_ENTRY = "decode_graph"
 DEVICES = ("cpu", "cuda", "rocm", "metal")
 
 
@@ -66,6 +77,9 @@ class CompiledModel:
         from tvm.runtime.vm import VirtualMachine
         self.dir = Path(artifact_dir)
         self.manifest = m = read_manifest(self.dir, verify=False)
+        if m.get("weights_source") == "absent":
+            raise KilnError(f"{self.dir} was compiled with --no-weights and has none: draw seeded random ones "
+                            f"with `kiln fill-weights {self.dir} --seed N`")
         verified = start_verify(self.dir, m) if verify else (lambda: None)
         device = m["target"]["device"]
         if device not in DEVICES:
@@ -82,7 +96,15 @@ class CompiledModel:
         self.max_context = m["max_context"]
         lib = tvm.runtime.load_module(str(self.dir / m["library"]))
         self.vm = VirtualMachine(lib, self.device)
-        self.forward_fn = self.vm[m["entry"]]
+        # step kind -> compiled function: "mixed" runs any step, "decode" (where built) decode-only
+        # ones, "decode_graph" (where built) decode steps of up to max(graph_batches) sequences,
+        # padded to a batch bucket and replayed as a CUDA graph
+        self.entries = {step: self.vm[name] for step, name in m.get("entries", {"mixed": m["entry"]}).items()}
+        self.graph_batches = tuple(m.get("graph_batches", ())) if GRAPH_ENTRY in self.entries else ()
+        self.step_buffers = StepBuffers(self.device)
+        # artifacts built with sampling on the device: the engine samples there (runtime/device_sampler.py)
+        self.sampler = DeviceSampler(self.vm, self.device) if m.get("sampling") == "device" else None
+        self.graph_buffers: StepBuffers | None = None      # fixed addresses, made by allocate_kv
         self.weights = self._load_weights()
         verified()
         self.kv_tensors: dict = {}         # kv_pages{i} (and kv_scales{i} for a quantised cache)
@@ -134,17 +156,25 @@ class CompiledModel:
     def allocate_kv(self, kv_memory_bytes: int) -> int:
         """Allocate the KV page tensors (one per layer) within the budget; return the page count."""
         import tvm
+        if self.kv_tensors and self.graph_batches:
+            raise KilnError("allocate_kv runs once for an artifact with CUDA graphs: captured graphs keep "
+                            "the pages' addresses")
         num_pages = kv_memory_bytes // self.bytes_per_page
         if num_pages < 1:
             raise KilnError(f"KV memory budget {kv_memory_bytes} bytes is below one page "
                             f"({self.bytes_per_page} bytes)")
         kv = self.kv
-        shape = (num_pages, 2, kv["num_kv_heads"], self.page_size, kv["head_dim"])
+        # graph steps pad their batch with sequences that write and read one scratch page past the pool's
+        self.scratch_page = num_pages if self.graph_batches else None
+        shape = (num_pages + bool(self.graph_batches), 2, kv["num_kv_heads"], self.page_size, kv["head_dim"])
         self.kv_tensors = {}
         for i in range(kv["num_layers"]):
             self.kv_tensors[f"kv_pages{i}"] = tvm.runtime.empty(shape, kv["dtype"], self.device)
             if kv.get("row_scales"):
                 self.kv_tensors[f"kv_scales{i}"] = tvm.runtime.empty(shape[:4], "float32", self.device)
+        if self.graph_batches:
+            self.graph_buffers = StepBuffers(self.device, graph_step_capacities(
+                max(self.graph_batches), -(-self.max_context // self.page_size)), fixed=True)
         return num_pages
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
@@ -159,10 +189,31 @@ class CompiledModel:
 
     def forward(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run one ragged step; return f32[seqs, vocab], the logits of each sequence's last new token."""
-        import tvm
+        return self.run(inputs).numpy()
+
+    def run(self, inputs: dict[str, np.ndarray]):
+        """Run one ragged step; return its logits rows as a tensor on the device."""
         if not self.kv_tensors:
             raise KilnError("allocate_kv must be called before forward")
-        args = [self.kv_tensors[n] if n in self.kv_tensors else tvm.runtime.tensor(inputs[n], self.device)
+        kind = self.step_kind(inputs)
+        buffers, lengths = self.step_buffers, {}
+        if kind == GRAPH_ENTRY:
+            seqs = len(inputs["tokens"])
+            inputs = pad_decode_step(inputs, min(b for b in self.graph_batches if b >= seqs), self.scratch_page,
+                                     self.page_size)
+            # the whole buffer, every step: its length is part of the captured graph's key
+            buffers, lengths = self.graph_buffers, {"page_values": self.graph_buffers.capacity("page_values")}
+        args = [self.kv_tensors[n] if n in self.kv_tensors else buffers.put(n, inputs[n], lengths.get(n))
                 for n in self.input_names]
-        out = self.forward_fn(*args, *self.weights)
-        return out.numpy()
+        out = self.entries[kind](*args, *self.weights)
+        return out._create_view((seqs, out.shape[1]), out.dtype) if kind == GRAPH_ENTRY else out
+
+    def step_kind(self, inputs: dict[str, np.ndarray]) -> str:
+        """The entry a step runs: where the artifact has them, "decode_graph" or "decode" when every
+        sequence brings one new token (the graph up to its largest batch bucket), else "mixed"."""
+        seqs = len(inputs["q_indptr"]) - 1
+        if len(inputs["tokens"]) != seqs:
+            return "mixed"
+        if self.graph_batches and seqs <= max(self.graph_batches):
+            return GRAPH_ENTRY
+        return "decode" if "decode" in self.entries else "mixed"

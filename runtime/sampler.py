@@ -5,13 +5,40 @@ One row of logits per running sequence. Each sequence owns a `SamplerState`
 holding its params, the token counts penalties need, and its own
 `numpy.random.Generator`, so the tokens a seed gives do not depend on which
 other requests share the batch: a sampled row draws exactly one uniform number
-from its own generator, a greedy row none. Sample i > 0 of a request with n > 1
-seeds its generator with (seed, i).
+u in [0, 1) from its own generator, a greedy row none. Sample i > 0 of a
+request with n > 1 seeds its generator with (seed, i).
 
-Order of the transforms (as in vLLM): logit bias; min_tokens masks the stop
-tokens; repetition penalty (over prompt and output), frequency and presence
-penalties (over the output); then greedy argmax, or temperature, top-k, top-p
-over what top-k kept, min-p, and one draw by inverse CDF.
+The definition (runtime/device_sampler.py computes the same on the device from
+the same u, with the kernels of codegen/sampling.py):
+
+1. Processed logits x (float32): each token of the row that a penalty or bias
+   touches (`penalty_entries`) becomes, computed in float64 and rounded to
+   float32, y = x + bias, then y / rep if y > 0 else y * rep, then y - sub,
+   where bias comes from logit_bias, or is -inf for a stop id while fewer than
+   min_tokens are generated; rep = repetition_penalty for tokens of the prompt
+   or output, else 1; sub = frequency_penalty * count + presence_penalty for
+   tokens of the output, else 0 (vLLM's order: bias, min_tokens, repetition,
+   frequency/presence).
+2. Greedy (temperature 0): argmax of x, ties -> lowest id.
+3. Otherwise, in float64: z = x / temperature, zmax = max z, and each token's
+   weight e = exp(z - zmax), exactly 1 where z == zmax (+inf included; 0 if
+   every x is -inf). A token is kept when all of these hold:
+   * top-k (1 <= top_k < vocab): x >= the top_k-th largest x, so every tie
+     with that value is kept;
+   * top-p (top_p < 1): x >= the nucleus threshold. Sort the values top-k
+     keeps best first; c_j is the sum of their weights up to position j; the
+     threshold is the value at the first j with c_j >= top_p * c_last. This is
+     the largest t such that the tokens with x >= t hold top_p of the mass;
+     ties with it are kept;
+   * min-p: e >= min_p, i.e. a probability >= min_p x the top token's.
+   The top token is always kept.
+4. The draw is the inverse CDF in token-id order: w = e on kept tokens and 0
+   elsewhere; cdf = cumulative sum of w over ids 0..V-1; the pick is the first
+   token with w > 0 and cdf > u * cdf[V-1]. If rounding leaves none, the pick
+   is the last token with w > 0; if no token has weight (every x is -inf), it
+   is token 0. Each kept token is drawn with probability w / sum(w); the
+   id order only decides which u maps to which token.
+
 Logprobs are those of the model's own distribution (the raw logits), as vLLM
 reports by default.
 """
@@ -145,25 +172,46 @@ class SamplerState:
         return SamplerState(self.params, self.prompt_ids, self.stop_ids, index)
 
 
-def process_logits(logits: np.ndarray, state: SamplerState) -> np.ndarray:
-    """The row the draw sees (float64): bias, min_tokens mask, repetition/presence/frequency penalties."""
+def penalty_entries(state: SamplerState, vocab: int) -> tuple[np.ndarray, ...]:
+    """The tokens of one row that penalties or bias change, and how: (tokens int64 [m], sorted and
+    unique, all < vocab; bias f64 [m]; repetition f64 [m]; subtract f64 [m]), as step 1 of the
+    module docstring applies them. Empty when the row uses none."""
     p = state.params
-    x = logits.astype(np.float64)
-    for tok, bias in p.logit_bias.items():
-        if tok < x.shape[0]:
-            x[tok] += bias
-    if state.num_output < p.min_tokens and state.stop_ids:
-        x[[t for t in state.stop_ids if t < x.shape[0]]] = -np.inf
-    if p.repetition_penalty != 1.0:
-        seen = np.union1d(state.seen, np.fromiter(state.output_counts, np.int64)) if state.output_counts \
-            else state.seen
-        seen = seen[seen < x.shape[0]]
-        x[seen] = np.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and state.output_counts:
-        ids = np.fromiter(state.output_counts, np.int64)
-        counts = np.fromiter(state.output_counts.values(), np.float64)
-        keep = ids < x.shape[0]
-        x[ids[keep]] -= p.frequency_penalty * counts[keep] + p.presence_penalty
+    none = np.zeros(0, np.int64)
+    masking = state.num_output < p.min_tokens and bool(state.stop_ids)
+    subtracting = bool(p.presence_penalty or p.frequency_penalty) and bool(state.output_counts)
+    if not (p.logit_bias or masking or subtracting or p.repetition_penalty != 1.0):
+        return none, np.zeros(0), np.zeros(0), np.zeros(0)       # the common case, kept cheap
+    bias_ids = np.fromiter(p.logit_bias, np.int64, len(p.logit_bias))
+    bias_values = np.fromiter(p.logit_bias.values(), np.float64, len(p.logit_bias))
+    masked = np.fromiter(state.stop_ids, np.int64) if masking else none
+    out_ids = np.fromiter(state.output_counts, np.int64, len(state.output_counts))
+    counts = np.fromiter(state.output_counts.values(), np.float64, len(out_ids))
+    seen = np.union1d(state.seen, out_ids) if p.repetition_penalty != 1.0 else none
+    if not subtracting:
+        out_ids, counts = none, counts[:0]
+    tokens = np.unique(np.concatenate([bias_ids, masked, seen, out_ids]))
+    tokens = tokens[tokens < vocab]
+    bias, rep, sub = np.zeros(len(tokens)), np.ones(len(tokens)), np.zeros(len(tokens))
+
+    def put(column: np.ndarray, ids: np.ndarray, values) -> None:
+        inside = ids < vocab
+        column[np.searchsorted(tokens, ids[inside])] = values[inside] if np.ndim(values) else values
+    put(bias, bias_ids, bias_values)
+    put(bias, masked, -np.inf)                       # after the bias: a masked stop id stays -inf
+    put(rep, seen, p.repetition_penalty)
+    put(sub, out_ids, p.frequency_penalty * counts + p.presence_penalty)
+    return tokens, bias, rep, sub
+
+
+def process_logits(logits: np.ndarray, state: SamplerState) -> np.ndarray:
+    """The row the draw sees (float32): bias, min_tokens mask, repetition/presence/frequency penalties,
+    computed in float64 on the touched tokens (step 1 of the module docstring)."""
+    x = np.array(logits, dtype=np.float32)              # a copy, in the device's dtype
+    tokens, bias, rep, sub = penalty_entries(state, x.shape[0])
+    if len(tokens):
+        y = x[tokens].astype(np.float64) + bias
+        x[tokens] = np.where(y > 0, y / rep, y * rep) - sub
     return x
 
 
@@ -194,34 +242,35 @@ def sample_row(logits: np.ndarray, state: SamplerState) -> int:
     x = process_logits(logits, state)
     if p.greedy:
         return int(np.argmax(x))
-    x = x / p.temperature  # [V]
-    ids = _candidates(x, p.top_k, p.top_p < 1.0)  # token ids, best first when filtered
-    xs = x[ids]
-    probs = np.exp(xs - xs.max())
-    probs /= probs.sum()
-    if p.top_p < 1.0:
-        # Keep the shortest best-first prefix whose mass reaches top_p (always >= 1 token).
-        keep = int(np.searchsorted(np.cumsum(probs), p.top_p, side="left")) + 1
-        ids, probs = ids[:keep], probs[:keep]
-    if p.min_p > 0:
-        keep = probs >= p.min_p * probs.max()
-        ids, probs = ids[keep], probs[keep]
-    cdf = np.cumsum(probs)
-    u = state.rng.random() * cdf[-1]
-    # side="right": zero-probability entries (masked -inf logits) are never picked.
-    pick = min(int(np.searchsorted(cdf, u, side="right")), len(ids) - 1)
-    return int(ids[pick])
+    return draw(x, p, state.rng.random())
 
 
-def _candidates(x: np.ndarray, top_k: int, need_sorted: bool) -> np.ndarray:
-    """Token ids that survive top-k, sorted best first (ties -> lowest id) when a filter is on."""
+def draw(x: np.ndarray, p: SamplingParams, u: float) -> int:
+    """Steps 3 and 4 of the module docstring: the token that uniform u picks from processed logits x [V]."""
     vocab = x.shape[0]
-    if top_k <= 0 or top_k >= vocab:
-        if not need_sorted:
-            return np.arange(vocab)
-        return np.argsort(-x, kind="stable")
-    # Every id tied with the k-th best survives the threshold; the stable sort then keeps
-    # the lowest ids among ties, so top_k=1 agrees with np.argmax.
-    kth = np.partition(x, vocab - top_k)[vocab - top_k]
-    ids = np.flatnonzero(x >= kth)
-    return ids[np.argsort(-x[ids], kind="stable")][:top_k]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):    # tiny temperatures, -inf rows
+        zmax = np.float64(x.max()) / p.temperature
+        threshold = np.float32(-np.inf)
+        if 0 < p.top_k < vocab:
+            threshold = np.partition(x, vocab - p.top_k)[vocab - p.top_k]
+        if p.top_p < 1.0:
+            sx = np.sort(x[x >= threshold])[::-1]           # what top-k keeps, best first
+            cum = np.cumsum(_weights(sx, p.temperature, zmax))
+            first = int(np.searchsorted(cum, p.top_p * cum[-1], side="left"))   # first cum >= the bound
+            threshold = max(threshold, sx[min(first, len(sx) - 1)])
+        # Only tokens at or above the threshold can have weight; the others add exact zeros to the CDF.
+        ids = np.flatnonzero(x >= threshold) if threshold > -np.inf else np.arange(vocab)
+        weight = _weights(x[ids], p.temperature, zmax)
+        w = np.where(weight >= p.min_p, weight, 0.0)
+    if not w.any():
+        return 0                                         # a row of -inf: every token is masked
+    cdf = np.cumsum(w)
+    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    # side="right" skips zero-weight tokens; past the end (rounding) the last kept token is the pick.
+    return int(ids[pick] if pick < len(ids) else ids[np.flatnonzero(w)[-1]])
+
+
+def _weights(x: np.ndarray, temperature: float, zmax: np.float64) -> np.ndarray:
+    """exp(z - zmax) for z = x / temperature in float64: exactly 1 where z == zmax, 0 in a row of -inf."""
+    z = x.astype(np.float64) / temperature
+    return np.where(z == zmax, float(zmax > -np.inf), np.exp(z - zmax))

@@ -50,3 +50,33 @@ def step_inputs(chunks: list[SeqChunk], page_size: int) -> dict[str, np.ndarray]
         "slot_mapping": np.array([s for c in chunks for s in c.slots], np.int32),
         "logit_rows": np.concatenate(rows).astype(np.int32),
     }
+
+
+def graph_step_capacities(max_batch: int, pages_per_seq: int) -> dict[str, int]:
+    """Buffer lengths a padded decode step of up to `max_batch` sequences can need."""
+    return {"tokens": max_batch, "positions": max_batch, "q_indptr": max_batch + 1, "page_indptr": max_batch + 1,
+            "page_values": max_batch * pages_per_seq, "last_page_len": max_batch, "slot_mapping": max_batch,
+            "logit_rows": max_batch}
+
+
+def pad_decode_step(inputs: dict[str, np.ndarray], batch: int, scratch_page: int,
+                    page_size: int) -> dict[str, np.ndarray]:
+    """A decode step of s <= batch sequences, padded to `batch` with sequences of one token at
+    position 0 whose KV is row 0 of `scratch_page` (a page no sequence owns): their rows of the
+    output are to be dropped. Real rows keep their order, so output row i is still sequence i's."""
+    seqs = len(inputs["tokens"])
+    pad = batch - seqs
+    if pad < 0 or len(inputs["logit_rows"]) != seqs:
+        raise ValueError(f"a decode step of {seqs} sequences cannot be padded to {batch}")
+    zeros, ones = np.zeros(pad, np.int32), np.ones(pad, np.int32)
+    last = int(inputs["page_indptr"][-1])
+    return {
+        "tokens": np.concatenate([inputs["tokens"], zeros]),
+        "positions": np.concatenate([inputs["positions"], zeros]),
+        "q_indptr": np.arange(batch + 1, dtype=np.int32),
+        "page_indptr": np.concatenate([inputs["page_indptr"], last + np.arange(1, pad + 1, dtype=np.int32)]),
+        "page_values": np.concatenate([inputs["page_values"], np.full(pad, scratch_page, np.int32)]),
+        "last_page_len": np.concatenate([inputs["last_page_len"], ones]),
+        "slot_mapping": np.concatenate([inputs["slot_mapping"], np.full(pad, scratch_page * page_size, np.int32)]),
+        "logit_rows": np.arange(batch, dtype=np.int32),
+    }

@@ -13,3 +13,11 @@ def get_target(name: str, arch: str | None = None):
     if name not in TARGET_NAMES:
         raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     return importlib.import_module(f"{__name__}.{name}").make_target(arch)
+
+
+def target_defaults(name: str):
+    """The target `name` with its default settings, without the side effects of `get_target` (CUDA's
+    loader, tool checks): what passes read to plan a pipeline for it."""
+    if name not in TARGET_NAMES:
+        raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
+    return importlib.import_module(f"{__name__}.{name}").TARGET_CLASS()

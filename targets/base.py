@@ -4,7 +4,7 @@ Adding a target is adding one small file with a subclass of Target.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
 
@@ -19,8 +19,12 @@ class Target:
     dtypes: tuple[str, ...] = ("float32",)
     runs_here: bool = True           # False where this machine cannot execute the artifact
     note: str = ""                   # what the manifest should tell about where/how the artifact runs
-    attention: str = "kiln_cpu"      # paged attention kernel, by name (codegen/attention.py)
+    # step kind -> attention kernels in order of preference (codegen/attention.py KERNELS)
+    attention_kernels: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"mixed": ("kiln_cpu",), "decode": ("kiln_cpu",)})
     kv_dtypes: tuple[str, ...] = ()  # quantised KV caches its attention kernel reads (ir/quant.py KV_SCHEMES)
+    graph_batches: tuple[int, ...] = ()   # decode batch buckets replayed as CUDA graphs (none: no graphs)
+    device_sampling: bool = False    # compile the sampler into the artifact (codegen/sampling.py)
 
     def tvm_target(self):
         raise NotImplementedError
@@ -46,6 +50,14 @@ class Target:
             raise KilnError(f"--kv-dtype {kv_dtype} is not supported on target {self.name} (supported: {supported})")
 
     # -- kernel choices --------------------------------------------------------------------
+    @property
+    def fusions(self) -> tuple[str, ...]:
+        """Optional fusion passes this target's kernels want (passes/pipeline.py): the rope +
+        attention fusion only where every attention kernel it prefers runs the fused form."""
+        from kiln.codegen.attention_kernels import KERNELS
+        firsts = [names[0] for names in self.attention_kernels.values()]
+        return ("fuse_rope_attention",) if all(KERNELS[k].fused_qkv for k in firsts) else ()
+
 
     def linear_layout(self, n_out: int, n_in: int) -> str:
         """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB'."""
@@ -54,6 +66,10 @@ class Target:
     # -- lowering to machine code ------------------------------------------------------------
     def relax_pipeline(self):
         raise NotImplementedError
+
+    def pass_config(self) -> dict:
+        """TVM PassContext settings the Relax pipeline runs under."""
+        return {}
 
     def build(self, mod):
         """Compile a module whose Relax pipeline has already run into a VM executable."""
@@ -70,11 +86,14 @@ class Target:
 @dataclass
 class GPUTarget(Target):
     """What every GPU target shares: half-precision default, dlight-scheduled TE kernels with weights
-    as transformers stores them, TVM's paged prefill attention kernel, and an arch check."""
+    as transformers stores them, TVM's paged prefill attention kernel and, for decode-only steps,
+    its decode kernel, and an arch check."""
     default_dtype: str = "float16"
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     runs_here: bool = False
-    attention: str = "tvm_prefill"
+    device_sampling: bool = True     # the logits stay where they are made; only token ids come back
+    attention_kernels: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"mixed": ("tvm_prefill",), "decode": ("tvm_decode", "tvm_prefill")})
     ARCHS = ()                       # the --arch values this GPU kind accepts (a class attribute)
 
     def __post_init__(self):

@@ -45,6 +45,9 @@ class CPUTarget(Target):
         return relax.get_default_pipeline(self.tvm_target())
 
 
+TARGET_CLASS = CPUTarget
+
+
 def make_target(arch: str | None) -> CPUTarget:
     if arch:
         raise KilnError("target cpu takes no --arch (it compiles for this machine's CPU)")

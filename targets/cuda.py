@@ -46,6 +46,7 @@ class CUDATarget(GPUTarget):
     name: str = "cuda"
     arch: str | None = "sm_80"
     device: str = "cuda"
+    graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     ARCHS = ARCHS
 
     def tvm_target(self):
@@ -53,6 +54,10 @@ class CUDATarget(GPUTarget):
         return tvm.target.Target({"kind": "cuda", "arch": self.arch, "max_shared_memory_per_block": 49152,
                                   "max_threads_per_block": 1024, "thread_warp_size": 32,
                                   "host": {"kind": "llvm"}})
+
+    def pass_config(self):
+        # RewriteCUDAGraph (in TVM's CUDA pipeline) captures the decode_graph entry (codegen/lower.py)
+        return {"relax.backend.use_cuda_graph": bool(self.graph_batches)}
 
     def weight_quants(self):
         return ("q8", "q4", "fp8") if self.arch in FP8_ARCHS else ("q8", "q4")
@@ -64,6 +69,9 @@ class CUDATarget(GPUTarget):
             raise KilnError("TVM's CUDA runtime did not load, so no CUDA binary can be built "
                             "(kiln compiles CUDA in a fresh process: use the `kiln compile` command)")
         return super().build(mod)
+
+
+TARGET_CLASS = CUDATarget
 
 
 def make_target(arch: str | None) -> CUDATarget:

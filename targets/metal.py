@@ -123,6 +123,9 @@ def require_tools() -> None:
                         "(Debian: apt-get install lld-22, or `make metal-deps`)")
 
 
+TARGET_CLASS = MetalTarget
+
+
 def make_target(arch: str | None) -> MetalTarget:
     target = MetalTarget(arch=arch or "m1")
     require_tools()            # fail before the import and codegen phases, not after

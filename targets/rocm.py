@@ -153,6 +153,9 @@ class ROCmTarget(GPUTarget):
                 return super().build(mod)
 
 
+TARGET_CLASS = ROCmTarget
+
+
 def make_target(arch: str | None) -> ROCmTarget:
     target = ROCmTarget(arch=arch or "gfx942")
     require_tools()            # fail before the import and codegen phases, not after

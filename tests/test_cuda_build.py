@@ -19,13 +19,23 @@ def test_cuda_artifact_is_built_with_its_kernels(make_model, tmp_path):
     assert manifest["target"] == {**manifest["target"], "name": "cuda", "arch": "sm_80", "device": "cuda"}
     assert manifest["dtype"] == "float16"
     library = (out / "model.cuda.so").read_bytes()
-    device_kernels = [k for k in manifest["kernels"] if k != "shape_func"]   # shape_func runs on the host
-    for name in ("paged_attention", "kv_append", "rms_norm", "rope", "linear", "silu"):
+    device_kernels = [k for k in manifest["kernels"] if not k.startswith("shape_func")]   # on the host
+    for name in ("paged_attention", "paged_decode_attention", "kv_append", "rms_norm", "rope", "linear", "silu"):
         assert any(name in k for k in device_kernels), (name, device_kernels)
     for name in device_kernels:
         assert f"{name}_kernel".encode() in library, f"{name} has no compiled kernel in the library"
     assert b"__global__" not in library        # a binary (fatbin from nvcc), not CUDA source to JIT later
     assert b"sm_80" in library
+    # decode-only steps have their own entry, with TVM's decode kernel in place of the prefill one, and
+    # a second one whose kernels TVM's RewriteCUDAGraph captured: all but the LM head (which writes the
+    # step's output) replay as one CUDA graph
+    assert manifest["entries"] == {"mixed": "forward", "decode": "decode", "decode_graph": "decode_graph"}
+    assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
+    launches = manifest["launches_per_step"]["entries"]
+    assert launches["decode"]["kernels"] == launches["decode"]["host_launches"] == launches["mixed"]["kernels"]
+    assert launches["decode_graph"] == {"kernels": launches["decode"]["kernels"], "host_launches": 2}
+    assert manifest["graph_batches"] == [1, 2, 4, 8, 16, 32, 64]
+    assert b"vm.builtin.cuda_graph.run_or_capture" in library
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -45,5 +55,5 @@ def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
     library = (out / "model.cuda.so").read_bytes()
     assert b"sm_90" in library and b"__global__" not in library
     for name in manifest["kernels"]:
-        if name != "shape_func":
+        if not name.startswith("shape_func"):
             assert f"{name}_kernel".encode() in library

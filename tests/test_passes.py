@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.errors import KilnError
 from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
 from kiln.passes.fuse_residual_add import fuse_residual_add
 from kiln.passes.quantize import Quantize
-from kiln.passes.specialize_attention import specialize_attention
+from kiln.passes.specialize_attention import SpecializeAttention
 
 
 def random_weights(graph, seed=0):
@@ -280,27 +281,50 @@ def test_quantize_near_miss_keeps_lm_head_and_embedding():
 
 # ---------------------------------------------------------------------------- specialize_attention
 
-def attention_graph(q_heads, kv_heads, variant="auto"):
+def attention_graph(q_heads, kv_heads, variant="auto", pages_dtype="float32", **chosen):
     b = GraphBuilder("attn")
     q = b.input("q", ("tokens", q_heads, 4), "float32")
     k = b.input("k", ("tokens", kv_heads, 4), "float32")
     v = b.input("v", ("tokens", kv_heads, 4), "float32")
-    pages = b.input("pages", ("pages", 2, kv_heads, 4, 4), "float32")
+    pages = b.input("pages", ("pages", 2, kv_heads, 4, 4), pages_dtype)
     index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
-    return verify(b.output(b.op("paged_attention", q, k, v, pages, *index, layer=0, scale=0.5, variant=variant,
-                                name="o")))
+    scales = [b.input("scales", ("pages", 2, kv_heads, 4), "float32")] if pages_dtype != "float32" else []
+    return verify(b.output(b.op("paged_attention", q, k, v, pages, *index, *scales, layer=0, scale=0.5,
+                                variant=variant, name="o", **chosen)))
+
+
+def specialize_for(target_name):
+    from kiln.targets import target_defaults
+    return SpecializeAttention(target_defaults(target_name))
 
 
 @pytest.mark.parametrize("heads,variant", [((4, 4), "mha"), ((8, 2), "gqa4"), ((6, 3), "gqa2"), ((8, 1), "mqa")])
-def test_specialize_attention_rewrite(heads, variant):
-    after = specialize_attention(attention_graph(*heads))
+@pytest.mark.parametrize("target,kernels", [("cpu", ("kiln_cpu", "kiln_cpu")),
+                                            ("cuda", ("tvm_prefill", "tvm_decode"))])
+def test_specialize_attention_rewrite(heads, variant, target, kernels):
+    after = specialize_for(target)(attention_graph(*heads))
     assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %pages, %slots, %qi, %pi, %pv, %lpl) "
-                           f"{{layer=0, scale=0.5, variant='{variant}'}} : f32[tokens, {heads[0]}, 4]"]
+                           f"{{layer=0, scale=0.5, variant='{variant}', kernel='{kernels[0]}', "
+                           f"decode_kernel='{kernels[1]}'}} : f32[tokens, {heads[0]}, 4]"]
 
 
-def test_specialize_attention_near_miss_keeps_a_chosen_variant():
-    graph = attention_graph(8, 2, variant="mha")      # already decided (by hand): left alone
-    assert body(specialize_attention(graph)) == body(graph)
+def test_specialize_attention_near_miss_keeps_a_chosen_variant_and_kernels():
+    graph = attention_graph(8, 2, variant="mha", kernel="tvm_prefill", decode_kernel="tvm_prefill")   # by hand
+    assert body(specialize_for("cuda")(graph)) == body(graph)
+
+
+def test_specialize_attention_skips_kernels_that_cannot_read_the_pages():
+    """int8 pages: a target preferring TVM's kernels (which read only unquantised pages) falls back
+    to the next kernel it lists, and one with no fallback is refused, naming what is missing."""
+    from dataclasses import replace
+    from kiln.targets import target_defaults
+    cpu = target_defaults("cpu")
+    graph = attention_graph(8, 2, pages_dtype="int8")
+    both = replace(cpu, attention_kernels={"mixed": ("tvm_prefill", "kiln_cpu"), "decode": ("tvm_decode", "kiln_cpu")})
+    assert "kernel='kiln_cpu', decode_kernel='kiln_cpu'" in body(SpecializeAttention(both)(graph))[0]
+    only_tvm = replace(cpu, attention_kernels={"mixed": ("tvm_prefill",), "decode": ("tvm_decode",)})
+    with pytest.raises(KilnError, match="no attention kernel for paged_attention over int8 pages in mixed steps"):
+        SpecializeAttention(only_tvm)(graph)
 
 
 # ---------------------------------------------------------------------------- quantize (fp8)
@@ -345,7 +369,7 @@ def test_quantize_kv_rewrite(mode, short):
     text = print_graph(after)
     assert f"%pages: {short}[pages, 2, 2, 4, 4]" in text and "%pages_scales: f32[pages, 2, 2, 4]" in text
     assert body(after) == ["  %o = paged_attention(%q, %k, %v, %pages, %slots, %qi, %pi, %pv, %lpl, %pages_scales) "
-                           "{layer=0, scale=0.5, variant='auto'} : f32[tokens, 8, 4]"]
+                           "{layer=0, scale=0.5, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
 
 
 @pytest.mark.parametrize("mode,peak", [("int8", 127), ("fp8", 448)])
@@ -421,7 +445,7 @@ def test_fuse_rope_attention_rewrite():
     assert body(fuse_rope_attention(rope_attention_graph())) == [
         "  @rope.inv_freq: f32[2]",
         "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %pages, %slots, %qi, %pi, %pv, %lpl) "
-        "{layer=0, scale=0.5, variant='auto', q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
+        "{layer=0, scale=0.5, variant='auto', kernel='auto', decode_kernel='auto', q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
 
 
 def test_fuse_rope_attention_keeps_outputs():

@@ -29,9 +29,34 @@ def test_greedy_ties_pick_lowest_id():
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 5.0])
 def test_top_k_1_is_greedy(temperature):
     logits = _logits(16, 40, seed=1)
-    logits[3, [5, 9]] = logits[3].max() + 1  # a tie: lowest id wins, as argmax
     states = [_state(temperature=temperature, top_k=1, seed=i) for i in range(16)]
     np.testing.assert_array_equal(sample(logits, states), np.argmax(logits, axis=1))
+
+
+def test_top_k_keeps_every_tie_with_the_kth_value():
+    """top-k keeps the tokens >= the k-th largest value, ties included (a threshold a GPU applies
+    without ordering ids), so top_k=1 with two tokens tied at the top draws both, and nothing else.
+    (It used to keep the lowest id among ties, as argmax; greedy still does.)"""
+    row = _logits(1, 40, seed=1)[0]
+    row[[5, 9]] = row.max() + 1
+    picks = {sample_row(row, _state(temperature=t, top_k=1, seed=i)) for i in range(30) for t in (0.1, 5.0)}
+    assert picks == {5, 9}
+    assert sample_row(row, _state(temperature=0)) == 5
+
+
+def test_draw_is_the_inverse_cdf_in_token_id_order():
+    """Probabilities 0.2, 0.5, 0.3 for ids 0, 1, 2: u in [0, 0.2) picks 0, [0.2, 0.7) picks 1, the rest 2."""
+    from kiln.runtime.sampler import draw
+    x = np.log(np.array([0.2, 0.5, 0.3])).astype(np.float32)
+    picks = [draw(x, SamplingParams(), u) for u in (0.0, 0.19, 0.21, 0.69, 0.71, 1 - 2**-53)]
+    assert picks == [0, 0, 1, 1, 2, 2]
+
+
+def test_top_p_keeps_ties_with_the_nucleus_threshold():
+    """0.4, 0.2, 0.2, 0.2: top_p 0.5 is reached at the first 0.2, whose ties are kept with it."""
+    row = np.log(np.array([0.4, 0.2, 0.2, 0.2])).astype(np.float32)
+    assert set(np.flatnonzero(_frequencies(row, 400, top_p=0.5))) == {0, 1, 2, 3}
+    assert set(np.flatnonzero(_frequencies(row, 400, top_p=0.39))) == {0}
 
 
 def test_same_seed_same_tokens_alone_or_batched():

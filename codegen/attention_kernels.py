@@ -1,0 +1,52 @@
+"""Attention kernels by name, what each can run, and the choice for a layer and step kind.
+
+A target lists, per step kind, the kernels it prefers (`Target.attention_kernels`);
+`specialize_attention` records the first that supports each layer (`choose_kernel`), and codegen
+(codegen/attention.py) emits the recorded one. Step kinds: "mixed" (any step: prefill chunks,
+possibly with decode tokens) and "decode" (one new token per sequence); the compiler gives each
+step kind whose kernels differ its own entry function.
+  kiln_cpu      kiln's own CPU kernels: fused qkv, rope inside, int8/float8 pages. Any step.
+  tvm_prefill   TVM's paged prefill kernel. Any step.
+  tvm_decode    TVM's paged decode kernel: one query per sequence; on GPUs a block serves the q
+                heads of one KV head, so a GQA group reads each K/V page once.
+No TVM import here: targets read this table before TVM is loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import KilnError
+from kiln.ir.quant import kv_scheme_for
+
+STEP_KINDS = ("mixed", "decode")
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    name: str
+    steps: tuple[str, ...]             # step kinds it can run
+    devices: tuple[str, ...]           # runtime devices it is built for
+    quantized_kv: bool                 # reads int8/float8 pages
+    fused_qkv: bool                    # runs paged_attention_fused (rope inside)
+
+    def supports(self, op: str, kv_dtype: str, device: str, step: str) -> bool:
+        return (step in self.steps and device in self.devices and (op == "paged_attention" or self.fused_qkv)
+                and (self.quantized_kv or kv_scheme_for(kv_dtype) is None))
+
+
+_GPUS = ("cuda", "rocm", "metal")
+KERNELS = {k.name: k for k in (
+    AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True),
+    AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False),
+    AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False),
+)}
+
+
+def choose_kernel(target, op: str, kv_dtype: str, step: str) -> str:
+    """The first of the target's kernels for `step` that runs this attention op on these pages."""
+    wanted = target.attention_kernels[step]
+    for name in wanted:
+        if KERNELS[name].supports(op, kv_dtype, target.device, step):
+            return name
+    raise KilnError(f"target {target.name} has no attention kernel for {op} over {kv_dtype} pages in "
+                    f"{step} steps (its kernels: {', '.join(wanted)})")

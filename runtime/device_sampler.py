@@ -1,0 +1,145 @@
+"""Sampling on the device that holds the logits: only token ids (and asked-for logprobs) come back.
+
+The compiled functions (codegen/sampling.py) compute the draw runtime/sampler.py defines. The host
+keeps what is per request: each sequence's generator draws its one uniform number here, exactly as
+the NumPy sampler would (one per sampled row, none for a greedy row), and the penalties and bias
+become a short list of (row, token) entries from the rows that use them (`penalty_entries`). One
+`sample` call runs up to four compiled functions: `apply_penalties` when some row has entries,
+then `sample_greedy` for the greedy rows, `sample_plain` for sampled rows without top-k/top-p and
+`sample_sorted` for the rest (each on its own rows, so a row is sorted only if its params need it).
+
+Uses only TVM's runtime and NumPy.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kiln.errors import KilnError
+
+from .sampler import SamplerState, penalty_entries, sample, top_logprobs
+from .step_buffers import StepBuffers
+
+FUNCTIONS = {"penalties": "apply_penalties", "greedy": "sample_greedy", "plain": "sample_plain",
+             "sorted": "sample_sorted", "logprobs": "token_logprobs"}
+MAX_LOGPROBS = 20       # the most alternatives SamplingParams.logprobs may ask for
+
+
+class DeviceSampler:
+    """Picks tokens from logits that stay on `device`, with the functions of a compiled VM."""
+
+    def __init__(self, vm, device):
+        self.device = device
+        self.buffers = StepBuffers(device)      # the small per-call arrays, in reused device memory
+        try:
+            self.fn = {key: vm[name] for key, name in FUNCTIONS.items()}
+        except AttributeError as e:
+            raise KilnError(f"the compiled library has no sampling functions ({e}); "
+                            "it was built before kiln compiled sampling with the model") from None
+
+    def _put(self, name: str, array: np.ndarray):
+        return self.buffers.put(name, np.ascontiguousarray(array))
+
+    def sample(self, logits, states: Sequence[SamplerState], rows: Sequence[int] | None = None) -> np.ndarray:
+        """One token per state: state i samples from logits row rows[i] (default: row i).
+
+        logits: a tvm.runtime.Tensor f32 [r, vocab] on the device. Returns int64 [len(states)]."""
+        count = len(states)
+        rows = np.arange(count, dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
+        if rows.shape != (count,):
+            raise ValueError(f"{count} sampler states but {rows.shape[0]} rows")
+        if not count:
+            return np.zeros(0, np.int64)
+        vocab = int(logits.shape[1])
+        source, source_rows = logits, rows
+        penalized = self._penalized(logits, rows, states, vocab)
+        if penalized is not None:
+            source, source_rows = penalized, np.arange(count, dtype=np.int32)
+
+        out = np.empty(count, np.int64)
+        greedy = [i for i, st in enumerate(states) if st.params.greedy]
+        if greedy:
+            out[greedy] = self.fn["greedy"](source, self._put("greedy.rows", source_rows[greedy])).numpy()
+        for kind, picked in self._sampled_groups(states, vocab).items():
+            out[picked] = self.fn[kind](source, *self._row_params(kind, source_rows, states, picked, vocab)).numpy()
+        return out
+
+    def _row_params(self, kind: str, rows: np.ndarray, states, picked: list[int], vocab: int) -> list:
+        """The device arguments after the logits for `picked` states: rows, temperature, [top_k,
+        top_p,] min_p and each state's uniform number, drawn from its generator here."""
+        p = [states[i].params for i in picked]
+        args = [rows[picked], np.array([q.temperature for q in p], np.float64)]
+        if kind == "sorted":
+            args += [np.array([q.top_k if 0 < q.top_k < vocab else 0 for q in p], np.int32),
+                     np.array([q.top_p for q in p], np.float64)]
+        args += [np.array([q.min_p for q in p], np.float64),
+                 np.array([states[i].rng.random() for i in picked], np.float64)]
+        return [self._put(f"{kind}.{i}", a) for i, a in enumerate(args)]
+
+    @staticmethod
+    def _sampled_groups(states: Sequence[SamplerState], vocab: int) -> dict[str, list[int]]:
+        """Indices of the non-greedy states, split by whether their filters need a sorted row."""
+        groups: dict[str, list[int]] = {"plain": [], "sorted": []}
+        for i, st in enumerate(states):
+            p = st.params
+            if not p.greedy:
+                groups["sorted" if 0 < p.top_k < vocab or p.top_p < 1.0 else "plain"].append(i)
+        return {kind: picked for kind, picked in groups.items() if picked}
+
+    def _penalized(self, logits, rows: np.ndarray, states: Sequence[SamplerState], vocab: int):
+        """The processed logits f32 [len(states), vocab] on the device, or None when no row has
+        penalty or bias entries (then the draw reads the raw logits)."""
+        parts = [(i, penalty_entries(st, vocab)) for i, st in enumerate(states)]
+        parts = [(i, e) for i, e in parts if len(e[0])]
+        if not parts:
+            return None
+        entry_rows = np.concatenate([np.full(len(e[0]), i, np.int32) for i, e in parts])
+        columns = [np.concatenate([e[c] for _, e in parts]) for c in range(4)]
+        args = [self._put(f"penalties.{i}", a)
+                for i, a in enumerate((rows, entry_rows, columns[0].astype(np.int32), *columns[1:]))]
+        return self.fn["penalties"](logits, *args)
+
+    def top_logprobs(self, logits, rows: Sequence[int], tokens: Sequence[int],
+                     ks: Sequence[int]) -> list[dict[int, float]]:
+        """As runtime/sampler.py `top_logprobs` for each (row, token, k): the log-softmax of raw logits
+        row rows[i] at tokens[i], then its ks[i] (<= 20) best tokens. Ties among them may come in
+        another order than NumPy's lowest-id-first on a GPU."""
+        if not len(rows):
+            return []
+        ids, values, own = self.fn["logprobs"](logits, self._put("logprobs.rows", np.asarray(rows, np.int32)),
+                                               self._put("logprobs.tokens", np.asarray(tokens, np.int32)))
+        ids, values, own = ids.numpy(), values.numpy(), own.numpy()
+        out = []
+        for i, (tok, k) in enumerate(zip(tokens, ks)):
+            row = {int(tok): float(own[i])}
+            for t, lp in zip(ids[i, :k].tolist(), values[i, :k].tolist()):
+                row.setdefault(int(t), float(lp))
+            out.append(row)
+        return out
+
+
+class HostLogits:
+    """A step's logits on the host (a NumPy array): the engine's view when sampling is NumPy's."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def sample(self, rows: list[int], states: Sequence[SamplerState]) -> np.ndarray:
+        return sample(self.array[rows], states)
+
+    def logprobs(self, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
+        return [top_logprobs(self.array[r], t, k) for r, t, k in zip(rows, tokens, ks)]
+
+
+class DeviceLogits:
+    """A step's logits left on the device, sampled there by a DeviceSampler."""
+
+    def __init__(self, tensor, sampler: DeviceSampler):
+        self.tensor, self.sampler = tensor, sampler
+
+    def sample(self, rows: list[int], states: Sequence[SamplerState]) -> np.ndarray:
+        return self.sampler.sample(self.tensor, states, rows)
+
+    def logprobs(self, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
+        return self.sampler.top_logprobs(self.tensor, rows, tokens, ks)

@@ -1,0 +1,59 @@
+"""The engine sampling where the logits are: a CPU artifact built with the compiled sampler (as every
+GPU artifact is) generates what the same model generates with the NumPy sampler, for greedy, seeded,
+penalised and filtered requests together, n > 1, and with logprobs and prompt logprobs."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from reference import random_prompt
+
+
+@pytest.fixture(scope="module")
+def artifacts(make_model, llama_cpu, tmp_path_factory):
+    """(device-sampling artifact, host-sampling artifact) of the same tiny Llama."""
+    from kiln.compiler import compile_model
+    from kiln.targets import target_defaults
+    out = tmp_path_factory.mktemp("device-sampling") / "artifact"
+    compile_model(make_model("llama"), out, target=replace(target_defaults("cpu"), device_sampling=True), show=None)
+    return out, llama_cpu[0]
+
+
+def requests():
+    from kiln.runtime.sampler import SamplingParams
+    base = dict(max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **base),
+              SamplingParams(temperature=0.8, seed=1, **base),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2, **base),
+              SamplingParams(temperature=0.7, min_p=0.1, seed=3, n=2, **base),
+              SamplingParams(temperature=1.0, seed=4, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.4, logit_bias={7: 5.0, 9: -100.0}, **base),
+              SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2, **base),
+              SamplingParams(temperature=0.9, top_p=0.5, seed=5, logprobs=2, **base)]
+    return [random_prompt(5 + 3 * i, 70 + i) for i in range(len(params))], params
+
+
+def test_device_sampling_generates_what_numpy_sampling_does(artifacts):
+    from kiln.runtime.llm import LLM
+    device, host = (LLM(a, kv_memory="8MiB") for a in artifacts)
+    assert device.model.sampler is not None and host.model.sampler is None
+    prompts, params = requests()
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in (device, host))
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for gc, wc in zip(g.outputs, w.outputs):
+            assert (gc.logprobs is None) == (wc.logprobs is None)
+            for gl, wl in zip(gc.logprobs or [], wc.logprobs or []):
+                assert gl.keys() == wl.keys() and all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)
+        assert len(g.prompt_logprobs or []) == len(w.prompt_logprobs or [])
+        for gl, wl in zip(g.prompt_logprobs or [], w.prompt_logprobs or []):
+            if gl is not None:
+                assert gl.keys() == wl.keys() and all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)
+
+
+def test_manifest_says_where_sampling_runs(artifacts):
+    from kiln.artifact import read_manifest
+    device, host = (read_manifest(a, verify=False) for a in artifacts)
+    assert device["sampling"] == "device" and host["sampling"] == "host"
+    assert {"greedy", "inverse_cdf", "penalize"} <= set(device["kernels"])
+    assert not {"greedy", "inverse_cdf", "penalize"} & set(host["kernels"])
