@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
+from tvm.relax.utils import copy_with_new_vars
 
 from kiln.errors import KilnError
 from kiln.ir import Graph
@@ -193,14 +194,15 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
     entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph, target)}
-    if target.graph_batches:
-        entries[GRAPH_ENTRY] = GRAPH_ENTRY
     for step, name in entries.items():
-        ctx = _Context(graph, target, bb, "decode" if step == GRAPH_ENTRY else step, kernels)
+        ctx = _Context(graph, target, bb, step, kernels)
         _emit_entry(ctx, name)
     module = bb.get()
     if target.graph_batches:
-        module[GRAPH_ENTRY] = _graph_attrs(module[GRAPH_ENTRY], max(target.graph_batches))
+        # the decode-step function again (a copy with fresh variables), marked for capture
+        decode = module[entries.get("decode", "forward")]
+        module[GRAPH_ENTRY] = _graph_attrs(copy_with_new_vars(decode), max(target.graph_batches))
+        entries[GRAPH_ENTRY] = GRAPH_ENTRY
     return LoweredModel(module, list(graph.inputs), [w for w, _ in ctx.weights.values()], entries)
 
 
@@ -214,5 +216,5 @@ def _graph_attrs(func: relax.Function, max_batch: int) -> relax.Function:
     planned for the largest bucket. In a decode step tokens, sequences and logit rows are one
     count; `seqs1` is that count plus one."""
     bounds = {"tokens": max_batch, "seqs": max_batch, "rows": max_batch, "seqs1": max_batch + 1}
-    return func.with_attrs({"num_input": 0, "tir_var_upper_bound": bounds,
+    return func.with_attrs({"global_symbol": GRAPH_ENTRY, "num_input": 0, "tir_var_upper_bound": bounds,
                             "relax.rewrite_cuda_graph.capture_symbolic_vars": list(bounds)})

@@ -1,0 +1,120 @@
+"""Build, on this machine, everything a GPU machine needs to test and benchmark kiln's CUDA path.
+
+    python bench/gpu_kit.py [--out build/gpu-kit] [--shapes llama-3.2-1b llama-3.1-8b]
+                            [--modes bfloat16 q8 q4 fp8] [--arch sm_90] [--serve]
+
+The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, and takes
+at most 64 MiB per transfer, so nothing big travels:
+  site/                 TVM's runtime only (the wheel without its 260 MB compiler library, which
+                        TVM then skips: tvm/base.py), tvm-ffi and blake3 built for the device's
+                        Python 3.12, and with --serve the HTTP server's packages; put it first on
+                        PYTHONPATH there
+  bundle/               tests/gpu's tiny model and its CUDA artifacts (tests/gpu/make_bundle.py)
+  <shape>/model/        the shape's config and tokenizer, no weights (kiln.tiny.make_config_only_model)
+  <shape>/<mode>/       its CUDA artifact compiled with --no-weights; `kiln fill-weights` draws seeded
+                        random weights there (bench/decode_gpu.py builds the HF side from model/)
+  run.sh                installs kiln, fills the weights, runs tests/gpu and the benchmarks;
+                        results go to $OUT
+Its size is printed at the end: a device call carries the repository and this folder (`carry`),
+64 MiB in all, so build the shapes in separate kits if one is too big.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+MODES = {"float16": ["--dtype", "float16"], "bfloat16": ["--dtype", "bfloat16"],
+         "q8": ["--dtype", "float16", "--quant", "q8"], "q4": ["--dtype", "float16", "--quant", "q4"],
+         "fp8": ["--dtype", "float16", "--quant", "fp8"]}
+DEVICE_PYTHON = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
+                 *[f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                                               "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+                                               "manylinux2014_x86_64")]]
+RUNTIME_WHEELS = ["apache-tvm==0.27.0.post1", "apache-tvm-ffi==0.1.14.post1", "blake3"]
+SERVE_WHEELS = ["fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annotated-types",
+                "typing-inspection", "h11", "anyio", "sniffio", "prometheus-client"]
+# what the runtime never needs from the wheels: TVM's compiler library, C++ headers and sources
+SKIP = ("tvm/lib/libtvm_compiler.so", "tvm/3rdparty/", "tvm/include/", "tvm_ffi/3rdparty/", "tvm_ffi/include/")
+
+RUN_SH = """#!/bin/bash
+# On the GPU machine, from the repository root:  bash KIT/run.sh KIT
+set -o pipefail
+KIT=${1:?kit folder}
+export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
+for a in $KIT/*/*/manifest.json; do
+  d=$(dirname $a); case $d in */bundle/*) continue;; esac
+  python3 -m kiln.cli fill-weights $d --seed 0 --force || exit 1
+done
+KILN_GPU_BUNDLE=$PWD/$KIT/bundle python3 -m pytest -q tests/gpu 2>&1 | tee $OUT/tests_gpu.log
+python3 bench/decode_gpu.py $(ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/) 2>&1 | tee $OUT/decode_gpu.md
+"""
+
+
+def pip_download(names: list[str], dest: Path) -> list[Path]:
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *DEVICE_PYTHON, "-d", str(dest),
+                    *names], check=True)
+    return sorted(dest.glob("*.whl"))
+
+
+def unpack(wheel: Path, site: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        for member in z.namelist():
+            if not member.startswith(SKIP):
+                z.extract(member, site)
+
+
+def compile_artifact(model: Path, out: Path, arch: str, flags: list[str]) -> None:
+    # each CUDA compile runs in its own process: the CUDA loader must be set up before TVM loads
+    subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(model), "--target", "cuda", "--arch", arch,
+                    *flags, "--no-weights", "-o", str(out), "--force"], check=True)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    from kiln.tiny import PRESETS, make_config_only_model
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("build/gpu-kit"))
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"],
+                    choices=[p for p in PRESETS if p != "tiny"])
+    ap.add_argument("--modes", nargs="+", default=["bfloat16", "q8", "q4", "fp8"], choices=list(MODES))
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--serve", action="store_true", help="add the HTTP server's packages to site/")
+    args = ap.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    site = out / "site"
+    if not (site / "tvm").exists():
+        for wheel in pip_download(RUNTIME_WHEELS + (SERVE_WHEELS if args.serve else []), out / ".wheels"):
+            unpack(wheel, site)
+        shutil.rmtree(out / ".wheels")
+    if not (out / "bundle" / "cuda-q4").exists():
+        subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch],
+                       check=True)
+    for shape in args.shapes:
+        family, overrides = PRESETS[shape]
+        model = out / shape / "model"
+        if not (model / "config.json").exists():
+            shutil.rmtree(model, ignore_errors=True)
+            make_config_only_model(model, family, **overrides)
+        for mode in args.modes:
+            if not (out / shape / mode / "manifest.json").exists():
+                compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
+    (out / "run.sh").write_text(RUN_SH)
+    print(f"{out}: {folder_bytes(out) / 2**20:.1f} MiB")
+    for part in sorted(p for p in out.iterdir() if p.is_dir()):
+        print(f"  {part.name:<14} {folder_bytes(part) / 2**20:7.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
