@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from kiln.errors import KilnError
 from kiln.ir import Graph, GraphBuilder
+from kiln.ir.kv_spec import KVSpec
 
 from .rope import SUPPORTED_ROPE_TYPES
 
@@ -109,7 +110,8 @@ def build_graph(c: LlamaConfig, dtype: str, page_size: int) -> Graph:
     last_page_len = b.input("last_page_len", ("seqs",), "int32")
     slot_mapping = b.input("slot_mapping", ("tokens",), "int32")
     logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
-    kv_pages = [b.input(f"kv_pages{i}", ("pages", 2, HKV, page_size, D), dtype) for i in range(c.num_layers)]
+    kv = KVSpec("full", HKV, D, D, dtype, page_size)
+    kv_pages = [b.kv_cache(i, kv)[0] for i in range(c.num_layers)]
     inv_freq = b.param(ROPE_PARAM, (D // 2,), "float32")
 
     def linear(x, prefix, n_out, n_in, bias):
@@ -142,6 +144,4 @@ def build_graph(c: LlamaConfig, dtype: str, page_size: int) -> Graph:
     last = norm(b.op("take_rows", h, logit_rows), "model.norm.weight")
     head = embed_name if c.tie_word_embeddings else b.param("lm_head.weight", (c.vocab_size, H), dtype)
     logits = b.op("cast", b.op("linear", last, head), dtype="float32", name="logits")
-    graph = b.output(logits)
-    graph.meta.update(page_size=page_size, num_layers=c.num_layers, num_kv_heads=HKV, head_dim=D, dtype=dtype)
-    return graph
+    return b.output(logits)

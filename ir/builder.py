@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .graph import Graph, Node, Param
+from .kv_spec import KVSpec, pages_name, scales_name
 from .ops import OPS
 from .types import IRError, TensorType
 
@@ -29,6 +30,16 @@ class GraphBuilder:
         ty = TensorType(tuple(shape), dtype)
         self.graph.params[name] = Param(name, ty)
         return self._declare(name, ty)
+
+    def kv_cache(self, layer: int, spec: KVSpec) -> tuple[str, str | None]:
+        """Declare layer `layer`'s KV cache: record its spec and add the inputs that hold it; return
+        the pages' name and the scales' (None for an unquantised cache)."""
+        if layer in self.graph.kv_specs:
+            raise IRError(f"layer {layer}'s KV cache is declared twice")
+        self.graph.kv_specs[layer] = spec
+        for name, ty in spec.input_types(layer).items():
+            self.input(name, ty.shape, ty.dtype)
+        return pages_name(layer), (scales_name(layer) if spec.scales == "row" else None)
 
     def type_of(self, name: str) -> TensorType:
         return self._types[name]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .kv_spec import KVSpec
 from .types import TensorType
 
 
@@ -36,7 +37,8 @@ class Graph:
     params: dict[str, Param] = field(default_factory=dict)
     nodes: list[Node] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)   # free-form facts for later stages (e.g. page size)
+    kv_specs: dict[int, KVSpec] = field(default_factory=dict)   # layer -> how its KV cache is stored
+    meta: dict = field(default_factory=dict)   # free-form facts for later stages
 
     def value_types(self) -> dict[str, TensorType]:
         types = dict(self.inputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from .graph import Graph, Node, Param
+from .kv_spec import KVSpec
 from .types import TensorType
 
 
@@ -16,6 +17,7 @@ def graph_to_json(graph: Graph) -> str:
         "nodes": [{"op": n.op, "inputs": n.inputs, "attrs": n.attrs, "output": n.output,
                    "type": n.type.to_json()} for n in graph.nodes],
         "outputs": graph.outputs,
+        "kv_specs": {str(layer): spec.to_json() for layer, spec in graph.kv_specs.items()},
         "meta": graph.meta,
     }, indent=1)
 
@@ -33,5 +35,6 @@ def graph_from_json(text: str) -> Graph:
         nodes=[Node(n["op"], n["inputs"], _tuplify(n["attrs"]), n["output"], TensorType.from_json(n["type"]))
                for n in d["nodes"]],
         outputs=d["outputs"],
+        kv_specs={int(layer): KVSpec.from_json(spec) for layer, spec in d.get("kv_specs", {}).items()},
         meta=d.get("meta", {}),
     )

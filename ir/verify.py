@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .graph import Graph
+from .kv_spec import pages_name, scales_name
 from .ops import OPS
 from .types import IRError
 
@@ -30,9 +31,29 @@ def verify(graph: Graph) -> Graph:
         if node.output in defined:
             raise IRError(f"{where}: %{node.output} is defined twice")
         defined[node.output] = node.type
+    _verify_kv_caches(graph)
     for out in graph.outputs:
         if out not in defined:
             raise IRError(f"output %{out} is not defined")
     if not graph.outputs:
         raise IRError(f"graph {graph.name} has no outputs")
     return graph
+
+
+def _verify_kv_caches(graph: Graph) -> None:
+    """Each attention node reads its layer's declared cache, typed as that layer's KVSpec says."""
+    from .ops import ATTENTION_OPS
+    for node in graph.nodes:
+        if node.op not in ATTENTION_OPS:
+            continue
+        layer = node.attrs["layer"]
+        where = f"%{node.output} = {node.op} {{layer={layer}}}"
+        spec = graph.kv_specs.get(layer)
+        if spec is None:
+            raise IRError(f"{where}: layer {layer} has no KV spec (declare its cache with GraphBuilder.kv_cache)")
+        cache = [pages_name(layer)] + ([scales_name(layer)] if spec.scales == "row" else [])
+        if [node.inputs[3], *node.inputs[9:10]] != cache:
+            raise IRError(f"{where}: reads KV inputs {[node.inputs[3], *node.inputs[9:10]]}, its layer's cache is {cache}")
+        for name, ty in spec.input_types(layer).items():
+            if graph.inputs.get(name) != ty:
+                raise IRError(f"{where}: input %{name} is {graph.inputs.get(name)}, layer {layer}'s KV spec says {ty}")

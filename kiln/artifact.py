@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from kiln import __version__
 from kiln.errors import KilnError
 
-INTERFACE_VERSION = 1
+INTERFACE_VERSION = 2       # 2: the manifest's kv lists a KVSpec per layer
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

@@ -13,7 +13,6 @@ from typing import Callable
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
 from kiln.errors import KilnError
 from kiln.ir.ops import ATTENTION_OPS
-from kiln.ir.quant import KV_SCHEMES
 
 
 class Phases:
@@ -63,13 +62,13 @@ def _embedding_storage(graph) -> tuple[str, bool]:
     return (embed.op.removeprefix("embed_") if embed.op != "embed" else "none"), shared
 
 
-def _attention_kernels(graph, target) -> dict[str, list[str]]:
-    """Step kind -> the attention kernels its steps run (over all layers)."""
+def _attention_layers(graph, target) -> list[dict]:
+    """Per layer: the kernel variant and the attention kernel of each step kind."""
     from kiln.codegen.attention import step_kernel
     types = graph.value_types()
-    nodes = [n for n in graph.nodes if n.op in ATTENTION_OPS]
-    return {step: sorted({step_kernel(target, n, types[n.inputs[3]].dtype, step) for n in nodes})
-            for step in ("mixed", "decode")}
+    return [{"layer": n.attrs["layer"], "variant": n.attrs["variant"],
+             **{step: step_kernel(target, n, types[n.inputs[3]].dtype, step) for step in ("mixed", "decode")}}
+            for n in graph.nodes if n.op in ATTENTION_OPS]
 
 
 def _launch_counts(launches: dict) -> dict:
@@ -142,7 +141,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
 
     c = model.config
     embedding, embedding_shared = _embedding_storage(graph)
-    kv_storage = KV_SCHEMES[kv_dtype].storage_dtype if kv_dtype else dtype
+    attention = _attention_layers(graph, tgt)
     return write_manifest(out_dir, digests={WEIGHTS: weights_digest} if weights else {}, manifest={
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
@@ -151,8 +150,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": embedding,
                          "embedding_shared_with_lm_head": embedding_shared,
                          "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {})},
-        "kv": {"page_size": tgt.page_size, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
-               "head_dim": c.head_dim, "dtype": kv_storage, "row_scales": kv_storage != dtype},
+        "kv": {"page_size": tgt.page_size, "layers": [graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs))]},
         "vocab_size": c.vocab_size,
         "max_context": c.max_position_embeddings,
         "library": tgt.library_name,
@@ -164,7 +162,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "weights_source": "checkpoint" if weights else "absent",
         "kernels": kernels,
         "attention_variants": sorted({n.attrs["variant"] for n in graph.nodes if n.op in ATTENTION_OPS}),
-        "attention_kernels": _attention_kernels(graph, tgt),
+        "attention_kernels": {step: sorted({layer[step] for layer in attention}) for step in ("mixed", "decode")},
+        "attention_layers": attention,
         "graph_batches": list(tgt.graph_batches),
         "sampling": "device" if tgt.device_sampling else "host",
         "launches_per_step": _launch_counts(launches),

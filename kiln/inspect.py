@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kiln.artifact import read_manifest, verify_files
+from kiln.ir.kv_spec import KVSpec
 
 
 def _attention_kernels(m: dict) -> str:
@@ -10,6 +11,25 @@ def _attention_kernels(m: dict) -> str:
     if not kernels:
         return "kernels not recorded"
     return "; ".join(f"{step} steps: {', '.join(names)}" for step, names in kernels.items())
+
+
+def _kv_layers(m: dict) -> list[str]:
+    """Each run of layers with the same KV spec and attention kernels, one line per run."""
+    kernels = m["attention_layers"]
+    rows = [(KVSpec.from_json(spec), (k["variant"], k["mixed"], k["decode"]))
+            for spec, k in zip(m["kv"]["layers"], kernels)]
+    runs: list[list] = []
+    for layer, row in enumerate(rows):
+        if runs and runs[-1][2] == row:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, row])
+    lines = []
+    for first, last, (spec, (variant, mixed, decode)) in runs:
+        which = f"layer {first}" if first == last else f"layers {first}-{last}"
+        lines.append(f"  {which:<13} {spec.describe()}; {variant}, kernel {mixed}"
+                     + (f" (decode steps: {decode})" if decode != mixed else ""))
+    return lines
 
 
 def _entry_launches(m: dict) -> str:
@@ -57,9 +77,11 @@ def summary(artifact_dir) -> str:
         f"quant      weights {m['quantization']['weights']}"
         + (f" group {m['quantization']['group_size']}" if "group_size" in m["quantization"] else "") + " (LM head "
         f"{'quantised' if m['quantization']['lm_head'] else 'kept'}, {_embedding(m['quantization'])}), KV cache "
-        f"{m['quantization']['kv_cache']}" + (f" ({m['kv']['dtype']} rows, a float32 scale per row)"
-                                               if m["kv"].get("row_scales") else ""),
+        f"{m['quantization']['kv_cache']}",
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
+        f"kv cache   {sum(KVSpec.from_json(s).bytes_per_token for s in m['kv']['layers'])} bytes per token over "
+        f"{len(m['kv']['layers'])} layers, one page pool:",
+        *_kv_layers(m),
         f"weights    {len(m['weights'])} tensors, {_weights_origin(m)}",
         f"attention  paged, page size {m['kv']['page_size']}, kernel variant {', '.join(m['attention_variants'])}; "
         + _attention_kernels(m),

@@ -9,14 +9,16 @@ Rewrite (mode int8; fp8 is the same with f8e4m3 pages; paged_attention_fused ali
 The attention op quantises each new row (one token, one KV head, k or v) as it writes it and
 dequantises rows as it reads them (ir/ops.py paged_attention): the pages take 1 byte per value
 plus 4 bytes per row instead of 2 or 4 bytes per value.
-Requires: the pages are a graph input read by that one attention node.
+The layer's KVSpec records the change (storage dtype, row scales); its inputs are retyped from it.
+Requires: the pages are the layer's declared cache, read by that one attention node.
 Leaves: q, k, v and the attention output keep their types.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.ir import Graph, TensorType
+from kiln.ir import Graph
+from kiln.ir.kv_spec import pages_name, scales_name
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.quant import KV_SCHEMES
 
@@ -38,12 +40,11 @@ class QuantizeKV:
         for node in graph.nodes:
             if node.op not in ATTENTION_OPS or len(node.inputs) > 9:
                 continue
-            pages = node.inputs[3]
-            if pages not in graph.inputs or len(readers[pages]) != 1:
+            layer = node.attrs["layer"]
+            pages, spec = node.inputs[3], graph.kv_specs.get(layer)
+            if spec is None or pages != pages_name(layer) or len(readers[pages]) != 1:
                 continue
-            ty = graph.inputs[pages]
-            scales = pages.replace("kv_pages", "kv_scales") if "kv_pages" in pages else f"{pages}_scales"
-            graph.inputs[pages] = TensorType(ty.shape, storage)
-            graph.inputs[scales] = TensorType(ty.shape[:4], "float32")
-            node.inputs = node.inputs + [scales]
+            graph.kv_specs[layer] = spec = spec.quantized(storage)
+            graph.inputs.update(spec.input_types(layer))
+            node.inputs = node.inputs + [scales_name(layer)]
         return graph

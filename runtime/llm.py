@@ -64,9 +64,9 @@ class LLM:
 
     def describe_kv(self) -> str:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20
-        kv = self.model.kv
+        dtypes = "/".join(sorted({spec.dtype for spec in self.model.kv_specs}))
         return (f"KV cache: {self.engine.pool.num_pages} pages of {self.model.page_size} tokens "
-                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {kv['dtype']}; {self.kv_how})")
+                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {dtypes}; {self.kv_how})")
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -23,6 +23,7 @@ import numpy as np
 
 from kiln.artifact import WEIGHTS, read_manifest, start_verify
 from kiln.errors import KilnError
+from kiln.ir.kv_spec import KVSpec
 
 from .device_sampler import DeviceSampler
 from .step import graph_step_capacities, pad_decode_step
@@ -90,8 +91,9 @@ class CompiledModel:
         if not self.device.exist:
             raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "
                             f"but this machine has no {device} device")
-        self.kv = m["kv"]
-        self.page_size = self.kv["page_size"]
+        # one page pool for every layer: page p is page p of each layer's tensor (ir/kv_spec.py)
+        self.kv_specs = [KVSpec.from_json(layer) for layer in m["kv"]["layers"]]
+        self.page_size = m["kv"]["page_size"]
         self.vocab_size = m["vocab_size"]
         self.max_context = m["max_context"]
         lib = tvm.runtime.load_module(str(self.dir / m["library"]))
@@ -107,7 +109,7 @@ class CompiledModel:
         self.graph_buffers: StepBuffers | None = None      # fixed addresses, made by allocate_kv
         self.weights = self._load_weights()
         verified()
-        self.kv_tensors: dict = {}         # kv_pages{i} (and kv_scales{i} for a quantised cache)
+        self.kv_tensors: dict = {}         # each layer's KV inputs (ir/kv_spec.py), made by allocate_kv
         self.input_names = m["inputs"]
 
     def _load_weights(self) -> list:
@@ -145,13 +147,13 @@ class CompiledModel:
         return self.manifest["target"]["device"] == "cpu"
 
     @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers, each as its spec stores it."""
+        return sum(spec.bytes_per_token for spec in self.kv_specs)
+
+    @property
     def bytes_per_page(self) -> int:
-        """KV bytes of one page over all layers: the rows, plus a float32 scale per row when quantised."""
-        import tvm
-        kv = self.kv
-        rows = kv["num_layers"] * 2 * kv["num_kv_heads"] * self.page_size
-        row_bytes = kv["head_dim"] * tvm.runtime.DataType(kv["dtype"]).bits // 8
-        return rows * (row_bytes + (4 if kv.get("row_scales") else 0))
+        return self.bytes_per_token * self.page_size
 
     def allocate_kv(self, kv_memory_bytes: int) -> int:
         """Allocate the KV page tensors (one per layer) within the budget; return the page count."""
@@ -163,15 +165,14 @@ class CompiledModel:
         if num_pages < 1:
             raise KilnError(f"KV memory budget {kv_memory_bytes} bytes is below one page "
                             f"({self.bytes_per_page} bytes)")
-        kv = self.kv
         # graph steps pad their batch with sequences that write and read one scratch page past the pool's
         self.scratch_page = num_pages if self.graph_batches else None
-        shape = (num_pages + bool(self.graph_batches), 2, kv["num_kv_heads"], self.page_size, kv["head_dim"])
+        tensor_pages = num_pages + bool(self.graph_batches)
         self.kv_tensors = {}
-        for i in range(kv["num_layers"]):
-            self.kv_tensors[f"kv_pages{i}"] = tvm.runtime.empty(shape, kv["dtype"], self.device)
-            if kv.get("row_scales"):
-                self.kv_tensors[f"kv_scales{i}"] = tvm.runtime.empty(shape[:4], "float32", self.device)
+        for layer, spec in enumerate(self.kv_specs):
+            for name, ty in spec.input_types(layer).items():
+                shape = tuple(tensor_pages if d == "pages" else d for d in ty.shape)
+                self.kv_tensors[name] = tvm.runtime.empty(shape, ty.dtype, self.device)
         if self.graph_batches:
             self.graph_buffers = StepBuffers(self.device, graph_step_capacities(
                 max(self.graph_batches), -(-self.max_context // self.page_size)), fixed=True)

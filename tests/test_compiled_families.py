@@ -60,7 +60,7 @@ def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, tmp_pat
     graph, _ = run_pipeline(hf_model.build_graph("bfloat16", model.page_size), "cpu")
     c = hf_model.config
     kv = make_kv_pages(c.num_layers, 6, c.num_kv_heads, model.page_size, c.head_dim,
-                       dtype=numpy_dtype(model.kv["dtype"]))
+                       dtype=numpy_dtype(model.kv_specs[0].dtype))
     want = interpret(graph, {**make_step_inputs([(ids, 0, [2, 5])], model.page_size), **kv},
                      weight_loader(graph, lambda name: hf_model.weight(name, "bfloat16")))["logits"][0]
     want = want.astype(np.float32)

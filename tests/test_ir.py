@@ -12,6 +12,7 @@ import pytest
 from kiln.frontend import llama
 from kiln.ir import (OPS, GraphBuilder, IRError, TensorType, graph_from_json, graph_to_json, interpret,
                      print_graph, verify)
+from kiln.ir.kv_spec import KVSpec
 from paging import make_kv_pages, make_step_inputs
 
 H, V = 8, 11   # hidden size and vocab of the hand-built graphs
@@ -277,7 +278,7 @@ def _attention_graph(hq, hkv, d, page_size):
     q = b.input("q", ("tokens", hq, d), "float32")
     k = b.input("k", ("tokens", hkv, d), "float32")
     v = b.input("v", ("tokens", hkv, d), "float32")
-    pages = b.input("kv_pages0", ("pages", 2, hkv, page_size, d), "float32")
+    pages, _ = b.kv_cache(0, KVSpec("full", hkv, d, d, "float32", page_size))
     idx = [b.input(n, (dim,), "int32") for n, dim in (("slot_mapping", "tokens"), ("q_indptr", "seqs1"),
                                                      ("page_indptr", "seqs1"), ("page_values", "nnz"),
                                                      ("last_page_len", "seqs"))]

@@ -7,6 +7,7 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
+from kiln.ir.kv_spec import KVSpec
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
 from kiln.passes.fuse_residual_add import fuse_residual_add
@@ -286,9 +287,10 @@ def attention_graph(q_heads, kv_heads, variant="auto", pages_dtype="float32", **
     q = b.input("q", ("tokens", q_heads, 4), "float32")
     k = b.input("k", ("tokens", kv_heads, 4), "float32")
     v = b.input("v", ("tokens", kv_heads, 4), "float32")
-    pages = b.input("pages", ("pages", 2, kv_heads, 4, 4), pages_dtype)
+    quantized = pages_dtype != "float32"
+    pages, scales = b.kv_cache(0, KVSpec("full", kv_heads, 4, 4, pages_dtype, 4, scales="row" if quantized else "none"))
     index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
-    scales = [b.input("scales", ("pages", 2, kv_heads, 4), "float32")] if pages_dtype != "float32" else []
+    scales = [scales] if quantized else []
     return verify(b.output(b.op("paged_attention", q, k, v, pages, *index, *scales, layer=0, scale=0.5,
                                 variant=variant, name="o", **chosen)))
 
@@ -303,7 +305,7 @@ def specialize_for(target_name):
                                             ("cuda", ("tvm_prefill", "tvm_decode"))])
 def test_specialize_attention_rewrite(heads, variant, target, kernels):
     after = specialize_for(target)(attention_graph(*heads))
-    assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %pages, %slots, %qi, %pi, %pv, %lpl) "
+    assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
                            f"{{layer=0, scale=0.5, variant='{variant}', kernel='{kernels[0]}', "
                            f"decode_kernel='{kernels[1]}'}} : f32[tokens, {heads[0]}, 4]"]
 
@@ -367,8 +369,9 @@ def test_quantize_kv_rewrite(mode, short):
     from kiln.passes.quantize_kv import QuantizeKV
     after = QuantizeKV(mode)(attention_graph(8, 2))
     text = print_graph(after)
-    assert f"%pages: {short}[pages, 2, 2, 4, 4]" in text and "%pages_scales: f32[pages, 2, 2, 4]" in text
-    assert body(after) == ["  %o = paged_attention(%q, %k, %v, %pages, %slots, %qi, %pi, %pv, %lpl, %pages_scales) "
+    assert f"%kv_pages0: {short}[pages, 2, 2, 4, 4]" in text and "%kv_scales0: f32[pages, 2, 2, 4]" in text
+    assert after.kv_specs[0] == KVSpec("full", 2, 4, 4, {"int8": "int8", "fp8": "float8_e4m3fn"}[mode], 4, scales="row")
+    assert body(after) == ["  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl, %kv_scales0) "
                            "{layer=0, scale=0.5, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
 
 
@@ -389,10 +392,10 @@ def test_quantize_kv_is_exact_on_representable_rows(mode, peak):
         grid[..., 0] = peak
         kv.append(grid / 64)                     # scale 1/64: exact in float32
     inputs = attention_inputs(kv=kv)
-    want = interpret(before, {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
+    want = interpret(before, {**inputs, "kv_pages0": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
     storage = np.int8 if mode == "int8" else ml_dtypes.float8_e4m3fn
     pages, scales = np.zeros((3, 2, 2, 4, 4), storage), np.zeros((3, 2, 2, 4), np.float32)
-    got = interpret(after, {**inputs, "pages": pages, "pages_scales": scales}, lambda n: None)["o"]
+    got = interpret(after, {**inputs, "kv_pages0": pages, "kv_scales0": scales}, lambda n: None)["o"]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(pages[1, 0, :, 0].astype(np.float32), kv[0][0] * 64)   # slot 4: page 1, row 0
     np.testing.assert_array_equal(scales[1, :, :, 0], np.full((2, 2), 1 / 64, np.float32))
@@ -402,24 +405,19 @@ def test_quantize_kv_error_is_small_on_random_rows():
     from kiln.passes.quantize_kv import QuantizeKV
     before = attention_graph(8, 2)
     inputs = attention_inputs()
-    want = interpret(before, {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
-    got = interpret(QuantizeKV("int8")(before), {**inputs, "pages": np.zeros((3, 2, 2, 4, 4), np.int8),
-                                                "pages_scales": np.zeros((3, 2, 2, 4), np.float32)},
+    want = interpret(before, {**inputs, "kv_pages0": np.zeros((3, 2, 2, 4, 4), np.float32)}, lambda n: None)["o"]
+    got = interpret(QuantizeKV("int8")(before), {**inputs, "kv_pages0": np.zeros((3, 2, 2, 4, 4), np.int8),
+                                                "kv_scales0": np.zeros((3, 2, 2, 4), np.float32)},
                   lambda n: None)["o"]
     assert 0 < np.abs(got - want).max() < 0.02 * np.abs(want).max()
 
 
-def test_quantize_kv_near_miss_leaves_quantised_or_internal_pages():
+def test_quantize_kv_near_miss_leaves_a_quantised_cache():
     from kiln.passes.quantize_kv import QuantizeKV
     once = QuantizeKV("int8")(attention_graph(8, 2))
-    assert print_graph(QuantizeKV("int8")(once)) == print_graph(once)     # already quantised: left alone
-    b = GraphBuilder("attn")                                             # pages computed inside the graph
-    q = b.input("q", ("tokens", 2, 4), "float32")
-    pages = b.op("mul", b.input("p", ("pages", 2, 1, 4, 4), "float32"), b.input("s", ("pages", 2, 1, 4, 4), "float32"))
-    index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
-    k = b.input("k", ("tokens", 1, 4), "float32")
-    graph = verify(b.output(b.op("paged_attention", q, k, k, pages, *index, layer=0, scale=0.5, name="o")))
-    assert print_graph(QuantizeKV("int8")(graph)) == print_graph(graph)
+    assert once.kv_specs[0] == KVSpec("full", 2, 4, 4, "int8", 4, scales="row")
+    twice = QuantizeKV("fp8")(once)                                      # already quantised: left alone
+    assert print_graph(twice) == print_graph(once) and twice.kv_specs == once.kv_specs
 
 
 # ---------------------------------------------------------------------------- fuse_rope_attention
@@ -435,7 +433,7 @@ def rope_attention_graph(k_positions_differ=False, v_begin=12):
     k = b.op("reshape", b.op("rope", b.op("slice", qkv, begin=8, end=12), pos2 if k_positions_differ else pos, inv,
                              head_dim=4), shape=("tokens", 1, 4))
     v = b.op("reshape", b.op("slice", qkv, begin=v_begin, end=v_begin + 4), shape=("tokens", 1, 4))
-    pages = b.input("pages", ("pages", 2, 1, 4, 4), "float32")
+    pages, _ = b.kv_cache(0, KVSpec("full", 1, 4, 4, "float32", 4))
     index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
     return verify(b.output(b.op("paged_attention", q, k, v, pages, *index, layer=0, scale=0.5, name="o")))
 
@@ -444,7 +442,7 @@ def test_fuse_rope_attention_rewrite():
     from kiln.passes.fuse_rope_attention import fuse_rope_attention
     assert body(fuse_rope_attention(rope_attention_graph())) == [
         "  @rope.inv_freq: f32[2]",
-        "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %pages, %slots, %qi, %pi, %pv, %lpl) "
+        "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
         "{layer=0, scale=0.5, variant='auto', kernel='auto', decode_kernel='auto', q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
 
 
@@ -459,7 +457,7 @@ def test_fuse_rope_attention_keeps_outputs():
     outs, pages = [], []
     for graph in (before, fuse_rope_attention(before)):
         pages.append(np.zeros((3, 2, 1, 4, 4), np.float32))
-        outs.append(interpret(graph, {**inputs, "pages": pages[-1]}, inv.__getitem__)["o"])
+        outs.append(interpret(graph, {**inputs, "kv_pages0": pages[-1]}, inv.__getitem__)["o"])
     # two independent references (rope + paged_attention, and paged_attention_fused's own walk):
     # the same rotated keys are written exactly; attention agrees to float32 rounding
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)

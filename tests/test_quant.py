@@ -100,7 +100,8 @@ def test_fp8_quantisation_error_is_small(fp8):
 def test_kv_quant_artifact_stores_quantised_pages(kv_quant):
     _, manifest, model = kv_quant
     kv = manifest["quantization"]["kv_cache"]
-    assert manifest["kv"]["dtype"] == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv] and manifest["kv"]["row_scales"]
+    storage = {"int8": "int8", "fp8": "float8_e4m3fn"}[kv]
+    assert all(layer["dtype"] == storage and layer["scales"] == "row" for layer in manifest["kv"]["layers"])
     assert f"kv_append_{kv}_rope" in manifest["kernels"] and f"paged_attention_{kv}_rope" in manifest["kernels"]
     c = manifest["model"]["config"]
     # a row of head_dim one-byte values plus its float32 scale, for k and v of every layer and KV head
