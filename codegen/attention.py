@@ -20,18 +20,18 @@ from .cpu_attention import cpu_paged_attention
 from .kv_append import cpu_kv_append
 
 
-def step_kernel(target, node, kv_dtype: str, step: str) -> str:
+def step_kernel(target, graph, node, step: str) -> str:
     """The kernel specialize_attention recorded for `step` (chosen here if the pass did not run)."""
     recorded = node.attrs["decode_kernel" if step == "decode" else "kernel"]
-    return recorded if recorded != "auto" else choose_kernel(target, node.op, kv_dtype, step)
+    return recorded if recorded != "auto" else choose_kernel(target, node.op, graph.kv_specs[node.attrs["layer"]], step)
 
 
-def kernel_of(ctx, node, kv_dtype: str) -> str:
-    return step_kernel(ctx.target, node, kv_dtype, ctx.step)
+def kernel_of(ctx, node) -> str:
+    return step_kernel(ctx.target, ctx.graph, node, ctx.step)
 
 
 def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
-                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope):
+                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window):
     """kiln's CPU kernels over a fused qkv: append K/V (rope on k when `rope`), then attend."""
     tokens, page_size, kv_dtype = qkv.ty.shape[0], int(pages.ty.shape[3]), pages.ty.dtype
     scheme = kv_scheme_for(kv_dtype)
@@ -47,8 +47,10 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
                                                      [0, 1], [pages.ty, kv_scales.ty]))
         pages = ctx.bb.emit(relax.TupleGetItem(written, 0))
         scales = [ctx.bb.emit(relax.TupleGetItem(written, 1))]
-    attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, kv_dtype, rope),
-                          f"paged_attention{suffix}{'_rope' if rope else ''}", scheduled=True)
+    attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, kv_dtype, rope,
+                                              window),
+                          f"paged_attention{suffix}{'_rope' if rope else ''}{f'_window{window}' if window else ''}",
+                          scheduled=True)
     return ctx.bb.emit(relax.call_tir(
         attn, [qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, *scales],
         relax.TensorType((tokens, q_heads, head_dim), dtype)))
@@ -56,14 +58,14 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
 
 def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
                                last_page_len, kv_scales=None):
-    kernel = kernel_of(ctx, node, pages.ty.dtype)
+    kernel = kernel_of(ctx, node)
     if kernel != "kiln_cpu":
         raise KilnError(f"attention kernel {kernel} has no fused rope + attention form "
                         f"(disable the fuse_rope_attention pass)")
     a = node.attrs
     return _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
                                last_page_len, kv_scales, a["q_heads"], a["kv_heads"], a["head_dim"],
-                               node.type.dtype, a["scale"], rope=True)
+                               node.type.dtype, a["scale"], rope=True, window=a["window"])
 
 
 def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
@@ -71,7 +73,7 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
     tokens, q_heads, head_dim = (q.ty.shape[0], int(q.ty.shape[1]), int(q.ty.shape[2]))
     kv_heads, page_size = int(k.ty.shape[1]), int(pages.ty.shape[3])
     dtype, scale = node.type.dtype, node.attrs["scale"]
-    kernel = kernel_of(ctx, node, pages.ty.dtype)
+    kernel = kernel_of(ctx, node)
     if kernel == "kiln_cpu":
         # kiln's kernels read one fused qkv: join the three (only graphs without fuse_qkv get here).
         flat = [ctx.bb.emit(relax.op.reshape(t, (tokens, int(t.ty.shape[1]) * head_dim))) for t in (q, k, v)]
@@ -79,10 +81,12 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
         no_positions = relax.const(np.zeros(1, np.int32))
         no_freq = relax.const(np.zeros(head_dim // 2, np.float32))
         return _kiln_cpu_attention(ctx, qkv, no_positions, no_freq, pages, slots, q_indptr, page_indptr, page_values,
-                                   last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=False)
-    if not KERNELS[kernel].supports(node.op, pages.ty.dtype, ctx.target.device, ctx.step):
+                                   last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=False,
+                                   window=node.attrs["window"])
+    spec = ctx.graph.kv_specs[node.attrs["layer"]]
+    if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step):
         raise KilnError(f"attention kernel {kernel} cannot run layer {node.attrs['layer']} "
-                        f"({pages.ty.dtype} pages, {ctx.step} steps) on {ctx.target.name}")
+                        f"({spec.describe()}, {ctx.step} steps) on {ctx.target.name}")
     append = ctx.add_kernel(tvm_kernels.kv_append(kv_heads, head_dim, dtype, page_size), "kv_append")
     pages = ctx.bb.emit(relax.call_tir_inplace(append, [pages, k, v, slots], [0], pages.ty))
     out_ty = [relax.TensorType((tokens, q_heads, head_dim), dtype), relax.TensorType((tokens, q_heads), "float32")]

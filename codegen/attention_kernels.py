@@ -5,8 +5,10 @@ A target lists, per step kind, the kernels it prefers (`Target.attention_kernels
 (codegen/attention.py) emits the recorded one. Step kinds: "mixed" (any step: prefill chunks,
 possibly with decode tokens) and "decode" (one new token per sequence); the compiler gives each
 step kind whose kernels differ its own entry function.
-  kiln_cpu      kiln's own CPU kernels: fused qkv, rope inside, int8/float8 pages. Any step.
-  tvm_prefill   TVM's paged prefill kernel. Any step.
+  kiln_cpu      kiln's own CPU kernels: fused qkv, rope inside, int8/float8 pages, sliding
+                windows. Any step.
+  tvm_prefill   TVM's paged prefill kernel. Any step. Full attention only: its window mode
+                drops whole leading rows for every query of a sequence alike, not per query.
   tvm_decode    TVM's paged decode kernel: one query per sequence; on GPUs a block serves the q
                 heads of one KV head, so a GQA group reads each K/V page once.
 No TVM import here: targets read this table before TVM is loaded.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
-from kiln.ir.quant import kv_scheme_for
+from kiln.ir.kv_spec import KVSpec
 
 STEP_KINDS = ("mixed", "decode")
 
@@ -28,25 +30,27 @@ class AttentionKernel:
     devices: tuple[str, ...]           # runtime devices it is built for
     quantized_kv: bool                 # reads int8/float8 pages
     fused_qkv: bool                    # runs paged_attention_fused (rope inside)
+    windows: bool                      # runs sliding-window layers
 
-    def supports(self, op: str, kv_dtype: str, device: str, step: str) -> bool:
+    def supports(self, op: str, spec: KVSpec, device: str, step: str) -> bool:
         return (step in self.steps and device in self.devices and (op == "paged_attention" or self.fused_qkv)
-                and (self.quantized_kv or kv_scheme_for(kv_dtype) is None))
+                and (self.quantized_kv or spec.scales == "none") and (self.windows or spec.kind == "full"))
 
 
 _GPUS = ("cuda", "rocm", "metal")
 KERNELS = {k.name: k for k in (
-    AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True),
-    AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False),
-    AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False),
+    AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True),
+    AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
+    AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
 )}
 
 
-def choose_kernel(target, op: str, kv_dtype: str, step: str) -> str:
-    """The first of the target's kernels for `step` that runs this attention op on these pages."""
+def choose_kernel(target, op: str, spec: KVSpec, step: str) -> str:
+    """The first of the target's kernels for `step` that runs this attention op on a layer whose
+    cache is `spec`."""
     wanted = target.attention_kernels[step]
     for name in wanted:
-        if KERNELS[name].supports(op, kv_dtype, target.device, step):
+        if KERNELS[name].supports(op, spec, target.device, step):
             return name
-    raise KilnError(f"target {target.name} has no attention kernel for {op} over {kv_dtype} pages in "
-                    f"{step} steps (its kernels: {', '.join(wanted)})")
+    raise KilnError(f"target {target.name} has no attention kernel for {op} over a KV cache of "
+                    f"{spec.describe()} in {step} steps (its kernels: {', '.join(wanted)})")

@@ -3,7 +3,7 @@
 One task per (sequence, KV head) serves the whole group of query heads that share that KV head,
 so each K/V row is read from the pages once per group (GQA) rather than once per query head; with
 group 1 it is plain MHA, with one KV head MQA. Each query walks only its own sequence's keys (cost
-O(context)), with an online softmax in float32.
+O(context), or O(window) for a layer with a sliding window), with an online softmax in float32.
 Queries are read from the fused projection qkv [T, (Hq + 2 Hkv) D] (q at column 0), rotated as
 they are read when `rope` is set (codegen/rope_load.py).
 Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
@@ -23,7 +23,7 @@ from .rope_load import load_head_element
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
-                        kv_dtype: str | None = None, rope: bool = False):
+                        kv_dtype: str | None = None, rope: bool = False, window: int = 0):
     group = q_heads // kv_heads
     width = (q_heads + 2 * kv_heads) * head_dim
     lowest = -3.0e38
@@ -32,6 +32,9 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
 
     def row_scale(scales, page, kind, kvh, row):      # evaluated while parsing: no scales, no multiply
         return T.float32(1) if scales is None else scales[page, kind, kvh, row]
+
+    def first_key(seen):               # evaluated while parsing: a window sees the last `window` keys
+        return T.max(seen - window, 0) if window else 0
 
     @T.macro
     def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
@@ -64,7 +67,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                     for g in range(group):
                         state[g, 0] = T.float32(lowest)
                         state[g, 1] = T.float32(0)
-                    for j in range(kv_len - n_q + i + 1):           # causal: keys up to this query's position
+                    seen = kv_len - n_q + i + 1                      # causal: keys up to this query's position
+                    for j in T.serial(first_key(seen), seen):
                         page = page_values[p_start + j // page_size]
                         row = j % page_size
                         for d in range(head_dim):                    # read the K/V row once for the group

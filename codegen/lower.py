@@ -162,9 +162,7 @@ def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
 def entry_steps(graph: Graph, target) -> list[str]:
     """Step kinds that get their own function: "mixed" always; "decode" where a layer's decode kernel
     is not its mixed-step kernel."""
-    types = graph.value_types()
-    kernels = [(step_kernel(target, n, types[n.inputs[3]].dtype, "mixed"),
-                step_kernel(target, n, types[n.inputs[3]].dtype, "decode"))
+    kernels = [(step_kernel(target, graph, n, "mixed"), step_kernel(target, graph, n, "decode"))
                for n in graph.nodes if n.op in ATTENTION_OPS]
     return ["mixed"] + (["decode"] if any(mixed != decode for mixed, decode in kernels) else [])
 

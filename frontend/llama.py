@@ -34,6 +34,8 @@ class LlamaConfig:
     mlp_bias: bool
     bos_token_id: int | list | None
     eos_token_id: int | list | None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()          # per layer: "full_attention" or "sliding_attention"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -65,13 +67,6 @@ def parse_config(cfg: dict, arch: str) -> LlamaConfig:
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise KilnError(f"{arch}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported")
     max_pos = cfg.get("max_position_embeddings", 4096)
-    # Windowed attention arrives with the sliding-window kernels; until then a
-    # sequence is capped at the window, where full attention is exact.
-    window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        window = None
-    if window:
-        max_pos = min(max_pos, window)
     is_qwen2 = arch == "Qwen2ForCausalLM"
     return LlamaConfig(
         architecture=arch,
@@ -92,7 +87,31 @@ def parse_config(cfg: dict, arch: str) -> LlamaConfig:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        **_attention_layers(cfg, arch),
     )
+
+
+def _attention_layers(cfg: dict, arch: str) -> dict:
+    """The sliding window and which layers use it, as transformers decides: Mistral windows every
+    layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`, on the layers its
+    `layer_types` name (by default those from `max_window_layers` on)."""
+    layers = _need(cfg, "num_hidden_layers", arch)
+    window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Qwen2ForCausalLM") else None
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return {"sliding_window": None, "layer_types": ("full_attention",) * layers}
+    if arch == "Qwen2ForCausalLM":
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(layers)]
+    else:
+        types = ["sliding_attention"] * layers
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown or len(types) != layers:
+        raise KilnError(f"{arch}: layer_types {types} must name full_attention or sliding_attention for each "
+                        f"of the {layers} layers")
+    return {"sliding_window": int(window), "layer_types": tuple(types)}
 
 
 ROPE_PARAM = "rope.inv_freq"   # computed from the config, not read from the checkpoint
@@ -110,8 +129,10 @@ def build_graph(c: LlamaConfig, dtype: str, page_size: int) -> Graph:
     last_page_len = b.input("last_page_len", ("seqs",), "int32")
     slot_mapping = b.input("slot_mapping", ("tokens",), "int32")
     logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
-    kv = KVSpec("full", HKV, D, D, dtype, page_size)
-    kv_pages = [b.kv_cache(i, kv)[0] for i in range(c.num_layers)]
+    specs = [KVSpec("sliding", HKV, D, D, dtype, page_size, window=c.sliding_window)
+             if kind == "sliding_attention" else KVSpec("full", HKV, D, D, dtype, page_size)
+             for kind in c.layer_types]
+    kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
     inv_freq = b.param(ROPE_PARAM, (D // 2,), "float32")
 
     def linear(x, prefix, n_out, n_in, bias):
@@ -133,7 +154,7 @@ def build_graph(c: LlamaConfig, dtype: str, page_size: int) -> Graph:
         k = b.op("reshape", b.op("rope", k, positions, inv_freq, head_dim=D), shape=("tokens", HKV, D))
         v = b.op("reshape", v, shape=("tokens", HKV, D))
         attn = b.op("paged_attention", q, k, v, kv_pages[i], slot_mapping, q_indptr, page_indptr,
-                    page_values, last_page_len, layer=i, scale=float(D) ** -0.5)
+                    page_values, last_page_len, layer=i, scale=float(D) ** -0.5, window=specs[i].window or 0)
         attn = b.op("reshape", attn, shape=("tokens", HQ * D))
         h = b.op("add", h, linear(attn, f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias))
         x = norm(h, f"{p}.post_attention_layernorm.weight")

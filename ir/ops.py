@@ -366,7 +366,7 @@ def _rope():
 @op("paged_attention",
     ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len",
      "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto", "kernel": "auto", "decode_kernel": "auto"},
+    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "variant": "auto", "kernel": "auto", "decode_kernel": "auto"},
     mutates=(3, 9))
 def _paged_attention():
     """Causal attention of a ragged batch over paged KV.
@@ -375,7 +375,9 @@ def _paged_attention():
     (page = slot // page_size, row = slot % page_size); then each sequence s
     (its queries are q[q_indptr[s]:q_indptr[s+1]]) attends over its pages
     page_values[page_indptr[s]:page_indptr[s+1]], the last one holding
-    last_page_len[s] rows. Query i of n attends to keys j <= kv_len - n + i.
+    last_page_len[s] rows. Query i of n sits at position p = kv_len - n + i and attends to keys
+    j <= p; with a sliding `window` W > 0 only to keys p - W < j <= p (the last W positions).
+    Keys outside that range are never read (their pages may have been freed).
     kv_pages: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
     Quantised pages (int8 or float8_e4m3fn, ir/quant.py KV_SCHEMES) store each row as
     x / scale with its float32 scale in kv_scales [num_pages, 2, kv_heads, page_size];
@@ -426,23 +428,30 @@ def _paged_attention():
                 vals = vals * scales[seq_pages, kind][..., None]
             return vals.transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])
 
-        group = q.shape[1] // k.shape[1]
+        group, window = q.shape[1] // k.shape[1], at["window"]
         out = np.zeros(q.shape, np.float32)
         for s in range(len(qi) - 1):
             rows = slice(int(qi[s]), int(qi[s + 1]))
             n = rows.stop - rows.start
             seq_pages = pv[pi[s]:pi[s + 1]]
             kv_len = (len(seq_pages) - 1) * page_size + int(lpl[s]) if len(seq_pages) else 0
-            keys, vals = rows_of(seq_pages, 0)[:kv_len], rows_of(seq_pages, 1)[:kv_len]
+            # only the pages some query sees are read: with a window, earlier ones may be gone
+            first_key = max(0, kv_len - n + 1 - window) if window else 0
+            first_page = first_key // page_size
+            offset = first_page * page_size
+            keys = rows_of(seq_pages[first_page:], 0)[:kv_len - offset]           # positions offset..
+            vals = rows_of(seq_pages[first_page:], 1)[:kv_len - offset]
             qs = _f32(q[rows])                                                  # [n, Hq, D]
             kh = np.repeat(keys, group, axis=1)                                 # [L, Hq, D]
             vh = np.repeat(vals, group, axis=1)
             scores = np.einsum("nhd,lhd->hnl", qs, kh) * np.float32(at["scale"])
-            visible = np.arange(kv_len)[None, :] <= (kv_len - n + np.arange(n))[:, None]
+            key_pos = offset + np.arange(kv_len - offset)[None, :]
+            query_pos = (kv_len - n + np.arange(n))[:, None]
+            visible = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
             scores = np.where(visible[None], scores, -np.inf)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
-            out[rows] = np.einsum("hnl,lhd->nhd", p, vh)
+            out[rows] = np.einsum("hnl,lhd->nhd", np.where(visible[None], p, 0), vh)
         return _as(out, ty)
     return rule, ref
 
@@ -450,7 +459,7 @@ def _paged_attention():
 @op("paged_attention_fused",
     ["qkv", "positions", "inv_freq", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values",
      "last_page_len", "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "variant": "auto", "kernel": "auto", "decode_kernel": "auto",
+    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "variant": "auto", "kernel": "auto", "decode_kernel": "auto",
      "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
 def _paged_attention_fused():
     """paged_attention over the parts of one fused projection, rope applied inside: with
@@ -508,15 +517,16 @@ def _paged_attention_fused():
             seq_pages = np.asarray(pv[pi[s]:pi[s + 1]], np.int64)
             kv_len = (len(seq_pages) - 1) * page_size + int(lpl[s])
             seq_slots = seq_pages[np.arange(kv_len) // page_size] * page_size + np.arange(kv_len) % page_size
-            keys, values = stored(0, seq_slots), stored(1, seq_slots)
             first = kv_len - (int(qi[s + 1]) - int(qi[s]))                     # position of the first query
             for i, t in enumerate(range(int(qi[s]), int(qi[s + 1]))):
                 seen = first + i + 1                                            # causal: itself and before
+                lo = max(0, seen - at["window"]) if at["window"] else 0           # a window: the last W only
+                keys, values = stored(0, seq_slots[lo:seen]), stored(1, seq_slots[lo:seen])
                 for h in range(at["q_heads"]):
                     q = _f32(rotated(t, h))
-                    logits = keys[:seen, h // group] @ q * np.float32(at["scale"])
+                    logits = keys[:, h // group] @ q * np.float32(at["scale"])
                     w = np.exp(logits - logits.max())
-                    out[t, h] = (w / w.sum()) @ values[:seen, h // group]
+                    out[t, h] = (w / w.sum()) @ values[:, h // group]
         return _as(out, ty)
     return rule, ref
 

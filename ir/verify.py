@@ -54,6 +54,9 @@ def _verify_kv_caches(graph: Graph) -> None:
         cache = [pages_name(layer)] + ([scales_name(layer)] if spec.scales == "row" else [])
         if [node.inputs[3], *node.inputs[9:10]] != cache:
             raise IRError(f"{where}: reads KV inputs {[node.inputs[3], *node.inputs[9:10]]}, its layer's cache is {cache}")
+        if node.attrs["window"] != (spec.window or 0):
+            raise IRError(f"{where}: window {node.attrs['window']} differs from layer {layer}'s KV spec "
+                          f"({spec.kind}{f', window {spec.window}' if spec.window else ''})")
         for name, ty in spec.input_types(layer).items():
             if graph.inputs.get(name) != ty:
                 raise IRError(f"{where}: input %{name} is {graph.inputs.get(name)}, layer {layer}'s KV spec says {ty}")

@@ -65,9 +65,8 @@ def _embedding_storage(graph) -> tuple[str, bool]:
 def _attention_layers(graph, target) -> list[dict]:
     """Per layer: the kernel variant and the attention kernel of each step kind."""
     from kiln.codegen.attention import step_kernel
-    types = graph.value_types()
     return [{"layer": n.attrs["layer"], "variant": n.attrs["variant"],
-             **{step: step_kernel(target, n, types[n.inputs[3]].dtype, step) for step in ("mixed", "decode")}}
+             **{step: step_kernel(target, graph, n, step) for step in ("mixed", "decode")}}
             for n in graph.nodes if n.op in ATTENTION_OPS]
 
 

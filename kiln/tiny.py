@@ -61,6 +61,10 @@ FAMILIES = {
     "llama31": ("LlamaConfig", "LlamaForCausalLM", {**_llama3_rope(8.0), "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),          # Qwen2 has q/k/v bias by construction
+    # sliding windows shorter than a 16-token page: every layer (Mistral), or layer 1 of 2 (Qwen2)
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 7}),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
+                                                         "max_window_layers": 1}),
 }
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

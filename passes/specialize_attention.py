@@ -7,8 +7,8 @@ Rewrite (paged_attention or paged_attention_fused), for a target whose kernels a
     %o = paged_attention(%q, %k, %v, …) {variant='gqa4', kernel='tvm_prefill', decode_kernel='tvm_decode'}
 `variant` is the head ratio's family: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV
 head). `kernel` runs steps with prefill tokens, `decode_kernel` decode-only steps: for each, the
-first of the target's kernels for that step kind that supports the op and the layer's KV page
-dtype (codegen/attention_kernels.py). Codegen emits what is recorded; the compiler gives decode
+first of the target's kernels for that step kind that supports the op and the layer's KVSpec
+(page dtype, sliding window; codegen/attention_kernels.py). Codegen emits what is recorded; the compiler gives decode
 its own entry function where the two differ. Attributes already chosen are kept. The kernels
 are recorded in the manifest and shown by `kiln inspect`.
 Requires: quantize_kv already run (the page dtype decides which kernels can read the pages).
@@ -48,9 +48,9 @@ class SpecializeAttention:
                 else:
                     q_heads, kv_heads = attrs["q_heads"], attrs["kv_heads"]
                 attrs["variant"] = variant_for(q_heads, kv_heads)
-            kv_dtype = types[node.inputs[3]].dtype
+            spec = graph.kv_specs[attrs["layer"]]
             for attr, step in (("kernel", "mixed"), ("decode_kernel", "decode")):
                 if attrs[attr] == "auto":
-                    attrs[attr] = choose_kernel(self.target, node.op, kv_dtype, step)
+                    attrs[attr] = choose_kernel(self.target, node.op, spec, step)
             node.attrs = attrs
         return graph

@@ -42,7 +42,7 @@ class Engine:
     def __init__(self, model, num_pages: int, eos_ids=(), max_num_seqs: int = 64, max_batched_tokens: int = 2048,
                  tokenizer=None, prefix_caching: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        self.pool = PagePool(num_pages, model.page_size, prefix_caching)
+        self.pool = PagePool(num_pages, model.page_size, prefix_caching, window=model.kv_window)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batched_tokens)
         self.eos_ids = frozenset(eos_ids)
         self.requests: dict[str, Request] = {}
@@ -73,7 +73,7 @@ class Engine:
         if params.max_tokens > room:
             params = SamplingParams(**{**params.__dict__, "max_tokens": room,
                                        "min_tokens": min(params.min_tokens, room)})
-        need = self.pool.pages_for(len(prompt_ids) + params.max_tokens)
+        need = self.pool.live_pages_for(len(prompt_ids) + params.max_tokens, self.scheduler.max_batched_tokens)
         if need > self.pool.num_pages:
             too_long = self.pool.pages_for(len(prompt_ids) + 1) > self.pool.num_pages
             raise ParamError("prompt" if too_long else "max_tokens",
@@ -155,6 +155,7 @@ class Engine:
             seq.num_computed += c.num_tokens
             if seq.num_computed // self.pool.page_size > len(seq.table.hashes):    # a page just filled
                 self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
+            self.pool.drop_dead_pages(seq.table, seq.num_computed)     # outside every layer's window
             if seq.num_computed == seq.num_tokens:        # caught up: this row's logits pick the next token
                 for s in self._fork_samples(seq):
                     if s.request.params.max_tokens == 0:      # prompt only (scoring): nothing to sample

@@ -18,6 +18,12 @@ pages are shared through the cache, and they are never written again. `fork` sha
 of a table (for n > 1 samples of one prompt); the first write into a shared, partly filled last
 page copies it first (copy-on-write): `grow` returns the (source, destination) page copies the
 caller must make before it writes.
+
+With a sliding window W over every layer (`window`), a query at position p reads keys p - W < j
+<= p only, so once a sequence has computed N tokens, its pages wholly before position N - W + 1
+are dead: `drop_dead_pages` releases them (a cached one goes idle, as on release) and leaves
+FREED in their place in the table, which keeps page i at table index i. Long generations then
+hold about (W + chunk) / page_size pages each, not their whole context.
 """
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
+
+
+FREED = -1        # a table entry whose page was released as outside the window
 
 
 class OutOfPages(KilnError):
@@ -58,10 +67,11 @@ def page_digest(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True, window: int | None = None):
         if num_pages < 1:
             raise KilnError("the KV memory budget holds no page; give more KV memory")
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+        self.window = window              # the widest sliding window of any layer; None if one sees all
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))     # pop() hands out low ids first
         self._idle: OrderedDict[int, None] = OrderedDict()   # least recently idle first
@@ -78,6 +88,12 @@ class PagePool:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def live_pages_for(self, num_tokens: int, chunk: int) -> int:
+        """The most pages a sequence of `num_tokens` holds at once, computed `chunk` tokens a step."""
+        if self.window is None:
+            return self.pages_for(num_tokens)
+        return min(self.pages_for(num_tokens), self.pages_for(self.window - 1 + chunk) + 1)
 
     def pages_needed(self, table: BlockTable, new_tokens: int) -> int:
         """Fresh pages `grow(table, new_tokens)` would take (a copy-on-write copy included)."""
@@ -139,15 +155,31 @@ class PagePool:
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table sharing every page of `table`."""
         for page in table.pages:
-            self._incref(page)
+            if page != FREED:
+                self._incref(page)
         return BlockTable(list(table.pages), table.num_tokens, list(table.hashes))
 
     def release(self, table: BlockTable) -> None:
         """Give back the table's pages; its cached pages become idle, the last page first, so that
         eviction takes a prefix's tail before its head."""
         for page in reversed(table.pages):
-            self._decref(page)
+            if page != FREED:
+                self._decref(page)
         table.pages, table.num_tokens, table.hashes = [], 0, []
+
+    def drop_dead_pages(self, table: BlockTable, num_computed: int) -> int:
+        """Release the pages no query of this sequence will read again: with a window W, those
+        wholly before position num_computed - W + 1. Returns how many were released."""
+        if self.window is None:
+            return 0
+        dead = min(max(0, num_computed - self.window + 1) // self.page_size, len(table.pages))
+        dropped = 0
+        for i in range(dead):
+            if table.pages[i] != FREED:
+                self._decref(table.pages[i])
+                table.pages[i] = FREED
+                dropped += 1
+        return dropped
 
     # -- prefix cache ------------------------------------------------------------------------
     def _chain(self, parent: bytes | None, tokens: list[int]) -> bytes:
@@ -205,7 +237,8 @@ class PagePool:
         held = [0] * self.num_pages
         for table in tables:
             for page in table.pages:
-                held[page] += 1
+                if page != FREED:
+                    held[page] += 1
         assert held == self.refcount, "reference counts differ from the block tables"
         free, idle = set(self._free), set(self._idle)
         assert len(free) == len(self._free), "a page is on the free list twice"

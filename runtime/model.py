@@ -147,6 +147,14 @@ class CompiledModel:
         return self.manifest["target"]["device"] == "cpu"
 
     @property
+    def kv_window(self) -> int | None:
+        """The widest sliding window of any layer, or None when a layer attends to all keys: the
+        page pool frees pages outside it."""
+        if any(spec.kind != "sliding" for spec in self.kv_specs):
+            return None
+        return max(spec.window for spec in self.kv_specs)
+
+    @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers, each as its spec stores it."""
         return sum(spec.bytes_per_token for spec in self.kv_specs)

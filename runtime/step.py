@@ -1,10 +1,12 @@
-"""Build the compiled forward's inputs for one ragged step (interface version 1).
+"""Build the compiled forward's inputs for one ragged step (interface version 2).
 
 One step: the new tokens of several sequences flattened in order. For each
 sequence: its queries' offsets (q_indptr), its page list in CSR form
 (page_indptr, page_values), the rows used in its last page, and the rows whose
 logits come back (logit_rows): its last new token's, or every new token's when
 the sequence asked for them (prompt logprobs). For each token: position and KV slot.
+A page the pool dropped as outside every layer's sliding window is -1 in page_values: the
+attention kernels never read it.
 """
 from __future__ import annotations
 

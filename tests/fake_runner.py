@@ -5,6 +5,8 @@ slot, then every sequence reads its whole history back through its page list (pa
 last_page_len), exactly where the real attention kernel would look. The next-token logits are
 a deterministic function of that history, so a wrong page table, a missed copy-on-write or a
 stale prefix-cache page changes the tokens a test sees.
+With `kv_window` W, a token's logits depend on the last W tokens only (itself included), read the
+same way; a read through a page the pool dropped fails.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import numpy as np
 
 
 class FakeRunner:
-    def __init__(self, num_pages: int, page_size: int = 4, vocab_size: int = 50, max_context: int = 512):
+    def __init__(self, num_pages: int, page_size: int = 4, vocab_size: int = 50, max_context: int = 512,
+                 kv_window: int | None = None):
         self.page_size, self.vocab_size, self.max_context = page_size, vocab_size, max_context
+        self.kv_window = kv_window
         self.kv = np.full(num_pages * page_size, -1, np.int64)     # -1: never written
         self.steps: list[dict] = []                                  # what each forward was asked
         self.copied = 0                                              # pages copied (copy-on-write)
@@ -44,20 +48,22 @@ class FakeRunner:
         for s in range(len(qi) - 1):
             pages = pv[pi[s]:pi[s + 1]]
             kv_len = (len(pages) - 1) * p + lpl[s]
-            slots = [pages[t // p] * p + t % p for t in range(kv_len)]
-            history = self.kv[slots].tolist()
-            assert -1 not in history, "a sequence read a KV slot nothing wrote"
             for row in inputs["logit_rows"]:              # the rows asked for that belong to this sequence
                 if qi[s] <= row < qi[s + 1]:
-                    out.append(self.next_token_logits(history[:kv_len - (qi[s + 1] - 1 - row)], self.vocab_size))
+                    seen = kv_len - (qi[s + 1] - 1 - row)  # keys up to and including this row's token
+                    first = max(0, seen - self.kv_window) if self.kv_window else 0
+                    assert all(pages[t // p] >= 0 for t in range(first, seen)), "read a dropped page"
+                    history = self.kv[[pages[t // p] * p + t % p for t in range(first, seen)]].tolist()
+                    assert -1 not in history, "a sequence read a KV slot nothing wrote"
+                    out.append(self.next_token_logits(history, self.vocab_size))
         return np.stack(out)
 
 
-def reference_greedy(prompt: list[int], max_tokens: int, vocab_size: int, stop_ids=()) -> list[int]:
+def reference_greedy(prompt: list[int], max_tokens: int, vocab_size: int, stop_ids=(), window=None) -> list[int]:
     """What greedy generation must give, computed without any paging."""
     ids, out = list(prompt), []
     for _ in range(max_tokens):
-        tok = int(np.argmax(FakeRunner.next_token_logits(ids, vocab_size)))
+        tok = int(np.argmax(FakeRunner.next_token_logits(ids[-window:] if window else ids, vocab_size)))
         out.append(tok)
         ids.append(tok)
         if tok in stop_ids:

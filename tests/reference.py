@@ -22,6 +22,18 @@ def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def hf_greedy_uncached(hf, ids: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens from full forwards over the whole sequence, no KV cache: the model's own
+    definition. (transformers 5.23's cached `generate` leaves it on a Qwen2 with full and sliding
+    layers: its sliding cache gives other tokens after a few decode steps.)"""
+    seq, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+            seq.append(out[-1])
+    return out
+
+
 def last_logit_cosines(hf, compiled, prompts: int = 8) -> list[float]:
     """Cosine between a compiled model's last-token logits and transformers' over random prompts."""
     from paging import make_step_inputs

@@ -25,7 +25,7 @@ def hf_logits(model_dir, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()       # every position: [len, vocab]
 
 
-@pytest.mark.parametrize("family", ["llama32", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama32", "mistral", "qwen2", "mistral_window", "qwen2_window"])
 def test_family_prefill_and_decode(make_model, tmp_path, family):
     model_dir = make_model(family)
     model = compile_and_open(model_dir, tmp_path / "a")

@@ -12,10 +12,10 @@ transformers = pytest.importorskip("transformers")
 from reference import last_logit_cosines, random_prompt  # noqa: E402
 
 
-def build(make_model, tmp_path_factory, quant, group_size=32, kv_dtype=None):
+def build(make_model, tmp_path_factory, quant, group_size=32, kv_dtype=None, family="qwen2"):
     from kiln.compiler import compile_model
     from kiln.runtime.model import CompiledModel
-    model_dir = make_model("qwen2")                # biases, fused QKV and gate/up: every linear variant
+    model_dir = make_model(family)                 # qwen2: biases, fused QKV and gate/up: every linear variant
     out = tmp_path_factory.mktemp(quant or kv_dtype) / "artifact"
     # The embedding stays float here so that the bounds below measure the weight quantisers alone;
     # tests/test_quant_embedding.py covers the quantised embedding (the default).
@@ -44,6 +44,12 @@ def fp8(make_model, tmp_path_factory):
 @pytest.fixture(scope="module", params=["int8", "fp8"])
 def kv_quant(request, make_model, tmp_path_factory):
     return build(make_model, tmp_path_factory, None, kv_dtype=request.param)
+
+
+@pytest.fixture(scope="module", params=["q8", "q4"])
+def windowed(request, make_model, tmp_path_factory):
+    """Qwen2 with a full layer and a sliding-window layer, quantised weights and an int8 KV cache."""
+    return build(make_model, tmp_path_factory, request.param, kv_dtype="int8", family="qwen2_window")
 
 
 def test_q8_artifact_stores_int8_weights(q8):
@@ -80,6 +86,12 @@ def test_q8_compiled_matches_interpreter_on_the_same_quantised_weights(q8):
 
 def test_q4_compiled_matches_interpreter_on_the_same_quantised_weights(q4):
     compiled_matches_interpreter(q4, "q4", q4[1]["quantization"]["group_size"])
+
+
+def test_quantised_windowed_model_matches_interpreter_on_the_same_quantised_weights(windowed):
+    _, manifest, _ = windowed
+    assert [layer["kind"] for layer in manifest["kv"]["layers"]] == ["full", "sliding"]
+    compiled_matches_interpreter(windowed, manifest["quantization"]["weights"], kv_dtype="int8")
 
 
 def test_fp8_artifact_stores_float8_weights(fp8):

@@ -242,3 +242,44 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_max_tokens_0_scores_only():
     assert engine.pool.num_free == engine.pool.num_pages and not engine.has_unfinished()
     rows = runner.steps[-1]["logit_rows"].tolist()
     assert rows == list(range(len(prompt)))                      # every prompt row's logits came back
+
+
+# ---------------------------------------------------------------------------- sliding window
+
+def windowed_engine(window, num_pages, max_batched_tokens=8, max_num_seqs=16, page_size=4):
+    runner = FakeRunner(num_pages, page_size, VOCAB, kv_window=window)
+    return Engine(runner, num_pages, (), max_num_seqs, max_batched_tokens), runner
+
+
+def test_a_window_bounds_the_pages_each_sequence_holds():
+    """Generations several pools long run in a pool that holds only their window."""
+    engine, _ = windowed_engine(window=6, num_pages=8)
+    ps = prompts(2, seed=4, lo=25, hi=31)
+    reqs = [engine.add_request(p, greedy(40)) for p in ps]      # 65-70 tokens: 17+ pages each, pool of 8
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        tables = [s.table for s in engine.scheduler.running]
+        engine.pool.check(tables)
+        most = max([most] + [sum(p >= 0 for p in t.pages) for t in tables])
+    assert [r.output().outputs[0].token_ids for r in reqs] == [reference_greedy(p, 40, VOCAB, window=6) for p in ps]
+    assert most <= engine.pool.live_pages_for(10**6, 8) == 5      # (6 - 1 + 8) / 4 rounded up, + 1
+
+
+def test_window_with_prefix_hits_forks_and_preemption_keeps_tokens():
+    engine, _ = windowed_engine(window=9, num_pages=12, max_batched_tokens=6)
+    shared = prompts(1, seed=9, lo=24, hi=25)[0]
+    first = engine.generate([shared + [3, 4]], greedy(20))[0].outputs[0].token_ids
+    assert first == reference_greedy(shared + [3, 4], 20, VOCAB, window=9)
+    hits = engine.pool.stats.hit_tokens
+    params = [greedy(30), SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=25, ignore_eos=True), greedy(30)]
+    batch = [shared + [5], shared + [6, 7], prompts(1, seed=11, lo=20, hi=21)[0]]
+    outs = engine.generate(batch, params)                      # 12 pages for 5 sequences: preemptions
+    assert engine.pool.stats.hit_tokens > hits                 # the dropped prefix pages stayed cached
+    assert engine.scheduler.num_preemptions > 0
+    assert outs[0].outputs[0].token_ids == reference_greedy(batch[0], 30, VOCAB, window=9)
+    assert outs[2].outputs[0].token_ids == reference_greedy(batch[2], 30, VOCAB, window=9)
+    alone, _ = windowed_engine(window=9, num_pages=64, max_batched_tokens=6)
+    again = alone.generate([batch[1]], params[1])[0]
+    assert [o.token_ids for o in outs[1].outputs] == [o.token_ids for o in again.outputs]
+    engine.pool.check([])
