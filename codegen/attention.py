@@ -23,7 +23,9 @@ from .kv_append import cpu_kv_append
 def step_kernel(target, graph, node, step: str) -> str:
     """The kernel specialize_attention recorded for `step` (chosen here if the pass did not run)."""
     recorded = node.attrs["decode_kernel" if step == "decode" else "kernel"]
-    return recorded if recorded != "auto" else choose_kernel(target, node.op, graph.kv_specs[node.attrs["layer"]], step)
+    if recorded != "auto":
+        return recorded
+    return choose_kernel(target, node.op, graph.kv_specs[node.attrs["layer"]], step, bool(node.attrs["softcap"]))
 
 
 def kernel_of(ctx, node) -> str:
@@ -31,12 +33,13 @@ def kernel_of(ctx, node) -> str:
 
 
 def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
-                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window):
+                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window, softcap,
+                        mscale=1.0):
     """kiln's CPU kernels over a fused qkv: append K/V (rope on k when `rope`), then attend."""
     tokens, page_size, kv_dtype = qkv.ty.shape[0], int(pages.ty.shape[3]), pages.ty.dtype
     scheme = kv_scheme_for(kv_dtype)
     suffix = f"_{scheme.name}" if scheme else ""
-    append = ctx.add_kernel(cpu_kv_append(q_heads, kv_heads, head_dim, page_size, dtype, scheme, rope),
+    append = ctx.add_kernel(cpu_kv_append(q_heads, kv_heads, head_dim, page_size, dtype, scheme, rope, mscale),
                             f"kv_append{suffix}{'_rope' if rope else ''}", scheduled=True)
     if scheme is None:
         pages = ctx.bb.emit(relax.call_tir_inplace(append, [pages, qkv, positions, inv_freq, slots], [0],
@@ -48,9 +51,9 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
         pages = ctx.bb.emit(relax.TupleGetItem(written, 0))
         scales = [ctx.bb.emit(relax.TupleGetItem(written, 1))]
     attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, kv_dtype, rope,
-                                              window),
-                          f"paged_attention{suffix}{'_rope' if rope else ''}{f'_window{window}' if window else ''}",
-                          scheduled=True)
+                                              window, softcap, mscale),
+                          f"paged_attention{suffix}{'_rope' if rope else ''}{f'_window{window}' if window else ''}"
+                          f"{'_softcap' if softcap else ''}", scheduled=True)
     return ctx.bb.emit(relax.call_tir(
         attn, [qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, *scales],
         relax.TensorType((tokens, q_heads, head_dim), dtype)))
@@ -65,7 +68,8 @@ def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots
     a = node.attrs
     return _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
                                last_page_len, kv_scales, a["q_heads"], a["kv_heads"], a["head_dim"],
-                               node.type.dtype, a["scale"], rope=True, window=a["window"])
+                               node.type.dtype, a["scale"], rope=True, window=a["window"], softcap=a["softcap"],
+                               mscale=a["mscale"])
 
 
 def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
@@ -82,9 +86,9 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
         no_freq = relax.const(np.zeros(head_dim // 2, np.float32))
         return _kiln_cpu_attention(ctx, qkv, no_positions, no_freq, pages, slots, q_indptr, page_indptr, page_values,
                                    last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=False,
-                                   window=node.attrs["window"])
+                                   window=node.attrs["window"], softcap=node.attrs["softcap"])
     spec = ctx.graph.kv_specs[node.attrs["layer"]]
-    if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step):
+    if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step, bool(node.attrs["softcap"])):
         raise KilnError(f"attention kernel {kernel} cannot run layer {node.attrs['layer']} "
                         f"({spec.describe()}, {ctx.step} steps) on {ctx.target.name}")
     append = ctx.add_kernel(tvm_kernels.kv_append(kv_heads, head_dim, dtype, page_size), "kv_append")

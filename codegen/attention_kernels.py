@@ -6,7 +6,7 @@ A target lists, per step kind, the kernels it prefers (`Target.attention_kernels
 possibly with decode tokens) and "decode" (one new token per sequence); the compiler gives each
 step kind whose kernels differ its own entry function.
   kiln_cpu      kiln's own CPU kernels: fused qkv, rope inside, int8/float8 pages, sliding
-                windows. Any step.
+                windows, soft-capped scores. Any step.
   tvm_prefill   TVM's paged prefill kernel. Any step. Full attention only: its window mode
                 drops whole leading rows for every query of a sequence alike, not per query.
   tvm_decode    TVM's paged decode kernel: one query per sequence; on GPUs a block serves the q
@@ -31,26 +31,29 @@ class AttentionKernel:
     quantized_kv: bool                 # reads int8/float8 pages
     fused_qkv: bool                    # runs paged_attention_fused (rope inside)
     windows: bool                      # runs sliding-window layers
+    softcap: bool = False              # soft-caps scores (Gemma 2)
 
-    def supports(self, op: str, spec: KVSpec, device: str, step: str) -> bool:
+    def supports(self, op: str, spec: KVSpec, device: str, step: str, softcap: bool = False) -> bool:
         return (step in self.steps and device in self.devices and (op == "paged_attention" or self.fused_qkv)
-                and (self.quantized_kv or spec.scales == "none") and (self.windows or spec.kind == "full"))
+                and (self.quantized_kv or spec.scales == "none") and (self.windows or spec.kind == "full")
+                and (self.softcap or not softcap))
 
 
 _GPUS = ("cuda", "rocm", "metal")
 KERNELS = {k.name: k for k in (
-    AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True),
+    AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True, softcap=True),
     AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
     AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
 )}
 
 
-def choose_kernel(target, op: str, spec: KVSpec, step: str) -> str:
-    """The first of the target's kernels for `step` that runs this attention op on a layer whose
-    cache is `spec`."""
+def choose_kernel(target, op: str, spec: KVSpec, step: str, softcap: bool = False) -> str:
+    """The first of the target's kernels for `step` that runs this attention op (soft-capped or
+    not) on a layer whose cache is `spec`."""
     wanted = target.attention_kernels[step]
     for name in wanted:
-        if KERNELS[name].supports(op, spec, target.device, step):
+        if KERNELS[name].supports(op, spec, target.device, step, softcap):
             return name
-    raise KilnError(f"target {target.name} has no attention kernel for {op} over a KV cache of "
+    capped = " with soft-capped scores" if softcap else ""
+    raise KilnError(f"target {target.name} has no attention kernel for {op}{capped} over a KV cache of "
                     f"{spec.describe()} in {step} steps (its kernels: {', '.join(wanted)})")

@@ -23,7 +23,8 @@ from .rope_load import load_head_element
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
-                        kv_dtype: str | None = None, rope: bool = False, window: int = 0):
+                        kv_dtype: str | None = None, rope: bool = False, window: int = 0, softcap: float = 0.0,
+                        mscale: float = 1.0):
     group = q_heads // kv_heads
     width = (q_heads + 2 * kv_heads) * head_dim
     lowest = -3.0e38
@@ -35,6 +36,9 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
 
     def first_key(seen):               # evaluated while parsing: a window sees the last `window` keys
         return T.max(seen - window, 0) if window else 0
+
+    def capped(score):                 # evaluated while parsing: Gemma 2's soft-capped scores
+        return T.tanh(score / T.float32(softcap)) * T.float32(softcap) if softcap else score
 
     @T.macro
     def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
@@ -62,7 +66,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                     for g, d in T.grid(group, head_dim):
                         qv[g, d] = load_head_element(qkv, positions, inv_freq, q_start + i,
                                                      (kvh * group + g) * head_dim, d, head_dim, dtype,
-                                                     rope) * T.float32(scale)
+                                                     rope, mscale) * T.float32(scale)
                         acc[g, d] = T.float32(0)
                     for g in range(group):
                         state[g, 0] = T.float32(lowest)
@@ -80,6 +84,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                             state[g, 2] = T.float32(0)
                             for d in range(head_dim):
                                 state[g, 2] = state[g, 2] + qv[g, d] * kv[0, d]
+                            state[g, 2] = capped(state[g, 2])
                             m_new = T.max(state[g, 0], state[g, 2])
                             state[g, 3] = T.exp(state[g, 0] - m_new)
                             weight = T.exp(state[g, 2] - m_new)

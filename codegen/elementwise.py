@@ -1,7 +1,10 @@
 """Elementwise, reshape, gather and normalisation ops as Relax ops (legalised and scheduled by TVM)."""
 from __future__ import annotations
 
+import numpy as np
 from tvm import relax, te, tirx
+
+from kiln.ir.types import numpy_dtype
 
 
 def emit_add(ctx, node, a, b):
@@ -14,6 +17,35 @@ def emit_mul(ctx, node, a, b):
 
 def emit_silu(ctx, node, x):
     return ctx.bb.emit(relax.op.nn.silu(x))
+
+
+def _gelu_tanh_te(x, dtype: str):
+    """GELU (tanh approximation) computed in float32, rounded to `dtype`."""
+    def out(*i):
+        v = x[i].astype("float32")
+        inner = tirx.const(0.7978845608028654, "float32") * (v + tirx.const(0.044715, "float32") * v * v * v)
+        return (tirx.const(0.5, "float32") * v * (tirx.const(1.0, "float32") + tirx.tanh(inner))).astype(dtype)
+    return te.compute(x.shape, out, name="gelu_tanh")
+
+
+def emit_gelu_tanh(ctx, node, x):
+    return ctx.bb.emit_te(_gelu_tanh_te, x, node.type.dtype, primfunc_name_hint="gelu_tanh")
+
+
+def emit_mul_scalar(ctx, node, x):
+    dtype = node.type.dtype
+    value = relax.const(np.array(node.attrs["value"], np.float32).astype(numpy_dtype(dtype)), dtype)
+    return ctx.bb.emit(relax.op.multiply(x, value))
+
+
+def emit_softcap(ctx, node, x):
+    """cap * tanh(x / cap) in float32."""
+    cap, dtype = node.attrs["cap"], node.type.dtype
+
+    def softcap(x):
+        return te.compute(x.shape, lambda *i: (tirx.tanh(x[i].astype("float32") / tirx.const(cap, "float32"))
+                                               * tirx.const(cap, "float32")).astype(dtype), name="softcap")
+    return ctx.bb.emit_te(softcap, x, primfunc_name_hint="softcap")
 
 
 def emit_cast(ctx, node, x):
@@ -30,13 +62,17 @@ def emit_slice(ctx, node, x):
                                               assume_inbound=True))
 
 
-def emit_swiglu(ctx, node, x):
-    """silu(gate) * up over the two halves; TVM fuses the three into one kernel."""
+def emit_gated(ctx, node, x):
+    """swiglu / geglu: act(gate) * up over the two halves; TVM fuses them into one kernel."""
     axis = len(x.ty.shape) - 1
     halves = ctx.bb.emit(relax.op.split(x, 2, axis=axis))
     gate = ctx.bb.emit(relax.TupleGetItem(halves, 0))
     up = ctx.bb.emit(relax.TupleGetItem(halves, 1))
-    return ctx.bb.emit(relax.op.multiply(ctx.bb.emit(relax.op.nn.silu(gate)), up))
+    if node.op == "swiglu":
+        act = ctx.bb.emit(relax.op.nn.silu(gate))
+    else:
+        act = ctx.bb.emit_te(_gelu_tanh_te, gate, node.type.dtype, primfunc_name_hint="gelu_tanh")
+    return ctx.bb.emit(relax.op.multiply(act, up))
 
 
 def emit_take_rows(ctx, node, x, rows):
@@ -44,8 +80,9 @@ def emit_take_rows(ctx, node, x, rows):
 
 
 def emit_rms_norm(ctx, node, x, weight):
-    """Normalise in float32, round to x's dtype, then scale by the weight (as transformers does)."""
-    eps = node.attrs["eps"]
+    """Normalise in float32, then scale by (offset + weight): Llama rounds the normalised value to
+    x's dtype first, OLMo 2 and Gemma (weight_in_float32) scale in float32 and round once."""
+    eps, offset, weight_in_float32 = node.attrs["eps"], node.attrs["offset"], node.attrs["weight_in_float32"]
     dtype = node.type.dtype
 
     def rms_norm(x, w):
@@ -56,8 +93,11 @@ def emit_rms_norm(ctx, node, x, weight):
 
         def out(*i):
             inv = tirx.rsqrt(sq[i[:-1]] / tirx.const(float(h), "float32") + tirx.const(eps, "float32"))
-            normed = (x[i].astype("float32") * inv).astype(dtype)
-            return (normed.astype("float32") * w[i[-1]].astype("float32")).astype(dtype)
+            normed = x[i].astype("float32") * inv
+            if not weight_in_float32:
+                normed = normed.astype(dtype).astype("float32")
+            scale = w[i[-1]].astype("float32") + tirx.const(offset, "float32") if offset else w[i[-1]].astype("float32")
+            return (normed * scale).astype(dtype)
         return te.compute(x.shape, out, name="rms_norm")
     return ctx.bb.emit_te(rms_norm, x, weight, primfunc_name_hint="rms_norm")
 
@@ -65,7 +105,7 @@ def emit_rms_norm(ctx, node, x, weight):
 def emit_rope(ctx, node, x, positions, inv_freq):
     """Rotate-half rotary embedding over x [tokens, heads * head_dim]; angles in float32.
     Elementwise in form, so TVM fuses it with the slice of a fused QKV projection before it."""
-    dtype, d = node.type.dtype, node.attrs["head_dim"]
+    dtype, d, mscale = node.type.dtype, node.attrs["head_dim"], node.attrs["mscale"]
     half = d // 2
 
     def rope(x, pos, inv):
@@ -73,6 +113,7 @@ def emit_rope(ctx, node, x, positions, inv_freq):
             i = tirx.truncmod(c, d)
             ang = pos[t].astype("float32") * inv[tirx.truncmod(i, half)]
             partner = tirx.if_then_else(i < half, -x[t, c + half].astype("float32"), x[t, c - half].astype("float32"))
-            return (x[t, c].astype("float32") * tirx.cos(ang) + partner * tirx.sin(ang)).astype(dtype)
+            turned = x[t, c].astype("float32") * tirx.cos(ang) + partner * tirx.sin(ang)
+            return (turned * tirx.const(mscale, "float32") if mscale != 1.0 else turned).astype(dtype)
         return te.compute(x.shape, out, name="rope")
     return ctx.bb.emit_te(rope, x, positions, inv_freq, primfunc_name_hint="rope")

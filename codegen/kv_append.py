@@ -23,7 +23,7 @@ from .rope_load import load_head_element
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                  scheme: KVScheme | None, rope: bool):
+                  scheme: KVScheme | None, rope: bool, mscale: float = 1.0):
     storage = scheme.storage_dtype if scheme else dtype
     qmax = scheme.qmax if scheme else 1.0
     rounds = bool(scheme and scheme.rounds)
@@ -54,7 +54,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
                     amax[1] = T.float32(0)
                     for d in range(head_dim):
                         row[0, d] = load_head_element(qkv, positions, inv_freq, t, (q_heads + h) * head_dim, d,
-                                                      head_dim, dtype, rope)
+                                                      head_dim, dtype, rope, mscale)
                         row[1, d] = T.Cast("float32", qkv[t, (q_heads + kv_heads + h) * head_dim + d])
                         amax[0] = T.max(amax[0], T.fabs(row[0, d]))
                         amax[1] = T.max(amax[1], T.fabs(row[1, d]))

@@ -9,9 +9,10 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 
-def load_head_element(x, positions, inv_freq, t, base, d, head_dim: int, dtype: str, rope: bool):
+def load_head_element(x, positions, inv_freq, t, base, d, head_dim: int, dtype: str, rope: bool,
+                      mscale: float = 1.0):
     """float32 value of element d of the head at columns [base, base + head_dim) of row t of x,
-    rotated when `rope` is set."""
+    rotated (and scaled by `mscale`) when `rope` is set."""
     value = T.Cast("float32", x[t, base + d])
     if not rope:
         return value
@@ -19,4 +20,5 @@ def load_head_element(x, positions, inv_freq, t, base, d, head_dim: int, dtype: 
     angle = T.Cast("float32", positions[t]) * inv_freq[d % half]
     partner = T.if_then_else(d < half, -T.Cast("float32", x[t, base + d + half]),
                              T.Cast("float32", x[t, base + d - half]))
-    return T.Cast("float32", T.Cast(dtype, value * T.cos(angle) + partner * T.sin(angle)))
+    turned = value * T.cos(angle) + partner * T.sin(angle)
+    return T.Cast("float32", T.Cast(dtype, turned * T.float32(mscale) if mscale != 1.0 else turned))

@@ -12,16 +12,9 @@ from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.types import numpy_dtype
 
-from . import llama
 from .checkpoint import Checkpoint
-from .rope import inv_freq
-
-# HF architecture name -> (config parser, graph builder). One registry for every family.
-ARCHITECTURES = {
-    "LlamaForCausalLM": (llama.parse_config, llama.build_graph),
-    "MistralForCausalLM": (llama.parse_config, llama.build_graph),
-    "Qwen2ForCausalLM": (llama.parse_config, llama.build_graph),
-}
+from .decoder import DecoderConfig, build_graph
+from .families import parse_config
 
 # Every tokenizer-side file a checkpoint may carry; the artifact gets a copy of each one present.
 # The chat template lives in tokenizer_config.json (older), chat_template.jinja (transformers
@@ -35,24 +28,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 @dataclass
 class HFModel:
     model_dir: Path
-    config: llama.LlamaConfig
+    config: DecoderConfig
     checkpoint: Checkpoint
 
     def build_graph(self, dtype: str, page_size: int) -> Graph:
-        return ARCHITECTURES[self.config.architecture][1](self.config, dtype, page_size)
+        return build_graph(self.config, dtype, page_size)
 
     def weight(self, name: str, dtype: str) -> np.ndarray:
         """A parameter's array in `dtype`, read from the checkpoint (or computed, for rope)."""
-        if name == llama.ROPE_PARAM:
-            c = self.config
-            return inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        computed = self.config.computed_weights()
+        if name in computed:
+            return computed[name]()
         arr = self.checkpoint.get(name)
         return arr.astype(numpy_dtype(dtype), copy=False)
 
     def weight_source(self, name: str, dtype: str) -> np.ndarray:
         """`weight(name, dtype)` for a quantiser: as stored where `dtype` would only widen it exactly
         (bfloat16 or float16 to float32), which spares a float32 copy of every tensor."""
-        if name == llama.ROPE_PARAM:
+        if name in self.config.computed_weights():
             return self.weight(name, dtype)
         arr = self.checkpoint.get(name)
         exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
@@ -101,11 +94,4 @@ def load_hf_model(model_dir: str | Path) -> HFModel:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise KilnError(f"{cfg_path}: not valid JSON ({e})") from None
-    archs = cfg.get("architectures") or []
-    if not archs:
-        raise KilnError(f"{cfg_path}: lacks required field 'architectures'")
-    arch = archs[0]
-    if arch not in ARCHITECTURES:
-        raise KilnError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    config = ARCHITECTURES[arch][0](cfg, arch)
-    return HFModel(model_dir, config, Checkpoint(model_dir))
+    return HFModel(model_dir, parse_config(cfg), Checkpoint(model_dir))

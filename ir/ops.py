@@ -114,6 +114,52 @@ def _silu():
     return rule, ref
 
 
+def _gelu_tanh_f32(v: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation, in float32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * v * (np.float32(1) + np.tanh(c * (v + np.float32(0.044715) * v * v * v)))
+
+
+ACTIVATIONS = {"silu": lambda v: v / (1.0 + np.exp(-v)), "gelu_tanh": _gelu_tanh_f32}
+
+
+@op("gelu_tanh", ["x"])
+def _gelu_tanh():
+    """GELU with the tanh approximation (transformers' gelu_pytorch_tanh), in float32."""
+    def rule(types, attrs, fail):
+        _need_float(types[0], "x", fail)
+        return types[0]
+    return rule, lambda x, at, ty, dims: _as(_gelu_tanh_f32(_f32(x[0])), ty)
+
+
+@op("mul_scalar", ["x"], {"value": REQUIRED})
+def _mul_scalar():
+    """x * value, the constant first rounded to x's dtype (as transformers makes Gemma's embedding
+    normaliser a tensor of the activations' dtype)."""
+    def rule(types, attrs, fail):
+        _need_float(types[0], "x", fail)
+        return types[0]
+
+    def ref(x, at, ty, dims):
+        return _as(_f32(x[0]) * _f32(_as(np.float32(at["value"]), ty)), ty)
+    return rule, ref
+
+
+@op("softcap", ["x"], {"cap": REQUIRED})
+def _softcap():
+    """cap * tanh(x / cap), in float32: Gemma 2's final-logit soft-capping."""
+    def rule(types, attrs, fail):
+        _need_float(types[0], "x", fail)
+        if not attrs["cap"] > 0:
+            fail(f"cap must be positive, got {attrs['cap']}")
+        return types[0]
+
+    def ref(x, at, ty, dims):
+        cap = np.float32(at["cap"])
+        return _as(np.tanh(_f32(x[0]) / cap) * cap, ty)
+    return rule, ref
+
+
 @op("cast", ["x"], {"dtype": REQUIRED})
 def _cast():
     """x converted to another dtype."""
@@ -320,9 +366,12 @@ def _linear_ref(y: np.ndarray, extras, ty: TensorType) -> np.ndarray:
     return _as(y, ty)
 
 
-@op("rms_norm", ["x", "weight"], {"eps": REQUIRED})
+@op("rms_norm", ["x", "weight"], {"eps": REQUIRED, "offset": 0.0, "weight_in_float32": False})
 def _rms_norm():
-    """weight * (x / sqrt(mean(x^2) + eps)), normalised in float32 then rounded to x's dtype."""
+    """(offset + weight) * (x / sqrt(mean(x^2) + eps)) over the last axis, normalised in float32.
+    Llama's order (weight_in_float32 False): the normalised x is rounded to x's dtype, then scaled and
+    rounded again. OLMo 2's and Gemma's (True): scaled in float32, rounded once. Gemma stores the
+    weight as an offset from 1 (offset 1.0, added in float32)."""
     def rule(types, attrs, fail):
         x, w = types
         _need_float(x, "x", fail)
@@ -333,14 +382,18 @@ def _rms_norm():
     def ref(x, at, ty, dims):
         v = _f32(x[0])
         normed = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + np.float32(at["eps"]))
-        return _as(_f32(_as(normed, ty)) * _f32(x[1]), ty)
+        weight = _f32(x[1]) + np.float32(at["offset"])
+        if at["weight_in_float32"]:
+            return _as(normed * weight, ty)
+        return _as(_f32(_as(normed, ty)) * weight, ty)
     return rule, ref
 
 
-@op("rope", ["x", "positions", "inv_freq"], {"head_dim": REQUIRED})
+@op("rope", ["x", "positions", "inv_freq"], {"head_dim": REQUIRED, "mscale": 1.0})
 def _rope():
     """Rotary embedding, rotate-half layout, on x [tokens, heads * head_dim]: each head of token t
-    rotated by positions[t] * inv_freq (dims i and i + head_dim/2 form a pair)."""
+    rotated by positions[t] * inv_freq (dims i and i + head_dim/2 form a pair), and scaled by
+    `mscale` (YaRN's and LongRoPE's attention factor, which transformers folds into cos and sin)."""
     def rule(types, attrs, fail):
         x, pos, inv = types
         d = attrs["head_dim"]
@@ -359,15 +412,15 @@ def _rope():
         cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
         sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
         rotated = np.concatenate([-v[..., d // 2:], v[..., :d // 2]], -1)
-        return _as((v * cos + rotated * sin).reshape(x[0].shape), ty)
+        return _as(((v * cos + rotated * sin) * np.float32(at["mscale"])).reshape(x[0].shape), ty)
     return rule, ref
 
 
 @op("paged_attention",
     ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len",
      "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "variant": "auto", "kernel": "auto", "decode_kernel": "auto"},
-    mutates=(3, 9))
+    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernel": "auto",
+     "decode_kernel": "auto"}, mutates=(3, 9))
 def _paged_attention():
     """Causal attention of a ragged batch over paged KV.
 
@@ -378,6 +431,7 @@ def _paged_attention():
     last_page_len[s] rows. Query i of n sits at position p = kv_len - n + i and attends to keys
     j <= p; with a sliding `window` W > 0 only to keys p - W < j <= p (the last W positions).
     Keys outside that range are never read (their pages may have been freed).
+    Scores are q·k * scale, and with `softcap` c > 0, c * tanh(score / c) (Gemma 2), before softmax.
     kv_pages: [num_pages, 2 (k, v), kv_heads, page_size, head_dim].
     Quantised pages (int8 or float8_e4m3fn, ir/quant.py KV_SCHEMES) store each row as
     x / scale with its float32 scale in kv_scales [num_pages, 2, kv_heads, page_size];
@@ -445,6 +499,8 @@ def _paged_attention():
             kh = np.repeat(keys, group, axis=1)                                 # [L, Hq, D]
             vh = np.repeat(vals, group, axis=1)
             scores = np.einsum("nhd,lhd->hnl", qs, kh) * np.float32(at["scale"])
+            if at["softcap"]:
+                scores = np.tanh(scores / np.float32(at["softcap"])) * np.float32(at["softcap"])
             key_pos = offset + np.arange(kv_len - offset)[None, :]
             query_pos = (kv_len - n + np.arange(n))[:, None]
             visible = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
@@ -459,8 +515,8 @@ def _paged_attention():
 @op("paged_attention_fused",
     ["qkv", "positions", "inv_freq", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values",
      "last_page_len", "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "variant": "auto", "kernel": "auto", "decode_kernel": "auto",
-     "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
+    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernel": "auto",
+     "decode_kernel": "auto", "mscale": 1.0, "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
 def _paged_attention_fused():
     """paged_attention over the parts of one fused projection, rope applied inside: with
     D = head_dim, Hq = q_heads, Hkv = kv_heads and qkv [tokens, (Hq + 2 Hkv) D],
@@ -494,7 +550,8 @@ def _paged_attention_fused():
         def rotated(t: int, h: int) -> np.ndarray:     # head h of token t turned by pos[t] * inv_freq
             ang = np.float32(pos[t]) * _f32(inv)
             a, b = heads[t, h, :half], heads[t, h, half:]
-            return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)]).astype(dtype)
+            turned = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)])
+            return (turned * np.float32(at["mscale"])).astype(dtype)
 
         scheme = kv_scheme_for(pages.dtype.name)
         for t, slot in enumerate(slots.tolist()):
@@ -525,6 +582,8 @@ def _paged_attention_fused():
                 for h in range(at["q_heads"]):
                     q = _f32(rotated(t, h))
                     logits = keys[:, h // group] @ q * np.float32(at["scale"])
+                    if at["softcap"]:
+                        logits = np.tanh(logits / np.float32(at["softcap"])) * np.float32(at["softcap"])
                     w = np.exp(logits - logits.max())
                     out[t, h] = (w / w.sum()) @ values[:, h // group]
         return _as(out, ty)
@@ -557,20 +616,31 @@ def _slice():
     return rule, lambda x, at, ty, dims: np.ascontiguousarray(np.asarray(x[0])[..., at["begin"]:at["end"]])
 
 
-@op("swiglu", ["x"])
-def _swiglu():
-    """silu(x[..., :n]) * x[..., n:] for x [..., 2n]: gate and up halves of a fused projection."""
+def _gated(name: str, activation: str):
+    """Type rule and reference of act(x[..., :n]) * x[..., n:] for x [..., 2n]."""
     def rule(types, attrs, fail):
         x = types[0]
         _need_float(x, "x", fail)
         if not isinstance(x.shape[-1], int) or x.shape[-1] % 2:
-            fail(f"swiglu needs an even last axis, got {x}")
+            fail(f"{name} needs an even last axis, got {x}")
         return TensorType(x.shape[:-1] + (x.shape[-1] // 2,), x.dtype)
 
     def ref(x, at, ty, dims):
         v = _f32(x[0])
         n = v.shape[-1] // 2
         gate = _f32(_as(v[..., :n], ty))
-        silu = _f32(_as(gate / (1.0 + np.exp(-gate)), ty))     # rounded like silu then mul in the model
-        return _as(silu * v[..., n:], ty)
+        act = _f32(_as(ACTIVATIONS[activation](gate), ty))    # rounded like the activation, then mul, in the model
+        return _as(act * v[..., n:], ty)
     return rule, ref
+
+
+@op("swiglu", ["x"])
+def _swiglu():
+    """silu(x[..., :n]) * x[..., n:] for x [..., 2n]: gate and up halves of a fused projection."""
+    return _gated("swiglu", "silu")
+
+
+@op("geglu", ["x"])
+def _geglu():
+    """gelu_tanh(x[..., :n]) * x[..., n:] for x [..., 2n]: Gemma's gated MLP on a fused projection."""
+    return _gated("geglu", "gelu_tanh")

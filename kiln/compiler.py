@@ -151,7 +151,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                          "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {})},
         "kv": {"page_size": tgt.page_size, "layers": [graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs))]},
         "vocab_size": c.vocab_size,
-        "max_context": c.max_position_embeddings,
+        "max_context": c.max_context,
         "library": tgt.library_name,
         "entry": "forward",
         "entries": lowered.entries,

@@ -165,11 +165,10 @@ def filler_for(weight: dict) -> Filler:
 def computed_weight(weight: dict, config: dict) -> np.ndarray | None:
     """The value of a weight that compile computes from the model's config rather than reading it
     (rope's inverse frequencies), computed the same way; None for every weight drawn at random."""
-    from kiln.frontend.llama import ROPE_PARAM
-    from kiln.frontend.rope import inv_freq
-    if weight["param"] != ROPE_PARAM:
+    from kiln.frontend.decoder import COMPUTED_PARAMS, DecoderConfig
+    if weight["param"] not in COMPUTED_PARAMS:
         return None
-    value = inv_freq(config["head_dim"], config["rope_theta"], config["rope_scaling"])
+    value = DecoderConfig.from_json(config).computed_weights()[weight["param"]]()
     if list(value.shape) != weight["shape"] or value.dtype.name != weight["dtype"]:
         raise KilnError(f"{weight['name']} is {weight['dtype']}{weight['shape']} in the manifest, but the config "
                         f"gives {value.dtype.name}{list(value.shape)}")

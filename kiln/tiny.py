@@ -65,6 +65,11 @@ FAMILIES = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 7}),
     "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
                                                          "max_window_layers": 1}),
+    # YaRN: frequencies ramped between interpolation and extrapolation, cos/sin scaled by mscale
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                        "original_max_position_embeddings": 1024}}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),              # per-head q/k RMSNorm before rope
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),              # post-norm blocks, q/k norm over all heads
 }
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

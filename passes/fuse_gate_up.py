@@ -1,9 +1,10 @@
-"""fuse_gate_up: the gate and up projections become one GEMM followed by swiglu.
+"""fuse_gate_up: the gate and up projections become one GEMM followed by swiglu (or geglu).
 
 Rewrite:
     %g = linear(%x, @wg)   %u = linear(%x, @wu)   %s = silu(%g)   %y = mul(%s, %u)   (or mul(%u, %s))
   ->
     %gu = linear(%x, @wgu)   %y = swiglu(%gu)        @wgu = concat(@wg, @wu, axis=0)
+and the same with gelu_tanh in place of silu, giving geglu.
 Requires: %g and %s used only on this path, both linears read %x with plain weight params of the
   same shape and dtype, neither or both with a bias.
 Leaves: %y keeps its name, so its consumers are unchanged.
@@ -15,6 +16,8 @@ from kiln.ir import Graph, Node, TensorType
 from .fuse_qkv import _fused_param
 from .rewrite import drop_unused_params, editable_copy, fresh_name, users
 
+GATED = {"silu": "swiglu", "gelu_tanh": "geglu"}      # activation of the gate -> the fused op
+
 
 def _bias(linear: Node) -> str | None:
     return linear.inputs[2] if len(linear.inputs) > 2 else None
@@ -24,7 +27,7 @@ def _match(graph: Graph, mul: Node, use: dict):
     producers = {n.output: n for n in graph.nodes}
     for silu_name, up_name in (mul.inputs, mul.inputs[::-1]):
         silu, up = producers.get(silu_name), producers.get(up_name)
-        if not (silu and up and silu.op == "silu" and up.op == "linear"):
+        if not (silu and up and silu.op in GATED and up.op == "linear"):
             continue
         gate = producers.get(silu.inputs[0])
         if not (gate and gate.op == "linear" and gate.inputs[0] == up.inputs[0]):
@@ -59,5 +62,5 @@ def fuse_gate_up(graph: Graph) -> Graph:
         for dead in (gate, up, silu):
             graph.nodes.remove(dead)
         graph.nodes.insert(first, fused)
-        mul.op, mul.inputs, mul.attrs = "swiglu", [fused.output], {}
+        mul.op, mul.inputs, mul.attrs = GATED[silu.op], [fused.output], {}
     return drop_unused_params(graph)

@@ -10,7 +10,7 @@ Rewrite (D = head_dim, Hq query heads, Hkv KV heads):
     %o = paged_attention_fused(%qkv, %pos, @inv_freq, %pages, …) {layer, scale, variant, q_heads=Hq,
                                                                   kv_heads=Hkv, head_dim=D}
 Requires: q, k, v are those slices of one value, which is exactly [tokens, (Hq + 2 Hkv)·D]; q and k
-  rotated with the same positions and frequencies; the reshapes only split heads.
+  rotated with the same positions, frequencies and mscale; the reshapes only split heads.
 Leaves: the attention output unchanged; the slices, ropes and reshapes are dropped once nothing
   else reads them.
 """
@@ -54,9 +54,9 @@ def fuse_rope_attention(graph: Graph) -> Graph:
         if any(s.inputs[0] != source or (s.attrs["begin"], s.attrs["end"]) != b for s, b in zip(slices, bounds)):
             continue
         if types[source].shape[1:] != ((hq + 2 * hkv) * d,) or q_rope.inputs[1:] != k_rope.inputs[1:] \
-                or q_rope.attrs["head_dim"] != d or k_rope.attrs["head_dim"] != d:
+                or q_rope.attrs != k_rope.attrs or q_rope.attrs["head_dim"] != d:
             continue
         node.op = "paged_attention_fused"
         node.inputs = [source, *q_rope.inputs[1:], *node.inputs[3:]]
-        node.attrs = {**node.attrs, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+        node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "q_heads": hq, "kv_heads": hkv, "head_dim": d}
     return drop_dead_nodes(graph)

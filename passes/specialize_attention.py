@@ -51,6 +51,6 @@ class SpecializeAttention:
             spec = graph.kv_specs[attrs["layer"]]
             for attr, step in (("kernel", "mixed"), ("decode_kernel", "decode")):
                 if attrs[attr] == "auto":
-                    attrs[attr] = choose_kernel(self.target, node.op, spec, step)
+                    attrs[attr] = choose_kernel(self.target, node.op, spec, step, bool(attrs["softcap"]))
             node.attrs = attrs
         return graph

@@ -2,7 +2,7 @@
 
 A step is a ragged batch: for each sequence, its new tokens, how many of its
 tokens are already in the KV cache, and the pages it owns (in order). The
-arrays follow the graph interface of frontend/llama.py build_graph and the
+arrays follow the graph interface of frontend/decoder.py build_graph and the
 `paged_attention` op (ir/ops.py).
 """
 from __future__ import annotations

@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kiln.frontend import llama
+from kiln.frontend.decoder import build_graph
+from kiln.frontend.families import parse_config
 from kiln.ir import (OPS, GraphBuilder, IRError, TensorType, graph_from_json, graph_to_json, interpret,
                      print_graph, verify)
 from kiln.ir.kv_spec import KVSpec
@@ -41,7 +42,7 @@ def tiny_llama_config(**overrides):
     cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=V, hidden_size=16, intermediate_size=32,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                tie_word_embeddings=True, **overrides)
-    return llama.parse_config(cfg, "LlamaForCausalLM")
+    return parse_config(cfg)
 
 
 # ---------------------------------------------------------------------------- builder and verifier
@@ -69,7 +70,7 @@ def test_builder_type_errors_name_the_node():
 
 def test_verifier_accepts_built_graphs():
     verify(small_mlp())
-    verify(llama.build_graph(tiny_llama_config(), "float32", page_size=4))
+    verify(build_graph(tiny_llama_config(), "float32", page_size=4))
 
 
 def test_verifier_catches_wrong_declared_type():
@@ -108,7 +109,7 @@ def test_printer_lines():
     assert "    %ids: i32[tokens]," in lines
     assert "  @norm.weight: f32[8]" in lines
     assert "  %h = embed(%ids, @embed) : f32[tokens, 8]" in lines
-    assert "  %x = rms_norm(%h, @norm.weight) {eps=1e-05} : f32[tokens, 8]" in lines
+    assert "  %x = rms_norm(%h, @norm.weight) {eps=1e-05, offset=0.0, weight_in_float32=False} : f32[tokens, 8]" in lines
     assert "  %linear1 = linear(%x, @up.weight) : f32[tokens, 16]" in lines
     assert "  %out = cast(%reshape0) {dtype='float16'} : f16[tokens, 2, 4]" in lines
     assert lines[-2:] == ["  return %out", "}"]
@@ -123,7 +124,7 @@ def test_builder_drops_an_absent_trailing_optional_input():
     assert "  %y = linear(%x, @w) : f32[2, 3]" in print_graph(graph).splitlines()
 
 
-@pytest.mark.parametrize("make", [small_mlp, lambda: llama.build_graph(tiny_llama_config(), "float32", 16)],
+@pytest.mark.parametrize("make", [small_mlp, lambda: build_graph(tiny_llama_config(), "float32", 16)],
                          ids=["mlp", "llama"])
 def test_json_round_trip(make):
     g = make()
@@ -169,6 +170,11 @@ def _q4_weight(packed, scale, group):   # written out nibble by nibble, independ
     return w
 
 
+def _torch_gelu_tanh(x):
+    import torch
+    return torch.nn.functional.gelu(torch.from_numpy(np.ascontiguousarray(x)), approximate="tanh").numpy()
+
+
 EXAMPLES = {
     "add": (lambda: _one_node("add", [((3, 4), "float32")] * 2), lambda a: a["in0"] + a["in1"]),
     "mul": (lambda: _one_node("mul", [((3, 4), "float32")] * 2), lambda a: a["in0"] * a["in1"]),
@@ -206,6 +212,12 @@ EXAMPLES = {
               lambda a: a["in0"][:, 2:7]),
     "swiglu": (lambda: _one_node("swiglu", [((3, 8), "float32")]),
                lambda a: a["in0"][:, :4] / (1 + np.exp(-a["in0"][:, :4])) * a["in0"][:, 4:]),
+    "geglu": (lambda: _one_node("geglu", [((3, 8), "float32")]),
+              lambda a: _torch_gelu_tanh(a["in0"][:, :4]) * a["in0"][:, 4:]),
+    "gelu_tanh": (lambda: _one_node("gelu_tanh", [((3, 4), "float32")]), lambda a: _torch_gelu_tanh(a["in0"])),
+    "mul_scalar": (lambda: _one_node("mul_scalar", [((3, 4), "float32")], {"value": 2.5}), lambda a: a["in0"] * 2.5),
+    "softcap": (lambda: _one_node("softcap", [((3, 4), "float32")], {"cap": 0.7}),
+                lambda a: 0.7 * np.tanh(a["in0"] / 0.7)),
     "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
                   lambda a: a["in0"][a["in1"]]),
     "paged_attention": None,   # has its own tests below
@@ -355,3 +367,29 @@ def test_kv_row_quantisation_known_values():
     q, scale = KV_SCHEMES["fp8"].quantize_rows(np.array([[0.25, -1.0, 0.3]], np.float32))
     assert scale.tolist() == [np.float32(1 / 448)]
     assert q.astype(np.float32).tolist() == [[112.0, -448.0, 128.0]]   # 134.4 lies between e4m3's 128 and 144
+
+
+@pytest.mark.parametrize("module,attrs", [
+    ("gemma2.modeling_gemma2.Gemma2RMSNorm", {"offset": 1.0, "weight_in_float32": True}),
+    ("olmo2.modeling_olmo2.Olmo2RMSNorm", {"weight_in_float32": True}),
+    ("llama.modeling_llama.LlamaRMSNorm", {}),
+])
+def test_rms_norm_variants_equal_transformers_in_bfloat16(module, attrs):
+    """Where each family rounds (and Gemma's 1 + w) decides bfloat16 results: compared bit for bit."""
+    import importlib
+    torch = pytest.importorskip("torch")
+    path, cls = module.rsplit(".", 1)
+    norm = getattr(importlib.import_module(f"transformers.models.{path}"), cls)(64, eps=1e-6)
+    rng = np.random.default_rng(3)
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(rng.standard_normal(64).astype(np.float32) * 0.5))
+        norm = norm.to(torch.bfloat16)
+        x = torch.from_numpy(rng.standard_normal((5, 64)).astype(np.float32) * 3).to(torch.bfloat16)
+        want = norm(x).float().numpy()
+    b = GraphBuilder("norm")
+    y = b.op("rms_norm", b.input("x", ("tokens", 64), "bfloat16"), b.param("w", (64,), "bfloat16"), eps=1e-6, **attrs)
+    graph = b.output(y)
+    import ml_dtypes
+    got = interpret(graph, {"x": x.float().numpy().astype(ml_dtypes.bfloat16)},
+                    {"w": norm.weight.detach().float().numpy().astype(ml_dtypes.bfloat16)}.__getitem__)[y]
+    np.testing.assert_array_equal(got.astype(np.float32), want)

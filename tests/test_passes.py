@@ -306,7 +306,7 @@ def specialize_for(target_name):
 def test_specialize_attention_rewrite(heads, variant, target, kernels):
     after = specialize_for(target)(attention_graph(*heads))
     assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-                           f"{{layer=0, scale=0.5, window=0, variant='{variant}', kernel='{kernels[0]}', "
+                           f"{{layer=0, scale=0.5, window=0, softcap=0.0, variant='{variant}', kernel='{kernels[0]}', "
                            f"decode_kernel='{kernels[1]}'}} : f32[tokens, {heads[0]}, 4]"]
 
 
@@ -372,7 +372,7 @@ def test_quantize_kv_rewrite(mode, short):
     assert f"%kv_pages0: {short}[pages, 2, 2, 4, 4]" in text and "%kv_scales0: f32[pages, 2, 2, 4]" in text
     assert after.kv_specs[0] == KVSpec("full", 2, 4, 4, {"int8": "int8", "fp8": "float8_e4m3fn"}[mode], 4, scales="row")
     assert body(after) == ["  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl, %kv_scales0) "
-                           "{layer=0, scale=0.5, window=0, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
+                           "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
 
 
 @pytest.mark.parametrize("mode,peak", [("int8", 127), ("fp8", 448)])
@@ -443,7 +443,7 @@ def test_fuse_rope_attention_rewrite():
     assert body(fuse_rope_attention(rope_attention_graph())) == [
         "  @rope.inv_freq: f32[2]",
         "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-        "{layer=0, scale=0.5, window=0, variant='auto', kernel='auto', decode_kernel='auto', q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
+        "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto', mscale=1.0, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
 
 
 def test_fuse_rope_attention_keeps_outputs():

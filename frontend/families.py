@@ -1,0 +1,156 @@
+"""The model registry: config.json's `model_type` -> how its fields become a DecoderConfig.
+
+Each family is a few lines: the fields every decoder shares are read once (`_common`), and a
+family adds its flags (frontend/decoder.py). Anything kiln cannot run is refused here, at
+compile time, naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kiln.errors import KilnError
+
+from .decoder import DecoderConfig
+from .rope import SUPPORTED_ROPE_TYPES
+
+
+@dataclass(frozen=True)
+class Family:
+    architectures: tuple[str, ...]          # the causal-LM classes of this model_type
+    parse: Callable[[dict, str], DecoderConfig]
+
+
+def need(cfg: dict, key: str, arch: str):
+    if key not in cfg or cfg[key] is None:
+        raise KilnError(f"config.json of {arch} lacks required field {key!r}")
+    return cfg[key]
+
+
+def _rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
+    """rope_theta and the scaling dict, from the v4 (rope_theta, rope_scaling) or v5 (rope_parameters) layout."""
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise KilnError(f"{arch}: rope_scaling type {kind!r} is not supported "
+                            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if kind == "default":
+            scaling = None
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise KilnError(f"{arch}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported")
+    return float(theta), scaling
+
+
+# transformers' activation names -> kiln's gate activations
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _common(cfg: dict, arch: str, model_type: str, **flags) -> DecoderConfig:
+    """The fields every decoder has; `flags` set the family's hooks."""
+    hidden = need(cfg, "hidden_size", arch)
+    heads = need(cfg, "num_attention_heads", arch)
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise KilnError(f"{arch}: hidden activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    theta, scaling = _rope(cfg, arch)
+    return DecoderConfig(
+        architecture=arch, model_type=model_type,
+        vocab_size=need(cfg, "vocab_size", arch),
+        hidden_size=hidden,
+        intermediate_size=need(cfg, "intermediate_size", arch),
+        num_layers=need(cfg, "num_hidden_layers", arch),
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+        mlp_act=ACTIVATIONS[act],
+        **flags)
+
+
+def _windows(cfg: dict, arch: str, every_layer: bool) -> dict:
+    """The sliding window and which layers use it, as transformers decides: every layer when
+    `sliding_window` is set (Mistral), or, behind `use_sliding_window`, the layers `layer_types`
+    names (Qwen2/Qwen3: by default those from `max_window_layers` on)."""
+    layers = need(cfg, "num_hidden_layers", arch)
+    window = cfg.get("sliding_window")
+    if not every_layer and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return {"sliding_window": None, "layer_types": ("full_attention",) * layers}
+    if every_layer:
+        types = ["sliding_attention"] * layers
+    else:
+        first = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(layers)]
+    return {"sliding_window": int(window), "layer_types": checked_layer_types(types, layers, arch)}
+
+
+def checked_layer_types(types, layers: int, arch: str) -> tuple[str, ...]:
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown or len(types) != layers:
+        raise KilnError(f"{arch}: layer_types {list(types)} must name full_attention or sliding_attention for "
+                        f"each of the {layers} layers")
+    return tuple(types)
+
+
+def _llama(cfg: dict, arch: str) -> DecoderConfig:
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+
+
+def _mistral(cfg: dict, arch: str) -> DecoderConfig:
+    return _common(cfg, arch, "mistral", **_windows(cfg, arch, every_layer=True))
+
+
+def _qwen2(cfg: dict, arch: str) -> DecoderConfig:
+    return _common(cfg, arch, "qwen2", qkv_bias=True, **_windows(cfg, arch, every_layer=False))
+
+
+def _qwen3(cfg: dict, arch: str) -> DecoderConfig:
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, "qwen3", qkv_bias=bias, o_bias=bias, qk_norm="head",
+                   **_windows(cfg, arch, every_layer=False))
+
+
+def _olmo2(cfg: dict, arch: str) -> DecoderConfig:
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, "olmo2", qkv_bias=bias, o_bias=bias, qk_norm="all", norm_weight_in_float32=True,
+                   norms={"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"})
+
+
+FAMILIES = {
+    "llama": Family(("LlamaForCausalLM",), _llama),
+    "mistral": Family(("MistralForCausalLM",), _mistral),
+    "qwen2": Family(("Qwen2ForCausalLM",), _qwen2),
+    "qwen3": Family(("Qwen3ForCausalLM",), _qwen3),
+    "olmo2": Family(("Olmo2ForCausalLM",), _olmo2),
+}
+
+
+def supported_architectures() -> list[str]:
+    return [a for family in FAMILIES.values() for a in family.architectures]
+
+
+def parse_config(cfg: dict) -> DecoderConfig:
+    """The DecoderConfig of a config.json, by its model_type; a clear error for anything else."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise KilnError("config.json lacks required field 'architectures'")
+    arch = archs[0]
+    model_type = cfg.get("model_type") or next(
+        (t for t, family in FAMILIES.items() if arch in family.architectures), None)
+    family = FAMILIES.get(model_type)
+    if family is None or arch not in family.architectures:
+        raise KilnError(f"architecture {arch} (model_type {model_type!r}) is not supported "
+                        f"(supported: {', '.join(supported_architectures())})")
+    return family.parse(cfg, arch)
