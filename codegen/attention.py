@@ -18,6 +18,7 @@ from . import tvm_kernels
 from .attention_kernels import KERNELS, choose_kernel
 from .cpu_attention import cpu_paged_attention
 from .kv_append import cpu_kv_append
+from .rope_load import RotaryLoad
 
 
 def step_kernel(target, graph, node, step: str) -> str:
@@ -33,13 +34,12 @@ def kernel_of(ctx, node) -> str:
 
 
 def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
-                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window, softcap,
-                        mscale=1.0):
-    """kiln's CPU kernels over a fused qkv: append K/V (rope on k when `rope`), then attend."""
+                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window, softcap):
+    """kiln's CPU kernels over a fused qkv: append K/V (rope on k as `rope` says, if given), then attend."""
     tokens, page_size, kv_dtype = qkv.ty.shape[0], int(pages.ty.shape[3]), pages.ty.dtype
     scheme = kv_scheme_for(kv_dtype)
     suffix = f"_{scheme.name}" if scheme else ""
-    append = ctx.add_kernel(cpu_kv_append(q_heads, kv_heads, head_dim, page_size, dtype, scheme, rope, mscale),
+    append = ctx.add_kernel(cpu_kv_append(q_heads, kv_heads, head_dim, page_size, dtype, scheme, rope),
                             f"kv_append{suffix}{'_rope' if rope else ''}", scheduled=True)
     if scheme is None:
         pages = ctx.bb.emit(relax.call_tir_inplace(append, [pages, qkv, positions, inv_freq, slots], [0],
@@ -51,7 +51,7 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
         pages = ctx.bb.emit(relax.TupleGetItem(written, 0))
         scales = [ctx.bb.emit(relax.TupleGetItem(written, 1))]
     attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, kv_dtype, rope,
-                                              window, softcap, mscale),
+                                              window, softcap),
                           f"paged_attention{suffix}{'_rope' if rope else ''}{f'_window{window}' if window else ''}"
                           f"{'_softcap' if softcap else ''}", scheduled=True)
     return ctx.bb.emit(relax.call_tir(
@@ -68,8 +68,8 @@ def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots
     a = node.attrs
     return _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
                                last_page_len, kv_scales, a["q_heads"], a["kv_heads"], a["head_dim"],
-                               node.type.dtype, a["scale"], rope=True, window=a["window"], softcap=a["softcap"],
-                               mscale=a["mscale"])
+                               node.type.dtype, a["scale"], window=a["window"], softcap=a["softcap"],
+                               rope=RotaryLoad(a["head_dim"], a["rotary_dim"] or a["head_dim"], a["mscale"]))
 
 
 def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
@@ -85,7 +85,7 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
         no_positions = relax.const(np.zeros(1, np.int32))
         no_freq = relax.const(np.zeros(head_dim // 2, np.float32))
         return _kiln_cpu_attention(ctx, qkv, no_positions, no_freq, pages, slots, q_indptr, page_indptr, page_values,
-                                   last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=False,
+                                   last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=None,
                                    window=node.attrs["window"], softcap=node.attrs["softcap"])
     spec = ctx.graph.kv_specs[node.attrs["layer"]]
     if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step, bool(node.attrs["softcap"])):

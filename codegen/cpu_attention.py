@@ -18,14 +18,15 @@ import functools
 
 from tvm.script import tirx as T
 
-from .rope_load import load_head_element
+from .rope_load import RotaryLoad, load_head_element
 
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
-                        kv_dtype: str | None = None, rope: bool = False, window: int = 0, softcap: float = 0.0,
-                        mscale: float = 1.0):
+                        kv_dtype: str | None = None, rope: RotaryLoad | None = None, window: int = 0,
+                        softcap: float = 0.0):
     group = q_heads // kv_heads
+    freqs = (rope.rotary_dim if rope else head_dim) // 2
     width = (q_heads + 2 * kv_heads) * head_dim
     lowest = -3.0e38
     quantized = kv_dtype is not None and kv_dtype != dtype
@@ -49,7 +50,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 kvh = T.axis.spatial(kv_heads, task % kv_heads)
                 T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b],
                         page_values[0:page_values.shape[0]], qkv[0:qkv.shape[0], 0:width],
-                        positions[0:positions.shape[0]], inv_freq[0:head_dim // 2],
+                        positions[0:positions.shape[0]], inv_freq[0:freqs],
                         pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
                         *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]]))
                 T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
@@ -65,8 +66,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 for i in range(n_q):
                     for g, d in T.grid(group, head_dim):
                         qv[g, d] = load_head_element(qkv, positions, inv_freq, q_start + i,
-                                                     (kvh * group + g) * head_dim, d, head_dim, dtype,
-                                                     rope, mscale) * T.float32(scale)
+                                                     (kvh * group + g) * head_dim, d, dtype,
+                                                     rope) * T.float32(scale)
                         acc[g, d] = T.float32(0)
                     for g in range(group):
                         state[g, 0] = T.float32(lowest)
@@ -103,7 +104,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         total_len, n_pos, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qkv = T.match_buffer(var_qkv, (total_len, width), dtype)
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
-        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
+        inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
         pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
@@ -122,7 +123,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         total_len, n_pos, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qkv = T.match_buffer(var_qkv, (total_len, width), dtype)
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
-        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
+        inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
         pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")

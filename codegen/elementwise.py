@@ -106,7 +106,8 @@ def emit_rope(ctx, node, x, positions, inv_freq):
     """Rotate-half rotary embedding over x [tokens, heads * head_dim]; angles in float32.
     Elementwise in form, so TVM fuses it with the slice of a fused QKV projection before it."""
     dtype, d, mscale = node.type.dtype, node.attrs["head_dim"], node.attrs["mscale"]
-    half = d // 2
+    rotary = node.attrs["rotary_dim"] or d
+    half = rotary // 2
 
     def rope(x, pos, inv):
         def out(t, c):
@@ -114,6 +115,7 @@ def emit_rope(ctx, node, x, positions, inv_freq):
             ang = pos[t].astype("float32") * inv[tirx.truncmod(i, half)]
             partner = tirx.if_then_else(i < half, -x[t, c + half].astype("float32"), x[t, c - half].astype("float32"))
             turned = x[t, c].astype("float32") * tirx.cos(ang) + partner * tirx.sin(ang)
-            return (turned * tirx.const(mscale, "float32") if mscale != 1.0 else turned).astype(dtype)
+            turned = (turned * tirx.const(mscale, "float32") if mscale != 1.0 else turned).astype(dtype)
+            return turned if rotary == d else tirx.if_then_else(i < rotary, turned, x[t, c])
         return te.compute(x.shape, out, name="rope")
     return ctx.bb.emit_te(rope, x, positions, inv_freq, primfunc_name_hint="rope")

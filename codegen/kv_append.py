@@ -18,16 +18,17 @@ from tvm.script import tirx as T
 
 from kiln.ir.quant import KVScheme
 
-from .rope_load import load_head_element
+from .rope_load import RotaryLoad, load_head_element
 
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                  scheme: KVScheme | None, rope: bool, mscale: float = 1.0):
+                  scheme: KVScheme | None, rope: RotaryLoad | None):
     storage = scheme.storage_dtype if scheme else dtype
     qmax = scheme.qmax if scheme else 1.0
     rounds = bool(scheme and scheme.rounds)
     width = (q_heads + 2 * kv_heads) * head_dim
+    freqs = (rope.rotary_dim if rope else head_dim) // 2
 
     def encode(x, scale):            # both variants are parsed: the unscaled one stores x as it is
         if scale is None:
@@ -42,7 +43,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
             with T.sblock("append"):
                 t = T.axis.spatial(tokens, task // kv_heads)
                 h = T.axis.spatial(kv_heads, task % kv_heads)
-                T.reads(slots[t], qkv[t, 0:width], positions[t], inv_freq[0:head_dim // 2])
+                T.reads(slots[t], qkv[t, 0:width], positions[t], inv_freq[0:freqs])
                 T.writes(pages[0:pages.shape[0], 0:2, h, 0:page_size, 0:head_dim],
                          *([] if scales is None else [scales[0:pages.shape[0], 0:2, h, 0:page_size]]))
                 row = T.sblock_alloc_buffer((2, head_dim), "float32")
@@ -54,7 +55,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
                     amax[1] = T.float32(0)
                     for d in range(head_dim):
                         row[0, d] = load_head_element(qkv, positions, inv_freq, t, (q_heads + h) * head_dim, d,
-                                                      head_dim, dtype, rope, mscale)
+                                                      dtype, rope)
                         row[1, d] = T.Cast("float32", qkv[t, (q_heads + kv_heads + h) * head_dim + d])
                         amax[0] = T.max(amax[0], T.fabs(row[0, d]))
                         amax[1] = T.max(amax[1], T.fabs(row[1, d]))
@@ -74,7 +75,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
         pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), storage)
         qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
-        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
+        inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
         slots = T.match_buffer(var_slots, (tokens,), "int32")
         append(pages, None, qkv, positions, inv_freq, slots, tokens)
 
@@ -87,7 +88,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
         scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
         qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
-        inv_freq = T.match_buffer(var_inv_freq, (head_dim // 2,), "float32")
+        inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
         slots = T.match_buffer(var_slots, (tokens,), "int32")
         append(pages, scales, qkv, positions, inv_freq, slots, tokens)
 

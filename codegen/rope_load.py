@@ -1,24 +1,37 @@
 """Rotary embedding applied while a kernel loads a q or k element (no separate rope kernel).
 
 Same arithmetic as the `rope` op's kernel (codegen/elementwise.py emit_rope): rotate-half pairs
-(d, d + D/2), the angle positions[t] * inv_freq[d mod D/2] in float32, the result rounded to the
-model dtype before use, as the separate op would store it.
+(d, d + R/2) over the first R = rotary_dim elements of a head (the rest pass through), the angle
+positions[t] * inv_freq[d mod R/2] in float32, scaled by mscale, the result rounded to the model
+dtype before use, as the separate op would store it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
 
-def load_head_element(x, positions, inv_freq, t, base, d, head_dim: int, dtype: str, rope: bool,
-                      mscale: float = 1.0):
+@dataclass(frozen=True)
+class RotaryLoad:
+    """How a kernel rotates the heads (of head_dim) it loads: rotary_dim leading elements, scaled by mscale."""
+    head_dim: int
+    rotary_dim: int
+    mscale: float = 1.0
+
+
+def load_head_element(x, positions, inv_freq, t, base, d, dtype: str, rope: RotaryLoad | None):
     """float32 value of element d of the head at columns [base, base + head_dim) of row t of x,
-    rotated (and scaled by `mscale`) when `rope` is set."""
+    rotated as `rope` says (None: as stored)."""
     value = T.Cast("float32", x[t, base + d])
-    if not rope:
+    if rope is None:
         return value
-    half = head_dim // 2
+    half = rope.rotary_dim // 2
     angle = T.Cast("float32", positions[t]) * inv_freq[d % half]
     partner = T.if_then_else(d < half, -T.Cast("float32", x[t, base + d + half]),
                              T.Cast("float32", x[t, base + d - half]))
     turned = value * T.cos(angle) + partner * T.sin(angle)
-    return T.Cast("float32", T.Cast(dtype, turned * T.float32(mscale) if mscale != 1.0 else turned))
+    if rope.mscale != 1.0:
+        turned = turned * T.float32(rope.mscale)
+    rotated = T.Cast("float32", T.Cast(dtype, turned))
+    return rotated if rope.rotary_dim == rope.head_dim else T.if_then_else(d < rope.rotary_dim, rotated, value)

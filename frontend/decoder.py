@@ -16,7 +16,8 @@
   fused_projections  the checkpoint stores qkv_proj and gate_up_proj (Phi-3): imported as the
                    fused linears that fuse_qkv / fuse_gate_up would make
   layer_types, sliding_window   which layers attend through a sliding window
-  local_rope_theta   sliding layers rotate with their own base and no scaling (Gemma 3)
+  local_rope_theta, local_rope_scaling   sliding layers rotate with their own rope (Gemma 3)
+  rotary_dim       rope turns only the first rotary_dim elements of each head (Phi-4-mini: 3/4)
 The graph is one ragged engine step: new tokens of many sequences in, chosen rows' logits out.
 """
 from __future__ import annotations
@@ -68,6 +69,8 @@ class DecoderConfig:
     final_softcap: float | None = None
     fused_projections: bool = False
     local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    rotary_dim: int = 0                        # 0: the whole head
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -94,9 +97,10 @@ class DecoderConfig:
 
     def rope(self, local: bool = False) -> tuple:
         """(inverse frequencies, mscale) of the global layers' rope, or of the sliding layers' own."""
+        dim = self.rotary_dim or self.head_dim
         if local:
-            return rope_parameters(self.head_dim, self.local_rope_theta, None, self.max_position_embeddings)
-        return rope_parameters(self.head_dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
+            return rope_parameters(dim, self.local_rope_theta, self.local_rope_scaling, self.max_position_embeddings)
+        return rope_parameters(dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
 
     def computed_weights(self) -> dict:
         """Params computed from the config rather than read from the checkpoint: name -> thunk."""
@@ -120,7 +124,8 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
     logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
     specs = [c.kv_spec(i, dtype, page_size) for i in range(c.num_layers)]
     kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
-    rope_params = {name: b.param(name, (D // 2,), "float32") for name in c.computed_weights()}
+    rotary = c.rotary_dim or D
+    rope_params = {name: b.param(name, (rotary // 2,), "float32") for name in c.computed_weights()}
 
     def linear(x, prefix, n_out, n_in, bias):
         w = b.param(f"{prefix}.weight", (n_out, n_in), dtype)
@@ -159,8 +164,9 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         k = qk_normed(k, f"{p}.self_attn.k_norm.weight", HKV)
         local = c.is_sliding(i) and c.local_rope_theta is not None
         inv, mscale = rope_params[LOCAL_ROPE_PARAM if local else ROPE_PARAM], c.rope(local)[1]
-        q = b.op("reshape", b.op("rope", q, positions, inv, head_dim=D, mscale=mscale), shape=("tokens", HQ, D))
-        k = b.op("reshape", b.op("rope", k, positions, inv, head_dim=D, mscale=mscale), shape=("tokens", HKV, D))
+        turn = {"head_dim": D, "mscale": mscale, "rotary_dim": c.rotary_dim}
+        q = b.op("reshape", b.op("rope", q, positions, inv, **turn), shape=("tokens", HQ, D))
+        k = b.op("reshape", b.op("rope", k, positions, inv, **turn), shape=("tokens", HKV, D))
         v = b.op("reshape", v, shape=("tokens", HKV, D))
         attn = b.op("paged_attention", q, k, v, kv_pages[i], slot_mapping, q_indptr, page_indptr,
                     page_values, last_page_len, layer=i, scale=float(c.attn_scale or D ** -0.5),

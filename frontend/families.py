@@ -27,11 +27,17 @@ def need(cfg: dict, key: str, arch: str):
     return cfg[key]
 
 
-def _rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
-    """rope_theta and the scaling dict, from the v4 (rope_theta, rope_scaling) or v5 (rope_parameters) layout."""
+def _rope(cfg: dict, arch: str, layer_type: str = "full_attention") -> tuple[float, dict | None]:
+    """rope_theta and the scaling dict, from the v4 (rope_theta, rope_scaling) or v5 (rope_parameters,
+    per layer type where the family has several) layout."""
     rope = cfg.get("rope_parameters") or {}
+    if layer_type in rope:
+        rope = rope[layer_type]
+    elif layer_type != "full_attention":              # v4 Gemma 3: a local base, no scaling
+        rope = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    v4_scaling = cfg.get("rope_scaling") if layer_type == "full_attention" else None
+    scaling = v4_scaling or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in SUPPORTED_ROPE_TYPES:
@@ -39,16 +45,24 @@ def _rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         if kind == "default":
             scaling = None
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise KilnError(f"{arch}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported")
     return float(theta), scaling
+
+
+def _rotary_dim(cfg: dict, head_dim: int, arch: str) -> int:
+    """How many leading elements of a head rope turns (partial_rotary_factor); 0 for all of them."""
+    factor = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * factor)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise KilnError(f"{arch}: partial_rotary_factor {factor} gives {dim} rotated elements of {head_dim}; "
+                        "kiln needs an even number")
+    return 0 if dim == head_dim else dim
 
 
 # transformers' activation names -> kiln's gate activations
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _common(cfg: dict, arch: str, model_type: str, **flags) -> DecoderConfig:
+def _common(cfg: dict, arch: str, model_type: str, tied_by_default: bool = False, **flags) -> DecoderConfig:
     """The fields every decoder has; `flags` set the family's hooks."""
     hidden = need(cfg, "hidden_size", arch)
     heads = need(cfg, "num_attention_heads", arch)
@@ -56,6 +70,7 @@ def _common(cfg: dict, arch: str, model_type: str, **flags) -> DecoderConfig:
     if act not in ACTIVATIONS:
         raise KilnError(f"{arch}: hidden activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     theta, scaling = _rope(cfg, arch)
+    head_dim = cfg.get("head_dim") or hidden // heads
     return DecoderConfig(
         architecture=arch, model_type=model_type,
         vocab_size=need(cfg, "vocab_size", arch),
@@ -64,12 +79,13 @@ def _common(cfg: dict, arch: str, model_type: str, **flags) -> DecoderConfig:
         num_layers=need(cfg, "num_hidden_layers", arch),
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
+        rotary_dim=_rotary_dim(cfg, head_dim, arch),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tied_by_default)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         mlp_act=ACTIVATIONS[act],
@@ -128,12 +144,61 @@ def _olmo2(cfg: dict, arch: str) -> DecoderConfig:
                    norms={"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"})
 
 
+def _phi3(cfg: dict, arch: str) -> DecoderConfig:
+    """Phi-3 / Phi-4-mini: qkv_proj and gate_up_proj fused in the checkpoint, LongRoPE (older
+    configs call it "su" or "yarn"), partial rotary, a window on every layer when configured."""
+    scaling = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if scaling.get("rope_type", scaling.get("type")) in ("su", "yarn", "longrope"):
+        scaling["rope_type"] = "longrope"
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    cfg = {**cfg, "rope_scaling": None, "rope_parameters": scaling}
+    return _common(cfg, arch, "phi3", fused_projections=True, **_windows(cfg, arch, every_layer=True))
+
+
+GEMMA_NORMS = {"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
+               "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"}
+
+
+def _gemma(cfg: dict, arch: str, model_type: str, window_pattern: int, **flags) -> DecoderConfig:
+    """Gemma 2 and 3: norms before and after attention and the MLP, weights stored as offsets
+    from 1, embeddings × sqrt(hidden), GeGLU, sliding layers in a fixed pattern."""
+    if cfg.get("use_bidirectional_attention"):
+        raise KilnError(f"{arch}: use_bidirectional_attention is not supported (kiln runs causal decoders)")
+    layers = need(cfg, "num_hidden_layers", arch)
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % window_pattern else "full_attention"
+                                       for i in range(layers)]
+    if not window:
+        types = ["full_attention"] * layers
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, model_type, tied_by_default=True, qkv_bias=bias, o_bias=bias, norms=GEMMA_NORMS,
+                   norm_offset=1.0, norm_weight_in_float32=True, embed_scale=True,
+                   attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+                   sliding_window=int(window) if window else None,
+                   layer_types=checked_layer_types(types, layers, arch), **flags)
+
+
+def _gemma2(cfg: dict, arch: str) -> DecoderConfig:
+    return _gemma(cfg, arch, "gemma2", 2, attn_softcap=cfg.get("attn_logit_softcapping", 50.0),
+                  final_softcap=cfg.get("final_logit_softcapping", 30.0))
+
+
+def _gemma3(cfg: dict, arch: str) -> DecoderConfig:
+    local_theta, local_scaling = _rope(cfg, arch, "sliding_attention")
+    return _gemma(cfg, arch, "gemma3_text", cfg.get("sliding_window_pattern", 6), qk_norm="head",
+                  attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"),
+                  local_rope_theta=local_theta, local_rope_scaling=local_scaling)
+
+
 FAMILIES = {
     "llama": Family(("LlamaForCausalLM",), _llama),
     "mistral": Family(("MistralForCausalLM",), _mistral),
     "qwen2": Family(("Qwen2ForCausalLM",), _qwen2),
     "qwen3": Family(("Qwen3ForCausalLM",), _qwen3),
     "olmo2": Family(("Olmo2ForCausalLM",), _olmo2),
+    "phi3": Family(("Phi3ForCausalLM",), _phi3),
+    "gemma2": Family(("Gemma2ForCausalLM",), _gemma2),
+    "gemma3_text": Family(("Gemma3ForCausalLM",), _gemma3),
 }
 
 

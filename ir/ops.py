@@ -389,30 +389,35 @@ def _rms_norm():
     return rule, ref
 
 
-@op("rope", ["x", "positions", "inv_freq"], {"head_dim": REQUIRED, "mscale": 1.0})
+@op("rope", ["x", "positions", "inv_freq"], {"head_dim": REQUIRED, "mscale": 1.0, "rotary_dim": 0})
 def _rope():
-    """Rotary embedding, rotate-half layout, on x [tokens, heads * head_dim]: each head of token t
-    rotated by positions[t] * inv_freq (dims i and i + head_dim/2 form a pair), and scaled by
-    `mscale` (YaRN's and LongRoPE's attention factor, which transformers folds into cos and sin)."""
+    """Rotary embedding, rotate-half layout, on x [tokens, heads * head_dim]: the first R =
+    rotary_dim elements of each head of token t (all when 0) rotated by positions[t] * inv_freq
+    (elements i and i + R/2 form a pair) and scaled by `mscale` (YaRN's and LongRoPE's attention
+    factor, which transformers folds into cos and sin); the other head_dim - R pass through."""
     def rule(types, attrs, fail):
         x, pos, inv = types
         d = attrs["head_dim"]
-        if x.rank != 2 or not isinstance(x.shape[1], int) or x.shape[1] % d or d % 2:
-            fail(f"x must be [tokens, heads * {d}], got {x}")
+        r = attrs["rotary_dim"] or d
+        if x.rank != 2 or not isinstance(x.shape[1], int) or x.shape[1] % d or r % 2 or not 0 < r <= d:
+            fail(f"x must be [tokens, heads * {d}] with an even rotary_dim <= {d}, got {x}, rotary_dim {r}")
         if pos.dtype != "int32" or pos.shape != (x.shape[0],):
             fail(f"positions must be i32[{x.shape[0]}], got {pos}")
-        if inv.dtype != "float32" or inv.shape != (d // 2,):
-            fail(f"inv_freq must be f32[{d // 2}], got {inv}")
+        if inv.dtype != "float32" or inv.shape != (r // 2,):
+            fail(f"inv_freq must be f32[{r // 2}], got {inv}")
         return x
 
     def ref(x, at, ty, dims):
         d = at["head_dim"]
+        r = at["rotary_dim"] or d
         v = _f32(x[0]).reshape(x[0].shape[0], -1, d)                                # [T, H, D]
-        ang = np.asarray(x[1], np.float32)[:, None] * _f32(x[2])[None, :]       # [T, D/2]
+        turn, keep = v[..., :r], v[..., r:]
+        ang = np.asarray(x[1], np.float32)[:, None] * _f32(x[2])[None, :]       # [T, R/2]
         cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
         sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
-        rotated = np.concatenate([-v[..., d // 2:], v[..., :d // 2]], -1)
-        return _as(((v * cos + rotated * sin) * np.float32(at["mscale"])).reshape(x[0].shape), ty)
+        rotated = np.concatenate([-turn[..., r // 2:], turn[..., :r // 2]], -1)
+        turned = (turn * cos + rotated * sin) * np.float32(at["mscale"])
+        return _as(np.concatenate([turned, keep], -1).reshape(x[0].shape), ty)
     return rule, ref
 
 
@@ -516,7 +521,7 @@ def _paged_attention():
     ["qkv", "positions", "inv_freq", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values",
      "last_page_len", "kv_scales?"],
     {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernel": "auto",
-     "decode_kernel": "auto", "mscale": 1.0, "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
+     "decode_kernel": "auto", "mscale": 1.0, "rotary_dim": 0, "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
 def _paged_attention_fused():
     """paged_attention over the parts of one fused projection, rope applied inside: with
     D = head_dim, Hq = q_heads, Hkv = kv_heads and qkv [tokens, (Hq + 2 Hkv) D],
@@ -534,7 +539,8 @@ def _paged_attention_fused():
         if qkv.rank != 2 or qkv.shape[1] != ranges[2][1] * d:
             fail(f"qkv must be [tokens, {ranges[2][1] * d}] for {attrs['q_heads']}/{attrs['kv_heads']} heads "
                  f"of {d}, got {qkv}")
-        OPS["rope"].type_rule([TensorType((qkv.shape[0], d), qkv.dtype), pos, inv], {"head_dim": d}, fail)
+        OPS["rope"].type_rule([TensorType((qkv.shape[0], d), qkv.dtype), pos, inv],
+                              {"head_dim": d, "rotary_dim": attrs["rotary_dim"]}, fail)
         q, k = (TensorType((qkv.shape[0], hi - lo, d), qkv.dtype) for lo, hi in ranges[:2])
         return OPS["paged_attention"].type_rule([q, k, k, *types[3:]], attrs, fail)
 
@@ -544,14 +550,15 @@ def _paged_attention_fused():
         qkv, pos, inv, pages, slots, qi, pi, pv, lpl = x[:9]
         scales = x[9] if len(x) > 9 else None
         d, (_, k_heads, v_heads) = parts(at)
-        half, page_size, dtype = d // 2, pages.shape[3], numpy_dtype(ty.dtype)
+        r = at["rotary_dim"] or d
+        half, page_size, dtype = r // 2, pages.shape[3], numpy_dtype(ty.dtype)
         heads = _f32(qkv).reshape(qkv.shape[0], -1, d)                          # [T, Hq + 2 Hkv, D]
 
         def rotated(t: int, h: int) -> np.ndarray:     # head h of token t turned by pos[t] * inv_freq
             ang = np.float32(pos[t]) * _f32(inv)
-            a, b = heads[t, h, :half], heads[t, h, half:]
+            a, b = heads[t, h, :half], heads[t, h, half:r]
             turned = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)])
-            return (turned * np.float32(at["mscale"])).astype(dtype)
+            return np.concatenate([turned * np.float32(at["mscale"]), heads[t, h, r:]]).astype(dtype)
 
         scheme = kv_scheme_for(pages.dtype.name)
         for t, slot in enumerate(slots.tolist()):

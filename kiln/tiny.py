@@ -70,6 +70,24 @@ FAMILIES = {
                                                                         "original_max_position_embeddings": 1024}}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),              # per-head q/k RMSNorm before rope
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),              # post-norm blocks, q/k norm over all heads
+    # qkv_proj and gate_up_proj stored fused, LongRoPE (short factors, mscale from 4x the original
+    # context), rope on the first 3/4 of each head (Phi-4-mini)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "pad_token_id": 0, "max_position_embeddings": 16384, "original_max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0 + i / 40 for i in range(12)],
+                            "long_factor": [1.0 + i for i in range(12)]}}),
+    # GeGLU, (1 + w) norms around attention and the MLP, scaled embeddings, soft-capped scores and
+    # logits (caps small enough to bite at these sizes), layer 0 windowed (6), layer 1 global
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 6, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+                                                     "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # Gemma 2's blocks with q/k norm, 3 layers of which layer 2 is global, a local rope base of its
+    # own and linear rope scaling on the global layer only
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "num_hidden_layers": 3, "sliding_window": 5, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}),
 }
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

@@ -58,5 +58,6 @@ def fuse_rope_attention(graph: Graph) -> Graph:
             continue
         node.op = "paged_attention_fused"
         node.inputs = [source, *q_rope.inputs[1:], *node.inputs[3:]]
-        node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+        node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "rotary_dim": q_rope.attrs["rotary_dim"],
+                      "q_heads": hq, "kv_heads": hkv, "head_dim": d}
     return drop_dead_nodes(graph)

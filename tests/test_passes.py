@@ -443,7 +443,7 @@ def test_fuse_rope_attention_rewrite():
     assert body(fuse_rope_attention(rope_attention_graph())) == [
         "  @rope.inv_freq: f32[2]",
         "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-        "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto', mscale=1.0, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
+        "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto', mscale=1.0, rotary_dim=0, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
 
 
 def test_fuse_rope_attention_keeps_outputs():
