@@ -1,13 +1,16 @@
 """CPU decode: kiln (per quantisation mode, batch 1 and 8) beside HF transformers, and beside the
 memory-bandwidth limit; compile time, artifact size and kernel launches per step.
 
-    python bench/decode_cpu.py [--preset tiny|llama-3.2-1b] [--modes f32,bf16,q8] [--threads N]
-                               [--new-tokens 32] [--repeats 3] [--no-fusion]
+    python bench/decode_cpu.py [--preset tiny|llama-3.2-1b|gemma-2-2b|qwen3-1.7b] [--modes f32,bf16,q8]
+                               [--threads N] [--new-tokens 32] [--repeats 3] [--hf-dtype float32]
 
 Everything runs in this process with the same thread count (default: $TVM_NUM_THREADS, else every
 core, as `kiln run`); numbers are medians of --repeats.
 "Limit" is this machine's streaming bandwidth (np.copyto of 1 GiB, read + write, measured in the
 same run) divided by the weight bytes one decode step reads; "of limit" is kiln's share of it.
+The KV table gives each artifact's KV bytes per token (every layer, as its KVSpec stores it) and what
+one sequence holds at a 4k-token context with and without dropping pages outside every layer's
+sliding window (the page pool's own accounting).
 """
 from __future__ import annotations
 
@@ -59,6 +62,18 @@ def _prod(shape):
     return n
 
 
+def kv_at_context(mode: str, llm, context: int) -> list:
+    """KV bytes per token, and the bytes one sequence of `context` tokens holds without and with the
+    pool dropping pages outside every layer's window (computed `max_batched_tokens` at a time)."""
+    model, pool = llm.model, llm.engine.pool
+    kinds = sorted({f"{s.kind}{f' {s.window}' if s.window else ''}" for s in model.kv_specs})
+    page_bytes = model.bytes_per_page
+    every = pool.pages_for(context) * page_bytes
+    live = pool.live_pages_for(context, llm.engine.scheduler.max_batched_tokens) * page_bytes
+    return [mode, f"{len(model.kv_specs)} ({', '.join(kinds)})", model.bytes_per_token,
+            f"{every / 2**20:.1f} MiB", f"{live / 2**20:.1f} MiB"]
+
+
 def decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> float:
     rates = []
     for _ in range(repeats):
@@ -69,7 +84,9 @@ def decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="tiny", choices=["tiny", "llama-3.2-1b"])
+    from kiln.tiny import PRESETS
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--modes", default="f32,bf16,q8,q4")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", type=int, default=None, help="default: $TVM_NUM_THREADS, else every core")
@@ -97,7 +114,7 @@ def main() -> None:
     prompts = [np.random.default_rng(i).integers(3, 500, args.prompt_len).tolist() for i in range(max(batches))]
     bandwidth = copy_bandwidth()
 
-    rows, greedy = [], {}
+    rows, greedy, kv_rows = [], {}, []
     for mode in args.modes.split(","):
         dtype, quant, kv = MODES[mode]
         t0 = time.perf_counter()
@@ -113,6 +130,7 @@ def main() -> None:
             greedy[mode] = reqs[0].outputs[0].token_ids
             return max(r.metrics.first_token_time for r in reqs), max(r.metrics.finish_time for r in reqs)
         generate(1, 4)                                                                    # warm-up
+        kv_rows.append(kv_at_context(mode, llm, 4096))
         limit = bandwidth / step_weight_bytes(manifest)
         for batch in batches:
             rate = decode_rate(generate, batch, args.new_tokens, args.repeats)
@@ -121,7 +139,7 @@ def main() -> None:
                          f"{rate / (limit * batch):.0%}"])
         del llm
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.hf_dtype)).eval()
     hf_rates = {}
     with torch.no_grad():
         def hf_generate(batch, new_tokens):
@@ -142,11 +160,15 @@ def main() -> None:
     print(f"\n{args.preset}: {args.threads} threads, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
           f"median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print("| mode | batch | compile (s) | artifact (MiB) | launches/step | kiln tok/s | limit tok/s | of limit "
-          "| HF fp32 tok/s | kiln / HF |")
+          f"| HF {args.hf_dtype} tok/s | kiln / HF |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         hf_rate = hf_rates[r[1]]
         print("| " + " | ".join(map(str, r)) + f" | {hf_rate:.2f} | {float(r[5]) / hf_rate:.2f}x |")
+    print("\n| mode | KV layers | KV bytes/token | one sequence at 4k tokens: all pages | with window freeing |")
+    print("|---|---|---|---|---|")
+    for r in kv_rows:
+        print("| " + " | ".join(map(str, r)) + " |")
     print("greedy tokens equal to HF: " + ", ".join(f"{m}: {'yes' if greedy[m] == greedy['hf'] else 'no'}"
                                                      for m in args.modes.split(",")))
 

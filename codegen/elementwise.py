@@ -102,6 +102,46 @@ def emit_rms_norm(ctx, node, x, weight):
     return ctx.bb.emit_te(rms_norm, x, weight, primfunc_name_hint="rms_norm")
 
 
+def emit_qk_norm(ctx, node, qkv, q_weight, k_weight):
+    """RMSNorm of qkv's q and k columns (per head, or over each part), v passed through; one kernel."""
+    a, dtype = node.attrs, node.type.dtype
+    hq, hkv, d, per_head = a["q_heads"], a["kv_heads"], a["head_dim"], a["per_head"]
+    eps, offset, weight_in_float32 = a["eps"], a["offset"], a["weight_in_float32"]
+
+    def qk_norm(x, qw, kw):
+        tokens = x.shape[0]
+        normed_cols = (hq + hkv) * d             # q and k; v's columns after them pass through
+        if per_head:
+            k = te.reduce_axis((0, d), "k")
+            sq = te.compute((tokens, hq + hkv), lambda t, g: te.sum(
+                x[t, g * d + k].astype("float32") * x[t, g * d + k].astype("float32"), axis=k), name="sumsq")
+        else:
+            def square(t, c):
+                return x[t, c].astype("float32") * x[t, c].astype("float32")
+            kq, kk = te.reduce_axis((0, hq * d), "kq"), te.reduce_axis((0, hkv * d), "kk")
+            sq_q = te.compute((tokens,), lambda t: te.sum(square(t, kq), axis=kq), name="sumsq_q")
+            sq_k = te.compute((tokens,), lambda t: te.sum(square(t, hq * d + kk), axis=kk), name="sumsq_k")
+
+        def out(t, c):
+            inside = c < normed_cols
+            col = tirx.min(c, normed_cols - 1)
+            if per_head:
+                total, n = sq[t, tirx.truncdiv(col, d)], tirx.const(float(d), "float32")
+                w = tirx.if_then_else(col < hq * d, qw[tirx.truncmod(col, d)], kw[tirx.truncmod(col, d)])
+            else:
+                in_q = col < hq * d
+                total = tirx.if_then_else(in_q, sq_q[t], sq_k[t])
+                n = tirx.if_then_else(in_q, tirx.const(float(hq * d), "float32"), tirx.const(float(hkv * d), "float32"))
+                w = tirx.if_then_else(in_q, qw[tirx.min(col, hq * d - 1)], kw[tirx.max(col - hq * d, 0)])
+            normed = x[t, c].astype("float32") * tirx.rsqrt(total / n + tirx.const(eps, "float32"))
+            if not weight_in_float32:
+                normed = normed.astype(dtype).astype("float32")
+            scale = w.astype("float32") + tirx.const(offset, "float32") if offset else w.astype("float32")
+            return tirx.if_then_else(inside, (normed * scale).astype(dtype), x[t, c])
+        return te.compute(x.shape, out, name="qk_norm")
+    return ctx.bb.emit_te(qk_norm, qkv, q_weight, k_weight, primfunc_name_hint="qk_norm")
+
+
 def emit_rope(ctx, node, x, positions, inv_freq):
     """Rotate-half rotary embedding over x [tokens, heads * head_dim]; angles in float32.
     Elementwise in form, so TVM fuses it with the slice of a fused QKV projection before it."""

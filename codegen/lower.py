@@ -131,6 +131,7 @@ LOWERINGS = {
     "embed_fp8": _emit_embed,
     "take_rows": elementwise.emit_take_rows,
     "rms_norm": elementwise.emit_rms_norm,
+    "qk_norm": elementwise.emit_qk_norm,
     "rope": elementwise.emit_rope,
     "linear": _emit_linear,
     "linear_q8": _emit_linear,

@@ -600,6 +600,42 @@ def _paged_attention_fused():
 ATTENTION_OPS = ("paged_attention", "paged_attention_fused")     # both: kv_pages at input 3, kv_scales at 9
 
 
+@op("qk_norm", ["qkv", "q_weight", "k_weight"],
+    {"q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED, "per_head": REQUIRED, "eps": REQUIRED,
+     "offset": 0.0, "weight_in_float32": False})
+def _qk_norm():
+    """RMSNorm of the q and k columns of a fused projection qkv [tokens, (Hq + 2 Hkv) D], v passed
+    through: per head over D with weights [D] (`per_head`, Qwen3 and Gemma 3), or over all of q's
+    Hq·D and all of k's Hkv·D columns with weights of those widths (OLMo 2). Each norm computes as
+    rms_norm does: normalised in float32, scaled by (offset + weight), rounded to qkv's dtype once
+    (weight_in_float32) or before the scaling too."""
+    def rule(types, attrs, fail):
+        qkv, qw, kw = types
+        d, hq, hkv = attrs["head_dim"], attrs["q_heads"], attrs["kv_heads"]
+        _need_float(qkv, "qkv", fail)
+        if qkv.rank != 2 or qkv.shape[1] != (hq + 2 * hkv) * d:
+            fail(f"qkv must be [tokens, {(hq + 2 * hkv) * d}], got {qkv}")
+        want_q, want_k = ((d,), (d,)) if attrs["per_head"] else ((hq * d,), (hkv * d,))
+        if qw.shape != want_q or kw.shape != want_k or qw.dtype != qkv.dtype or kw.dtype != qkv.dtype:
+            fail(f"q/k weights must be {qkv.dtype}{list(want_q)} and {list(want_k)}, got {qw}, {kw}")
+        return qkv
+
+    def ref(x, at, ty, dims):
+        d, hq, hkv = at["head_dim"], at["q_heads"], at["kv_heads"]
+        qkv = _f32(x[0])
+        out = qkv.copy()
+        for lo, heads, w in ((0, hq, _f32(x[1])), (hq * d, hkv, _f32(x[2]))):
+            part = qkv[:, lo:lo + heads * d]
+            part = part.reshape(len(part), heads, d) if at["per_head"] else part
+            mean_sq = np.mean(part * part, axis=-1, keepdims=True)
+            normed = part / np.sqrt(mean_sq + np.float32(at["eps"]))
+            if not at["weight_in_float32"]:
+                normed = _f32(_as(normed, ty))
+            out[:, lo:lo + heads * d] = (normed * (w + np.float32(at["offset"]))).reshape(len(part), -1)
+        return _as(out, ty)
+    return rule, ref
+
+
 @op("take_rows", ["x", "rows"])
 def _take_rows():
     """x[rows]: the rows of the tokens whose logits are wanted (each sequence's last)."""

@@ -104,8 +104,17 @@ PRESETS = {
     "llama-3.1-8b": ("llama31", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                      vocab_size=128256)),
+    # issue 12's CPU benchmark shapes (bfloat16 checkpoints written tensor by tensor)
+    "gemma-2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                  sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                                  final_logit_softcapping=30.0, tie_word_embeddings=True,
+                                  max_position_embeddings=8192)),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)),
 }
-STREAMED = {"llama-3.1-8b"}
+STREAMED = {"llama-3.1-8b", "gemma-2-2b", "qwen3-1.7b"}
 
 LOGIT_STD = 4.0   # target std of the logits of a normalised hidden state
 

@@ -5,7 +5,7 @@ Rewrite:
   ->
     %gu = linear(%x, @wgu)   %y = swiglu(%gu)        @wgu = concat(@wg, @wu, axis=0)
 and the same with gelu_tanh in place of silu, giving geglu.
-Requires: %g and %s used only on this path, both linears read %x with plain weight params of the
+Requires: %g and %s (the activation) used only on this path, both linears read %x with plain weight params of the
   same shape and dtype, neither or both with a bias.
 Leaves: %y keeps its name, so its consumers are unchanged.
 """
@@ -25,21 +25,21 @@ def _bias(linear: Node) -> str | None:
 
 def _match(graph: Graph, mul: Node, use: dict):
     producers = {n.output: n for n in graph.nodes}
-    for silu_name, up_name in (mul.inputs, mul.inputs[::-1]):
-        silu, up = producers.get(silu_name), producers.get(up_name)
-        if not (silu and up and silu.op in GATED and up.op == "linear"):
+    for act_name, up_name in (mul.inputs, mul.inputs[::-1]):
+        act, up = producers.get(act_name), producers.get(up_name)
+        if not (act and up and act.op in GATED and up.op == "linear"):
             continue
-        gate = producers.get(silu.inputs[0])
+        gate = producers.get(act.inputs[0])
         if not (gate and gate.op == "linear" and gate.inputs[0] == up.inputs[0]):
             continue
-        if len(use[gate.output]) != 1 or len(use[silu.output]) != 1 or len(use[up.output]) != 1:
+        if len(use[gate.output]) != 1 or len(use[act.output]) != 1 or len(use[up.output]) != 1:
             continue
         wg, wu = graph.params.get(gate.inputs[1]), graph.params.get(up.inputs[1])
         if not (wg and wu) or wg.recipe or wu.recipe or wg.type != wu.type:
             continue
         if (_bias(gate) is None) != (_bias(up) is None):
             continue
-        return gate, up, silu
+        return gate, up, act
     return None
 
 
@@ -50,7 +50,7 @@ def fuse_gate_up(graph: Graph) -> Graph:
         found = _match(graph, mul, use)
         if not found:
             continue
-        gate, up, silu = found
+        gate, up, act = found
         parts = ("gate_proj", "up_proj")
         inputs = [gate.inputs[0], _fused_param(graph, [gate.inputs[1], up.inputs[1]], parts, "gate_up_proj")]
         if _bias(gate):
@@ -59,8 +59,8 @@ def fuse_gate_up(graph: Graph) -> Graph:
         fused = Node("linear", inputs, {}, fresh_name(graph, "gate_up"),
                      TensorType(gate.type.shape[:-1] + (width,), gate.type.dtype))
         first = min(graph.nodes.index(gate), graph.nodes.index(up))
-        for dead in (gate, up, silu):
+        for dead in (gate, up, act):
             graph.nodes.remove(dead)
         graph.nodes.insert(first, fused)
-        mul.op, mul.inputs, mul.attrs = GATED[silu.op], [fused.output], {}
+        mul.op, mul.inputs, mul.attrs = GATED[act.op], [fused.output], {}
     return drop_unused_params(graph)

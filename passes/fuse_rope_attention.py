@@ -9,8 +9,16 @@ Rewrite (D = head_dim, Hq query heads, Hkv KV heads):
   ->
     %o = paged_attention_fused(%qkv, %pos, @inv_freq, %pages, …) {layer, scale, variant, q_heads=Hq,
                                                                   kv_heads=Hkv, head_dim=D}
+With RMSNorm on q and k before rope (Qwen3, Gemma 3: per head, over reshapes to [tokens, H, D];
+OLMo 2: over all heads), the norms become one qk_norm over the fused projection, and attention
+reads its output:
+    %qn = rms_norm(reshape(%q), @q_norm)   %kn = rms_norm(reshape(%k), @k_norm)   (then rope, …)
+  ->
+    %qkvn = qk_norm(%qkv, @q_norm, @k_norm) {per_head=True, …}
+    %o = paged_attention_fused(%qkvn, %pos, @inv_freq, %pages, …) {…}
 Requires: q, k, v are those slices of one value, which is exactly [tokens, (Hq + 2 Hkv)·D]; q and k
-  rotated with the same positions, frequencies and mscale; the reshapes only split heads.
+  rotated with the same positions, frequencies and mscale, and normed (if at all) alike; the
+  reshapes only split heads.
 Leaves: the attention output unchanged; the slices, ropes and reshapes are dropped once nothing
   else reads them.
 """
@@ -18,7 +26,10 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node
 
-from .rewrite import drop_dead_nodes, editable_copy
+from .rewrite import drop_dead_nodes, editable_copy, fresh_name
+
+NORM_CHAINS = {          # how rope's input reaches the slice: none, per-head norm, all-head norm
+    None: ("slice",), True: ("reshape", "rms_norm", "reshape", "slice"), False: ("rms_norm", "slice")}
 
 
 def _producer_chain(producers: dict[str, Node], name: str, ops: tuple[str, ...]) -> list[Node] | None:
@@ -33,20 +44,32 @@ def _producer_chain(producers: dict[str, Node], name: str, ops: tuple[str, ...])
     return chain
 
 
+def _rotated_part(producers, name: str):
+    """(rope node, its norm or None, per_head, slice) when `name` is reshape(rope(…)) over a slice,
+    directly or through an RMSNorm."""
+    for per_head, chain in NORM_CHAINS.items():
+        nodes = _producer_chain(producers, name, ("reshape", "rope", *chain))
+        if nodes:
+            norm = next((n for n in nodes[2:] if n.op == "rms_norm"), None)
+            return nodes[1], norm, per_head, nodes[-1]
+    return None
+
+
 def fuse_rope_attention(graph: Graph) -> Graph:
     graph = editable_copy(graph)
     producers = {n.output: n for n in graph.nodes}
     types = graph.value_types()
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op != "paged_attention":
             continue
-        q_chain = _producer_chain(producers, node.inputs[0], ("reshape", "rope", "slice"))
-        k_chain = _producer_chain(producers, node.inputs[1], ("reshape", "rope", "slice"))
+        q_part, k_part = _rotated_part(producers, node.inputs[0]), _rotated_part(producers, node.inputs[1])
         v_chain = _producer_chain(producers, node.inputs[2], ("reshape", "slice"))
-        if not (q_chain and k_chain and v_chain):
+        if not (q_part and k_part and v_chain):
             continue
-        q_rope, k_rope = q_chain[1], k_chain[1]
-        slices = [q_chain[2], k_chain[2], v_chain[1]]
+        (q_rope, q_norm, per_head, q_slice), (k_rope, k_norm, k_per_head, k_slice) = q_part, k_part
+        if per_head != k_per_head or (q_norm and q_norm.attrs != k_norm.attrs):
+            continue
+        slices = [q_slice, k_slice, v_chain[1]]
         source = slices[0].inputs[0]
         tokens, hq, d = types[node.inputs[0]].shape
         hkv = types[node.inputs[1]].shape[1]
@@ -56,6 +79,15 @@ def fuse_rope_attention(graph: Graph) -> Graph:
         if types[source].shape[1:] != ((hq + 2 * hkv) * d,) or q_rope.inputs[1:] != k_rope.inputs[1:] \
                 or q_rope.attrs != k_rope.attrs or q_rope.attrs["head_dim"] != d:
             continue
+        if q_norm:
+            widths = ((d,), (d,)) if per_head else ((hq * d,), (hkv * d,))
+            if (types[q_norm.inputs[1]].shape, types[k_norm.inputs[1]].shape) != widths:
+                continue
+            normed = Node("qk_norm", [source, q_norm.inputs[1], k_norm.inputs[1]],
+                          {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "per_head": per_head, **q_norm.attrs},
+                          fresh_name(graph, "qk_norm"), types[source])
+            graph.nodes.insert(graph.nodes.index(node), normed)
+            source = normed.output
         node.op = "paged_attention_fused"
         node.inputs = [source, *q_rope.inputs[1:], *node.inputs[3:]]
         node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "rotary_dim": q_rope.attrs["rotary_dim"],

@@ -32,3 +32,20 @@ def llama_cpu(make_model, tmp_path_factory):
     compile_model(model_dir, artifact, target="cpu", show=None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     return artifact, hf
+
+
+@pytest.fixture(scope="session")
+def compiled_family(make_model, tmp_path_factory):
+    """compiled_family(family, **compile options) -> the artifact of that tiny model compiled for the
+    CPU, built once per family and options."""
+    from kiln.compiler import compile_model
+    built: dict[tuple, Path] = {}
+
+    def get(family: str, **options) -> Path:
+        key = (family, tuple(sorted(options.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{family}-cpu") / "artifact"
+            compile_model(make_model(family), out, target="cpu", show=None, **options)
+            built[key] = out
+        return built[key]
+    return get

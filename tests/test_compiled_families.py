@@ -26,10 +26,17 @@ def hf_logits(model_dir, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()       # every position: [len, vocab]
 
 
+def open_artifact(artifact):
+    from kiln.runtime.model import CompiledModel
+    model = CompiledModel(artifact)
+    model.allocate_kv(16 * model.bytes_per_page)
+    return model
+
+
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"llama"}))     # llama: tests/test_compiled_cpu.py
-def test_family_prefill_and_decode(make_model, tmp_path, family):
+def test_family_prefill_and_decode(make_model, compiled_family, family):
     model_dir = make_model(family)
-    model = compile_and_open(model_dir, tmp_path / "a")
+    model = open_artifact(compiled_family(family))
     ids = np.random.default_rng(3).integers(3, 500, 40).tolist()
     ref = hf_logits(model_dir, ids)
     pages = [4, 0, 9]
@@ -86,3 +93,39 @@ def test_sharded_checkpoint_gives_the_same_artifact_weights(make_model, tmp_path
     a, b = load_hf_model(src), load_hf_model(sharded)
     for name in a.build_graph("float32", 16).params:
         np.testing.assert_array_equal(a.weight(name, "float32"), b.weight(name, "float32"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_greedy_generation_equals_transformers(make_model, compiled_family, family):
+    """The engine end to end, chunked prefill of a prompt longer than every tiny window."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    from reference import hf_greedy_uncached, random_prompt
+    hf = transformers.AutoModelForCausalLM.from_pretrained(make_model(family), attn_implementation="eager").eval()
+    llm = LLM(compiled_family(family), kv_memory="8MiB", max_batched_tokens=8)
+    ids = random_prompt(30, 7)
+    [out] = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert out.outputs[0].token_ids == hf_greedy_uncached(hf, ids, 12)
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"qwen2", "qwen2_window"}))    # those: tests/test_quant.py
+def test_quantised_family_matches_interpreter_on_the_same_quantised_weights(make_model, compiled_family, family,
+                                                                            quant):
+    """A prefill then a decode step: codegen error alone, the quantised weights being the same."""
+    from kiln.frontend import load_hf_model
+    from kiln.ir import interpret, weight_loader
+    from kiln.passes import run_pipeline
+    from paging import make_kv_pages
+    model = open_artifact(compiled_family(family, quant=quant))
+    hf_model = load_hf_model(make_model(family))
+    graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cpu", quant=quant)
+    weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
+    c = hf_model.config
+    kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, model.page_size, c.head_dim)
+    ids = np.random.default_rng(5).integers(3, 500, 29).tolist()
+    for step in (make_step_inputs([(ids, 0, [1, 6])], model.page_size),
+                 make_step_inputs([([7], 29, [1, 6])], model.page_size)):
+        want = interpret(graph, {**step, **kv}, weights)["logits"]
+        got = model.forward(step)
+        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4

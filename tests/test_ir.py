@@ -170,6 +170,12 @@ def _q4_weight(packed, scale, group):   # written out nibble by nibble, independ
     return w
 
 
+def _head_rms(x, w):
+    """Per-head RMSNorm of x [T, H * 4] in float64."""
+    heads = x.reshape(len(x), -1, 4).astype(np.float64)
+    return (heads / np.sqrt((heads ** 2).mean(-1, keepdims=True) + 1e-6) * w).reshape(len(x), -1)
+
+
 def _torch_gelu_tanh(x):
     import torch
     return torch.nn.functional.gelu(torch.from_numpy(np.ascontiguousarray(x)), approximate="tanh").numpy()
@@ -218,6 +224,10 @@ EXAMPLES = {
     "mul_scalar": (lambda: _one_node("mul_scalar", [((3, 4), "float32")], {"value": 2.5}), lambda a: a["in0"] * 2.5),
     "softcap": (lambda: _one_node("softcap", [((3, 4), "float32")], {"cap": 0.7}),
                 lambda a: 0.7 * np.tanh(a["in0"] / 0.7)),
+    "qk_norm": (lambda: _one_node("qk_norm", [((3, 16), "float32"), ((4,), "float32"), ((4,), "float32")],
+                                  {"q_heads": 2, "kv_heads": 1, "head_dim": 4, "per_head": True, "eps": 1e-6}),
+                lambda a: np.concatenate([_head_rms(a["in0"][:, :8], a["in1"]), _head_rms(a["in0"][:, 8:12], a["in2"]),
+                                          a["in0"][:, 12:]], axis=1)),
     "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
                   lambda a: a["in0"][a["in1"]]),
     "paged_attention": None,   # has its own tests below

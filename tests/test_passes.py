@@ -76,39 +76,42 @@ def test_fuse_qkv_near_miss(graph):
 
 # ---------------------------------------------------------------------------- fuse_gate_up
 
-def mlp_graph(swap=False, silu_also_output=False, mismatched=False):
+def mlp_graph(swap=False, silu_also_output=False, mismatched=False, act="silu"):
     b = GraphBuilder("mlp")
     x = b.input("x", ("tokens", 8), "float32")
     g = b.op("linear", x, b.param("m.gate_proj.weight", (16, 8), "float32"), name="g")
     u = b.op("linear", x, b.param("m.up_proj.weight", (12 if mismatched else 16, 8), "float32"), name="u")
     if mismatched:
         u = b.op("linear", u, b.param("m.pad.weight", (16, 12), "float32"), name="u2")
-    s = b.op("silu", g, name="s")
+    s = b.op(act, g, name="s")
     y = b.op("mul", *((u, s) if swap else (s, u)), name="y")
     out = b.op("linear", y, b.param("m.down_proj.weight", (8, 16), "float32"), name="out")
     return verify(b.output(out, s) if silu_also_output else b.output(out))
 
 
+@pytest.mark.parametrize("act,fused", [("silu", "swiglu"), ("gelu_tanh", "geglu")])
 @pytest.mark.parametrize("swap", [False, True])
-def test_fuse_gate_up_rewrite(swap):
-    after = fuse_gate_up(mlp_graph(swap=swap))
+def test_fuse_gate_up_rewrite(swap, act, fused):
+    after = fuse_gate_up(mlp_graph(swap=swap, act=act))
     assert body(after) == [
         "  @m.down_proj.weight: f32[8, 16]",
         "  @m.gate_up_proj.weight: f32[32, 8] = concat(@m.gate_proj.weight, @m.up_proj.weight, axis=0)",
         "  %gate_up0 = linear(%x, @m.gate_up_proj.weight) : f32[tokens, 32]",
-        "  %y = swiglu(%gate_up0) : f32[tokens, 16]",
+        f"  %y = {fused}(%gate_up0) : f32[tokens, 16]",
         "  %out = linear(%y, @m.down_proj.weight) : f32[tokens, 8]",
     ]
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("swap", [False, True])
-def test_fuse_gate_up_keeps_outputs(swap):
-    before = mlp_graph(swap=swap)
+def test_fuse_gate_up_keeps_outputs(swap, act):
+    before = mlp_graph(swap=swap, act=act)
     assert_same_outputs(before, fuse_gate_up(before))
 
 
-@pytest.mark.parametrize("graph", [mlp_graph(silu_also_output=True), mlp_graph(mismatched=True)],
-                         ids=["silu-used-elsewhere", "up-not-a-projection-of-x"])
+@pytest.mark.parametrize("graph", [mlp_graph(silu_also_output=True), mlp_graph(mismatched=True),
+                                   mlp_graph(act="gelu_tanh", silu_also_output=True)],
+                         ids=["silu-used-elsewhere", "up-not-a-projection-of-x", "gelu-used-elsewhere"])
 def test_fuse_gate_up_near_miss(graph):
     assert body(fuse_gate_up(graph)) == body(graph)
 
@@ -422,15 +425,27 @@ def test_quantize_kv_near_miss_leaves_a_quantised_cache():
 
 # ---------------------------------------------------------------------------- fuse_rope_attention
 
-def rope_attention_graph(k_positions_differ=False, v_begin=12):
-    """The shape fuse_qkv leaves: slices of one qkv [tokens, (2 + 2·1)·4], ropes, reshapes, attention."""
+def rope_attention_graph(k_positions_differ=False, v_begin=12, norm=None, k_norm=None, k_eps=1e-6):
+    """The shape fuse_qkv leaves: slices of one qkv [tokens, (2 + 2·1)·4], ropes, reshapes, attention;
+    with `norm` "head" (Qwen3) or "all" (OLMo 2), q and k RMS-normed before rope (k as `k_norm`)."""
     b = GraphBuilder("attn")
     qkv = b.input("qkv", ("tokens", 16), "float32")
     pos = b.input("pos", ("tokens",), "int32")
     pos2 = b.input("pos2", ("tokens",), "int32")
     inv = b.param("rope.inv_freq", (2,), "float32")
-    q = b.op("reshape", b.op("rope", b.op("slice", qkv, begin=0, end=8), pos, inv, head_dim=4), shape=("tokens", 2, 4))
-    k = b.op("reshape", b.op("rope", b.op("slice", qkv, begin=8, end=12), pos2 if k_positions_differ else pos, inv,
+
+    def normed(x, name, heads, how, eps=1e-6):
+        if how == "head":
+            per_head = b.op("rms_norm", b.op("reshape", x, shape=("tokens", heads, 4)), b.param(name, (4,), "float32"),
+                            eps=eps)
+            return b.op("reshape", per_head, shape=("tokens", heads * 4))
+        if how == "all":
+            return b.op("rms_norm", x, b.param(name, (heads * 4,), "float32"), eps=eps)
+        return x
+    q = normed(b.op("slice", qkv, begin=0, end=8), "q_norm", 2, norm)
+    k = normed(b.op("slice", qkv, begin=8, end=12), "k_norm", 1, norm if k_norm is None else k_norm, k_eps)
+    q = b.op("reshape", b.op("rope", q, pos, inv, head_dim=4), shape=("tokens", 2, 4))
+    k = b.op("reshape", b.op("rope", k, pos2 if k_positions_differ else pos, inv,
                              head_dim=4), shape=("tokens", 1, 4))
     v = b.op("reshape", b.op("slice", qkv, begin=v_begin, end=v_begin + 4), shape=("tokens", 1, 4))
     pages, _ = b.kv_cache(0, KVSpec("full", 1, 4, 4, "float32", 4))
@@ -446,14 +461,29 @@ def test_fuse_rope_attention_rewrite():
         "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto', mscale=1.0, rotary_dim=0, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
 
 
-def test_fuse_rope_attention_keeps_outputs():
+@pytest.mark.parametrize("norm,per_head", [("head", True), ("all", False)])
+def test_fuse_rope_attention_rewrite_with_qk_norm(norm, per_head):
     from kiln.passes.fuse_rope_attention import fuse_rope_attention
-    before = rope_attention_graph()
+    lines = body(fuse_rope_attention(rope_attention_graph(norm=norm)))
+    width = 4 if per_head else 8
+    assert lines[:3] == ["  @rope.inv_freq: f32[2]", f"  @q_norm: f32[{width}]", f"  @k_norm: f32[{width // 2 if not per_head else 4}]"]
+    assert lines[3] == (f"  %qk_norm0 = qk_norm(%qkv, @q_norm, @k_norm) {{q_heads=2, kv_heads=1, head_dim=4, "
+                        f"per_head={per_head}, eps=1e-06, offset=0.0, weight_in_float32=False}} : f32[tokens, 16]")
+    assert lines[4].startswith("  %o = paged_attention_fused(%qk_norm0, %pos, @rope.inv_freq, %kv_pages0,")
+    assert len(lines) == 5
+
+
+@pytest.mark.parametrize("norm", [None, "head", "all"])
+def test_fuse_rope_attention_keeps_outputs(norm):
+    from kiln.passes.fuse_rope_attention import fuse_rope_attention
+    before = rope_attention_graph(norm=norm)
     rng = np.random.default_rng(7)
     inputs = {"qkv": rng.standard_normal((6, 16)).astype(np.float32), "pos": np.arange(6, dtype=np.int32),
               "pos2": np.arange(6, dtype=np.int32), **{k: v for k, v in attention_inputs().items()
                                                       if k in ("slots", "qi", "pi", "pv", "lpl")}}
-    inv = {"rope.inv_freq": np.array([1.0, 0.01], np.float32)}
+    inv = {"rope.inv_freq": np.array([1.0, 0.01], np.float32),
+           **{name: rng.standard_normal(p.type.shape).astype(np.float32) for name, p in before.params.items()
+              if "norm" in name}}
     outs, pages = [], []
     for graph in (before, fuse_rope_attention(before)):
         pages.append(np.zeros((3, 2, 1, 4, 4), np.float32))
@@ -465,8 +495,12 @@ def test_fuse_rope_attention_keeps_outputs():
     assert np.abs(pages[0]).max() > 0
 
 
-@pytest.mark.parametrize("graph", [rope_attention_graph(k_positions_differ=True), rope_attention_graph(v_begin=11)],
-                         ids=["k-rotated-by-other-positions", "v-not-the-last-part"])
+@pytest.mark.parametrize("graph", [rope_attention_graph(k_positions_differ=True), rope_attention_graph(v_begin=11),
+                                   rope_attention_graph(norm="head", k_norm="none"),
+                                   rope_attention_graph(norm="head", k_norm="all"),
+                                   rope_attention_graph(norm="all", k_eps=1e-5)],
+                         ids=["k-rotated-by-other-positions", "v-not-the-last-part", "only-q-normed",
+                              "q-per-head-k-over-all", "q-and-k-norms-differ"])
 def test_fuse_rope_attention_near_miss(graph):
     from kiln.passes.fuse_rope_attention import fuse_rope_attention
     assert body(fuse_rope_attention(graph)) == body(graph)
