@@ -27,6 +27,11 @@ class OpDef:
     mutates: tuple[int, ...] = ()           # inputs written in place (the KV pages)
     doc: str = ""
 
+    def input_of(self, node, name: str) -> str | None:
+        """The value `node` passes as its input `name` (None for an optional one left out)."""
+        index = [n.rstrip("?") for n in self.inputs].index(name)
+        return node.inputs[index] if index < len(node.inputs) else None
+
     def complete_attrs(self, attrs: dict, where: str) -> dict:
         unknown = set(attrs) - set(self.attrs)
         if unknown:
@@ -597,7 +602,7 @@ def _paged_attention_fused():
     return rule, ref
 
 
-ATTENTION_OPS = ("paged_attention", "paged_attention_fused")     # both: kv_pages at input 3, kv_scales at 9
+ATTENTION_OPS = ("paged_attention", "paged_attention_fused")     # both read inputs kv_pages and kv_scales?
 
 
 @op("qk_norm", ["qkv", "q_weight", "k_weight"],

@@ -52,8 +52,10 @@ def _verify_kv_caches(graph: Graph) -> None:
         if spec is None:
             raise IRError(f"{where}: layer {layer} has no KV spec (declare its cache with GraphBuilder.kv_cache)")
         cache = [pages_name(layer)] + ([scales_name(layer)] if spec.scales == "row" else [])
-        if [node.inputs[3], *node.inputs[9:10]] != cache:
-            raise IRError(f"{where}: reads KV inputs {[node.inputs[3], *node.inputs[9:10]]}, its layer's cache is {cache}")
+        reads = [OPS[node.op].input_of(node, name) for name in ("kv_pages", "kv_scales")]
+        reads = [name for name in reads if name is not None]
+        if reads != cache:
+            raise IRError(f"{where}: reads KV inputs {reads}, its layer's cache is {cache}")
         if node.attrs["window"] != (spec.window or 0):
             raise IRError(f"{where}: window {node.attrs['window']} differs from layer {layer}'s KV spec "
                           f"({spec.kind}{f', window {spec.window}' if spec.window else ''})")

@@ -75,7 +75,8 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
     if as_json:
         print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
                           "output_token_ids": done.token_ids, "text": done.text,
-                          "finish_reason": done.finish_reason, "timings": t}))
+                          "finish_reason": done.finish_reason, "timings": t,
+                          "kv_bytes_per_token": llm.model.bytes_per_token}))
     else:
         def rate(v):
             return f"{v:.1f} tok/s" if v else "n/a"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kiln.ir import Graph
 from kiln.ir.kv_spec import pages_name, scales_name
-from kiln.ir.ops import ATTENTION_OPS
+from kiln.ir.ops import ATTENTION_OPS, OPS
 from kiln.ir.quant import KV_SCHEMES
 
 from .rewrite import editable_copy, users
@@ -38,10 +38,10 @@ class QuantizeKV:
         storage = KV_SCHEMES[self.mode].storage_dtype
         readers = users(graph)
         for node in graph.nodes:
-            if node.op not in ATTENTION_OPS or len(node.inputs) > 9:
+            if node.op not in ATTENTION_OPS or OPS[node.op].input_of(node, "kv_scales") is not None:
                 continue
             layer = node.attrs["layer"]
-            pages, spec = node.inputs[3], graph.kv_specs.get(layer)
+            pages, spec = OPS[node.op].input_of(node, "kv_pages"), graph.kv_specs.get(layer)
             if spec is None or pages != pages_name(layer) or len(readers[pages]) != 1:
                 continue
             graph.kv_specs[layer] = spec = spec.quantized(storage)

@@ -65,8 +65,10 @@ class LLM:
     def describe_kv(self) -> str:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20
         dtypes = "/".join(sorted({spec.dtype for spec in self.model.kv_specs}))
+        window = f", pages outside the {self.model.kv_window}-token window dropped" if self.model.kv_window else ""
         return (f"KV cache: {self.engine.pool.num_pages} pages of {self.model.page_size} tokens "
-                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {dtypes}; {self.kv_how})")
+                f"= {self.kv_tokens} tokens fit ({mib:.0f} MiB, {dtypes}, {self.model.bytes_per_token} B/token"
+                f"{window}; {self.kv_how})")
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -97,6 +97,10 @@ def test_run_json(artifact):
     assert len(out["output_token_ids"]) == 6 and out["prompt_token_ids"]
     assert out["timings"]["decode_tokens_per_second"] > 0
     assert out["finish_reason"] in ("length", "stop")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    c = manifest["model"]["config"]        # every layer's k and v rows, in the model dtype
+    width = {"float32": 4, "bfloat16": 2}[manifest["dtype"]]
+    assert out["kv_bytes_per_token"] == c["num_layers"] * 2 * c["num_kv_heads"] * c["head_dim"] * width
 
 
 def _run_threads(artifact, *flags, **env) -> int:

@@ -107,3 +107,10 @@ def test_manifest_runtime_and_inspect_read_the_specs(llama_cpu):
     assert f"{model.bytes_per_token} bytes per token over {c.num_hidden_layers} layers" in text
     assert f"layers 0-{c.num_hidden_layers - 1}" in text and "kernel kiln_cpu" in text
     assert np.all([layer["mixed"] == "kiln_cpu" for layer in manifest["attention_layers"]])
+
+
+def test_verify_refuses_attention_whose_window_is_not_its_layers():
+    graph = attention_graph(KVSpec("full", 2, 8, 8, "float32", 4))
+    graph.kv_specs[0] = KVSpec("sliding", 2, 8, 8, "float32", 4, window=6)     # the op still attends to all
+    with pytest.raises(IRError, match="window 0 differs from layer 0's KV spec \\(sliding, window 6\\)"):
+        verify(graph)
