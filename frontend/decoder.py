@@ -168,9 +168,10 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         q = b.op("reshape", b.op("rope", q, positions, inv, **turn), shape=("tokens", HQ, D))
         k = b.op("reshape", b.op("rope", k, positions, inv, **turn), shape=("tokens", HKV, D))
         v = b.op("reshape", v, shape=("tokens", HKV, D))
-        attn = b.op("paged_attention", q, k, v, kv_pages[i], slot_mapping, q_indptr, page_indptr,
-                    page_values, last_page_len, layer=i, scale=float(c.attn_scale or D ** -0.5),
-                    window=specs[i].window or 0, softcap=float(c.attn_softcap or 0.0))
+        written = b.op("kv_append", k, v, kv_pages[i], slot_mapping, layer=i)
+        attn = b.op("paged_attend", q, written, q_indptr, page_indptr, page_values, last_page_len, layer=i,
+                    scale=float(c.attn_scale or D ** -0.5), window=specs[i].window or 0,
+                    softcap=float(c.attn_softcap or 0.0))
         attn = linear(b.op("reshape", attn, shape=("tokens", HQ * D)), f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias)
         h = b.op("add", h, block_norm(attn, p, "attn_out"))
         x = block_norm(h, p, "mlp_in")

@@ -426,6 +426,26 @@ def _rope():
     return rule, ref
 
 
+def check_kv_pages(pages: TensorType, scales, kv_heads, head_dim, dtype: str, fail) -> None:
+    """The type rule of a layer's KV pages (and their row scales when quantised)."""
+    if pages.rank != 5 or pages.shape[1] != 2 or pages.shape[2] != kv_heads or pages.shape[4] != head_dim:
+        fail(f"kv_pages must be [pages, 2, {kv_heads}, page_size, {head_dim}], got {pages}")
+    if kv_scheme_for(pages.dtype) is not None:
+        want = TensorType(pages.shape[:4], "float32")
+        if scales != want:
+            fail(f"quantised {pages.dtype} kv_pages need kv_scales {want}, got {scales}")
+    elif pages.dtype != dtype:
+        fail(f"kv_pages dtype {pages.dtype} differs from the activations' {dtype} and is no KV quantisation")
+    elif scales is not None:
+        fail(f"kv_scales given for unquantised {pages.dtype} kv_pages")
+
+
+def check_indices(tensors: dict, fail) -> None:
+    for name, t in tensors.items():
+        if t.dtype != "int32" or t.rank != 1:
+            fail(f"{name} must be a 1-D i32 tensor, got {t}")
+
+
 @op("paged_attention",
     ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len",
      "kv_scales?"],
@@ -458,20 +478,8 @@ def _paged_attention():
             fail(f"q {q} and k {k} disagree on tokens, head_dim or dtype")
         if q.shape[1] % k.shape[1]:
             fail(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
-        if pages.rank != 5 or pages.shape[1] != 2 or pages.shape[2] != k.shape[1] or pages.shape[4] != k.shape[2]:
-            fail(f"kv_pages must be [pages, 2, {k.shape[1]}, page_size, {k.shape[2]}], got {pages}")
-        if kv_scheme_for(pages.dtype) is not None:
-            want = TensorType(pages.shape[:4], "float32")
-            if scales != want:
-                fail(f"quantised {pages.dtype} kv_pages need kv_scales {want}, got {scales}")
-        elif pages.dtype != k.dtype:
-            fail(f"kv_pages dtype {pages.dtype} differs from k dtype {k.dtype} and is no KV quantisation")
-        elif scales is not None:
-            fail(f"kv_scales given for unquantised {pages.dtype} kv_pages")
-        for name, t in zip(("slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len"),
-                           (slots, qi, pi, pv, lpl)):
-            if t.dtype != "int32" or t.rank != 1:
-                fail(f"{name} must be a 1-D i32 tensor, got {t}")
+        check_kv_pages(pages, scales, k.shape[1], k.shape[2], k.dtype, fail)
+        check_indices(dict(slot_mapping=slots, q_indptr=qi, page_indptr=pi, page_values=pv, last_page_len=lpl), fail)
         return q
 
     def ref(x, at, ty, dims):
@@ -692,3 +700,8 @@ def _swiglu():
 def _geglu():
     """gelu_tanh(x[..., :n]) * x[..., n:] for x [..., 2n]: Gemma's gated MLP on a fused projection."""
     return _gated("geglu", "gelu_tanh")
+
+
+from . import kv_ops  # noqa: E402,F401  (registers kv_append and paged_attend)
+
+KV_OPS = ("kv_append", "paged_attend", *ATTENTION_OPS)      # the ops that read or write a layer's KV cache

@@ -41,10 +41,12 @@ def verify(graph: Graph) -> Graph:
 
 
 def _verify_kv_caches(graph: Graph) -> None:
-    """Each attention node reads its layer's declared cache, typed as that layer's KVSpec says."""
-    from .ops import ATTENTION_OPS
+    """Each KV op reads its layer's declared cache, typed as that layer's KVSpec says: the pages
+    themselves, or (paged_attend) the pages a kv_append of the same layer has just written."""
+    from .ops import KV_OPS
+    appended: dict[str, int] = {}                # kv_append result -> its layer
     for node in graph.nodes:
-        if node.op not in ATTENTION_OPS:
+        if node.op not in KV_OPS:
             continue
         layer = node.attrs["layer"]
         where = f"%{node.output} = {node.op} {{layer={layer}}}"
@@ -54,9 +56,13 @@ def _verify_kv_caches(graph: Graph) -> None:
         cache = [pages_name(layer)] + ([scales_name(layer)] if spec.scales == "row" else [])
         reads = [OPS[node.op].input_of(node, name) for name in ("kv_pages", "kv_scales")]
         reads = [name for name in reads if name is not None]
+        if node.op == "paged_attend" and appended.get(reads[0]) == layer:
+            reads[0] = pages_name(layer)         # the layer's pages, as its append left them
         if reads != cache:
             raise IRError(f"{where}: reads KV inputs {reads}, its layer's cache is {cache}")
-        if node.attrs["window"] != (spec.window or 0):
+        if node.op == "kv_append":
+            appended[node.output] = layer
+        elif node.attrs["window"] != (spec.window or 0):
             raise IRError(f"{where}: window {node.attrs['window']} differs from layer {layer}'s KV spec "
                           f"({spec.kind}{f', window {spec.window}' if spec.window else ''})")
         for name, ty in spec.input_types(layer).items():

@@ -32,6 +32,7 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
     the fusions the target's kernels want) -> quantise weights (the embedding table too unless
     `quant_embedding` is off), KV -> attention kernel choice."""
     from kiln.targets import target_defaults
+    from .fuse_append_attend import fuse_append_attend
     from .fuse_rope_attention import fuse_rope_attention
     from .fuse_gate_up import fuse_gate_up
     from .fuse_qkv import fuse_qkv
@@ -42,6 +43,7 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
     from .specialize_attention import SpecializeAttention
     target = target_defaults(target) if isinstance(target, str) else target
     passes: list[tuple[str, Pass]] = [
+        ("fuse_append_attend", fuse_append_attend),       # every kernel runs append and attention together
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),

@@ -1,6 +1,7 @@
 """quantize_kv: the KV cache stores int8 (or float8 e4m3) rows with a float32 scale per row.
 
-Rewrite (mode int8; fp8 is the same with f8e4m3 pages; paged_attention_fused alike):
+Rewrite (mode int8; fp8 is the same with f8e4m3 pages; kv_append, paged_attend and
+paged_attention_fused alike: every KV op of the layer gets the scales):
     %kv_pages3: f16[pages, 2, H, S, D]                               (a graph input)
     %o = paged_attention(%q, %k, %v, %kv_pages3, …) {layer=3}
   ->
@@ -10,7 +11,7 @@ The attention op quantises each new row (one token, one KV head, k or v) as it w
 dequantises rows as it reads them (ir/ops.py paged_attention): the pages take 1 byte per value
 plus 4 bytes per row instead of 2 or 4 bytes per value.
 The layer's KVSpec records the change (storage dtype, row scales); its inputs are retyped from it.
-Requires: the pages are the layer's declared cache, read by that one attention node.
+Requires: the layer's pages are read by its KV ops alone (kv_append, paged_attend or a fused form).
 Leaves: q, k, v and the attention output keep their types.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from kiln.ir import Graph
 from kiln.ir.kv_spec import pages_name, scales_name
-from kiln.ir.ops import ATTENTION_OPS, OPS
+from kiln.ir.ops import KV_OPS
 from kiln.ir.quant import KV_SCHEMES
 
 from .rewrite import editable_copy, users
@@ -37,14 +38,15 @@ class QuantizeKV:
         graph = editable_copy(graph)
         storage = KV_SCHEMES[self.mode].storage_dtype
         readers = users(graph)
-        for node in graph.nodes:
-            if node.op not in ATTENTION_OPS or OPS[node.op].input_of(node, "kv_scales") is not None:
-                continue
-            layer = node.attrs["layer"]
-            pages, spec = OPS[node.op].input_of(node, "kv_pages"), graph.kv_specs.get(layer)
-            if spec is None or pages != pages_name(layer) or len(readers[pages]) != 1:
-                continue
+        for layer, spec in list(graph.kv_specs.items()):
+            pages = pages_name(layer)
+            if spec.scales == "row" or any(n.op not in KV_OPS for n in readers[pages]):
+                continue                          # already quantised, or the rows are read elsewhere too
             graph.kv_specs[layer] = spec = spec.quantized(storage)
             graph.inputs.update(spec.input_types(layer))
-            node.inputs = node.inputs + [scales_name(layer)]
+            for node in graph.nodes:
+                if node.op in KV_OPS and node.attrs["layer"] == layer:
+                    node.inputs = node.inputs + [scales_name(layer)]
+                    if node.op == "kv_append":    # its result is the (now quantised) pages
+                        node.type = graph.inputs[pages]
         return graph

@@ -231,6 +231,8 @@ EXAMPLES = {
     "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
                   lambda a: a["in0"][a["in1"]]),
     "paged_attention": None,   # has its own tests below
+    "kv_append": None,         # with paged_attend, the same tests
+    "paged_attend": None,
     "paged_attention_fused": None,   # tested against paged_attention in tests/test_passes.py (fuse_rope_attention)
 }
 
@@ -295,36 +297,51 @@ def test_interpreter_checks_inputs():
         interpret(g, {"ids": np.zeros(3, np.int64)}, w.__getitem__)
 
 
-def _attention_graph(hq, hkv, d, page_size):
+def _attention_graph(hq, hkv, d, page_size, split=False, window=0, softcap=0.0):
+    """One attention layer: paged_attention, or (split) kv_append then paged_attend."""
     b = GraphBuilder("attn")
     q = b.input("q", ("tokens", hq, d), "float32")
     k = b.input("k", ("tokens", hkv, d), "float32")
     v = b.input("v", ("tokens", hkv, d), "float32")
-    pages, _ = b.kv_cache(0, KVSpec("full", hkv, d, d, "float32", page_size))
-    idx = [b.input(n, (dim,), "int32") for n, dim in (("slot_mapping", "tokens"), ("q_indptr", "seqs1"),
-                                                     ("page_indptr", "seqs1"), ("page_values", "nnz"),
-                                                     ("last_page_len", "seqs"))]
-    return verify(b.output(b.op("paged_attention", q, k, v, pages, *idx, layer=0, scale=0.3, name="y")))
+    spec = KVSpec("sliding", hkv, d, d, "float32", page_size, window=window) if window else \
+        KVSpec("full", hkv, d, d, "float32", page_size)
+    pages, _ = b.kv_cache(0, spec)
+    slots, *idx = [b.input(n, (dim,), "int32") for n, dim in (("slot_mapping", "tokens"), ("q_indptr", "seqs1"),
+                                                              ("page_indptr", "seqs1"), ("page_values", "nnz"),
+                                                              ("last_page_len", "seqs"))]
+    attrs = dict(layer=0, scale=0.3, window=window, softcap=softcap, name="y")
+    if split:
+        written = b.op("kv_append", k, v, pages, slots, layer=0)
+        return verify(b.output(b.op("paged_attend", q, written, *idx, **attrs)))
+    return verify(b.output(b.op("paged_attention", q, k, v, pages, slots, *idx, **attrs)))
 
 
-def _dense_causal_attention(q, k, v, scale):
-    """q [n, Hq, D] against all of k, v [L, Hkv, D]; query i sees keys j <= L - n + i."""
+def _dense_causal_attention(q, k, v, scale, window=0, softcap=0.0):
+    """q [n, Hq, D] against all of k, v [L, Hkv, D]; query i sees keys j <= L - n + i (and, with a
+    window, j > L - n + i - window); scores soft-capped when softcap > 0."""
     n, hq, _ = q.shape
     L, hkv, _ = k.shape
     out = np.zeros(q.shape)
     for h in range(hq):
         kh, vh = k[:, h // (hq // hkv)], v[:, h // (hq // hkv)]
         for i in range(n):
-            s = (kh[: L - n + i + 1] @ q[i, h]) * scale
+            last = L - n + i
+            first = max(0, last - window + 1) if window else 0
+            s = (kh[first:last + 1] @ q[i, h]) * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ vh[: L - n + i + 1]
+            out[i, h] = (p / p.sum()) @ vh[first:last + 1]
     return out
 
 
-def test_paged_attention_matches_dense_attention():
+@pytest.mark.parametrize("split,window,softcap", [(False, 0, 0.0), (True, 0, 0.0), (False, 3, 0.7), (True, 3, 0.7)],
+                         ids=["paged_attention", "kv_append+paged_attend", "paged_attention-window-softcap",
+                              "split-window-softcap"])
+def test_paged_attention_matches_dense_attention(split, window, softcap):
     """Two steps over shuffled pages: a prefill of two sequences, then a decode and a prefill chunk."""
     hq, hkv, d, ps = 4, 2, 8, 4
-    g = _attention_graph(hq, hkv, d, ps)
+    g = _attention_graph(hq, hkv, d, ps, split, window, softcap)
     rng = np.random.default_rng(0)
     kv = make_kv_pages(1, 6, hkv, ps, d, fill=np.nan)         # NaN: reading an unwritten slot shows
     pages = {"a": [4, 1, 5], "b": [2, 0]}
@@ -344,7 +361,7 @@ def test_paged_attention_matches_dense_attention():
             q, k, v = qkv[s]
             keys[s], vals[s] = np.concatenate([keys[s], k]), np.concatenate([vals[s], v])
             want = _dense_causal_attention(q.astype(np.float64), keys[s].astype(np.float64),
-                                           vals[s].astype(np.float64), 0.3)
+                                           vals[s].astype(np.float64), 0.3, window, softcap)
             np.testing.assert_allclose(got[at:at + n], want, rtol=1e-5, atol=1e-5, err_msg=f"sequence {s}")
             at += n
 

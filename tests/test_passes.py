@@ -126,7 +126,8 @@ def test_pipeline_on_a_real_model_keeps_logits(make_model):
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
-    assert [r.name for r in records] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention",
+    assert [r.name for r in records] == ["fuse_append_attend", "fuse_qkv", "fuse_gate_up", "fuse_residual_add",
+                                         "fuse_rope_attention",
                                          "specialize_attention"]
     assert {n.op for n in after.nodes} >= {"paged_attention_fused", "swiglu"} and len(after.nodes) < len(before.nodes)
     assert not {"slice", "rope", "paged_attention"} & {n.op for n in after.nodes}
@@ -147,8 +148,9 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
     printed = []
     dump = make_dumper({"fuse_gate_up"}, dump_dir=str(tmp_path), out=printed.append)
     run_pipeline(load_hf_model(make_model("llama")).build_graph("float32", 16), "cpu", dump)
-    assert sorted(p.name for p in tmp_path.iterdir())[:3] == ["00-import.txt", "01-fuse_qkv.txt", "02-fuse_gate_up.txt"]
-    assert "swiglu" in (tmp_path / "02-fuse_gate_up.txt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir())[:4] == ["00-import.txt", "01-fuse_append_attend.txt",
+                                                              "02-fuse_qkv.txt", "03-fuse_gate_up.txt"]
+    assert "swiglu" in (tmp_path / "03-fuse_gate_up.txt").read_text()
     assert "swiglu" not in (tmp_path / "00-import.txt").read_text()
     assert len(printed) == 1 and printed[0].startswith("// ----- IR after fuse_gate_up")
 
@@ -156,6 +158,7 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
 def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     from kiln.compiler import compile_model
     fused = compile_model(make_model("llama"), tmp_path / "fused", show=None)
+    # every optimising pass (fuse_append_attend stays: the kernels implement the fused form only)
     every = {"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention", "specialize_attention"}
     plain = compile_model(make_model("llama"), tmp_path / "plain", show=None, disable_passes=every)
     no_rope = compile_model(make_model("llama"), tmp_path / "no-rope", show=None,
@@ -170,10 +173,10 @@ def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     # into the attention kernels (-3); gate and up GEMMs -> one (-1; silu*mul is one kernel either
     # way); two residual adds into GEMM epilogues (-2): 8 in all
     assert launches["plain"] - launches["fused"] == 8 * layers
-    assert [p["name"] for p in fused["passes"]] == ["fuse_qkv", "fuse_gate_up", "fuse_residual_add",
-                                                    "fuse_rope_attention", "specialize_attention"]
+    assert [p["name"] for p in fused["passes"]] == ["fuse_append_attend", "fuse_qkv", "fuse_gate_up",
+                                                    "fuse_residual_add", "fuse_rope_attention", "specialize_attention"]
     assert fused["attention_variants"] == ["gqa4"] and plain["attention_variants"] == ["auto"]
-    assert plain["passes"] == []
+    assert [p["name"] for p in plain["passes"]] == ["fuse_append_attend"]
 
 
 # ---------------------------------------------------------------------------- fuse_residual_add
@@ -421,6 +424,70 @@ def test_quantize_kv_near_miss_leaves_a_quantised_cache():
     assert once.kv_specs[0] == KVSpec("full", 2, 4, 4, "int8", 4, scales="row")
     twice = QuantizeKV("fp8")(once)                                      # already quantised: left alone
     assert print_graph(twice) == print_graph(once) and twice.kv_specs == once.kv_specs
+
+
+# ---------------------------------------------------------------------------- fuse_append_attend
+
+def split_attention_graph(kv_dtype="float32", second_reader=False, other_layer=False):
+    """kv_append then paged_attend over layer 0's cache, as the frontend emits them."""
+    b = GraphBuilder("attn")
+    q = b.input("q", ("tokens", 8, 4), "float32")
+    k = b.input("k", ("tokens", 2, 4), "float32")
+    v = b.input("v", ("tokens", 2, 4), "float32")
+    quantized = kv_dtype != "float32"
+    pages, scales = b.kv_cache(0, KVSpec("full", 2, 4, 4, kv_dtype, 4, scales="row" if quantized else "none"))
+    if other_layer:
+        b.kv_cache(1, KVSpec("full", 2, 4, 4, kv_dtype, 4))
+    index = [b.input(n, (n,), "int32") for n in ("slots", "qi", "pi", "pv", "lpl")]
+    scales = [scales] if quantized else []
+    written = b.op("kv_append", k, v, pages, index[0], *scales, layer=0, name="kv")
+    out = b.op("paged_attend", q, written, *index[1:], *scales, layer=0, scale=0.5, name="o")
+    if second_reader:
+        return verify(b.output(out, b.op("paged_attend", q, written, *index[1:], *scales, layer=0, scale=0.5,
+                                         name="o2")))
+    return verify(b.output(out))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_fuse_append_attend_rewrite(kv_dtype):
+    from kiln.passes.fuse_append_attend import fuse_append_attend
+    scales = ", %kv_scales0" if kv_dtype == "int8" else ""
+    assert body(fuse_append_attend(split_attention_graph(kv_dtype))) == [
+        f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl{scales}) {{layer=0, scale=0.5, "
+        "window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_fuse_append_attend_keeps_outputs_and_pages(kv_dtype):
+    """The split ops' references and paged_attention's (written apart) agree, pages included."""
+    from kiln.passes.fuse_append_attend import fuse_append_attend
+    before = split_attention_graph(kv_dtype)
+    outs, pages = [], []
+    for graph in (before, fuse_append_attend(before)):
+        cache = {"kv_pages0": np.zeros((3, 2, 2, 4, 4), np.int8 if kv_dtype == "int8" else np.float32)}
+        if kv_dtype == "int8":
+            cache["kv_scales0"] = np.zeros((3, 2, 2, 4), np.float32)
+        inputs = attention_inputs()
+        outs.append(interpret(graph, {**{n: inputs[n] for n in ("q", "k", "v", "slots", "qi", "pi", "pv", "lpl")},
+                                      **cache}, lambda n: None)["o"])
+        pages.append(cache)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for name in pages[0]:
+        np.testing.assert_array_equal(pages[1][name], pages[0][name])
+    assert np.abs(outs[0]).max() > 0
+
+
+def test_fuse_append_attend_near_miss_leaves_an_append_read_twice():
+    from kiln.passes.fuse_append_attend import fuse_append_attend
+    graph = split_attention_graph(second_reader=True)
+    assert body(fuse_append_attend(graph)) == body(graph)
+
+
+def test_quantize_kv_quantises_both_split_ops():
+    from kiln.passes.quantize_kv import QuantizeKV
+    after = QuantizeKV("int8")(split_attention_graph())
+    assert body(after)[0].startswith("  %kv = kv_append(%k, %v, %kv_pages0, %slots, %kv_scales0) {layer=0} : i8[")
+    assert body(after)[1].startswith("  %o = paged_attend(%q, %kv, %qi, %pi, %pv, %lpl, %kv_scales0)")
 
 
 # ---------------------------------------------------------------------------- fuse_rope_attention
