@@ -33,6 +33,11 @@ def kernel_of(ctx, node) -> str:
     return step_kernel(ctx.target, ctx.graph, node, ctx.step)
 
 
+def _masking(window: int, softcap: float) -> str:
+    """The part of a kiln attention kernel's name that says how its scores are masked and capped."""
+    return f"{f'_window{window}' if window else ''}{'_softcap' if softcap else ''}"
+
+
 def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
                         last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window, softcap):
     """kiln's CPU kernels over a fused qkv: append K/V (rope on k as `rope` says, if given), then attend."""
@@ -52,8 +57,7 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
         scales = [ctx.bb.emit(relax.TupleGetItem(written, 1))]
     attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, kv_dtype, rope,
                                               window, softcap),
-                          f"paged_attention{suffix}{'_rope' if rope else ''}{f'_window{window}' if window else ''}"
-                          f"{'_softcap' if softcap else ''}", scheduled=True)
+                          f"paged_attention{suffix}{'_rope' if rope else ''}{_masking(window, softcap)}", scheduled=True)
     return ctx.bb.emit(relax.call_tir(
         attn, [qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, *scales],
         relax.TensorType((tokens, q_heads, head_dim), dtype)))
@@ -78,13 +82,13 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
     kv_heads, page_size = int(k.ty.shape[1]), int(pages.ty.shape[3])
     dtype, scale = node.type.dtype, node.attrs["scale"]
     kernel = kernel_of(ctx, node)
-    if kernel == "kiln_cpu":
-        # kiln's kernels read one fused qkv: join the three (only graphs without fuse_qkv get here).
+
+    def joined_qkv():      # kiln's kernels read one fused qkv: join the three (q, k, v already rotated)
         flat = [ctx.bb.emit(relax.op.reshape(t, (tokens, int(t.ty.shape[1]) * head_dim))) for t in (q, k, v)]
-        qkv = ctx.bb.emit(relax.op.concat(flat, axis=1))
-        no_positions = relax.const(np.zeros(1, np.int32))
-        no_freq = relax.const(np.zeros(head_dim // 2, np.float32))
-        return _kiln_cpu_attention(ctx, qkv, no_positions, no_freq, pages, slots, q_indptr, page_indptr, page_values,
+        return (ctx.bb.emit(relax.op.concat(flat, axis=1)), relax.const(np.zeros(1, np.int32)),
+                relax.const(np.zeros(head_dim // 2, np.float32)))
+    if kernel == "kiln_cpu":           # only graphs without fuse_rope_attention get here
+        return _kiln_cpu_attention(ctx, *joined_qkv(), pages, slots, q_indptr, page_indptr, page_values,
                                    last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=None,
                                    window=node.attrs["window"], softcap=node.attrs["softcap"])
     spec = ctx.graph.kv_specs[node.attrs["layer"]]
@@ -97,6 +101,15 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
     # Rope is applied before attention (rotary_mode 0): the kernels' k_rope_pos_offset input is
     # unused, and last_page_len fills its slot.
     paged = [pages, page_indptr, page_values, last_page_len, last_page_len, ctx.input("positions")]
+    if kernel == "kiln_gpu_fallback":
+        # kiln's attention, a thread block per (sequence, KV head): windows and soft-capping on GPUs
+        fallback = cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, None, None,
+                                       node.attrs["window"], node.attrs["softcap"], gpu=True)
+        attn = ctx.add_kernel(fallback, f"paged_attention_fallback{_masking(node.attrs['window'], node.attrs['softcap'])}",
+                              scheduled=True)
+        qkv, no_positions, no_freq = joined_qkv()
+        return ctx.bb.emit(relax.call_tir(attn, [qkv, no_positions, no_freq, q_indptr, pages, page_indptr,
+                                                 page_values, last_page_len], out_ty[0]))
     if kernel == "tvm_prefill":
         attn = ctx.add_kernel(tvm_kernels.prefill_attention(ctx.target, kv_heads, q_heads, head_dim, page_size,
                                                             dtype, scale), "paged_attention", scheduled=True)

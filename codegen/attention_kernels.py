@@ -11,6 +11,10 @@ step kind whose kernels differ its own entry function.
                 drops whole leading rows for every query of a sequence alike, not per query.
   tvm_decode    TVM's paged decode kernel: one query per sequence; on GPUs a block serves the q
                 heads of one KV head, so a GQA group reads each K/V page once.
+  kiln_gpu_fallback  kiln's CPU attention kernel bound to GPU thread blocks, one per (sequence,
+                KV head), after TVM's append: correct for sliding windows and soft-capped scores,
+                which TVM's kernels lack, but one thread walks each task's keys: slow. GPU targets
+                take it only for the layers no TVM kernel runs.
 No TVM import here: targets read this table before TVM is loaded.
 """
 from __future__ import annotations
@@ -44,6 +48,8 @@ KERNELS = {k.name: k for k in (
     AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True, softcap=True),
     AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
     AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
+    AttentionKernel("kiln_gpu_fallback", STEP_KINDS, _GPUS, quantized_kv=False, fused_qkv=False, windows=True,
+                    softcap=True),
 )}
 
 

@@ -24,7 +24,7 @@ from .rope_load import RotaryLoad, load_head_element
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
                         kv_dtype: str | None = None, rope: RotaryLoad | None = None, window: int = 0,
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, gpu: bool = False):
     group = q_heads // kv_heads
     freqs = (rope.rotary_dim if rope else head_dim) // 2
     width = (q_heads + 2 * kv_heads) * head_dim
@@ -41,10 +41,15 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
     def capped(score):                 # evaluated while parsing: Gemma 2's soft-capped scores
         return T.tanh(score / T.float32(softcap)) * T.float32(softcap) if softcap else score
 
+    def tasks(n):                      # a CPU thread, or a GPU thread block, per (sequence, KV head)
+        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+
+    scope = "local" if gpu else "global"
+
     @T.macro
     def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
                output, batch):
-        for task in T.parallel(batch * kv_heads):
+        for task in tasks(batch * kv_heads):
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
                 kvh = T.axis.spatial(kv_heads, task % kv_heads)
@@ -54,10 +59,10 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                         pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
                         *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]]))
                 T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
-                acc = T.sblock_alloc_buffer((group, head_dim), "float32")
-                qv = T.sblock_alloc_buffer((group, head_dim), "float32")
-                kv = T.sblock_alloc_buffer((2, head_dim), "float32")     # this key and value row
-                state = T.sblock_alloc_buffer((group, 4), "float32")     # max, sum, score, correction
+                acc = T.sblock_alloc_buffer((group, head_dim), "float32", scope=scope)
+                qv = T.sblock_alloc_buffer((group, head_dim), "float32", scope=scope)
+                kv = T.sblock_alloc_buffer((2, head_dim), "float32", scope=scope)     # this key and value row
+                state = T.sblock_alloc_buffer((group, 4), "float32", scope=scope)     # max, sum, score, correction
                 q_start = q_indptr[b]
                 n_q = q_indptr[b + 1] - q_start
                 p_start = page_indptr[b]

@@ -93,7 +93,8 @@ class GPUTarget(Target):
     runs_here: bool = False
     device_sampling: bool = True     # the logits stay where they are made; only token ids come back
     attention_kernels: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {"mixed": ("tvm_prefill",), "decode": ("tvm_decode", "tvm_prefill")})
+        default_factory=lambda: {"mixed": ("tvm_prefill", "kiln_gpu_fallback"),
+                                 "decode": ("tvm_decode", "tvm_prefill", "kiln_gpu_fallback")})
     ARCHS = ()                       # the --arch values this GPU kind accepts (a class attribute)
 
     def __post_init__(self):

@@ -60,15 +60,19 @@ def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")), ("olmo2", ("rms_norm", "rope"))])
-def test_new_dense_families_build_for_cuda(make_model, tmp_path, family, kernels):
-    """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA too (windowed and soft-capped
-    layers have no CUDA kernel yet: tests/test_sliding_window.py checks the refusal)."""
+@pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")), ("olmo2", ("rms_norm", "rope")),
+                                            ("gemma3", ("paged_attention_fallback_window5", "paged_decode_attention",
+                                                        "gelu_tanh"))])
+def test_new_families_build_for_cuda(make_model, tmp_path, family, kernels):
+    """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA; Gemma 3's sliding layers run
+    kiln's GPU fallback kernel (TVM's mask causally only) and its global layer TVM's kernels."""
     out = tmp_path / family                     # in a fresh process: TVM loads CUDA's runtime at import
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(make_model(family)), "--target", "cuda",
                            "--arch", "sm_80", "-o", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["model"]["config"]["model_type"] == family
-    assert all(any(name in k for k in manifest["kernels"]) for name in kernels)
+    assert manifest["model"]["config"]["model_type"] == family.replace("gemma3", "gemma3_text")
+    assert all(any(name in k for k in manifest["kernels"]) for name in kernels), manifest["kernels"]
+    library = (out / "model.cuda.so").read_bytes()
+    assert all(f"{k}_kernel".encode() in library for k in manifest["kernels"] if not k.startswith("shape_func"))
     assert (tmp_path / family / "model.cuda.so").stat().st_size > 0

@@ -47,3 +47,23 @@ def gpu_bundle(make_model, tmp_path_factory) -> Path:
     subprocess.run([sys.executable, str(Path(__file__).with_name("make_bundle.py")), str(out),
                     "--model", str(make_model("llama")), "--arch", ARCH], check=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def gpu_family(make_model, tmp_path_factory):
+    """gpu_family(family) -> a folder with model/ and cuda-float32/ for that tiny family: from
+    KILN_GPU_BUNDLE's families/ when make_bundle.py --families put it there, else compiled here."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        bundled = Path(os.environ.get("KILN_GPU_BUNDLE", "/nonexistent")) / "families" / family
+        if (bundled / "cuda-float32" / "manifest.json").exists():
+            return bundled
+        if family not in built:
+            out = tmp_path_factory.mktemp(f"gpu-{family}")
+            subprocess.run([sys.executable, str(Path(__file__).with_name("make_bundle.py")), str(out),
+                            "--model", str(make_model(family)), "--arch", ARCH, "--variants", "float32"],
+                           check=True)
+            built[family] = out
+        return built[family]
+    return get
