@@ -67,3 +67,4 @@ def gpu_family(make_model, tmp_path_factory):
             built[family] = out
         return built[family]
     return get
+

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from paging import make_kv_pages, make_step_inputs  # noqa: E402
+from paging import make_step_inputs  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,17 +66,9 @@ def test_decode_kernel_and_graphs_generate_what_the_prefill_kernel_does(gpu_bund
 def test_graph_steps_match_the_interpreter(gpu_bundle):
     """Decode steps of 3 sequences (bucket 4, so one padding sequence on the scratch page) through
     the captured graph, then replayed, against the interpreter; then a mixed step."""
-    from kiln.frontend import load_hf_model
-    from kiln.ir import interpret, weight_loader
-    from kiln.passes import run_pipeline
-    from kiln.runtime.model import CompiledModel
-    model = CompiledModel(gpu_bundle / "cuda-float32")
-    model.allocate_kv(32 * model.bytes_per_page)
-    hf_model = load_hf_model(gpu_bundle / "model")
-    graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cuda")
-    weights = weight_loader(graph, lambda name: hf_model.weight(name, "float32"))
-    c = hf_model.config
-    kv = make_kv_pages(c.num_layers, 33, c.num_kv_heads, model.page_size, c.head_dim)
+    from gpu_reference import float32_artifact_and_reference
+    from kiln.ir import interpret
+    model, graph, weights, kv = float32_artifact_and_reference(gpu_bundle, 32)
     seqs = [(prompt(n, n), [3 * i, 3 * i + 1, 3 * i + 2]) for i, n in enumerate((20, 7, 31))]
     lens = [len(p) for p, _ in seqs]
     steps = [make_step_inputs([(p, 0, pages) for p, pages in seqs], model.page_size)]

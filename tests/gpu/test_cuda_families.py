@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from paging import make_kv_pages, make_step_inputs  # noqa: E402
+from paging import make_step_inputs  # noqa: E402
 
 from kiln.tiny import FAMILIES  # noqa: E402
 
@@ -23,18 +23,9 @@ FAMILY_NAMES = sorted(set(FAMILIES) - {"llama"})       # llama: test_cuda_parity
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_family_matches_the_interpreter(gpu_family, family):
-    from kiln.frontend import load_hf_model
-    from kiln.ir import interpret, weight_loader
-    from kiln.passes import run_pipeline
-    from kiln.runtime.model import CompiledModel
-    folder = gpu_family(family)
-    model = CompiledModel(folder / "cuda-float32")
-    model.allocate_kv(16 * model.bytes_per_page)
-    hf_model = load_hf_model(folder / "model")
-    graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cuda")
-    weights = weight_loader(graph, lambda name: hf_model.weight(name, "float32"))
-    c = hf_model.config
-    kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, model.page_size, c.head_dim)
+    from gpu_reference import float32_artifact_and_reference
+    from kiln.ir import interpret
+    model, graph, weights, kv = float32_artifact_and_reference(gpu_family(family), 16)
     ids, pages = random_prompt(29, 5), [1, 6]
     for tokens, start in ((ids, 0), ([7], 29), ([11], 30)):
         step = make_step_inputs([(tokens, start, pages)], model.page_size)
