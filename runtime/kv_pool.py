@@ -38,6 +38,13 @@ from kiln.errors import KilnError
 FREED = -1        # a table entry whose page was released as outside the window
 
 
+def live_pages(num_tokens: int, chunk: int, page_size: int, window: int | None) -> int:
+    """The most pages a sequence of `num_tokens` holds at once, computed `chunk` tokens a step,
+    when pages wholly outside a `window` (None: no window) are dropped."""
+    pages = -(-num_tokens // page_size)
+    return pages if window is None else min(pages, -(-(window - 1 + chunk) // page_size) + 1)
+
+
 class OutOfPages(KilnError):
     """The pool cannot supply the pages asked for (the scheduler preempts or waits)."""
 
@@ -90,10 +97,7 @@ class PagePool:
         return -(-num_tokens // self.page_size)
 
     def live_pages_for(self, num_tokens: int, chunk: int) -> int:
-        """The most pages a sequence of `num_tokens` holds at once, computed `chunk` tokens a step."""
-        if self.window is None:
-            return self.pages_for(num_tokens)
-        return min(self.pages_for(num_tokens), self.pages_for(self.window - 1 + chunk) + 1)
+        return live_pages(num_tokens, chunk, self.page_size, self.window)
 
     def pages_needed(self, table: BlockTable, new_tokens: int) -> int:
         """Fresh pages `grow(table, new_tokens)` would take (a copy-on-write copy included)."""

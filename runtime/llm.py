@@ -8,6 +8,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 from .engine import Engine
+from .kv_pool import live_pages
 from .model import CompiledModel, parse_bytes
 from .request import RequestOutput
 from .sampler import SamplingParams
@@ -19,15 +20,18 @@ AUTO_CAP = 4 << 30       # ... but never more than this, nor more than max_num_s
 
 
 def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
-              tokens: int | None = None) -> tuple[int, str]:
+              tokens: int | None = None, max_batched_tokens: int = 2048) -> tuple[int, str]:
     """Bytes for the KV cache, and how they were chosen. `spec` is a size ('512MiB', or an int), a
     fraction of the device's free memory ('0.3'), or 'auto'. With `tokens` (a job that knows how
     long it is), the cache holds that many tokens, and `spec` is only a ceiling."""
     free = model.device.available_global_memory
     if spec == "auto":
-        want = max_num_seqs * model.max_context * model.bytes_per_page // model.page_size
+        # a full context per sequence, or what one holds at most when pages outside a window are dropped
+        per_sequence = live_pages(model.max_context, max_batched_tokens, model.page_size, model.kv_window)
+        want = max_num_seqs * per_sequence * model.bytes_per_page
+        held = "full context" if model.kv_window is None else f"{model.kv_window}-token window"
         cap = min(want, AUTO_CAP, int(AUTO_FRACTION * free) if free else AUTO_CAP)
-        how = (f"auto: {max_num_seqs} full context{'s' if max_num_seqs > 1 else ''}, at most "
+        how = (f"auto: {max_num_seqs} × a {held}, at most "
                f"{AUTO_FRACTION:.0%} of free memory and {AUTO_CAP >> 30} GiB")
     elif isinstance(spec, float) or (isinstance(spec, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1(\.0*)?\s*", spec)):
         fraction = float(spec)
@@ -40,7 +44,7 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
         how = f"--kv-memory {spec}"
     if tokens is None:
         return cap, how
-    pages = -(-tokens // model.page_size)
+    pages = live_pages(tokens, max_batched_tokens, model.page_size, model.kv_window)
     if pages * model.bytes_per_page <= cap:
         return pages * model.bytes_per_page, f"sized for {tokens} tokens"
     return cap, f"{how}; {tokens} tokens asked for"
@@ -56,7 +60,7 @@ class LLM:
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
         self.tokenizer = tokenizer or Tokenizer(artifact_dir)
-        budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for)
+        budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for, max_batched_tokens)
         num_pages = self.model.allocate_kv(budget)
         self.kv_tokens = num_pages * self.model.page_size
         self.engine = Engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,

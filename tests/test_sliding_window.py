@@ -49,6 +49,17 @@ def test_every_layer_windowed_runs_long_generations_in_a_window_sized_pool(windo
     assert out.outputs[0].token_ids == hf_greedy_uncached(hf, ids, 40)
 
 
+def test_the_automatic_kv_budget_holds_windows_not_contexts(windowed):
+    """"auto" sizes the cache for what each sequence can hold at once: its window (plus a chunk),
+    not its whole context, when every layer slides; the mixed Qwen2 still gets whole contexts."""
+    from kiln.runtime.llm import LLM
+    slides = LLM(windowed["mistral_window"][0], max_num_seqs=4, max_batched_tokens=8)
+    # a 7-token window and 8-token chunks touch at most 2 pages of 16: 4 sequences, 8 pages
+    assert slides.engine.pool.num_pages == 4 * 2 and "7-token window" in slides.kv_how
+    mixed = LLM(windowed["qwen2_window"][0], max_num_seqs=4, max_batched_tokens=8)
+    assert mixed.engine.pool.num_pages == 4 * -(-mixed.model.max_context // 16)
+
+
 def test_mixed_full_and_windowed_layers_keep_every_page(windowed):
     """Qwen2 with layer 0 full and layer 1 windowed (12): a page is freed only outside every layer's
     window, so none is; chunked prefill of a 45-token prompt beside a second sequence."""
