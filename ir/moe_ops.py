@@ -1,0 +1,96 @@
+"""Mixture-of-experts routing: which experts each token uses, and with what weight.
+
+`moe_router` turns a step's router logits [tokens, experts] (the router is a plain linear before
+it) into dense routing weights [tokens, experts], zero for every expert a token does not use.
+One op with a `scheme` per routing family, each a few lines of NumPy in float32, as transformers
+computes routers:
+    softmax_topk        softmax over all experts, the top_k largest kept, renormalised to sum to 1
+                        when `normalize` (Mixtral always; Qwen2/3-MoE and OLMoE per norm_topk_prob),
+                        then × `scaling` (DeepSeek-V2 greedy: routed_scaling_factor, no renormalising)
+    topk_softmax        the top_k logits, softmax over those k only (Granite-MoE, gpt-oss)
+    softmax_group_max   DeepSeek-V2 group-limited greedy: softmax, experts in `n_group` groups, a
+                        group scored by its best expert, the best `topk_group` groups' experts
+                        eligible, top_k of those, × scaling
+    sigmoid_group_top2  DeepSeek-V3: sigmoid scores; the choice uses scores + bias
+                        (e_score_correction_bias), a group scored by the sum of its 2 best, the
+                        best topk_group groups eligible; the weights are the unbiased scores of
+                        the chosen, renormalised when `normalize` (denominator + 1e-20), × scaling
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .ops import REQUIRED, _f32, op
+from .types import TensorType
+
+SCHEMES = ("softmax_topk", "topk_softmax", "softmax_group_max", "sigmoid_group_top2")
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the indices of the k largest values (order within the k does not matter here)."""
+    return np.argsort(-values, axis=-1, kind="stable")[..., :k]
+
+
+def _group_mask(choice: np.ndarray, n_group: int, topk_group: int, group_score) -> np.ndarray:
+    """[tokens, experts] True for the experts of each token's topk_group best groups."""
+    tokens, experts = choice.shape
+    groups = choice.reshape(tokens, n_group, experts // n_group)
+    best = _top(group_score(groups), topk_group)                        # [tokens, topk_group]
+    keep = np.zeros((tokens, n_group), bool)
+    np.put_along_axis(keep, best, True, axis=-1)
+    return np.repeat(keep, experts // n_group, axis=-1)
+
+
+@op("moe_router", ["logits", "bias?"],
+    {"scheme": REQUIRED, "top_k": REQUIRED, "normalize": False, "scaling": 1.0, "n_group": 1, "topk_group": 1})
+def _moe_router():
+    """Dense routing weights f32[tokens, experts] from router logits (schemes above)."""
+    def rule(types, attrs, fail):
+        logits, bias = types
+        if attrs["scheme"] not in SCHEMES:
+            fail(f"scheme must be one of {', '.join(SCHEMES)}, got {attrs['scheme']!r}")
+        if logits.rank != 2 or logits.dtype != "float32" or not isinstance(logits.shape[1], int):
+            fail(f"logits must be f32[tokens, experts], got {logits}")
+        experts = logits.shape[1]
+        if not 0 < attrs["top_k"] <= experts:
+            fail(f"top_k {attrs['top_k']} must be in 1..{experts}")
+        if experts % attrs["n_group"] or not 0 < attrs["topk_group"] <= attrs["n_group"]:
+            fail(f"{experts} experts do not split into {attrs['n_group']} groups of which {attrs['topk_group']} kept")
+        if (attrs["scheme"] == "sigmoid_group_top2") != (bias is not None):
+            fail("sigmoid_group_top2 takes the score-correction bias, and only it")
+        if bias is not None and bias != TensorType((experts,), "float32"):
+            fail(f"bias must be f32[{experts}], got {bias}")
+        return logits
+
+    def ref(x, at, ty, dims):
+        logits, k, scheme = _f32(x[0]), at["top_k"], at["scheme"]
+        if scheme == "topk_softmax":
+            chosen = _top(logits, k)
+            weights = _softmax(np.take_along_axis(logits, chosen, -1))
+        elif scheme == "sigmoid_group_top2":
+            scores = np.float32(1) / (np.float32(1) + np.exp(-logits))
+            choice = scores + _f32(x[1])
+            eligible = _group_mask(choice, at["n_group"], at["topk_group"],
+                                   lambda g: np.sort(g, axis=-1)[..., -2:].sum(-1))
+            chosen = _top(np.where(eligible, choice, -np.inf), k)
+            weights = np.take_along_axis(scores, chosen, -1)
+            if at["normalize"]:
+                weights = weights / (weights.sum(-1, keepdims=True) + np.float32(1e-20))
+        else:
+            scores = _softmax(logits)
+            if scheme == "softmax_group_max":
+                scores = np.where(_group_mask(scores, at["n_group"], at["topk_group"], lambda g: g.max(-1)),
+                                  scores, np.float32(0))
+            chosen = _top(scores, k)
+            weights = np.take_along_axis(scores, chosen, -1)
+            if at["normalize"]:
+                weights = weights / weights.sum(-1, keepdims=True)
+        dense = np.zeros(logits.shape, np.float32)
+        np.put_along_axis(dense, chosen, (weights * np.float32(at["scaling"])).astype(np.float32), axis=-1)
+        return dense
+    return rule, ref
