@@ -1,4 +1,5 @@
-"""Mixture-of-experts routing: which experts each token uses, and with what weight.
+"""Mixture-of-experts: which experts each token uses, with what weight (moe_router), and the
+routed experts' MLPs (moe_experts).
 
 `moe_router` turns a step's router logits [tokens, experts] (the router is a plain linear before
 it) into dense routing weights [tokens, experts], zero for every expert a token does not use.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import REQUIRED, _f32, op
+from .ops import ACTIVATIONS, REQUIRED, _as, _f32, op
 from .types import TensorType
 
 SCHEMES = ("softmax_topk", "topk_softmax", "softmax_group_max", "sigmoid_group_top2")
@@ -93,4 +94,41 @@ def _moe_router():
         dense = np.zeros(logits.shape, np.float32)
         np.put_along_axis(dense, chosen, (weights * np.float32(at["scaling"])).astype(np.float32), axis=-1)
         return dense
+    return rule, ref
+
+
+@op("moe_experts", ["x", "routing", "gate_up", "down"], {"activation": "silu"})
+def _moe_experts():
+    """The routed experts' gated MLPs, summed by routing weight: for x [tokens, H], routing
+    f32[tokens, E] (moe_router's), gate_up [E, 2F, H] (gate rows first, then up) and down [E, H, F],
+        out[t] = sum over experts e with routing[t, e] > 0 of
+                 routing[t, e] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))
+    Each product is rounded to x's dtype as transformers' experts loop rounds it; the sum is kept in
+    float32 and rounded once. Only the experts a token is routed to are computed."""
+    def rule(types, attrs, fail):
+        x, routing, gate_up, down = types
+        if attrs["activation"] not in ("silu", "gelu_tanh"):
+            fail(f"activation must be silu or gelu_tanh, got {attrs['activation']!r}")
+        if x.rank != 2 or routing.rank != 2 or routing.dtype != "float32" or routing.shape[0] != x.shape[0]:
+            fail(f"x must be [tokens, hidden] and routing f32[tokens, experts], got {x}, {routing}")
+        experts, hidden = routing.shape[1], x.shape[1]
+        if gate_up.rank != 3 or gate_up.shape[0] != experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
+            fail(f"gate_up must be [{experts}, 2 * ffn, {hidden}], got {gate_up}")
+        if down != TensorType((experts, hidden, gate_up.shape[1] // 2), x.dtype) or gate_up.dtype != x.dtype:
+            fail(f"down must be {x.dtype}[{experts}, {hidden}, {gate_up.shape[1] // 2}], got {down}")
+        return x
+
+    def ref(x, at, ty, dims):
+        hidden, routing = _f32(x[0]), _f32(x[1])
+        gate_up, down = x[2], x[3]
+        ffn = gate_up.shape[1] // 2
+        out = np.zeros(hidden.shape, np.float32)
+        for e in np.flatnonzero((routing > 0).any(0)):
+            rows = np.flatnonzero(routing[:, e] > 0)
+            projected = _f32(_as(hidden[rows] @ _f32(gate_up[e]).T, ty))
+            gate, up = projected[:, :ffn], projected[:, ffn:]
+            act = _f32(_as(_f32(_as(ACTIVATIONS[at["activation"]](gate), ty)) * up, ty))
+            expert_out = _f32(_as(act @ _f32(down[e]).T, ty))
+            out[rows] += _f32(_as(expert_out * routing[rows, e:e + 1], ty))
+        return _as(out, ty)
     return rule, ref

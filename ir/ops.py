@@ -539,6 +539,6 @@ def _geglu():
 
 
 from . import kv_ops  # noqa: E402,F401  (registers the paged KV cache ops)
-from . import moe_ops  # noqa: E402,F401  (registers moe_router)
+from . import moe_ops  # noqa: E402,F401  (registers moe_router and moe_experts)
 
 KV_OPS = ("kv_append", "paged_attend", *ATTENTION_OPS)      # the ops that read or write a layer's KV cache

@@ -231,7 +231,8 @@ EXAMPLES = {
     "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
                   lambda a: a["in0"][a["in1"]]),
     "paged_attention": None,   # has its own tests below
-    "moe_router": None,        # tests/test_moe_router.py, against transformers' routers
+    "moe_router": None,        # tests/test_moe_ops.py, against transformers' routers
+    "moe_experts": None,       # tests/test_moe_ops.py, against transformers' expert modules
     "kv_append": None,         # with paged_attend, the same tests
     "paged_attend": None,
     "paged_attention_fused": None,   # tested against paged_attention in tests/test_passes.py (fuse_rope_attention)

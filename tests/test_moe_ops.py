@@ -1,5 +1,5 @@
-"""moe_router against transformers' own routers (issue 13): the same router logits in, the same
-experts and weights out, for every routing family."""
+"""The MoE ops against transformers' own modules (issue 13): moe_router against each family's router
+(the same router logits in, the same experts and weights out), moe_experts against its 3-D experts."""
 from __future__ import annotations
 
 import numpy as np
@@ -104,3 +104,41 @@ def test_deepseek_v3_chooses_with_the_bias_but_weighs_without_it():
 def test_malformed_routers_are_refused(attrs, words):
     with pytest.raises(IRError, match=words):
         kiln_routing(np.zeros((2, 8), np.float32), **attrs)
+
+
+EXPERTS = {
+    "mixtral": ("mixtral.modeling_mixtral.MixtralExperts", "MixtralConfig", dict(num_local_experts=8)),
+    "qwen2_moe": ("qwen2_moe.modeling_qwen2_moe.Qwen2MoeExperts", "Qwen2MoeConfig",
+                  dict(num_experts=8, moe_intermediate_size=24)),
+    "olmoe": ("olmoe.modeling_olmoe.OlmoeExperts", "OlmoeConfig", dict(num_experts=8)),
+    "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts", "DeepseekV3Config",
+                    dict(n_routed_experts=8, moe_intermediate_size=24)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPERTS))
+def test_experts_equal_transformers(family):
+    """moe_experts on transformers' own 3-D expert weights and top-k routing: the same output."""
+    import importlib
+    path, config_class, fields = EXPERTS[family]
+    module_name, cls = path.rsplit(".", 1)
+    config = getattr(transformers, config_class)(hidden_size=HIDDEN, intermediate_size=40, **fields)
+    experts = getattr(importlib.import_module(f"transformers.models.{module_name}"), cls)(config).eval()
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in (experts.gate_up_proj, experts.down_proj):
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+        hidden = torch.randn(TOKENS, HIDDEN, generator=generator)
+        routing = kiln_routing(torch.randn(TOKENS, 8, generator=generator).numpy(), scheme="softmax_topk", top_k=2)
+        indices = torch.from_numpy(np.argsort(-routing, axis=-1)[:, :2].copy())
+        weights = torch.from_numpy(np.take_along_axis(routing, indices.numpy(), -1))
+        want = experts(hidden, indices, weights).numpy()
+    b = GraphBuilder("experts")
+    x, r = b.input("x", ("tokens", HIDDEN), "float32"), b.input("routing", ("tokens", 8), "float32")
+    gate_up = b.param("gate_up", tuple(experts.gate_up_proj.shape), "float32")
+    down = b.param("down", tuple(experts.down_proj.shape), "float32")
+    graph = verify(b.output(b.op("moe_experts", x, r, gate_up, down, name="y")))
+    params = {"gate_up": experts.gate_up_proj.detach().numpy(), "down": experts.down_proj.detach().numpy()}
+    got = interpret(graph, {"x": hidden.numpy(), "routing": routing}, params.__getitem__)["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want).max() > 0.1
