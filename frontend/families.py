@@ -185,8 +185,9 @@ def _gemma2(cfg: dict, arch: str) -> DecoderConfig:
 
 def _gemma3(cfg: dict, arch: str) -> DecoderConfig:
     local_theta, local_scaling = _rope(cfg, arch, "sliding_attention")
+    # Gemma 3's config carries attn_logit_softcapping, but its attention never applies it
     return _gemma(cfg, arch, "gemma3_text", cfg.get("sliding_window_pattern", 6), qk_norm="head",
-                  attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"),
+                  final_softcap=cfg.get("final_logit_softcapping"),
                   local_rope_theta=local_theta, local_rope_scaling=local_scaling)
 
 

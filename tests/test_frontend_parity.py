@@ -99,3 +99,14 @@ def test_chunked_prefill_mixed_with_decode(pair):
     logits = pair.step([(short[-1:], len(short) - 1, short_pages), (long[12:], 12, long_pages)])
     assert_close(logits[0], pair.hf_last_logits(short), "decode next to a prefill chunk")
     assert_close(logits[1], pair.hf_last_logits(long), "second prefill chunk")
+
+
+def test_gemma3_soft_caps_its_logits_but_not_its_scores(tmp_path):
+    """Gemma 3's config has attn_logit_softcapping, which transformers' Gemma 3 attention never
+    applies; final_logit_softcapping it does. Caps small enough to matter at this size."""
+    from kiln.tiny import make_tiny_model
+    model_dir = make_tiny_model(tmp_path / "gemma3", "gemma3", attn_logit_softcapping=0.5, final_logit_softcapping=2.0)
+    pair = Pair(model_dir)
+    assert pair.kiln.config.attn_softcap is None and pair.kiln.config.final_softcap == 2.0
+    ids = prompt(21, seed=9, vocab=pair.vocab)
+    assert_close(pair.step([(ids, 0, [3, 1])])[0], pair.hf_last_logits(ids), "prefill of 21 tokens")
