@@ -79,6 +79,15 @@ def emit_take_rows(ctx, node, x, rows):
     return ctx.bb.emit(relax.op.take(x, rows, axis=0, mode="clip"))
 
 
+def _scaled(normed, weight, dtype: str, offset: float, weight_in_float32: bool):
+    """An RMS-normalised float32 value times (offset + weight), rounded to `dtype` as the op says:
+    once at the end (weight_in_float32), or also before the scaling (Llama)."""
+    if not weight_in_float32:
+        normed = normed.astype(dtype).astype("float32")
+    scale = weight.astype("float32") + tirx.const(offset, "float32") if offset else weight.astype("float32")
+    return (normed * scale).astype(dtype)
+
+
 def emit_rms_norm(ctx, node, x, weight):
     """Normalise in float32, then scale by (offset + weight): Llama rounds the normalised value to
     x's dtype first, OLMo 2 and Gemma (weight_in_float32) scale in float32 and round once."""
@@ -93,11 +102,7 @@ def emit_rms_norm(ctx, node, x, weight):
 
         def out(*i):
             inv = tirx.rsqrt(sq[i[:-1]] / tirx.const(float(h), "float32") + tirx.const(eps, "float32"))
-            normed = x[i].astype("float32") * inv
-            if not weight_in_float32:
-                normed = normed.astype(dtype).astype("float32")
-            scale = w[i[-1]].astype("float32") + tirx.const(offset, "float32") if offset else w[i[-1]].astype("float32")
-            return (normed * scale).astype(dtype)
+            return _scaled(x[i].astype("float32") * inv, w[i[-1]], dtype, offset, weight_in_float32)
         return te.compute(x.shape, out, name="rms_norm")
     return ctx.bb.emit_te(rms_norm, x, weight, primfunc_name_hint="rms_norm")
 
@@ -134,10 +139,7 @@ def emit_qk_norm(ctx, node, qkv, q_weight, k_weight):
                 n = tirx.if_then_else(in_q, tirx.const(float(hq * d), "float32"), tirx.const(float(hkv * d), "float32"))
                 w = tirx.if_then_else(in_q, qw[tirx.min(col, hq * d - 1)], kw[tirx.max(col - hq * d, 0)])
             normed = x[t, c].astype("float32") * tirx.rsqrt(total / n + tirx.const(eps, "float32"))
-            if not weight_in_float32:
-                normed = normed.astype(dtype).astype("float32")
-            scale = w.astype("float32") + tirx.const(offset, "float32") if offset else w.astype("float32")
-            return tirx.if_then_else(inside, (normed * scale).astype(dtype), x[t, c])
+            return tirx.if_then_else(inside, _scaled(normed, w, dtype, offset, weight_in_float32), x[t, c])
         return te.compute(x.shape, out, name="qk_norm")
     return ctx.bb.emit_te(qk_norm, qkv, q_weight, k_weight, primfunc_name_hint="qk_norm")
 

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kiln.ir import Graph, GraphBuilder
 from kiln.ir.kv_spec import KVSpec
+from kiln.ir.ops import GATED_OPS
 
 from .rope import context_limit, rope_parameters
 
@@ -126,6 +127,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
     kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
     rotary = c.rotary_dim or D
     rope_params = {name: b.param(name, (rotary // 2,), "float32") for name in c.computed_weights()}
+    mscales = {local: c.rope(local)[1] for local in (False, c.local_rope_theta is not None)}
 
     def linear(x, prefix, n_out, n_in, bias):
         w = b.param(f"{prefix}.weight", (n_out, n_in), dtype)
@@ -163,7 +165,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         q = qk_normed(q, f"{p}.self_attn.q_norm.weight", HQ)
         k = qk_normed(k, f"{p}.self_attn.k_norm.weight", HKV)
         local = c.is_sliding(i) and c.local_rope_theta is not None
-        inv, mscale = rope_params[LOCAL_ROPE_PARAM if local else ROPE_PARAM], c.rope(local)[1]
+        inv, mscale = rope_params[LOCAL_ROPE_PARAM if local else ROPE_PARAM], mscales[local]
         turn = {"head_dim": D, "mscale": mscale, "rotary_dim": c.rotary_dim}
         q = b.op("reshape", b.op("rope", q, positions, inv, **turn), shape=("tokens", HQ, D))
         k = b.op("reshape", b.op("rope", k, positions, inv, **turn), shape=("tokens", HKV, D))
@@ -175,7 +177,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         attn = linear(b.op("reshape", attn, shape=("tokens", HQ * D)), f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias)
         h = b.op("add", h, block_norm(attn, p, "attn_out"))
         x = block_norm(h, p, "mlp_in")
-        gated = {"silu": "swiglu", "gelu_tanh": "geglu"}[c.mlp_act]
+        gated = GATED_OPS[c.mlp_act]
         if c.fused_projections:
             act = b.op(gated, linear(x, f"{p}.mlp.gate_up_proj", 2 * FF, H, c.mlp_bias))
         else:

@@ -126,6 +126,7 @@ def _gelu_tanh_f32(v: np.ndarray) -> np.ndarray:
 
 
 ACTIVATIONS = {"silu": lambda v: v / (1.0 + np.exp(-v)), "gelu_tanh": _gelu_tanh_f32}
+GATED_OPS = {"silu": "swiglu", "gelu_tanh": "geglu"}      # gate activation -> the op over a fused gate|up
 
 
 @op("gelu_tanh", ["x"])

@@ -12,11 +12,11 @@ Leaves: %y keeps its name, so its consumers are unchanged.
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, TensorType
+from kiln.ir.ops import GATED_OPS
 
 from .fuse_qkv import _fused_param
 from .rewrite import drop_unused_params, editable_copy, fresh_name, users
 
-GATED = {"silu": "swiglu", "gelu_tanh": "geglu"}      # activation of the gate -> the fused op
 
 
 def _bias(linear: Node) -> str | None:
@@ -27,7 +27,7 @@ def _match(graph: Graph, mul: Node, use: dict):
     producers = {n.output: n for n in graph.nodes}
     for act_name, up_name in (mul.inputs, mul.inputs[::-1]):
         act, up = producers.get(act_name), producers.get(up_name)
-        if not (act and up and act.op in GATED and up.op == "linear"):
+        if not (act and up and act.op in GATED_OPS and up.op == "linear"):
             continue
         gate = producers.get(act.inputs[0])
         if not (gate and gate.op == "linear" and gate.inputs[0] == up.inputs[0]):
@@ -62,5 +62,5 @@ def fuse_gate_up(graph: Graph) -> Graph:
         for dead in (gate, up, act):
             graph.nodes.remove(dead)
         graph.nodes.insert(first, fused)
-        mul.op, mul.inputs, mul.attrs = GATED[act.op], [fused.output], {}
+        mul.op, mul.inputs, mul.attrs = GATED_OPS[act.op], [fused.output], {}
     return drop_unused_params(graph)

@@ -56,6 +56,7 @@ class BlockTable:
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
     hashes: list[bytes] = field(default_factory=list)
+    dropped: int = 0                  # leading pages released as outside the window (FREED in pages)
 
 
 @dataclass
@@ -161,7 +162,7 @@ class PagePool:
         for page in table.pages:
             if page != FREED:
                 self._incref(page)
-        return BlockTable(list(table.pages), table.num_tokens, list(table.hashes))
+        return BlockTable(list(table.pages), table.num_tokens, list(table.hashes), table.dropped)
 
     def release(self, table: BlockTable) -> None:
         """Give back the table's pages; its cached pages become idle, the last page first, so that
@@ -169,7 +170,7 @@ class PagePool:
         for page in reversed(table.pages):
             if page != FREED:
                 self._decref(page)
-        table.pages, table.num_tokens, table.hashes = [], 0, []
+        table.pages, table.num_tokens, table.hashes, table.dropped = [], 0, [], 0
 
     def drop_dead_pages(self, table: BlockTable, num_computed: int) -> int:
         """Release the pages no query of this sequence will read again: with a window W, those
@@ -177,13 +178,11 @@ class PagePool:
         if self.window is None:
             return 0
         dead = min(max(0, num_computed - self.window + 1) // self.page_size, len(table.pages))
-        dropped = 0
-        for i in range(dead):
-            if table.pages[i] != FREED:
-                self._decref(table.pages[i])
-                table.pages[i] = FREED
-                dropped += 1
-        return dropped
+        for i in range(table.dropped, dead):           # each step looks only at newly dead pages
+            self._decref(table.pages[i])
+            table.pages[i] = FREED
+        newly, table.dropped = max(0, dead - table.dropped), max(dead, table.dropped)
+        return newly
 
     # -- prefix cache ------------------------------------------------------------------------
     def _chain(self, parent: bytes | None, tokens: list[int]) -> bytes:
