@@ -64,15 +64,25 @@ def emit_slice(ctx, node, x):
 
 def emit_gated(ctx, node, x):
     """swiglu / geglu: act(gate) * up over the two halves; TVM fuses them into one kernel."""
+    return gated(ctx, x, "silu" if node.op == "swiglu" else "gelu_tanh", node.type.dtype)
+
+
+def gated(ctx, x, activation: str, dtype: str):
+    """act(x[..., :n]) * x[..., n:] for x [..., 2n] (activation silu or gelu_tanh)."""
     axis = len(x.ty.shape) - 1
     halves = ctx.bb.emit(relax.op.split(x, 2, axis=axis))
     gate = ctx.bb.emit(relax.TupleGetItem(halves, 0))
     up = ctx.bb.emit(relax.TupleGetItem(halves, 1))
-    if node.op == "swiglu":
+    if activation == "silu":
         act = ctx.bb.emit(relax.op.nn.silu(gate))
     else:
-        act = ctx.bb.emit_te(_gelu_tanh_te, gate, node.type.dtype, primfunc_name_hint="gelu_tanh")
+        act = ctx.bb.emit_te(_gelu_tanh_te, gate, dtype, primfunc_name_hint="gelu_tanh")
     return ctx.bb.emit(relax.op.multiply(act, up))
+
+
+def emit_sigmoid_gate(ctx, node, x, gate):
+    """x * sigmoid(gate), the sigmoid rounded to x's dtype first."""
+    return ctx.bb.emit(relax.op.multiply(x, ctx.bb.emit(relax.op.sigmoid(gate))))
 
 
 def emit_take_rows(ctx, node, x, rows):

@@ -16,14 +16,16 @@ def stored_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     nb = packed_block(layout)
     if nb is None:
         return tuple(shape)
-    n, k = shape
-    return (n // nb, k, nb)
+    *experts, n, k = shape
+    return (*experts, n // nb, k, nb)
 
 
 def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
-    """'nk': unchanged. 'packedNB': W[n, k] -> Wp[n // NB, k, NB], NB output columns contiguous."""
+    """'nk': unchanged. 'packedNB': W[n, k] -> Wp[n // NB, k, NB], NB output columns contiguous
+    (experts [E, n, k] -> [E, n // NB, k, NB], each expert packed on its own)."""
     nb = packed_block(layout)
     if nb is None:
         return arr
-    n, k = arr.shape
-    return np.ascontiguousarray(arr.reshape(n // nb, nb, k).transpose(0, 2, 1))
+    *experts, n, k = arr.shape
+    packed = arr.reshape(*experts, n // nb, nb, k).swapaxes(-1, -2)
+    return np.ascontiguousarray(packed)

@@ -73,7 +73,13 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
         name="acc")
     y = te.compute((m, n_out), _epilogue(acc, fmt.epilogue_scale(scale), bias, residual, dtype), name="y")
     args = [x, wp] + [t for t in (scale, bias, residual) if t is not None] + [y]
-    sch = s_tir.Schedule(te.create_prim_func(args))
+    return schedule_packed(te.create_prim_func(args), n_in, nb)
+
+
+def schedule_packed(func: tirx.PrimFunc, n_in: int, nb: int) -> tirx.PrimFunc:
+    """The CPU schedule of a packed-weight GEMM: a reduction block "acc" [rows, n_out] over n_in
+    inputs, reading nb-wide panels of the weight, and its epilogue block "y"."""
+    sch = s_tir.Schedule(func)
     blk = sch.get_sblock("acc")
     i, j, kk = sch.get_loops(blk)
     jo, ji = sch.split(j, [None, nb])

@@ -17,9 +17,10 @@ from tvm.relax.utils import copy_with_new_vars
 
 from kiln.errors import KilnError
 from kiln.ir import Graph
-from kiln.ir.ops import ATTENTION_OPS, EMBED_OPS
+from kiln.ir.moe_ops import MOE_EXPERT_OPS
+from kiln.ir.ops import ATTENTION_OPS, EMBED_OPS, OPS
 
-from . import elementwise
+from . import elementwise, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
 from .layouts import stored_shape
@@ -74,6 +75,10 @@ class _Context:
             var = relax.Var(name, relax.TensorType(shape, ty.dtype))
             self.weights[key] = (StoredWeight(name, param, layout, shape, ty.dtype), var)
         return self.weights[key][1]
+
+    def layout(self, node, pos: int) -> str:
+        """The stored layout of the param at input `pos` of `node`."""
+        return _layout_for(node, pos, self.graph, self.target)
 
     def add_kernel(self, func: tirx.PrimFunc, name: str, scheduled: bool = False) -> tvm.ir.GlobalVar:
         """Add a hand-written kernel once per name; it is opaque to fusion (op_pattern 8)."""
@@ -137,6 +142,12 @@ LOWERINGS = {
     "linear_q8": _emit_linear,
     "linear_q4": _emit_linear,
     "linear_fp8": _emit_linear,
+    "moe_router": moe.emit_moe_router,
+    "moe_experts": moe.emit_moe_experts,
+    "moe_experts_q8": moe.emit_moe_experts,
+    "moe_experts_q4": moe.emit_moe_experts,
+    "moe_experts_fp8": moe.emit_moe_experts,
+    "sigmoid_gate": elementwise.emit_sigmoid_gate,
     "paged_attention": emit_paged_attention,
     "paged_attention_fused": emit_paged_attention_fused,
 }
@@ -147,6 +158,8 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     embedding table that is also a linear weight (tied to the LM head) takes that layout too, so it
     is stored once; other tables stay 'nk' (rows contiguous)."""
     name = node.inputs[pos]
+    if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
+        return target.linear_layout(*graph.params[name].type.shape[1:])      # each expert packed as a linear
     shared = node.op in EMBED_OPS and pos == 1 and any(
         n.op in LINEAR_OPS and n.inputs[1] == name for n in graph.nodes)
     if (node.op in LINEAR_OPS or shared) and pos == 1:

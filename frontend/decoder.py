@@ -10,7 +10,9 @@
   qk_norm          RMSNorm of q and k before rope: per head over head_dim ("head": Qwen3,
                    Gemma 3) or over all heads ("all": OLMo 2)
   mlp_act          the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-  embed_scale      embeddings × sqrt(hidden) (Gemma)
+  embed_multiplier embeddings × this (Gemma: sqrt(hidden); Granite: embedding_multiplier)
+  residual_multiplier  attention and MLP outputs × this before the residual add (Granite)
+  logits_divisor   logits / this (Granite's logits_scaling)
   attn_scale       the score scale (default head_dim^-1/2; Gemma: query_pre_attn_scalar^-1/2)
   attn_softcap / final_softcap   cap · tanh(x / cap) on scores / logits (Gemma 2)
   fused_projections  the checkpoint stores qkv_proj and gate_up_proj (Phi-3): imported as the
@@ -18,6 +20,7 @@
   layer_types, sliding_window   which layers attend through a sliding window
   local_rope_theta, local_rope_scaling   sliding layers rotate with their own rope (Gemma 3)
   rotary_dim       rope turns only the first rotary_dim elements of each head (Phi-4-mini: 3/4)
+  moe              mixture-of-experts MLPs (frontend/moe.py MoEConfig), on the layers it names
 The graph is one ragged engine step: new tokens of many sequences in, chosen rows' logits out.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kiln.ir import Graph, GraphBuilder
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.ops import GATED_OPS
 
+from .moe import MoEConfig, build_moe
 from .rope import context_limit, rope_parameters
 
 ROPE_PARAM = "rope.inv_freq"             # computed from the config, not read from the checkpoint
@@ -64,7 +68,9 @@ class DecoderConfig:
     norm_weight_in_float32: bool = False
     qk_norm: str = "none"
     mlp_act: str = "silu"
-    embed_scale: bool = False
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
     attn_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -72,6 +78,7 @@ class DecoderConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
     rotary_dim: int = 0                        # 0: the whole head
+    moe: MoEConfig | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -79,7 +86,11 @@ class DecoderConfig:
     @classmethod
     def from_json(cls, d: dict) -> DecoderConfig:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: tuple(v) if k == "layer_types" else v for k, v in d.items() if k in known})
+        d = {k: v for k, v in d.items() if k in known}
+        d["layer_types"] = tuple(d.get("layer_types", ()))
+        if d.get("moe"):
+            d["moe"] = MoEConfig.from_json(d["moe"])
+        return cls(**d)
 
     @property
     def max_context(self) -> int:
@@ -150,8 +161,22 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
 
     embed_name = "model.embed_tokens.weight"
     h = b.op("embed", tokens, b.param(embed_name, (c.vocab_size, H), dtype))
-    if c.embed_scale:
-        h = b.op("mul_scalar", h, value=float(H) ** 0.5)
+    if c.embed_multiplier != 1.0:
+        h = b.op("mul_scalar", h, value=float(c.embed_multiplier))
+
+    def residual_add(h, out):
+        if c.residual_multiplier != 1.0:
+            out = b.op("mul_scalar", out, value=float(c.residual_multiplier))
+        return b.op("add", h, out)
+
+    def dense_mlp(x, prefix, ffn, fused=False):
+        gated = GATED_OPS[c.mlp_act]
+        if fused:
+            act = b.op(gated, linear(x, f"{prefix}.gate_up_proj", 2 * ffn, H, c.mlp_bias))
+        else:
+            gate = linear(x, f"{prefix}.gate_proj", ffn, H, c.mlp_bias)
+            act = b.op("mul", b.op(c.mlp_act, gate), linear(x, f"{prefix}.up_proj", ffn, H, c.mlp_bias))
+        return linear(act, f"{prefix}.down_proj", H, ffn, c.mlp_bias)
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
         x = block_norm(h, p, "attn_in")
@@ -175,19 +200,18 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
                     scale=float(c.attn_scale or D ** -0.5), window=specs[i].window or 0,
                     softcap=float(c.attn_softcap or 0.0))
         attn = linear(b.op("reshape", attn, shape=("tokens", HQ * D)), f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias)
-        h = b.op("add", h, block_norm(attn, p, "attn_out"))
+        h = residual_add(h, block_norm(attn, p, "attn_out"))
         x = block_norm(h, p, "mlp_in")
-        gated = GATED_OPS[c.mlp_act]
-        if c.fused_projections:
-            act = b.op(gated, linear(x, f"{p}.mlp.gate_up_proj", 2 * FF, H, c.mlp_bias))
+        if c.moe is not None and c.moe.is_sparse(i):
+            mlp_out = build_moe(b, c.moe, x, p, dtype, c.mlp_act, dense_mlp)
         else:
-            gate = linear(x, f"{p}.mlp.gate_proj", FF, H, c.mlp_bias)
-            act = b.op("mul", b.op(c.mlp_act, gate), linear(x, f"{p}.mlp.up_proj", FF, H, c.mlp_bias))
-        down = linear(act, f"{p}.mlp.down_proj", H, FF, c.mlp_bias)
-        h = b.op("add", h, block_norm(down, p, "mlp_out"))
+            mlp_out = dense_mlp(x, f"{p}.mlp", FF, c.fused_projections)
+        h = residual_add(h, block_norm(mlp_out, p, "mlp_out"))
     last = norm(b.op("take_rows", h, logit_rows), "model.norm.weight")
     head = embed_name if c.tie_word_embeddings else b.param("lm_head.weight", (c.vocab_size, H), dtype)
     logits = b.op("linear", last, head)
+    if c.logits_divisor != 1.0:
+        logits = b.op("mul_scalar", logits, value=1.0 / float(c.logits_divisor))
     if c.final_softcap:
         logits = b.op("softcap", logits, cap=float(c.final_softcap))
     return b.output(b.op("cast", logits, dtype="float32", name="logits"))

@@ -12,6 +12,7 @@ from typing import Callable
 from kiln.errors import KilnError
 
 from .decoder import DecoderConfig
+from .moe import MoEConfig
 from .rope import SUPPORTED_ROPE_TYPES
 
 
@@ -172,7 +173,7 @@ def _gemma(cfg: dict, arch: str, model_type: str, window_pattern: int, **flags) 
         types = ["full_attention"] * layers
     bias = bool(cfg.get("attention_bias", False))
     return _common(cfg, arch, model_type, tied_by_default=True, qkv_bias=bias, o_bias=bias, norms=GEMMA_NORMS,
-                   norm_offset=1.0, norm_weight_in_float32=True, embed_scale=True,
+                   norm_offset=1.0, norm_weight_in_float32=True, embed_multiplier=float(need(cfg, "hidden_size", arch)) ** 0.5,
                    attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
                    sliding_window=int(window) if window else None,
                    layer_types=checked_layer_types(types, layers, arch), **flags)
@@ -191,6 +192,66 @@ def _gemma3(cfg: dict, arch: str) -> DecoderConfig:
                   local_rope_theta=local_theta, local_rope_scaling=local_scaling)
 
 
+def _experts(cfg: dict, arch: str, layout: str, router: str, ffn_key: str, sparse=lambda i: True,
+             **fields) -> MoEConfig:
+    """The MoE fields every family has: experts, top_k, each expert's size, which layers have them.
+    The expert count is num_experts or num_local_experts (transformers 5 renamed some)."""
+    experts = need(cfg, "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts", arch)
+    layers = need(cfg, "num_hidden_layers", arch)
+    return MoEConfig(experts=experts, top_k=need(cfg, "num_experts_per_tok", arch), ffn=need(cfg, ffn_key, arch),
+                     router=router, layout=layout,
+                     sparse_layers=tuple(i for i in range(layers) if experts and sparse(i)), **fields)
+
+
+def _qwen_sparse(cfg: dict):
+    """Qwen-MoE's rule for which layers have experts: not in mlp_only_layers, every
+    decoder_sparse_step-th layer."""
+    dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1) or 1
+    return lambda i: i not in dense and (i + 1) % step == 0
+
+
+def _mixtral(cfg: dict, arch: str) -> DecoderConfig:
+    moe = _experts(cfg, arch, "mixtral", "softmax_topk", "intermediate_size", normalize=True)
+    return _common(cfg, arch, "mixtral", moe=moe, **_windows(cfg, arch, every_layer=True))
+
+
+def _qwen2_moe(cfg: dict, arch: str) -> DecoderConfig:
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    moe = _experts(cfg, arch, "qwen", "softmax_topk", "moe_intermediate_size", _qwen_sparse(cfg),
+                   normalize=bool(cfg.get("norm_topk_prob", False)), shared_ffn=shared, shared_gate=bool(shared))
+    return _common(cfg, arch, "qwen2_moe", qkv_bias=bool(cfg.get("qkv_bias", True)), moe=moe,
+                   **_windows(cfg, arch, every_layer=False))
+
+
+def _qwen3_moe(cfg: dict, arch: str) -> DecoderConfig:
+    moe = _experts(cfg, arch, "qwen", "softmax_topk", "moe_intermediate_size", _qwen_sparse(cfg),
+                   normalize=bool(cfg.get("norm_topk_prob", False)))
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, "qwen3_moe", qkv_bias=bias, o_bias=bias, qk_norm="head", moe=moe,
+                   **_windows(cfg, arch, every_layer=False))
+
+
+def _olmoe(cfg: dict, arch: str) -> DecoderConfig:
+    if cfg.get("clip_qkv") is not None:
+        raise KilnError(f"{arch}: clip_qkv {cfg['clip_qkv']} is not supported (kiln has no q/k/v clamp)")
+    moe = _experts(cfg, arch, "qwen", "softmax_topk", "intermediate_size",
+                   normalize=bool(cfg.get("norm_topk_prob", False)))
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, "olmoe", qkv_bias=bias, o_bias=bias, qk_norm="all", moe=moe)
+
+
+def _granitemoe(cfg: dict, arch: str) -> DecoderConfig:
+    """Granite-MoE: experts stacked in the checkpoint, top-k logits softmaxed, and four multipliers
+    (embeddings, the score scale, block outputs before the residual add, logits as a divisor)."""
+    moe = _experts(cfg, arch, "granite", "topk_softmax", "intermediate_size")
+    bias = bool(cfg.get("attention_bias", False))
+    return _common(cfg, arch, "granitemoe", qkv_bias=bias, o_bias=bias, moe=moe,
+                   embed_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                   attn_scale=float(cfg.get("attention_multiplier", 1.0)),
+                   residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                   logits_divisor=float(cfg.get("logits_scaling", 1.0)))
+
+
 FAMILIES = {
     "llama": Family(("LlamaForCausalLM",), _llama),
     "mistral": Family(("MistralForCausalLM",), _mistral),
@@ -200,6 +261,11 @@ FAMILIES = {
     "phi3": Family(("Phi3ForCausalLM",), _phi3),
     "gemma2": Family(("Gemma2ForCausalLM",), _gemma2),
     "gemma3_text": Family(("Gemma3ForCausalLM",), _gemma3),
+    "mixtral": Family(("MixtralForCausalLM",), _mixtral),
+    "qwen2_moe": Family(("Qwen2MoeForCausalLM",), _qwen2_moe),
+    "qwen3_moe": Family(("Qwen3MoeForCausalLM",), _qwen3_moe),
+    "olmoe": Family(("OlmoeForCausalLM",), _olmoe),
+    "granitemoe": Family(("GraniteMoeForCausalLM",), _granitemoe),
 }
 
 

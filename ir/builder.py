@@ -24,11 +24,12 @@ class GraphBuilder:
         self.graph.inputs[name] = ty
         return self._declare(name, ty)
 
-    def param(self, name: str, shape, dtype: str) -> str:
+    def param(self, name: str, shape, dtype: str, recipe: dict | None = None) -> str:
+        """A weight: read by name from the checkpoint, or made from others by `recipe` (ir/weights.py)."""
         if name in self.graph.params:  # a weight used twice (tied embeddings) is declared once
             return name
         ty = TensorType(tuple(shape), dtype)
-        self.graph.params[name] = Param(name, ty)
+        self.graph.params[name] = Param(name, ty, recipe)
         return self._declare(name, ty)
 
     def kv_cache(self, layer: int, spec: KVSpec) -> tuple[str, str | None]:

@@ -16,13 +16,17 @@ computes routers:
                         (e_score_correction_bias), a group scored by the sum of its 2 best, the
                         best topk_group groups eligible; the weights are the unbiased scores of
                         the chosen, renormalised when `normalize` (denominator + 1e-20), × scaling
+
+`moe_experts` (and its quantised forms moe_experts_q8/q4/fp8) runs the routed experts; `sigmoid_gate`
+weighs Qwen2-MoE's shared expert.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .ops import ACTIVATIONS, REQUIRED, _as, _f32, op
-from .types import TensorType
+from .quant import SCHEMES as QUANT_SCHEMES
+from .types import IRError, TensorType
 
 SCHEMES = ("softmax_topk", "topk_softmax", "softmax_group_max", "sigmoid_group_top2")
 
@@ -74,7 +78,8 @@ def _moe_router():
             chosen = _top(logits, k)
             weights = _softmax(np.take_along_axis(logits, chosen, -1))
         elif scheme == "sigmoid_group_top2":
-            scores = np.float32(1) / (np.float32(1) + np.exp(-logits))
+            with np.errstate(over="ignore"):           # exp overflows to inf: the score is 0
+                scores = np.float32(1) / (np.float32(1) + np.exp(-logits))
             choice = scores + _f32(x[1])
             eligible = _group_mask(choice, at["n_group"], at["topk_group"],
                                    lambda g: np.sort(g, axis=-1)[..., -2:].sum(-1))
@@ -97,21 +102,52 @@ def _moe_router():
     return rule, ref
 
 
-@op("moe_experts", ["x", "routing", "gate_up", "down"], {"activation": "silu"})
+def _experts_out(x, routing, fail) -> tuple[int, int]:
+    if x.rank != 2 or routing.rank != 2 or routing.dtype != "float32" or routing.shape[0] != x.shape[0]:
+        fail(f"x must be [tokens, hidden] and routing f32[tokens, experts], got {x}, {routing}")
+    if x.dtype not in ("float32", "float16", "bfloat16"):
+        fail(f"x must be a float tensor, got {x}")
+    return routing.shape[1], x.shape[1]
+
+
+def _check_experts_attrs(attrs, fail):
+    if attrs["activation"] not in ("silu", "gelu_tanh"):
+        fail(f"activation must be silu or gelu_tanh, got {attrs['activation']!r}")
+    if attrs["top_k"] < 1:
+        fail(f"top_k must be at least 1, got {attrs['top_k']}")
+
+
+def _experts_ref(hidden, routing, weight, at, ty) -> np.ndarray:
+    """The routed experts' gated MLPs for `weight(name, e)` -> f32 [out, in] of expert e."""
+    hidden, routing = _f32(hidden), _f32(routing)
+    if (np.count_nonzero(routing > 0, axis=1) > at["top_k"]).any():
+        raise IRError(f"moe_experts: a token is routed to more than top_k={at['top_k']} experts")
+    out = np.zeros(hidden.shape, np.float32)
+    for e in np.flatnonzero((routing > 0).any(0)):
+        rows = np.flatnonzero(routing[:, e] > 0)
+        gate_up = weight("gate_up", e)
+        ffn = gate_up.shape[0] // 2
+        projected = _f32(_as(hidden[rows] @ gate_up.T, ty))
+        gate, up = projected[:, :ffn], projected[:, ffn:]
+        act = _f32(_as(_f32(_as(ACTIVATIONS[at["activation"]](gate), ty)) * up, ty))
+        expert_out = _f32(_as(act @ weight("down", e).T, ty))
+        out[rows] += _f32(_as(expert_out * routing[rows, e:e + 1], ty))
+    return _as(out, ty)
+
+
+@op("moe_experts", ["x", "routing", "gate_up", "down"], {"top_k": REQUIRED, "activation": "silu"})
 def _moe_experts():
     """The routed experts' gated MLPs, summed by routing weight: for x [tokens, H], routing
-    f32[tokens, E] (moe_router's), gate_up [E, 2F, H] (gate rows first, then up) and down [E, H, F],
+    f32[tokens, E] (moe_router's: at most top_k experts per token), gate_up [E, 2F, H] (gate rows
+    first, then up) and down [E, H, F],
         out[t] = sum over experts e with routing[t, e] > 0 of
                  routing[t, e] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))
     Each product is rounded to x's dtype as transformers' experts loop rounds it; the sum is kept in
     float32 and rounded once. Only the experts a token is routed to are computed."""
     def rule(types, attrs, fail):
         x, routing, gate_up, down = types
-        if attrs["activation"] not in ("silu", "gelu_tanh"):
-            fail(f"activation must be silu or gelu_tanh, got {attrs['activation']!r}")
-        if x.rank != 2 or routing.rank != 2 or routing.dtype != "float32" or routing.shape[0] != x.shape[0]:
-            fail(f"x must be [tokens, hidden] and routing f32[tokens, experts], got {x}, {routing}")
-        experts, hidden = routing.shape[1], x.shape[1]
+        _check_experts_attrs(attrs, fail)
+        experts, hidden = _experts_out(x, routing, fail)
         if gate_up.rank != 3 or gate_up.shape[0] != experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
             fail(f"gate_up must be [{experts}, 2 * ffn, {hidden}], got {gate_up}")
         if down != TensorType((experts, hidden, gate_up.shape[1] // 2), x.dtype) or gate_up.dtype != x.dtype:
@@ -119,16 +155,82 @@ def _moe_experts():
         return x
 
     def ref(x, at, ty, dims):
-        hidden, routing = _f32(x[0]), _f32(x[1])
-        gate_up, down = x[2], x[3]
+        weights = {"gate_up": x[2], "down": x[3]}
+        return _experts_ref(x[0], x[1], lambda name, e: _f32(weights[name][e]), at, ty)
+    return rule, ref
+
+
+def _quantized_experts(mode: str):
+    """Type rule and reference of moe_experts over weights quantised expert by expert with `mode`
+    (ir/quant.py): each of gate_up and down is a (q, scale) pair with a leading experts axis."""
+    scheme = QUANT_SCHEMES[mode]
+
+    def rule(types, attrs, fail):
+        x, routing, gate_up, gate_up_scale, down, down_scale = types
+        _check_experts_attrs(attrs, fail)
+        experts, hidden = _experts_out(x, routing, fail)
+        if gate_up.rank != 3 or gate_up.shape[0] != experts:
+            fail(f"gate_up must be {scheme.weight_dtype}[{experts}, 2 * ffn, ...], got {gate_up}")
         ffn = gate_up.shape[1] // 2
-        out = np.zeros(hidden.shape, np.float32)
-        for e in np.flatnonzero((routing > 0).any(0)):
-            rows = np.flatnonzero(routing[:, e] > 0)
-            projected = _f32(_as(hidden[rows] @ _f32(gate_up[e]).T, ty))
-            gate, up = projected[:, :ffn], projected[:, ffn:]
-            act = _f32(_as(_f32(_as(ACTIVATIONS[at["activation"]](gate), ty)) * up, ty))
-            expert_out = _f32(_as(act @ _f32(down[e]).T, ty))
-            out[rows] += _f32(_as(expert_out * routing[rows, e:e + 1], ty))
-        return _as(out, ty)
+        group = attrs.get("group_size", 0)
+        if scheme.grouped and (hidden % group or ffn % group or group % 2):
+            fail(f"hidden {hidden} and ffn {ffn} must be multiples of an even group_size {group}")
+        for name, (q, scale), (n_out, n_in) in (("gate_up", (gate_up, gate_up_scale), (2 * ffn, hidden)),
+                                                ("down", (down, down_scale), (hidden, ffn))):
+            shapes = scheme.part_shapes(n_out, n_in, group)
+            want_q = TensorType((experts, *shapes["q"]), scheme.weight_dtype)
+            want_scale = TensorType((experts, *shapes["scale"]), scheme.scale_dtype)
+            if q != want_q or scale != want_scale:
+                fail(f"{name} must be {want_q} with scales {want_scale}, got {q}, {scale}")
+        return x
+
+    def ref(x, at, ty, dims):
+        parts = {"gate_up": (x[2], x[3]), "down": (x[4], x[5])}
+        options = {"group_size": at["group_size"]} if scheme.grouped else {}
+
+        def weight(name, e):
+            q, scale = parts[name]
+            return scheme.dequantize({"q": np.asarray(q[e]), "scale": np.asarray(scale[e])}, **options)
+        return _experts_ref(x[0], x[1], weight, at, ty)
+    return rule, ref
+
+
+QUANTIZED_EXPERTS_INPUTS = ["x", "routing", "gate_up", "gate_up_scale", "down", "down_scale"]
+
+
+@op("moe_experts_q8", QUANTIZED_EXPERTS_INPUTS, {"top_k": REQUIRED, "activation": "silu"})
+def _moe_experts_q8():
+    """moe_experts with int8 experts and float32 per-output-channel scales (q8, expert by expert)."""
+    return _quantized_experts("q8")
+
+
+@op("moe_experts_fp8", QUANTIZED_EXPERTS_INPUTS, {"top_k": REQUIRED, "activation": "silu"})
+def _moe_experts_fp8():
+    """moe_experts with float8 e4m3 experts and float32 per-output-channel scales (fp8)."""
+    return _quantized_experts("fp8")
+
+
+@op("moe_experts_q4", QUANTIZED_EXPERTS_INPUTS, {"top_k": REQUIRED, "activation": "silu", "group_size": REQUIRED})
+def _moe_experts_q4():
+    """moe_experts with int4 experts in input groups with float16 scales (q4, expert by expert)."""
+    return _quantized_experts("q4")
+
+
+MOE_EXPERT_OPS = ("moe_experts", "moe_experts_q8", "moe_experts_q4", "moe_experts_fp8")
+
+
+@op("sigmoid_gate", ["x", "gate"])
+def _sigmoid_gate():
+    """x * sigmoid(gate) for x [tokens, H] and gate [tokens, 1]: Qwen2-MoE's gated shared expert.
+    The sigmoid is rounded to x's dtype before the product, as transformers computes it."""
+    def rule(types, attrs, fail):
+        x, gate = types
+        if x.rank != 2 or gate != TensorType((x.shape[0], 1), x.dtype):
+            fail(f"gate must be {x.dtype}[tokens, 1] for x {x}, got {gate}")
+        return x
+
+    def ref(x, at, ty, dims):
+        with np.errstate(over="ignore"):
+            sig = _f32(_as(np.float32(1) / (np.float32(1) + np.exp(-_f32(x[1]))), ty))
+        return _as(sig * _f32(x[0]), ty)
     return rule, ref

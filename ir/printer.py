@@ -15,6 +15,11 @@ def _recipe(recipe: dict) -> str:
     if "quantize" in recipe:
         group = f", group_size={recipe['group_size']}" if "group_size" in recipe else ""
         return f"{recipe['quantize']}.{recipe['part']}(@{recipe['of']}{group})"
+    if "stack" in recipe:
+        def expert(parts):
+            joined = ", ".join("@" + n for n in parts)
+            return joined if len(parts) == 1 else f"concat({joined})"
+        return f"stack({', '.join(expert(parts) for parts in recipe['stack'])})"
     return f"concat({', '.join('@' + n for n in recipe['concat'])}, axis={recipe['axis']})"
 
 

@@ -1,4 +1,9 @@
-"""Loading a graph's weights: base weights from a loader, derived ones (fused projections) by recipe."""
+"""Loading a graph's weights: base weights from a loader, derived ones by recipe:
+    {"concat": [names], "axis": a}        fused projections: the parts joined along axis a
+    {"stack": [[names], ...]}             3-D experts [E, out, in]: expert e is its names joined
+                                          along axis 0 (gate then up), the experts stacked
+    {"quantize": scheme, "of": name, "part": "q" | "scale"[, "group_size": g]}
+                                          a quantised weight's part; a 3-D one expert by expert"""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,7 +14,13 @@ from .graph import Graph
 from .quant import SCHEMES
 from .types import IRError
 
-RECIPES = ("concat", "quantize")
+RECIPES = ("concat", "stack", "quantize")
+
+
+def recipe_sources(recipe: dict) -> list[str]:
+    """The params a recipe reads, in order."""
+    stacked = [part for parts in recipe.get("stack", ()) for part in parts]
+    return list(recipe.get("concat", ())) + stacked + ([recipe["of"]] if "of" in recipe else [])
 
 
 def plain_reads(graph: Graph, names: list[str]) -> list[str]:
@@ -22,10 +33,8 @@ def plain_reads(graph: Graph, names: list[str]) -> list[str]:
         recipe = param.recipe if param is not None else None
         if recipe is None:
             order.setdefault(name)
-        for part in (recipe or {}).get("concat", ()):
+        for part in recipe_sources(recipe or {}):
             walk(part)
-        if recipe and "quantize" in recipe:
-            walk(recipe["of"])
     for name in names:
         walk(name)
     return list(order)
@@ -53,12 +62,23 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
         scheme = SCHEMES[recipe["quantize"]]
         run = quantizers.get(scheme.name, scheme.quantize)
         options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
-        fused = graph.params.get(recipe["of"])
-        if fused is not None and fused.recipe and "concat" in fused.recipe and fused.recipe["axis"] == 0:
-            pieces = [run(source(part), **options) for part in fused.recipe["concat"]]
+
+        def joined(parts: list[str]) -> dict[str, np.ndarray]:
+            pieces = [run(source(part), **options) for part in parts]
             return {part: np.concatenate([p[part] for p in pieces], axis=scheme.output_axis(part))
                     for part in pieces[0]}
-        return run(source(recipe["of"]), **options)
+        fused = graph.params.get(recipe["of"])
+        fused_recipe = fused.recipe if fused is not None and fused.recipe else {}
+        if "stack" in fused_recipe:              # experts, each quantised on its own
+            experts = [joined(parts) for parts in fused_recipe["stack"]]
+            return {part: np.stack([e[part] for e in experts]) for part in experts[0]}
+        if "concat" in fused_recipe and fused_recipe["axis"] == 0:
+            return joined(fused_recipe["concat"])
+        w = source(recipe["of"])
+        if w.ndim == 3:
+            experts = [run(w[e], **options) for e in range(w.shape[0])]
+            return {part: np.stack([e[part] for e in experts]) for part in experts[0]}
+        return run(w, **options)
 
     def get(name: str) -> np.ndarray:
         param = graph.params.get(name)
@@ -67,6 +87,8 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
         recipe = param.recipe
         if "concat" in recipe:
             out = np.concatenate([get(part) for part in recipe["concat"]], axis=recipe["axis"])
+        elif "stack" in recipe:
+            out = np.stack([np.concatenate([get(part) for part in parts], axis=0) for parts in recipe["stack"]])
         elif "quantize" in recipe:
             key = (recipe["quantize"], recipe["of"])
             if key not in quantized:

@@ -88,6 +88,22 @@ FAMILIES = {
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}),
+    # mixtures of experts: 8 experts, 2 (or 3) per token
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                                        "intermediate_size": 128, "sliding_window": None}),
+    # a dense layer 0 (mlp_only_layers), a sigmoid-gated shared expert, top-k weights not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 96, "mlp_only_layers": [0],
+        "shared_expert_intermediate_size": 192, "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                           "moe_intermediate_size": 128, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                  "intermediate_size": 128, "norm_topk_prob": False}),
+    # experts stored stacked, softmax over the top-k logits, and Granite's four multipliers
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128,
+        "embedding_multiplier": 2.0, "attention_multiplier": 0.15, "residual_multiplier": 0.5,
+        "logits_scaling": 2.0}),
 }
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
@@ -194,8 +210,8 @@ def _init_rule(name: str, shape: tuple[int, ...], hidden: int, tied: bool) -> tu
         return 1.0 / math.sqrt(hidden) if tied else 1.0, 0.0, 1.0
     if name.endswith("lm_head.weight"):
         return LOGIT_STD / math.sqrt(hidden), 0.0, 1.0
-    if len(shape) == 2:                                # linear [out, in]: unit-variance outputs
-        return 1.0 / math.sqrt(shape[1]), 0.0, 1.0
+    if len(shape) in (2, 3):                           # linear [out, in] or experts [E, out, in]: unit-variance outputs
+        return 1.0 / math.sqrt(shape[-1]), 0.0, 1.0
     raise ValueError(f"no init rule for parameter {name} of shape {tuple(shape)}")
 
 

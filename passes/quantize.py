@@ -6,8 +6,14 @@ f16 group scales):
   ->
     %y = linear_q8(%x, @w.q8, @w.q8_scale[, @b][, %r])
         @w.q8 = q8.q(@w)   @w.q8_scale = q8.scale(@w)      (computed once, when weights are written)
+    %y = moe_experts(%x, %routing, @gate_up, @down)
+  ->
+    %y = moe_experts_q8(%x, %routing, @gate_up.q8, @gate_up.q8_scale, @down.q8, @down.q8_scale)
+        each expert quantised on its own, as a linear weight would be
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
-  logits) only when `lm_head` is set. Embedding tables are left to quantize_embedding.
+  logits) only when `lm_head` is set. MoE routers (linears feeding moe_router) stay in float, as
+  llama.cpp keeps them: a rounding there changes which experts run. Embedding tables are left to
+  quantize_embedding.
 Leaves: %y keeps its name and type; the float weight param is dropped once no node reads it.
 """
 from __future__ import annotations
@@ -21,11 +27,12 @@ from .rewrite import drop_unused_params, editable_copy
 
 
 def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> tuple[str, str]:
-    """Declare the params holding `w` [out, in] quantised with `mode`: @w.<mode> and @w.<mode>_scale,
+    """Declare the params holding `w` [out, in] (or experts [E, out, in]) quantised with `mode`: @w.<mode> and @w.<mode>_scale,
     made from @w by recipe when weights are written. Declared once: a table that is both an LM head and
     an embedding (tied) gets one pair, which both ops read."""
     scheme = SCHEMES[mode]
-    shapes = scheme.part_shapes(*w.type.shape, group_size)
+    experts = w.type.shape[:-2]
+    shapes = {part: experts + shape for part, shape in scheme.part_shapes(*w.type.shape[-2:], group_size).items()}
     names = {"q": f"{w.name}.{mode}", "scale": f"{w.name}.{mode}_scale"}
     dtypes = {"q": scheme.weight_dtype, "scale": scheme.scale_dtype}
     for part, name in names.items():
@@ -48,10 +55,11 @@ class Quantize:
         if self.mode not in SCHEMES:
             raise ValueError(f"unknown quantisation mode {self.mode!r} (known: {', '.join(SCHEMES)})")
 
-    def _lm_head_nodes(self, graph: Graph) -> set[str]:
-        """The linear whose result becomes the logits (through casts only)."""
+    @staticmethod
+    def _linears_feeding(graph: Graph, values: list[str]) -> set[str]:
+        """The linears whose results become `values` (through casts only)."""
         producers = {n.output: n for n in graph.nodes}
-        heads, todo = set(), list(graph.outputs)
+        heads, todo = set(), list(values)
         while todo:
             node = producers.get(todo.pop())
             if node is None:
@@ -65,9 +73,13 @@ class Quantize:
     def __call__(self, graph: Graph) -> Graph:
         graph = editable_copy(graph)
         scheme = SCHEMES[self.mode]
-        skip = set() if self.lm_head else self._lm_head_nodes(graph)
+        skip = self._linears_feeding(graph, [n.inputs[0] for n in graph.nodes if n.op == "moe_router"])
+        if not self.lm_head:
+            skip |= self._linears_feeding(graph, graph.outputs)
         grouped = scheme.grouped
         for node in graph.nodes:
+            if node.op == "moe_experts":
+                self._quantize_experts(graph, node)
             if node.op != "linear" or node.output in skip or node.inputs[1] not in graph.params:
                 continue
             w = graph.params[node.inputs[1]]
@@ -78,3 +90,13 @@ class Quantize:
             node.inputs = [node.inputs[0], q, scale, *node.inputs[2:]]
             node.attrs = {"group_size": self.group_size} if grouped else {}
         return drop_unused_params(graph)
+
+    def _quantize_experts(self, graph: Graph, node) -> None:
+        gate_up, down = (graph.params[name] for name in node.inputs[2:4])
+        if SCHEMES[self.mode].grouped and (gate_up.type.shape[2] % self.group_size or down.type.shape[2] % self.group_size):
+            return                        # widths the groups do not divide stay in float
+        parts = [name for w in (gate_up, down) for name in add_quantized_params(graph, w, self.mode, self.group_size)]
+        node.op = f"moe_experts_{self.mode}"
+        node.inputs = node.inputs[:2] + parts
+        if SCHEMES[self.mode].grouped:
+            node.attrs = {**node.attrs, "group_size": self.group_size}

@@ -5,6 +5,7 @@ import copy
 from collections import defaultdict
 
 from kiln.ir import Graph, Node
+from kiln.ir.weights import recipe_sources
 
 
 def editable_copy(graph: Graph) -> Graph:
@@ -39,7 +40,7 @@ def drop_unused_params(graph: Graph) -> Graph:
     todo = [n for n in keep if n in graph.params]
     while todo:
         recipe = graph.params[todo.pop()].recipe or {}
-        for source in recipe.get("concat", []) + ([recipe["of"]] if "of" in recipe else []):
+        for source in recipe_sources(recipe):
             if source in graph.params and graph.params[source].recipe and source not in keep:
                 keep.add(source)
                 todo.append(source)

@@ -62,7 +62,9 @@ def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")), ("olmo2", ("rms_norm", "rope")),
                                             ("gemma3", ("paged_attention_fallback_window5", "paged_decode_attention",
-                                                        "gelu_tanh"))])
+                                                        "gelu_tanh")),
+                                            ("qwen2_moe", ("moe_router_softmax_topk", "moe_plan", "moe_gate_up",
+                                                           "moe_down", "moe_combine", "sigmoid"))])
 def test_new_families_build_for_cuda(make_model, tmp_path, family, kernels):
     """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA; Gemma 3's sliding layers run
     kiln's GPU fallback kernel (TVM's mask causally only) and its global layer TVM's kernels."""
@@ -71,7 +73,7 @@ def test_new_families_build_for_cuda(make_model, tmp_path, family, kernels):
                            "--arch", "sm_80", "-o", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["model"]["config"]["model_type"] == family.replace("gemma3", "gemma3_text")
+    assert manifest["model"]["config"]["model_type"] == {"gemma3": "gemma3_text"}.get(family, family)
     assert all(any(name in k for k in manifest["kernels"]) for name in kernels), manifest["kernels"]
     library = (out / "model.cuda.so").read_bytes()
     assert all(f"{k}_kernel".encode() in library for k in manifest["kernels"] if not k.startswith("shape_func"))

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kiln.frontend import load_hf_model  # noqa: E402
-from kiln.ir import interpret, verify  # noqa: E402
+from kiln.ir import interpret, verify, weight_loader  # noqa: E402
 
 PAGE_SIZE = 16
 NUM_PAGES = 8
@@ -30,6 +30,7 @@ class Pair:
         self.graph = verify(self.kiln.build_graph("float32", page_size=PAGE_SIZE))
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(
             model_dir, attn_implementation="eager").float().eval()
+        self.weights = weight_loader(self.graph, lambda name: self.kiln.weight(name, "float32"))
         self.vocab = self.kiln.config.vocab_size
         self.new_cache()
 
@@ -41,7 +42,7 @@ class Pair:
     def step(self, seqs) -> np.ndarray:
         """Run one engine step over self.kv (updated in place); f32[seqs, vocab]."""
         inputs = {**make_step_inputs(seqs, PAGE_SIZE), **self.kv}
-        return interpret(self.graph, inputs, lambda name: self.kiln.weight(name, "float32"))["logits"]
+        return interpret(self.graph, inputs, self.weights)["logits"]
 
     def hf_last_logits(self, ids: list[int]) -> np.ndarray:
         with torch.no_grad():

@@ -233,6 +233,11 @@ EXAMPLES = {
     "paged_attention": None,   # has its own tests below
     "moe_router": None,        # tests/test_moe_ops.py, against transformers' routers
     "moe_experts": None,       # tests/test_moe_ops.py, against transformers' expert modules
+    "moe_experts_q8": None,    # tests/test_moe_ops.py, against moe_experts on the dequantised experts
+    "moe_experts_q4": None,
+    "moe_experts_fp8": None,
+    "sigmoid_gate": (lambda: _one_node("sigmoid_gate", [((3, 4), "float32"), ((3, 1), "float32")]),
+                     lambda a: a["in0"] / (1 + np.exp(-a["in1"]))),
     "kv_append": None,         # with paged_attend, the same tests
     "paged_attend": None,
     "paged_attention_fused": None,   # tested against paged_attention in tests/test_passes.py (fuse_rope_attention)
