@@ -22,6 +22,16 @@ class WeightFormat:
     kind: str = "float"          # "float" | "q8", "fp8" (per-output scale) | "q4" (nibbles, group scales)
     group_size: int = 0
 
+    @classmethod
+    def of(cls, node, base: str) -> WeightFormat:
+        """The format an op reads: `base` reads float weights, `base`_q8/_q4/_fp8 quantised ones."""
+        return cls(node.op.removeprefix(f"{base}_") if node.op != base else "float", node.attrs.get("group_size", 0))
+
+    @property
+    def suffix(self) -> str:
+        """A kernel-name suffix: "" for float, "_q8", "_q4g32", ..."""
+        return "" if self.kind == "float" else f"_{self.kind}" + (f"g{self.group_size}" if self.group_size else "")
+
     def value(self, load, scale, j, k):
         """`load(j, kk)` reads the stored element for output j at stored input index kk."""
         if self.kind == "q4":
@@ -122,9 +132,8 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         m = tirx.Var("m", "int64")
         kern = packed_linear_kernel(m, n_out, n_in, nb, dtype, bias is not None, residual is not None, fmt,
                                     w.ty.dtype)
-        quant = "" if fmt.kind == "float" else f"_{fmt.kind}" + (f"g{fmt.group_size}" if fmt.group_size else "")
         suffix = "".join(f"_{k}" for k in present if k != "scale")
-        gv = ctx.add_kernel(kern, f"linear{quant}_packed{nb}_{n_out}x{n_in}{suffix}")
+        gv = ctx.add_kernel(kern, f"linear{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}")
         y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
     if len(x.ty.shape) != 2:
         y = ctx.bb.emit(relax.op.reshape(y, list(x.ty.shape[:-1]) + [n_out]))

@@ -105,14 +105,13 @@ def _emit_linear(ctx, node, x, w, *rest):
     n_out = node.type.shape[-1]
     n_in = ctx.types[node.inputs[0]].shape[-1]
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
-    fmt = WeightFormat(node.op.removeprefix("linear_") if quantized else "float", node.attrs.get("group_size", 0))
+    fmt = WeightFormat.of(node, "linear")
     return emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt)
 
 
 def _emit_embed(ctx, node, ids, table, scale=None):
     """embed(ids, table) and embed_q8/q4/fp8(ids, table, scale), the table in its stored layout."""
-    quantized = node.op != "embed"
-    fmt = WeightFormat(node.op.removeprefix("embed_") if quantized else "float", node.attrs.get("group_size", 0))
+    fmt = WeightFormat.of(node, "embed")
     layout = _layout_for(node, 1, ctx.graph, ctx.target) if node.inputs[1] in ctx.graph.params else "nk"
     vocab = ctx.types[node.inputs[1]].shape[0]
     return emit_embed(ctx, ids, table, scale, layout, vocab, node.type.shape[1], node.type.dtype, fmt)

@@ -302,9 +302,8 @@ def _gemm_kernel(ctx, name: str, args: list, n_out: int, n_in: int, layout: str,
     shapes += [(rows,)] * weighted
     placeholders = [te.placeholder(shape, a.ty.dtype, name=f"in{i}") for i, (shape, a) in enumerate(zip(shapes, args))]
     func = schedule_packed(te.create_prim_func([*placeholders, build(*placeholders)]), n_in, nb)
-    quant = "" if fmt.kind == "float" else f"_{fmt.kind}" + (f"g{fmt.group_size}" if fmt.group_size else "")
     experts = int(args[1 + index_args].ty.shape[0])
-    gv = ctx.add_kernel(func, f"{name}{quant}_e{experts}_packed{nb}_{n_out}x{n_in}_{dtype}")
+    gv = ctx.add_kernel(func, f"{name}{fmt.suffix}_e{experts}_packed{nb}_{n_out}x{n_in}_{dtype}")
     return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((n_rows, n_out), dtype)))
 
 
@@ -325,11 +324,11 @@ def emit_moe_experts(ctx, node, x, routing, gate_up, *rest):
     """moe_experts and moe_experts_q8/q4/fp8: plan, gate_up GEMM, activation, down GEMM, combine."""
     quantized = node.op != "moe_experts"
     gate_up_scale, down, down_scale = rest if quantized else (None, rest[0], None)
-    fmt = WeightFormat(node.op.removeprefix("moe_experts_") if quantized else "float", node.attrs.get("group_size", 0))
+    fmt = WeightFormat.of(node, "moe_experts")
     gpu = ctx.target.device != "cpu"
     dtype, k = node.type.dtype, node.attrs["top_k"]
     experts, hidden = ctx.types[node.inputs[1]].shape[1], node.type.shape[1]
-    ffn = ctx.types[node.inputs[-2 if quantized else -1]].shape[-1] * (2 if fmt.kind == "q4" else 1)
+    ffn = ctx.types[node.inputs[2]].shape[1] // 2                 # gate_up [E, 2F, ...], stored in any format
     tokens = x.ty.shape[0]
     plan = ctx.add_kernel(plan_kernel(experts, k, gpu), f"moe_plan_e{experts}_k{k}", scheduled=True)
     planned = ctx.bb.emit(relax.call_tir(plan, [routing], [

@@ -63,6 +63,9 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
         run = quantizers.get(scheme.name, scheme.quantize)
         options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
 
+        def stacked(experts: list[dict]) -> dict[str, np.ndarray]:
+            return {part: np.stack([e[part] for e in experts]) for part in experts[0]}
+
         def joined(parts: list[str]) -> dict[str, np.ndarray]:
             pieces = [run(source(part), **options) for part in parts]
             return {part: np.concatenate([p[part] for p in pieces], axis=scheme.output_axis(part))
@@ -70,14 +73,12 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
         fused = graph.params.get(recipe["of"])
         fused_recipe = fused.recipe if fused is not None and fused.recipe else {}
         if "stack" in fused_recipe:              # experts, each quantised on its own
-            experts = [joined(parts) for parts in fused_recipe["stack"]]
-            return {part: np.stack([e[part] for e in experts]) for part in experts[0]}
+            return stacked([joined(parts) for parts in fused_recipe["stack"]])
         if "concat" in fused_recipe and fused_recipe["axis"] == 0:
             return joined(fused_recipe["concat"])
         w = source(recipe["of"])
         if w.ndim == 3:
-            experts = [run(w[e], **options) for e in range(w.shape[0])]
-            return {part: np.stack([e[part] for e in experts]) for part in experts[0]}
+            return stacked([run(expert, **options) for expert in w])
         return run(w, **options)
 
     def get(name: str) -> np.ndarray:
