@@ -20,7 +20,7 @@ from kiln.ir import Graph
 from kiln.ir.moe_ops import MOE_EXPERT_OPS
 from kiln.ir.ops import ATTENTION_OPS, EMBED_OPS, OPS
 
-from . import elementwise, moe
+from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
 from .layouts import stored_shape
@@ -149,6 +149,9 @@ LOWERINGS = {
     "sigmoid_gate": elementwise.emit_sigmoid_gate,
     "paged_attention": emit_paged_attention,
     "paged_attention_fused": emit_paged_attention_fused,
+    "latent_append": mla.emit_latent_append,
+    "latent_attend": mla.emit_latent_attend,
+    "head_linear": mla.emit_head_linear,
 }
 
 

@@ -12,6 +12,10 @@ Buffers (kiln's page layout [pages, 2, kv_heads, page_size, head_dim]):
            sequence's last page), k_rope_pos_offset, q_rope_position, output, lse
   decode:  the same without q_indptr (one query per sequence)
 Rope is applied before attention (rotary_mode 0), so k_rope_pos_offset and the rope scalars are unused.
+MLA (GPUs; latent pages [pages, page_size, R + P], kiln's [pages, 1, 1, page_size, R + P] viewed so):
+  mla_prefill: q [tokens, Hq, R + P] ([q_latent | q_rope]), q_indptr, pages, page_indptr,
+               page_values, length_info, output [tokens, Hq, R], lse; any step, decode included
+  mla_append:  pages, kv_data [tokens, R + P], position_map (slot_mapping)
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ SIGNATURES = {
     "prefill": ["q", "q_indptr", *_PAGED, "causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
     "decode": ["Q", "pages", "page_table_indptr", "page_table_values", *_PAGED[3:],
                "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
+    "mla_prefill": ["q", "q_indptr", "pages", "page_indptr", "page_values", "length_info", "output", "lse", "causal",
+                    "sm_scale"],
+    "mla_append": ["pages", "kv_data", "position_map"],
 }
 
 
@@ -69,6 +76,19 @@ def decode_attention(target, kv_heads: int, q_heads: int, head_dim: int, page_si
         func = tvm_llm._attention_decode(kv_heads, q_heads, head_dim, dtype, False, {}, target.tvm_target(),
                                          page_size=page_size)
     return _bind("decode", func, rotary_mode=0, rope_scale=1.0, rope_theta=1e4, sm_scale=scale)
+
+
+def mla_attention(target, q_heads: int, rank: int, rope: int, page_size: int, dtype: str,
+                  scale: float) -> tirx.PrimFunc:
+    """TVM's MLA attention (GPUs): causal ragged MQA of [q_latent | q_rope] over latent rows, values
+    their first `rank` values."""
+    func = tvm_llm._attention_prefill_mla(q_heads, rank, rope, dtype, False, target.tvm_target(), page_size=page_size)
+    return _bind("mla_prefill", func, causal=1, sm_scale=scale)
+
+
+def mla_append(width: int, dtype: str, page_size: int) -> tirx.PrimFunc:
+    """TVM's latent append (GPUs): (pages, kv_data [tokens, width], slot_mapping)."""
+    return _bind("mla_append", tvm_llm._kv_cache_transpose_append_mla(width, dtype, page_size))
 
 
 def kv_append(kv_heads: int, head_dim: int, dtype: str, page_size: int) -> tirx.PrimFunc:

@@ -21,6 +21,8 @@
   local_rope_theta, local_rope_scaling   sliding layers rotate with their own rope (Gemma 3)
   rotary_dim       rope turns only the first rotary_dim elements of each head (Phi-4-mini: 3/4)
   moe              mixture-of-experts MLPs (frontend/moe.py MoEConfig), on the layers it names
+  mla              Multi-head Latent Attention (frontend/mla.py MLAConfig): a latent KV cache per
+                   layer and DeepSeek's low-rank projections in place of q/k/v
 The graph is one ragged engine step: new tokens of many sequences in, chosen rows' logits out.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kiln.ir import Graph, GraphBuilder
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.ops import GATED_OPS
 
+from .mla import MLAConfig, build_mla
 from .moe import MoEConfig, build_moe
 from .rope import context_limit, rope_parameters
 
@@ -79,6 +82,7 @@ class DecoderConfig:
     local_rope_scaling: dict | None = None
     rotary_dim: int = 0                        # 0: the whole head
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -90,6 +94,8 @@ class DecoderConfig:
         d["layer_types"] = tuple(d.get("layer_types", ()))
         if d.get("moe"):
             d["moe"] = MoEConfig.from_json(d["moe"])
+        if d.get("mla"):
+            d["mla"] = MLAConfig.from_json(d["mla"])
         return cls(**d)
 
     @property
@@ -103,13 +109,15 @@ class DecoderConfig:
 
     def kv_spec(self, layer: int, dtype: str, page_size: int) -> KVSpec:
         d = self.head_dim
+        if self.mla is not None:
+            return self.mla.kv_spec(dtype, page_size)
         if self.is_sliding(layer):
             return KVSpec("sliding", self.num_kv_heads, d, d, dtype, page_size, window=self.sliding_window)
         return KVSpec("full", self.num_kv_heads, d, d, dtype, page_size)
 
     def rope(self, local: bool = False) -> tuple:
         """(inverse frequencies, mscale) of the global layers' rope, or of the sliding layers' own."""
-        dim = self.rotary_dim or self.head_dim
+        dim = self.mla.rope_dim if self.mla else self.rotary_dim or self.head_dim
         if local:
             return rope_parameters(dim, self.local_rope_theta, self.local_rope_scaling, self.max_position_embeddings)
         return rope_parameters(dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
@@ -136,7 +144,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
     logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
     specs = [c.kv_spec(i, dtype, page_size) for i in range(c.num_layers)]
     kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
-    rotary = c.rotary_dim or D
+    rotary = c.mla.rope_dim if c.mla else c.rotary_dim or D
     rope_params = {name: b.param(name, (rotary // 2,), "float32") for name in c.computed_weights()}
     mscales = {local: c.rope(local)[1] for local in (False, c.local_rope_theta is not None)}
 
@@ -144,8 +152,8 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         w = b.param(f"{prefix}.weight", (n_out, n_in), dtype)
         return b.op("linear", x, w, b.param(f"{prefix}.bias", (n_out,), dtype) if bias else None)
 
-    def norm(x, name, width=H):
-        return b.op("rms_norm", x, b.param(name, (width,), dtype), eps=float(c.rms_norm_eps),
+    def norm(x, name, width=H, eps=None):
+        return b.op("rms_norm", x, b.param(name, (width,), dtype), eps=float(eps or c.rms_norm_eps),
                     offset=float(c.norm_offset), weight_in_float32=c.norm_weight_in_float32)
 
     def qk_normed(x, name, heads):
@@ -177,9 +185,16 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
             gate = linear(x, f"{prefix}.gate_proj", ffn, H, c.mlp_bias)
             act = b.op("mul", b.op(c.mlp_act, gate), linear(x, f"{prefix}.up_proj", ffn, H, c.mlp_bias))
         return linear(act, f"{prefix}.down_proj", H, ffn, c.mlp_bias)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        x = block_norm(h, p, "attn_in")
+
+    def attention(x, i, p):
+        """Layer i's attention on its normed input, projected back to the hidden size."""
+        local = c.is_sliding(i) and c.local_rope_theta is not None
+        inv, mscale = rope_params[LOCAL_ROPE_PARAM if local else ROPE_PARAM], mscales[local]
+        scale = float(c.attn_scale or D ** -0.5)
+        if c.mla is not None:
+            attn = build_mla(b, c.mla, x, p, HQ, H, dtype, positions, inv, mscale, kv_pages[i], slot_mapping,
+                             [q_indptr, page_indptr, page_values, last_page_len], i, scale, norm)
+            return linear(attn, f"{p}.self_attn.o_proj", H, HQ * c.mla.v_dim, c.o_bias)
         if c.fused_projections:
             qkv = linear(x, f"{p}.self_attn.qkv_proj", (HQ + 2 * HKV) * D, H, c.qkv_bias)
             q, k, v = (b.op("slice", qkv, begin=lo * D, end=hi * D)
@@ -189,18 +204,18 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
                        for name, heads in (("q_proj", HQ), ("k_proj", HKV), ("v_proj", HKV)))
         q = qk_normed(q, f"{p}.self_attn.q_norm.weight", HQ)
         k = qk_normed(k, f"{p}.self_attn.k_norm.weight", HKV)
-        local = c.is_sliding(i) and c.local_rope_theta is not None
-        inv, mscale = rope_params[LOCAL_ROPE_PARAM if local else ROPE_PARAM], mscales[local]
         turn = {"head_dim": D, "mscale": mscale, "rotary_dim": c.rotary_dim}
         q = b.op("reshape", b.op("rope", q, positions, inv, **turn), shape=("tokens", HQ, D))
         k = b.op("reshape", b.op("rope", k, positions, inv, **turn), shape=("tokens", HKV, D))
         v = b.op("reshape", v, shape=("tokens", HKV, D))
         written = b.op("kv_append", k, v, kv_pages[i], slot_mapping, layer=i)
         attn = b.op("paged_attend", q, written, q_indptr, page_indptr, page_values, last_page_len, layer=i,
-                    scale=float(c.attn_scale or D ** -0.5), window=specs[i].window or 0,
-                    softcap=float(c.attn_softcap or 0.0))
-        attn = linear(b.op("reshape", attn, shape=("tokens", HQ * D)), f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias)
-        h = residual_add(h, block_norm(attn, p, "attn_out"))
+                    scale=scale, window=specs[i].window or 0, softcap=float(c.attn_softcap or 0.0))
+        return linear(b.op("reshape", attn, shape=("tokens", HQ * D)), f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias)
+
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}"
+        h = residual_add(h, block_norm(attention(block_norm(h, p, "attn_in"), i, p), p, "attn_out"))
         x = block_norm(h, p, "mlp_in")
         if c.moe is not None and c.moe.is_sparse(i):
             mlp_out = build_moe(b, c.moe, x, p, dtype, c.mlp_act, dense_mlp)

@@ -12,8 +12,9 @@ from typing import Callable
 from kiln.errors import KilnError
 
 from .decoder import DecoderConfig
+from .mla import MLAConfig
 from .moe import MoEConfig
-from .rope import SUPPORTED_ROPE_TYPES
+from .rope import SUPPORTED_ROPE_TYPES, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,43 @@ def _granitemoe(cfg: dict, arch: str) -> DecoderConfig:
                    logits_divisor=float(cfg.get("logits_scaling", 1.0)))
 
 
+def _deepseek(cfg: dict, arch: str, version: int) -> DecoderConfig:
+    """DeepSeek-V2/V3: MLA attention (frontend/mla.py), its softmax scale × YaRN's mscale_all_dim
+    factor squared; experts from layer first_k_dense_replace on, with ungated shared experts and a
+    float32 router: V2 softmax, greedy or group-limited, never renormalised; V3 sigmoid scores
+    with the correction bias, groups by their best two."""
+    nope, rope = need(cfg, "qk_nope_head_dim", arch), need(cfg, "qk_rope_head_dim", arch)
+    bias = bool(cfg.get("attention_bias", False))
+    mla = MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=need(cfg, "kv_lora_rank", arch),
+                    nope_dim=nope, rope_dim=rope, v_dim=need(cfg, "v_head_dim", arch),
+                    interleaved_rope=bool(cfg.get("rope_interleave", True)) if version == 3 else True, bias=bias)
+    heads = need(cfg, "num_attention_heads", arch)
+    _, scaling = _rope(cfg, arch)
+    scale = (nope + rope) ** -0.5
+    if scaling and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    moe = None
+    if cfg.get("n_routed_experts"):
+        if version == 2:
+            method = cfg.get("topk_method") or "greedy"
+            routers = {"greedy": "softmax_topk", "group_limited_greedy": "softmax_group_max"}
+            if method not in routers:
+                raise KilnError(f"{arch}: topk_method {method!r} is not supported (supported: {', '.join(routers)})")
+            router, fields = routers[method], {}
+        else:
+            router, fields = "sigmoid_group_top2", {"normalize": bool(cfg.get("norm_topk_prob", False)),
+                                                    "router_bias": True}
+        dense = cfg.get("first_k_dense_replace", 0) or 0
+        moe = _experts({**cfg, "num_experts": cfg["n_routed_experts"]}, arch, "qwen", router,
+                       "moe_intermediate_size", lambda i: i >= dense,
+                       scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+                       n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+                       shared_ffn=need(cfg, "moe_intermediate_size", arch) * (cfg.get("n_shared_experts") or 0),
+                       shared_name="shared_experts", router_float32=True, **fields)
+    cfg = {**cfg, "head_dim": nope + rope, "num_key_value_heads": heads, "partial_rotary_factor": 1.0}
+    return _common(cfg, arch, f"deepseek_v{version}", o_bias=bias, mla=mla, moe=moe, attn_scale=scale)
+
+
 FAMILIES = {
     "llama": Family(("LlamaForCausalLM",), _llama),
     "mistral": Family(("MistralForCausalLM",), _mistral),
@@ -266,6 +304,8 @@ FAMILIES = {
     "qwen3_moe": Family(("Qwen3MoeForCausalLM",), _qwen3_moe),
     "olmoe": Family(("OlmoeForCausalLM",), _olmoe),
     "granitemoe": Family(("GraniteMoeForCausalLM",), _granitemoe),
+    "deepseek_v2": Family(("DeepseekV2ForCausalLM",), lambda cfg, arch: _deepseek(cfg, arch, 2)),
+    "deepseek_v3": Family(("DeepseekV3ForCausalLM",), lambda cfg, arch: _deepseek(cfg, arch, 3)),
 }
 
 

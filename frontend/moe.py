@@ -38,6 +38,8 @@ class MoEConfig:
     shared_ffn: int = 0               # a shared expert's intermediate size (0: none)
     shared_name: str = "shared_expert"
     shared_gate: bool = False         # the shared expert's output × sigmoid(linear(x)) (Qwen2-MoE)
+    router_float32: bool = False      # the router's linear runs in float32, its weight kept so (DeepSeek)
+    router_bias: bool = False         # the router takes gate.e_score_correction_bias (DeepSeek-V3)
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -55,9 +57,14 @@ def build_moe(b, moe: MoEConfig, x: str, layer_prefix: str, dtype: str, act: str
     block = f"{layer_prefix}.{block_name}"
     hidden = b.type_of(x).shape[1]
     E, F = moe.experts, moe.ffn
-    router_w = b.param(f"{block}.{router_name}", (E, hidden), dtype)
-    logits = b.op("cast", b.op("linear", x, router_w), dtype="float32")
-    routing = b.op("moe_router", logits, scheme=moe.router, top_k=moe.top_k, normalize=moe.normalize,
+    if moe.router_float32:
+        router_w = b.param(f"{block}.{router_name}", (E, hidden), "float32")
+        logits = b.op("linear", b.op("cast", x, dtype="float32"), router_w)
+    else:
+        router_w = b.param(f"{block}.{router_name}", (E, hidden), dtype)
+        logits = b.op("cast", b.op("linear", x, router_w), dtype="float32")
+    bias = b.param(f"{block}.gate.e_score_correction_bias", (E,), "float32") if moe.router_bias else None
+    routing = b.op("moe_router", logits, bias, scheme=moe.router, top_k=moe.top_k, normalize=moe.normalize,
                    scaling=float(moe.scaling), n_group=moe.n_group, topk_group=moe.topk_group)
     if len(names) == 2:                                   # stacked in the checkpoint
         gate_up = b.param(f"{block}.{names[0]}", (E, 2 * F, hidden), dtype)

@@ -10,6 +10,11 @@ p of every layer's tensor, each tensor sized from its own layer's spec. One tabl
 scheduler, copy-on-write and the prefix cache the same for every model; layers with a sliding
 window mask keys outside it, and a page is freed once it lies outside every layer's window (a model
 with any full-attention layer keeps all its pages, as it must).
+
+A "latent" layer (Multi-head Latent Attention, DeepSeek-V2/V3) stores one row per token: the
+normalised compressed KV (kv_lora_rank values) followed by the roped shared key (qk_rope_head_dim),
+k_head_dim wide; its first v_head_dim (= kv_lora_rank) values are also the values. Its pages are
+[pages, 1, 1, page_size, k_head_dim], a quantised row has one scale.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .types import IRError, TensorType, numpy_dtype
 
-KINDS = ("full", "sliding")
+KINDS = ("full", "sliding", "latent")
 SCALES = ("none", "row")
 
 
@@ -48,7 +53,11 @@ class KVSpec:
                           f"window, got {self.window}")
         if self.scales not in SCALES:
             raise IRError(f"KV spec scales {self.scales!r} is not one of {', '.join(SCALES)}")
-        if self.k_head_dim != self.v_head_dim:
+        if self.kind == "latent":
+            if self.kv_heads != 1 or not 0 < self.v_head_dim < self.k_head_dim:
+                raise IRError(f"a latent KV spec has one row per token (kv_heads 1, got {self.kv_heads}) whose "
+                              f"values are a prefix of its keys (v {self.v_head_dim} < k {self.k_head_dim})")
+        elif self.k_head_dim != self.v_head_dim:
             raise IRError(f"K head dim {self.k_head_dim} differs from V head dim {self.v_head_dim}: kiln's "
                           f"pages hold K and V rows of one width")
 
@@ -56,9 +65,15 @@ class KVSpec:
     def head_dim(self) -> int:
         return self.k_head_dim
 
+    @property
+    def rows(self) -> int:
+        """Stored rows per token and KV head: K and V apart, or one latent row holding both."""
+        return 1 if self.kind == "latent" else 2
+
     def page_shape(self, num_pages) -> tuple:
-        """[pages, 2 (k, v), kv_heads, page_size, head_dim]; the scales drop the last axis."""
-        return (num_pages, 2, self.kv_heads, self.page_size, self.head_dim)
+        """[pages, rows (k, v; or the latent row), kv_heads, page_size, head_dim]; the scales drop the
+        last axis."""
+        return (num_pages, self.rows, self.kv_heads, self.page_size, self.head_dim)
 
     def input_types(self, layer: int) -> dict[str, TensorType]:
         """The graph inputs holding this layer's cache, with symbolic page count."""
@@ -70,9 +85,10 @@ class KVSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in this layer: K and V rows of every KV head, with their scales."""
+        """Bytes one token takes in this layer: K and V rows of every KV head (or its latent row), with
+        their scales."""
         row = self.head_dim * numpy_dtype(self.dtype).itemsize + (4 if self.scales == "row" else 0)
-        return 2 * self.kv_heads * row
+        return self.rows * self.kv_heads * row
 
     def quantized(self, storage_dtype: str) -> KVSpec:
         return replace(self, dtype=storage_dtype, scales="row")
@@ -85,8 +101,11 @@ class KVSpec:
         return cls(**d)
 
     def describe(self) -> str:
-        heads = (f"{self.kv_heads} kv heads × {self.head_dim}" if self.k_head_dim == self.v_head_dim
-                 else f"{self.kv_heads} kv heads × k {self.k_head_dim} / v {self.v_head_dim}")
+        if self.kind == "latent":
+            heads = f"one row × {self.k_head_dim} (values its first {self.v_head_dim})"
+        else:
+            heads = (f"{self.kv_heads} kv heads × {self.head_dim}" if self.k_head_dim == self.v_head_dim
+                     else f"{self.kv_heads} kv heads × k {self.k_head_dim} / v {self.v_head_dim}")
         kind = f"sliding window {self.window}" if self.kind == "sliding" else self.kind
         scales = ", a float32 scale per row" if self.scales == "row" else ""
         return f"{kind}, {heads}, {self.dtype}{scales}, pages of {self.page_size}, {self.bytes_per_token} B/token"

@@ -20,6 +20,10 @@ def _recipe(recipe: dict) -> str:
             joined = ", ".join("@" + n for n in parts)
             return joined if len(parts) == 1 else f"concat({joined})"
         return f"stack({', '.join(expert(parts) for parts in recipe['stack'])})"
+    if "deinterleave" in recipe:
+        return f"deinterleave(@{recipe['of']}, rows={recipe['deinterleave']})"
+    if "absorb" in recipe:
+        return f"absorb_{recipe['absorb']}(@{recipe['of']}, heads={recipe['heads']}, nope={recipe['nope']})"
     return f"concat({', '.join('@' + n for n in recipe['concat'])}, axis={recipe['axis']})"
 
 

@@ -42,8 +42,9 @@ def verify(graph: Graph) -> Graph:
 
 def _verify_kv_caches(graph: Graph) -> None:
     """Each KV op reads its layer's declared cache, typed as that layer's KVSpec says: the pages
-    themselves, or (paged_attend) the pages a kv_append of the same layer has just written."""
-    from .ops import KV_OPS
+    themselves, or (paged_attend, mla_attend, latent_attend) the pages an append of the same layer
+    has just written. Latent ops read latent specs only, the others anything else."""
+    from .ops import APPEND_OPS, KV_OPS, LATENT_OPS
     appended: dict[str, int] = {}                # kv_append result -> its layer
     for node in graph.nodes:
         if node.op not in KV_OPS:
@@ -56,13 +57,15 @@ def _verify_kv_caches(graph: Graph) -> None:
         cache = [pages_name(layer)] + ([scales_name(layer)] if spec.scales == "row" else [])
         reads = [OPS[node.op].input_of(node, name) for name in ("kv_pages", "kv_scales")]
         reads = [name for name in reads if name is not None]
-        if node.op == "paged_attend" and appended.get(reads[0]) == layer:
+        if (node.op in LATENT_OPS) != (spec.kind == "latent"):
+            raise IRError(f"{where}: layer {layer}'s KV spec is {spec.kind}, which this op does not read")
+        if node.op not in APPEND_OPS and appended.get(reads[0]) == layer:
             reads[0] = pages_name(layer)         # the layer's pages, as its append left them
         if reads != cache:
             raise IRError(f"{where}: reads KV inputs {reads}, its layer's cache is {cache}")
-        if node.op == "kv_append":
+        if node.op in APPEND_OPS:
             appended[node.output] = layer
-        elif node.attrs["window"] != (spec.window or 0):
+        elif node.attrs.get("window", 0) != (spec.window or 0):
             raise IRError(f"{where}: window {node.attrs['window']} differs from layer {layer}'s KV spec "
                           f"({spec.kind}{f', window {spec.window}' if spec.window else ''})")
         for name, ty in spec.input_types(layer).items():

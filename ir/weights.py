@@ -3,7 +3,14 @@
     {"stack": [[names], ...]}             3-D experts [E, out, in]: expert e is its names joined
                                           along axis 0 (gate then up), the experts stacked
     {"quantize": scheme, "of": name, "part": "q" | "scale"[, "group_size": g]}
-                                          a quantised weight's part; a 3-D one expert by expert"""
+                                          a quantised weight's part; a 3-D one expert by expert
+    {"deinterleave": [[start, width], ...], "of": name}
+                                          rows (axis 0) of each span reordered evens then odds:
+                                          DeepSeek's interleaved rope pairs made rotate-half pairs
+    {"absorb": "k" | "v", "of": kv_b, "heads": H, "nope": N}
+                                          MLA's kv_b_proj [H (N + V), R] split per head: "k" gives
+                                          W_UK [H, N, R] (head h's N rows), "v" W_UV [H, R, V]
+                                          (its V rows, transposed)"""
 from __future__ import annotations
 
 from typing import Callable
@@ -14,7 +21,7 @@ from .graph import Graph
 from .quant import SCHEMES
 from .types import IRError
 
-RECIPES = ("concat", "stack", "quantize")
+RECIPES = ("concat", "stack", "quantize", "deinterleave", "absorb")
 
 
 def recipe_sources(recipe: dict) -> list[str]:
@@ -96,6 +103,17 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
                 quantized.clear()                    # parts of one weight are asked for together
                 quantized[key] = quantize(recipe)
             out = quantized[key][recipe["part"]]
+        elif "deinterleave" in recipe:
+            out = get(recipe["of"]).copy()
+            for start, width in recipe["deinterleave"]:
+                span = out[start:start + width].copy()
+                out[start:start + width] = np.concatenate([span[0::2], span[1::2]])
+        elif "absorb" in recipe:
+            kv_b = get(recipe["of"])
+            per_head = kv_b.reshape(recipe["heads"], -1, kv_b.shape[1])        # [H, N + V, R]
+            nope = recipe["nope"]
+            out = np.ascontiguousarray(per_head[:, :nope] if recipe["absorb"] == "k"
+                                       else per_head[:, nope:].transpose(0, 2, 1))
         else:
             raise IRError(f"param @{name}: unknown recipe {recipe} (known: {', '.join(RECIPES)})")
         if out.shape != param.type.shape:

@@ -63,11 +63,18 @@ def _embedding_storage(graph) -> tuple[str, bool]:
 
 
 def _attention_layers(graph, target) -> list[dict]:
-    """Per layer: the kernel variant and the attention kernel of each step kind."""
+    """Per layer: the kernel variant and the attention kernel of each step kind. A latent (MLA) layer
+    runs one kernel in every step: kiln's on the CPU, TVM's MLA kernel on GPUs (codegen/mla.py)."""
     from kiln.codegen.attention import step_kernel
-    return [{"layer": n.attrs["layer"], "variant": n.attrs["variant"],
-             **{step: step_kernel(target, graph, n, step) for step in ("mixed", "decode")}}
-            for n in graph.nodes if n.op in ATTENTION_OPS]
+    layers = []
+    for n in graph.nodes:
+        if n.op in ATTENTION_OPS:
+            layers.append({"layer": n.attrs["layer"], "variant": n.attrs["variant"],
+                           **{step: step_kernel(target, graph, n, step) for step in ("mixed", "decode")}})
+        elif n.op == "latent_attend":
+            kernel = "kiln_latent" if target.device == "cpu" else "tvm_mla"
+            layers.append({"layer": n.attrs["layer"], "variant": "mla", "mixed": kernel, "decode": kernel})
+    return layers
 
 
 def _launch_counts(launches: dict) -> dict:
@@ -160,7 +167,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                     for w in lowered.weights],
         "weights_source": "checkpoint" if weights else "absent",
         "kernels": kernels,
-        "attention_variants": sorted({n.attrs["variant"] for n in graph.nodes if n.op in ATTENTION_OPS}),
+        "attention_variants": sorted({layer["variant"] for layer in attention}),
         "attention_kernels": {step: sorted({layer[step] for layer in attention}) for step in ("mixed", "decode")},
         "attention_layers": attention,
         "graph_batches": list(tgt.graph_batches),
@@ -183,8 +190,11 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     from kiln.ir import plain_reads, weight_loader
     from kiln.safetensors_io import TensorSpec, write_safetensors
 
-    load = weight_loader(graph, lambda name: model.weight(name, dtype), quantizers=fast_quantizers(),
-                         load_source=lambda name: model.weight_source(name, dtype))
+    def declared(name: str) -> str:       # a param may keep another dtype (DeepSeek's float32 router)
+        return graph.params[name].type.dtype if name in graph.params else dtype
+
+    load = weight_loader(graph, lambda name: model.weight(name, declared(name)), quantizers=fast_quantizers(),
+                         load_source=lambda name: model.weight_source(name, declared(name)))
     model.checkpoint.read_ahead(plain_reads(graph, [w.param for w in stored]))
     uses_left = Counter(w.param for w in stored)
     held: dict[str, object] = {}

@@ -54,6 +54,11 @@ def _llama3_rope(factor: float) -> dict:
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 
 
+# head_dim as real DeepSeek configs imply it: the rope part (transformers 5 sizes its rope by it)
+_DEEPSEEK_MLA = {"num_key_value_heads": 8, "head_dim": 8, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                 "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                 "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2}
+
 # family -> (transformers config/model class names, config fields that make the family what it is)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -104,6 +109,18 @@ FAMILIES = {
         "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128,
         "embedding_multiplier": 2.0, "attention_multiplier": 0.15, "residual_multiplier": 0.5,
         "logits_scaling": 2.0}),
+    # Multi-head Latent Attention + experts: q LoRA, YaRN whose mscale and mscale_all_dim differ
+    # (rope × their ratio, scores × mscale_all_dim's squared), a dense layer 0, group-limited
+    # softmax routing, two ungated shared experts
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        **_DEEPSEEK_MLA, "q_lora_rank": 64, "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5,
+        "n_shared_experts": 2,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                            "mscale_all_dim": 0.8, "original_max_position_embeddings": 1024}}),
+    # a plain q_proj, sigmoid routing with the score-correction bias, renormalised and scaled
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **_DEEPSEEK_MLA, "q_lora_rank": None, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "n_shared_experts": 1}),
 }
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
@@ -129,8 +146,22 @@ PRESETS = {
     "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)),
+    # issue 13's MoE/MLA benchmark shapes: DeepSeek-V2-Lite with 4 of its 27 layers (1 dense, 3 with
+    # 64 experts), and a small Mixtral
+    "deepseek-v2-lite-4l": ("deepseek_v2", dict(
+        hidden_size=2048, intermediate_size=10944, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0, n_group=1,
+        topk_group=1, vocab_size=102400, rms_norm_eps=1e-6, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                         "original_max_position_embeddings": 4096})),
+    "mixtral-small": ("mixtral", dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+                                      num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                                      max_position_embeddings=32768, rope_theta=1000000.0)),
 }
-STREAMED = {"llama-3.1-8b", "gemma-2-2b", "qwen3-1.7b"}
+STREAMED = {"llama-3.1-8b", "gemma-2-2b", "qwen3-1.7b", "deepseek-v2-lite-4l", "mixtral-small"}
 
 LOGIT_STD = 4.0   # target std of the logits of a normalised hidden state
 
@@ -224,6 +255,9 @@ def _spread_weights(model, seed: int, hidden: int, tied: bool) -> None:
         for name, p in model.named_parameters():     # a tied lm_head is listed once, as embed_tokens
             std, shift, scale = _init_rule(name, tuple(p.shape), hidden, tied)
             p.normal_(0.0, std, generator=gen).add_(shift).mul_(scale)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: zero would test nothing
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1, generator=gen)
 
 
 def _no_init_weights():
@@ -297,7 +331,8 @@ def make_streamed_model(out_dir, family: str = "llama", seed: int = 0, dtype: st
         model = getattr(transformers, FAMILIES[family][1])(config)
     if tied:
         model.tie_weights()
-    specs = [TensorSpec(name, tuple(p.shape), dtype) for name, p in model.named_parameters()]
+    specs = _per_expert([TensorSpec(name, tuple(p.shape), dtype) for name, p in model.named_parameters()],
+                        config, FAMILIES[family][1])
     shards: list[list[TensorSpec]] = [[]]
     for spec in specs:
         if shards[-1] and sum(s.nbytes for s in shards[-1]) + spec.nbytes > SHARD_BYTES:
@@ -325,6 +360,32 @@ def make_streamed_model(out_dir, family: str = "llama", seed: int = 0, dtype: st
         "weight_map": {name: names[index[name]] for name in index}}, indent=2))
     config.save_pretrained(out)
     generation.save_pretrained(out)
+    return out
+
+
+def _per_expert(specs: list, config, architecture: str) -> list:
+    """transformers 5 holds a layer's experts as 3-D params (mlp.experts.gate_up_proj [E, 2F, H],
+    down_proj [E, H, F]) and its router as mlp.gate; checkpoints, and save_pretrained, store each
+    expert's weights apart under the family's names (kiln's frontend/moe.py LAYOUTS)."""
+    from kiln.frontend.families import parse_config
+    from kiln.frontend.moe import LAYOUTS
+    from kiln.safetensors_io import TensorSpec
+    moe = parse_config({**config.to_dict(), "architectures": [architecture]}).moe
+    if moe is None or len(LAYOUTS[moe.layout][2]) != 3:
+        return specs
+    block, router, (gate, up, down) = LAYOUTS[moe.layout]
+    out = []
+    for spec in specs:
+        layer, _, rest = spec.name.partition(".mlp.")
+        if rest == "gate.weight":
+            out.append(TensorSpec(f"{layer}.{block}.{router}", spec.shape, spec.dtype))
+        elif rest in ("experts.gate_up_proj", "experts.down_proj"):
+            experts, rows, cols = spec.shape
+            parts = [(gate, rows // 2), (up, rows // 2)] if rest.endswith("gate_up_proj") else [(down, rows)]
+            out += [TensorSpec(f"{layer}.{block}.{name.format(j=j)}", (n, cols), spec.dtype)
+                    for j in range(experts) for name, n in parts]
+        else:
+            out.append(spec)
     return out
 
 

@@ -1,7 +1,7 @@
 """quantize_kv: the KV cache stores int8 (or float8 e4m3) rows with a float32 scale per row.
 
-Rewrite (mode int8; fp8 is the same with f8e4m3 pages; kv_append, paged_attend and
-paged_attention_fused alike: every KV op of the layer gets the scales):
+Rewrite (mode int8; fp8 is the same with f8e4m3 pages; every KV op of the layer gets the scales,
+latent layers' too: one scale per latent row):
     %kv_pages3: f16[pages, 2, H, S, D]                               (a graph input)
     %o = paged_attention(%q, %k, %v, %kv_pages3, …) {layer=3}
   ->
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kiln.ir import Graph
 from kiln.ir.kv_spec import pages_name, scales_name
-from kiln.ir.ops import KV_OPS
+from kiln.ir.ops import APPEND_OPS, KV_OPS
 from kiln.ir.quant import KV_SCHEMES
 
 from .rewrite import editable_copy, users
@@ -47,6 +47,6 @@ class QuantizeKV:
             for node in graph.nodes:
                 if node.op in KV_OPS and node.attrs["layer"] == layer:
                     node.inputs = node.inputs + [scales_name(layer)]
-                    if node.op == "kv_append":    # its result is the (now quantised) pages
+                    if node.op in APPEND_OPS:     # its result is the (now quantised) pages
                         node.type = graph.inputs[pages]
         return graph

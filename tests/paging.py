@@ -38,6 +38,21 @@ def make_step_inputs(seqs: list[Seq], page_size: int) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=np.int32) for k, v in arrays.items()}
 
 
+def kv_pages_for(specs: dict, num_pages: int, fill: float = 0.0) -> dict[str, np.ndarray]:
+    """The cache tensors a graph's KV specs (layer -> KVSpec) declare, with `num_pages` pages: pages
+    of the spec's dtype filled with `fill` (zeros for quantised rows, whose scales get `fill`)."""
+    from kiln.ir.kv_spec import pages_name, scales_name
+    from kiln.ir.types import numpy_dtype
+    out = {}
+    for layer, spec in specs.items():
+        shape = spec.page_shape(num_pages)
+        quantized = spec.scales == "row"
+        out[pages_name(layer)] = np.full(shape, 0 if quantized else fill, numpy_dtype(spec.dtype))
+        if quantized:
+            out[scales_name(layer)] = np.full(shape[:4], fill, np.float32)
+    return out
+
+
 def make_kv_pages(num_layers: int, num_pages: int, kv_heads: int, page_size: int, head_dim: int,
                   dtype=np.float32, fill: float = 0.0, kv_dtype: str | None = None) -> dict[str, np.ndarray]:
     """KV page tensors kv_pages{i}: [num_pages, 2 (k, v), kv_heads, page_size, head_dim], and for a

@@ -61,14 +61,11 @@ def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, tmp_pat
     # 2e-2 is ~4 ulps, and catches codegen errors that the bounds above let through.
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
-    from kiln.ir.types import numpy_dtype
     from kiln.passes import run_pipeline
-    from paging import make_kv_pages
+    from paging import kv_pages_for
     hf_model = load_hf_model(model_dir)
     graph, _ = run_pipeline(hf_model.build_graph("bfloat16", model.page_size), "cpu")
-    c = hf_model.config
-    kv = make_kv_pages(c.num_layers, 6, c.num_kv_heads, model.page_size, c.head_dim,
-                       dtype=numpy_dtype(model.kv_specs[0].dtype))
+    kv = kv_pages_for(graph.kv_specs, 6)
     want = interpret(graph, {**make_step_inputs([(ids, 0, [2, 5])], model.page_size), **kv},
                      weight_loader(graph, lambda name: hf_model.weight(name, "bfloat16")))["logits"][0]
     want = want.astype(np.float32)
@@ -116,13 +113,12 @@ def test_quantised_family_matches_interpreter_on_the_same_quantised_weights(make
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
     from kiln.passes import run_pipeline
-    from paging import make_kv_pages
+    from paging import kv_pages_for
     model = open_artifact(compiled_family(family, quant=quant))
     hf_model = load_hf_model(make_model(family))
     graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cpu", quant=quant)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
-    c = hf_model.config
-    kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, model.page_size, c.head_dim)
+    kv = kv_pages_for(graph.kv_specs, 8)
     ids = np.random.default_rng(5).integers(3, 500, 29).tolist()
     for step in (make_step_inputs([(ids, 0, [1, 6])], model.page_size),
                  make_step_inputs([([7], 29, [1, 6])], model.page_size)):

@@ -64,10 +64,13 @@ def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
                                             ("gemma3", ("paged_attention_fallback_window5", "paged_decode_attention",
                                                         "gelu_tanh")),
                                             ("qwen2_moe", ("moe_router_softmax_topk", "moe_plan", "moe_gate_up",
-                                                           "moe_down", "moe_combine", "sigmoid"))])
+                                                           "moe_down", "moe_combine", "sigmoid")),
+                                            ("deepseek_v3", ("tvm_mla_append", "tvm_mla_attention", "head_linear",
+                                                             "moe_router_sigmoid_group_top2"))])
 def test_new_families_build_for_cuda(make_model, tmp_path, family, kernels):
     """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA; Gemma 3's sliding layers run
-    kiln's GPU fallback kernel (TVM's mask causally only) and its global layer TVM's kernels."""
+    kiln's GPU fallback kernel (TVM's mask causally only) and its global layer TVM's kernels; DeepSeek's
+    latent cache takes TVM's MLA append and attention kernels, its experts kiln's own."""
     out = tmp_path / family                     # in a fresh process: TVM loads CUDA's runtime at import
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(make_model(family)), "--target", "cuda",
                            "--arch", "sm_80", "-o", str(out)], capture_output=True, text=True, timeout=900)

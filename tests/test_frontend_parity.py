@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kiln.tiny import FAMILIES
-from paging import make_kv_pages, make_step_inputs
+from paging import kv_pages_for, make_step_inputs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,8 +36,7 @@ class Pair:
 
     def new_cache(self):
         """A fresh pool whose slots hold NaN until written: reading an unwritten slot fails the test."""
-        c = self.kiln.config
-        self.kv = make_kv_pages(c.num_layers, NUM_PAGES, c.num_kv_heads, PAGE_SIZE, c.head_dim, fill=np.nan)
+        self.kv = kv_pages_for(self.graph.kv_specs, NUM_PAGES, fill=np.nan)
 
     def step(self, seqs) -> np.ndarray:
         """Run one engine step over self.kv (updated in place); f32[seqs, vocab]."""

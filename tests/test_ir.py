@@ -241,6 +241,11 @@ EXAMPLES = {
     "kv_append": None,         # with paged_attend, the same tests
     "paged_attend": None,
     "paged_attention_fused": None,   # tested against paged_attention in tests/test_passes.py (fuse_rope_attention)
+    "head_linear": (lambda: _one_node("head_linear", [((3, 2, 4), "float32"), ((2, 4, 5), "float32")]),
+                    lambda a: np.stack([a["in0"][:, h] @ a["in1"][h] for h in range(2)], axis=1)),
+    "latent_append": None,     # tests/test_mla.py: the literal form against transformers' DeepSeek attention,
+    "mla_attend": None,        # the absorbed form (latent_attend) against it, both kernels against those
+    "latent_attend": None,
 }
 
 

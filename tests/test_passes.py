@@ -126,7 +126,7 @@ def test_pipeline_on_a_real_model_keeps_logits(make_model):
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
-    assert [r.name for r in records] == ["fuse_append_attend", "fuse_qkv", "fuse_gate_up", "fuse_residual_add",
+    assert [r.name for r in records] == ["fuse_append_attend", "specialize_mla", "fuse_qkv", "fuse_gate_up", "fuse_residual_add",
                                          "fuse_rope_attention",
                                          "specialize_attention"]
     assert {n.op for n in after.nodes} >= {"paged_attention_fused", "swiglu"} and len(after.nodes) < len(before.nodes)
@@ -148,9 +148,10 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
     printed = []
     dump = make_dumper({"fuse_gate_up"}, dump_dir=str(tmp_path), out=printed.append)
     run_pipeline(load_hf_model(make_model("llama")).build_graph("float32", 16), "cpu", dump)
-    assert sorted(p.name for p in tmp_path.iterdir())[:4] == ["00-import.txt", "01-fuse_append_attend.txt",
-                                                              "02-fuse_qkv.txt", "03-fuse_gate_up.txt"]
-    assert "swiglu" in (tmp_path / "03-fuse_gate_up.txt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir())[:5] == ["00-import.txt", "01-fuse_append_attend.txt",
+                                                              "02-specialize_mla.txt", "03-fuse_qkv.txt",
+                                                              "04-fuse_gate_up.txt"]
+    assert "swiglu" in (tmp_path / "04-fuse_gate_up.txt").read_text()
     assert "swiglu" not in (tmp_path / "00-import.txt").read_text()
     assert len(printed) == 1 and printed[0].startswith("// ----- IR after fuse_gate_up")
 
@@ -158,7 +159,8 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
 def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     from kiln.compiler import compile_model
     fused = compile_model(make_model("llama"), tmp_path / "fused", show=None)
-    # every optimising pass (fuse_append_attend stays: the kernels implement the fused form only)
+    # every optimising pass (fuse_append_attend and specialize_mla stay: the kernels implement the
+    # fused and absorbed forms only)
     every = {"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention", "specialize_attention"}
     plain = compile_model(make_model("llama"), tmp_path / "plain", show=None, disable_passes=every)
     no_rope = compile_model(make_model("llama"), tmp_path / "no-rope", show=None,
@@ -173,10 +175,10 @@ def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
     # into the attention kernels (-3); gate and up GEMMs -> one (-1; silu*mul is one kernel either
     # way); two residual adds into GEMM epilogues (-2): 8 in all
     assert launches["plain"] - launches["fused"] == 8 * layers
-    assert [p["name"] for p in fused["passes"]] == ["fuse_append_attend", "fuse_qkv", "fuse_gate_up",
+    assert [p["name"] for p in fused["passes"]] == ["fuse_append_attend", "specialize_mla", "fuse_qkv", "fuse_gate_up",
                                                     "fuse_residual_add", "fuse_rope_attention", "specialize_attention"]
     assert fused["attention_variants"] == ["gqa4"] and plain["attention_variants"] == ["auto"]
-    assert [p["name"] for p in plain["passes"]] == ["fuse_append_attend"]
+    assert [p["name"] for p in plain["passes"]] == ["fuse_append_attend", "specialize_mla"]
 
 
 # ---------------------------------------------------------------------------- fuse_residual_add

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paging import make_kv_pages, make_step_inputs
+from paging import kv_pages_for, make_step_inputs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,8 +71,7 @@ def compiled_matches_interpreter(artifact, quant, group_size=32, kv_dtype=None, 
                             kv_dtype=kv_dtype, quant_embedding=False)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     ids = random_prompt(29, 5)
-    c = hf_model.config
-    kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, 16, c.head_dim, kv_dtype=kv_dtype)
+    kv = kv_pages_for(graph.kv_specs, 8)
     for step in (make_step_inputs([(ids, 0, [1, 6])], 16), make_step_inputs([([7], 29, [1, 6])], 16),
                  make_step_inputs([([11], 30, [1, 6])], 16)):
         want = interpret(graph, {**step, **kv}, weights)["logits"]
@@ -91,7 +90,9 @@ def test_q4_compiled_matches_interpreter_on_the_same_quantised_weights(q4):
 def test_quantised_windowed_model_matches_interpreter_on_the_same_quantised_weights(windowed):
     _, manifest, _ = windowed
     assert [layer["kind"] for layer in manifest["kv"]["layers"]] == ["full", "sliding"]
-    compiled_matches_interpreter(windowed, manifest["quantization"]["weights"], kv_dtype="int8")
+    # an int8 KV cache: the KV-quant test's bound, for the same reason (with transformers 5.24's
+    # draw of this model, one of the 13k stored K/V values rounds one step apart)
+    compiled_matches_interpreter(windowed, manifest["quantization"]["weights"], kv_dtype="int8", bound=1e-3)
 
 
 def test_fp8_artifact_stores_float8_weights(fp8):
