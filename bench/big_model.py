@@ -94,12 +94,8 @@ def sentencepiece_tokenizer(out: Path) -> None:
     text.unlink()
 
 
-def gguf_files(model_dir: Path, work: Path, llama_cpp: Path, modes: list[str]) -> dict:
-    """The checkpoint as GGUF files, made once; per mode the quantise step's measurements."""
-    bin_dir = llama_cpp / "build" / "bin"
-    results, ggufs = {}, {m: work / f"{GGUF_TYPES[m] or 'bf16'}.gguf" for m in modes}
-    if all(p.exists() for p in ggufs.values()):
-        return {m: {"gguf": p, "gguf_gib": p.stat().st_size / 2**30} for m, p in ggufs.items()}
+def gguf_source(model_dir: Path, work: Path) -> Path:
+    """The checkpoint (linked) with a SentencePiece tokenizer in place of its own, for the converter."""
     source = work / "hf-with-sentencepiece"
     source.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
@@ -108,6 +104,16 @@ def gguf_files(model_dir: Path, work: Path, llama_cpp: Path, modes: list[str]) -
             (source / f.name).symlink_to(f.resolve())
     if not (source / "tokenizer.model").exists():
         sentencepiece_tokenizer(source / "tokenizer.model")
+    return source
+
+
+def gguf_files(model_dir: Path, work: Path, llama_cpp: Path, modes: list[str]) -> dict:
+    """The checkpoint as GGUF files, made once; per mode the quantise step's measurements."""
+    bin_dir = llama_cpp / "build" / "bin"
+    results, ggufs = {}, {m: work / f"{GGUF_TYPES[m] or 'bf16'}.gguf" for m in modes}
+    if all(p.exists() for p in ggufs.values()):
+        return {m: {"gguf": p, "gguf_gib": p.stat().st_size / 2**30} for m, p in ggufs.items()}
+    source = gguf_source(model_dir, work)
     bf16 = work / "bf16.gguf"
     if not bf16.exists():
         cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(source), "--outtype", "bf16",

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from big_model import sentencepiece_tokenizer  # noqa: E402
+from big_model import gguf_source  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 
 # DeepSeek's converter reads only BPE vocabularies; route it through the SentencePiece path.
@@ -56,14 +56,7 @@ def gguf(model_dir: Path, work: Path, llama_cpp: Path) -> Path:
     out = work / "bf16.gguf"
     if out.exists():
         return out
-    source = work / "hf-with-sentencepiece"
-    source.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.suffix in (".safetensors", ".json") and not f.name.startswith("tokenizer") \
-                and f.name != "special_tokens_map.json" and not (source / f.name).exists():
-            (source / f.name).symlink_to(f.resolve())
-    if not (source / "tokenizer.model").exists():
-        sentencepiece_tokenizer(source / "tokenizer.model")
+    source = gguf_source(model_dir, work)
     cmd = [sys.executable, "-c", CONVERT_SHIM, str(llama_cpp / "convert_hf_to_gguf.py"), str(source),
            "--outtype", "bf16", "--outfile", str(out)]
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
@@ -88,7 +81,7 @@ def llama_cpp_rates(llama_cpp: Path, model: Path, threads: int, new_tokens: int,
         if proc.returncode:
             raise SystemExit(f"llama-batched-bench failed:\n{proc.stderr[-3000:]}")
         row = next(line for line in proc.stdout.splitlines() if re.match(r"\|\s+32\s+\|", line))
-        eight.append(float(row.strip("|").split("|")[6]))          # S_TG t/s
+        eight.append(float(row.strip("|").split("|")[7]))          # S_TG t/s
     rates[8] = statistics.median(eight)
     return rates
 

@@ -21,21 +21,30 @@ from kiln.ir.quant import KVScheme
 from .rope_load import RotaryLoad, load_head_element
 
 
+def row_encoder(scheme: KVScheme | None, dtype: str):
+    """encode(x, scale): a float32 value as a KV page stores it, used while a kernel is parsed:
+    rounded to `dtype` (scale None), or x / scale in the scheme's storage dtype, int8 rounding half
+    to even and clipping to ±qmax, float8 converting."""
+    storage = scheme.storage_dtype if scheme else dtype
+    qmax = scheme.qmax if scheme else 1.0
+
+    def encode(x, scale):            # both of a kernel's variants are parsed, the scaled one unquantised too
+        if scale is None:
+            return T.Cast(storage, x)
+        if scheme is not None and scheme.rounds:
+            return T.Cast(storage, T.max(T.min(T.nearbyint(x / scale), T.float32(qmax)), T.float32(-qmax)))
+        return T.Cast(storage, x / scale)
+    return encode
+
+
 @functools.cache                    # every layer asks for the same kernel: parse it once
 def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str,
                   scheme: KVScheme | None, rope: RotaryLoad | None):
     storage = scheme.storage_dtype if scheme else dtype
     qmax = scheme.qmax if scheme else 1.0
-    rounds = bool(scheme and scheme.rounds)
+    encode = row_encoder(scheme, dtype)
     width = (q_heads + 2 * kv_heads) * head_dim
     freqs = (rope.rotary_dim if rope else head_dim) // 2
-
-    def encode(x, scale):            # both variants are parsed: the unscaled one stores x as it is
-        if scale is None:
-            return T.Cast(storage, x)
-        if rounds:
-            return T.Cast(storage, T.max(T.min(T.nearbyint(x / scale), T.float32(qmax)), T.float32(-qmax)))
-        return T.Cast(storage, x / scale)
 
     @T.macro
     def append(pages, scales, qkv, positions, inv_freq, slots, tokens):

@@ -23,6 +23,7 @@ from tvm.script import tirx as T
 from kiln.ir.quant import KVScheme, kv_scheme_for
 
 from . import tvm_kernels
+from .kv_append import row_encoder
 
 HEAD_BLOCKS = 4          # latent_attend splits a sequence's heads into this many tasks (when they divide)
 
@@ -33,14 +34,7 @@ def latent_append_kernel(rank: int, rope: int, page_size: int, dtype: str, schem
     width = rank + rope
     storage = scheme.storage_dtype if scheme else dtype
     qmax = scheme.qmax if scheme else 1.0
-    rounds = bool(scheme and scheme.rounds)
-
-    def encode(x, scale):            # both variants are parsed: the unscaled one stores x as it is
-        if scale is None:
-            return T.Cast(storage, x)
-        if rounds:
-            return T.Cast(storage, T.max(T.min(T.nearbyint(x / scale), T.float32(qmax)), T.float32(-qmax)))
-        return T.Cast(storage, x / scale)
+    encode = row_encoder(scheme, dtype)
 
     @T.macro
     def append(pages, scales, c_kv, k_pe, slots, tokens):

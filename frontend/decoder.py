@@ -115,9 +115,14 @@ class DecoderConfig:
             return KVSpec("sliding", self.num_kv_heads, d, d, dtype, page_size, window=self.sliding_window)
         return KVSpec("full", self.num_kv_heads, d, d, dtype, page_size)
 
+    @property
+    def rope_dim(self) -> int:
+        """How many elements of a head rope turns (MLA: the shared rope part of q and k)."""
+        return self.mla.rope_dim if self.mla else self.rotary_dim or self.head_dim
+
     def rope(self, local: bool = False) -> tuple:
         """(inverse frequencies, mscale) of the global layers' rope, or of the sliding layers' own."""
-        dim = self.mla.rope_dim if self.mla else self.rotary_dim or self.head_dim
+        dim = self.rope_dim
         if local:
             return rope_parameters(dim, self.local_rope_theta, self.local_rope_scaling, self.max_position_embeddings)
         return rope_parameters(dim, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
@@ -144,8 +149,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
     logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
     specs = [c.kv_spec(i, dtype, page_size) for i in range(c.num_layers)]
     kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
-    rotary = c.mla.rope_dim if c.mla else c.rotary_dim or D
-    rope_params = {name: b.param(name, (rotary // 2,), "float32") for name in c.computed_weights()}
+    rope_params = {name: b.param(name, (c.rope_dim // 2,), "float32") for name in c.computed_weights()}
     mscales = {local: c.rope(local)[1] for local in (False, c.local_rope_theta is not None)}
 
     def linear(x, prefix, n_out, n_in, bias):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import REQUIRED, _as, _f32, _need_float, check_indices, op
+from .ops import REQUIRED, _as, _f32, _need_float, check_indices, check_kv_storage, op
 from .quant import kv_scheme_for
 from .types import TensorType, numpy_dtype
 
@@ -28,14 +28,7 @@ def check_latent_pages(pages: TensorType, scales, width: int, dtype: str, fail) 
     """The type rule of a latent layer's pages [pages, 1, 1, page_size, width] (and row scales)."""
     if pages.rank != 5 or pages.shape[1:3] != (1, 1) or pages.shape[4] != width:
         fail(f"latent kv_pages must be [pages, 1, 1, page_size, {width}], got {pages}")
-    if kv_scheme_for(pages.dtype) is not None:
-        want = TensorType(pages.shape[:4], "float32")
-        if scales != want:
-            fail(f"quantised {pages.dtype} kv_pages need kv_scales {want}, got {scales}")
-    elif pages.dtype != dtype:
-        fail(f"kv_pages dtype {pages.dtype} differs from the activations' {dtype} and is no KV quantisation")
-    elif scales is not None:
-        fail(f"kv_scales given for unquantised {pages.dtype} kv_pages")
+    check_kv_storage(pages, scales, dtype, fail)
 
 
 def _sequence_rows(pages, scales, seq_pages: np.ndarray, kv_len: int) -> np.ndarray:

@@ -431,6 +431,11 @@ def check_kv_pages(pages: TensorType, scales, kv_heads, head_dim, dtype: str, fa
     """The type rule of a layer's KV pages (and their row scales when quantised)."""
     if pages.rank != 5 or pages.shape[1] != 2 or pages.shape[2] != kv_heads or pages.shape[4] != head_dim:
         fail(f"kv_pages must be [pages, 2, {kv_heads}, page_size, {head_dim}], got {pages}")
+    check_kv_storage(pages, scales, dtype, fail)
+
+
+def check_kv_storage(pages: TensorType, scales, dtype: str, fail) -> None:
+    """Pages in the activations' dtype, or a KV quantisation's with float32 scales per row."""
     if kv_scheme_for(pages.dtype) is not None:
         want = TensorType(pages.shape[:4], "float32")
         if scales != want:

@@ -147,10 +147,11 @@ PRESETS = {
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)),
     # issue 13's MoE/MLA benchmark shapes: DeepSeek-V2-Lite with 4 of its 27 layers (1 dense, 3 with
-    # 64 experts), and a small Mixtral
+    # 64 experts) and, unlike Lite, V2's q LoRA (rank 1536): llama.cpp takes a DeepSeek-2 model for
+    # Lite (no q LoRA) only at 26 or 27 layers; and a small Mixtral
     "deepseek-v2-lite-4l": ("deepseek_v2", dict(
         hidden_size=2048, intermediate_size=10944, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
         n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0, n_group=1,
         topk_group=1, vocab_size=102400, rms_norm_eps=1e-6, max_position_embeddings=163840,
