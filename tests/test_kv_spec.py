@@ -15,6 +15,10 @@ def test_bytes_per_token_counts_k_and_v_rows_of_every_head():
     assert KVSpec("full", 8, 64, 64, "bfloat16", 16).bytes_per_token == 2 * 8 * 64 * 2
     # one byte per value plus a float32 scale per row
     assert KVSpec("full", 8, 64, 64, "int8", 16, scales="row").bytes_per_token == 2 * 8 * (64 + 4)
+    # MLA: one latent row of kv_lora_rank + rope values per token (DeepSeek: 512 + 64)
+    latent = KVSpec("latent", 1, 576, 512, "bfloat16", 16)
+    assert latent.bytes_per_token == 576 * 2 and latent.page_shape(3) == (3, 1, 1, 16, 576)
+    assert latent.quantized("int8").bytes_per_token == 576 + 4
 
 
 @pytest.mark.parametrize("fields,words", [
@@ -22,6 +26,7 @@ def test_bytes_per_token_counts_k_and_v_rows_of_every_head():
     (dict(kind="full", window=8), "window"),
     (dict(kind="sliding", window=0), "window"),
     (dict(kind="latent"), "latent"),
+    (dict(kind="latent", kv_heads=1, v_head_dim=32), "prefix of its keys"),
     (dict(v_head_dim=32), "V head dim 32"),
     (dict(scales="block"), "block"),
 ])

@@ -83,6 +83,26 @@ def test_mla_attend_without_a_weight_to_split_is_left_alone():
     assert print_graph(specialize_mla(graph)) == print_graph(graph)
 
 
+def test_latent_cache_read_by_a_plain_attention_op_is_refused():
+    """Its one latent row per token is no K and V pair: the attention op's type rule says so."""
+    from kiln.ir import IRError
+    from kiln.ir.kv_spec import KVSpec
+    from test_kv_spec import attention_graph
+    with pytest.raises(IRError, match=r"kv_pages must be \[pages, 2, 1, page_size, 8\], got f32\[pages, 1, 1"):
+        attention_graph(KVSpec("latent", 1, 8, 6, "float32", PAGE))
+
+
+def test_unknown_deepseek_v2_routing_is_refused_at_compile_time():
+    from kiln.errors import KilnError
+    from kiln.frontend.families import parse_config
+    from kiln.tiny import FAMILIES
+    config = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+              **FAMILIES["deepseek_v2"][2], "topk_method": "noaux_tc"}
+    with pytest.raises(KilnError, match="topk_method 'noaux_tc' is not supported"):
+        parse_config(config)
+
+
 @pytest.fixture(scope="module")
 def compiled(compiled_family):
     return lambda **options: compiled_family("deepseek_v2", dtype="float32", **options)
