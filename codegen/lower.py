@@ -1,7 +1,9 @@
 """Lower an IR graph to a TVM IRModule with one Relax function per step kind.
 
 `forward` runs any step; `decode` runs steps of one new token per sequence and is emitted only
-where some layer's decode kernel differs from its mixed-step kernel (codegen/attention_kernels.py).
+where some layer's decode kernel differs from its mixed-step kernel (codegen/attention_kernels.py);
+`prefill` runs the graph's alternative forms (ir/step_forms.py) and is emitted where it has some.
+Every entry runs the graph's nodes for its step kind (`for_step`).
 Both take the graph's inputs (in order) followed by the stored weights (in `LoweredModel.weights`
 order) and return the graph's output. Weight layouts are chosen here, from the target, so the
 artifact stores each weight the way its kernel reads it.
@@ -19,6 +21,7 @@ from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.moe_ops import MOE_EXPERT_OPS
 from kiln.ir.ops import ATTENTION_OPS, EMBED_OPS, OPS
+from kiln.ir.step_forms import for_step, prefill_min_tokens
 
 from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
@@ -36,7 +39,7 @@ class StoredWeight:
     dtype: str
 
 
-ENTRY_NAMES = {"mixed": "forward", "decode": "decode"}      # step kind -> Relax function
+ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill"}      # step kind -> Relax function
 
 
 @dataclass
@@ -152,6 +155,8 @@ LOWERINGS = {
     "latent_append": mla.emit_latent_append,
     "latent_attend": mla.emit_latent_attend,
     "head_linear": mla.emit_head_linear,
+    "latent_gather": mla.emit_latent_gather,
+    "expanded_attend": mla.emit_expanded_attend,
 }
 
 
@@ -181,10 +186,11 @@ def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
 
 def entry_steps(graph: Graph, target) -> list[str]:
     """Step kinds that get their own function: "mixed" always; "decode" where a layer's decode kernel
-    is not its mixed-step kernel."""
+    is not its mixed-step kernel; "prefill" where the graph has alternative forms."""
     kernels = [(step_kernel(target, graph, n, "mixed"), step_kernel(target, graph, n, "decode"))
                for n in graph.nodes if n.op in ATTENTION_OPS]
-    return ["mixed"] + (["decode"] if any(mixed != decode for mixed, decode in kernels) else [])
+    return (["mixed"] + (["decode"] if any(mixed != decode for mixed, decode in kernels) else [])
+            + (["prefill"] if prefill_min_tokens(graph) else []))
 
 
 def _emit_entry(ctx: _Context, name: str) -> None:
@@ -192,26 +198,28 @@ def _emit_entry(ctx: _Context, name: str) -> None:
     for input_name, ty in graph.inputs.items():
         ctx.inputs[input_name] = relax.Var(input_name, relax.TensorType(ctx.shape(ty.shape), ty.dtype))
     weight_vars = [ctx.weight(param, layout) for param, layout in _weight_layouts(graph, ctx.target)]
+    nodes, outputs = for_step(graph, ctx.step)
     with bb.function(name, list(ctx.inputs.values()) + weight_vars):
         with bb.dataflow():
             env: dict = dict(ctx.inputs)
-            for node in graph.nodes:
+            for node in nodes:
                 args = [None if i is None else env[i] if i in env else
                         ctx.weight(i, _layout_for(node, pos, graph, ctx.target)) for pos, i in enumerate(node.inputs)]
                 while args and args[-1] is None:
                     args.pop()
                 env[node.output] = LOWERINGS[node.op](ctx, node, *args)
-            out = bb.emit_output(env[graph.outputs[0]])
+            out = bb.emit_output(env[outputs[0]])
         bb.emit_func_output(out)
 
 
 def lower_graph(graph: Graph, target) -> LoweredModel:
-    missing = sorted({n.op for n in graph.nodes} - set(LOWERINGS))
+    entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph, target)}
+    ops = {n.op for step in entries for n in for_step(graph, step)[0]}
+    missing = sorted(ops - set(LOWERINGS))
     if missing:
         raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
-    entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph, target)}
     for step, name in entries.items():
         ctx = _Context(graph, target, bb, step, kernels)
         _emit_entry(ctx, name)

@@ -9,6 +9,11 @@ head_linear.
                   its first R values, online softmax in float32
   head_linear     one task per head: x[t, h] · W[h] with W [H, K, N] rows contiguous in N, so the
                   inner loop is a vector multiply-add over N (GPU: a thread per output)
+The expanded form's kernels (CPU only; prefill steps, passes/specialize_mla.py):
+  latent_gather   one task per context row: the row from its page, dequantised
+  expanded_attend one task per (sequence, head): keys [k_nope | k_pe] N + P wide and values V wide
+                  from the rows kiln's linear kernel rebuilt, online softmax in float32, the same
+                  loop structure as latent_attend (a scalar dot per key, a vector mix of values)
 The manifest and `kiln inspect` name the attention kernels kiln_latent (CPU) and tvm_mla (GPUs).
 Latent pages: [num_pages, 1, 1, page_size, R + P] (ir/kv_spec.py kind "latent"); TVM's kernels see
 them as [num_pages, page_size, R + P], the same bytes.
@@ -20,6 +25,7 @@ import functools
 from tvm import relax
 from tvm.script import tirx as T
 
+from kiln.errors import KilnError
 from kiln.ir.quant import KVScheme, kv_scheme_for
 
 from . import tvm_kernels
@@ -238,6 +244,112 @@ def head_linear_kernel(heads: int, k_in: int, n_out: int, dtype: str, gpu: bool)
     return head_linear_gpu if gpu else head_linear
 
 
+@functools.cache
+def latent_gather_kernel(width: int, page_size: int, dtype: str, kv_dtype: str):
+    """(pages, kv_slots [L], [scales,] out [L, width]): the rows at kv_slots, dequantised."""
+    quantized = kv_scheme_for(kv_dtype) is not None
+
+    def row_scale(scales, page, row):   # evaluated while parsing: no scales, no multiply
+        return T.float32(1) if scales is None else scales[page, 0, 0, row]
+
+    @T.macro
+    def gather(pages, slots, scales, out, rows):
+        for i in T.parallel(rows):
+            with T.sblock("gather"):
+                vi = T.axis.spatial(rows, i)
+                T.reads(slots[vi], pages[0:pages.shape[0], 0, 0, 0:page_size, 0:width],
+                        *([] if scales is None else [scales[0:pages.shape[0], 0, 0, 0:page_size]]))
+                T.writes(out[vi, 0:width])
+                page = slots[vi] // page_size
+                row = slots[vi] % page_size
+                for d in range(width):
+                    out[vi, d] = T.Cast(dtype, T.Cast("float32", pages[page, 0, 0, row, d]) * row_scale(scales, page, row))
+
+    @T.prim_func(private=True, s_tir=True)
+    def latent_gather(var_pages: T.handle, var_slots: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, rows = T.int64(), T.int64()
+        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), kv_dtype)
+        slots = T.match_buffer(var_slots, (rows,), "int32")
+        out = T.match_buffer(var_out, (rows, width), dtype)
+        gather(pages, slots, None, out, rows)
+
+    @T.prim_func(private=True, s_tir=True)
+    def latent_gather_scaled(var_pages: T.handle, var_slots: T.handle, var_scales: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, rows = T.int64(), T.int64()
+        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), kv_dtype)
+        slots = T.match_buffer(var_slots, (rows,), "int32")
+        scales = T.match_buffer(var_scales, (num_pages, 1, 1, page_size), "float32")
+        out = T.match_buffer(var_out, (rows, width), dtype)
+        gather(pages, slots, scales, out, rows)
+
+    return latent_gather_scaled if quantized else latent_gather
+
+
+@functools.cache
+def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: int, dtype: str, scale: float):
+    """(q_nope [T, H, N], q_rope [T, H, P], kv [L, H (N + V)], rows [L, width], q_indptr, kv_indptr,
+    output [T, H, V])."""
+    qk, per_head = nope + rope, nope + value
+    lowest = -3.0e38
+
+    @T.prim_func(private=True, s_tir=True)
+    def expanded_attend(var_qn: T.handle, var_qr: T.handle, var_kv: T.handle, var_rows: T.handle,
+                        var_q_indptr: T.handle, var_kv_indptr: T.handle, var_output: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        total_len, kv_tokens, seqs1 = T.int64(), T.int64(), T.int64()
+        q_nope = T.match_buffer(var_qn, (total_len, heads, nope), dtype)
+        q_rope = T.match_buffer(var_qr, (total_len, heads, rope), dtype)
+        kv = T.match_buffer(var_kv, (kv_tokens, heads * per_head), dtype)
+        rows = T.match_buffer(var_rows, (kv_tokens, width), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (seqs1,), "int32")
+        kv_indptr = T.match_buffer(var_kv_indptr, (seqs1,), "int32")
+        output = T.match_buffer(var_output, (total_len, heads, value), dtype)
+        batch = seqs1 - 1
+        for task in T.parallel(batch * heads):
+            with T.sblock("attention"):
+                b = T.axis.spatial(batch, task // heads)
+                h = T.axis.spatial(heads, task % heads)
+                T.reads(q_indptr[b:b + 2], kv_indptr[b:b + 2], q_nope[0:total_len, h, 0:nope],
+                        q_rope[0:total_len, h, 0:rope], kv[0:kv_tokens, h * per_head:h * per_head + per_head],
+                        rows[0:kv_tokens, width - rope:width])
+                T.writes(output[0:total_len, h, 0:value])
+                acc = T.sblock_alloc_buffer((value,), "float32")
+                qv = T.sblock_alloc_buffer((qk,), "float32")
+                state = T.sblock_alloc_buffer((4,), "float32")        # max, sum, score, correction
+                q_start = q_indptr[b]
+                n_q = q_indptr[b + 1] - q_start
+                k_start = kv_indptr[b]
+                kv_len = kv_indptr[b + 1] - k_start
+                for i in range(n_q):
+                    for d in range(qk):
+                        qv[d] = T.if_then_else(d < nope, T.Cast("float32", q_nope[q_start + i, h, T.min(d, nope - 1)]),
+                                               T.Cast("float32", q_rope[q_start + i, h, T.max(d - nope, 0)])
+                                               ) * T.float32(scale)
+                    for d in range(value):
+                        acc[d] = T.float32(0)
+                    state[0] = T.float32(lowest)
+                    state[1] = T.float32(0)
+                    for j in T.serial(kv_len - n_q + i + 1):             # causal: keys up to this query
+                        state[2] = T.float32(0)
+                        for d in range(nope):
+                            state[2] = state[2] + qv[d] * T.Cast("float32", kv[k_start + j, h * per_head + d])
+                        for d in range(rope):
+                            state[2] = state[2] + qv[nope + d] * T.Cast("float32", rows[k_start + j, width - rope + d])
+                        m_new = T.max(state[0], state[2])
+                        state[3] = T.exp(state[0] - m_new)
+                        weight = T.exp(state[2] - m_new)
+                        state[1] = state[1] * state[3] + weight
+                        for d in range(value):
+                            acc[d] = acc[d] * state[3] + weight * T.Cast("float32", kv[k_start + j, h * per_head + nope + d])
+                        state[0] = m_new
+                    for d in range(value):
+                        output[q_start + i, h, d] = T.Cast(dtype, acc[d] / state[1])
+
+    return expanded_attend
+
+
 def _gpu(ctx) -> bool:
     return ctx.target.device != "cpu"
 
@@ -298,3 +410,31 @@ def emit_head_linear(ctx, node, x, w):
     kernel = ctx.add_kernel(head_linear_kernel(heads, k_in, n_out, dtype, _gpu(ctx)),
                             f"head_linear_h{heads}_{k_in}x{n_out}_{dtype}", scheduled=True)
     return ctx.bb.emit(relax.call_tir(kernel, [x, w], relax.TensorType((x.ty.shape[0], heads, n_out), dtype)))
+
+
+def _cpu_only(ctx, node) -> None:
+    if _gpu(ctx):
+        raise KilnError(f"{node.op}: the expanded MLA prefill form has kernels for the CPU only, not "
+                        f"{ctx.target.name}; compile with --mla-expanded-from 0 (absorbed in every step)")
+
+
+def emit_latent_gather(ctx, node, pages, slots, scales=None):
+    _cpu_only(ctx, node)
+    if not isinstance(pages.ty, relax.TensorType):                 # a quantised append's (pages, scales)
+        pages, scales = (ctx.bb.emit(relax.TupleGetItem(pages, i)) for i in range(2))
+    width, page_size, dtype = int(pages.ty.shape[4]), int(pages.ty.shape[3]), node.attrs["dtype"]
+    kernel = ctx.add_kernel(latent_gather_kernel(width, page_size, dtype, pages.ty.dtype),
+                            f"latent_gather_{pages.ty.dtype}_{width}_{dtype}", scheduled=True)
+    out_ty = relax.TensorType((slots.ty.shape[0], width), dtype)
+    return ctx.bb.emit(relax.call_tir(kernel, [pages, slots] + ([scales] if scales is not None else []), out_ty))
+
+
+def emit_expanded_attend(ctx, node, q_nope, q_rope, kv, rows, q_indptr, kv_indptr):
+    _cpu_only(ctx, node)
+    heads, nope = int(q_nope.ty.shape[1]), int(q_nope.ty.shape[2])
+    rope, width, dtype = int(q_rope.ty.shape[2]), int(rows.ty.shape[1]), q_nope.ty.dtype
+    value = int(kv.ty.shape[1]) // heads - nope
+    kernel = ctx.add_kernel(expanded_attend_kernel(heads, nope, rope, value, width, dtype, float(node.attrs["scale"])),
+                            f"expanded_attend_h{heads}_{nope}x{rope}x{value}_{dtype}", scheduled=True)
+    out_ty = relax.TensorType((q_nope.ty.shape[0], heads, value), dtype)
+    return ctx.bb.emit(relax.call_tir(kernel, [q_nope, q_rope, kv, rows, q_indptr, kv_indptr], out_ty))

@@ -11,7 +11,11 @@ then k_pe (the roped key shared by every head, P = qk_rope_head_dim values). kv_
                   the rows themselves (keys R + P wide, values their first R)
   head_linear     a per-head matmul, x [T, H, K] by w [H, K, N]: q_nope · W_UK into latent space
                   and the latent output · W_UV back to V per head
-specialize_mla rewrites mla_attend into head_linear -> latent_attend -> head_linear.
+  latent_gather   every sequence's stored rows, in order, as one dense tensor (dequantised)
+  expanded_attend causal attention per head over keys and values already rebuilt from those rows
+                  by a linear with kv_b_proj: the expanded form, MHA with qk N + P and v V
+specialize_mla rewrites mla_attend into head_linear -> latent_attend -> head_linear, and on targets
+that want it the expanded form beside it for prefill steps (ir/step_forms.py step_choice).
 """
 from __future__ import annotations
 
@@ -158,6 +162,68 @@ def _latent_attend():
             p = np.exp(scores - scores.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             out[lo:hi] = np.einsum("htl,lr->thr", p, rows[:, :rank])
+        return _as(out, ty)
+    return rule, ref
+
+
+@op("latent_gather", ["kv_pages", "kv_slots", "kv_scales?"], {"layer": REQUIRED, "dtype": REQUIRED})
+def _latent_gather():
+    """The stored rows at kv_slots [kv_tokens] (every sequence's context in order, ir/step_forms.py),
+    dequantised, in `dtype`: [kv_tokens, R + P]."""
+    def rule(types, attrs, fail):
+        pages, slots, scales = types
+        check_latent_pages(pages, scales, pages.shape[4], attrs["dtype"], fail)
+        check_indices({"kv_slots": slots}, fail)
+        return TensorType((slots.shape[0], pages.shape[4]), attrs["dtype"])
+
+    def ref(x, at, ty, dims):
+        pages, slots = x[0], np.asarray(x[1], np.int64)
+        page, row = slots // pages.shape[3], slots % pages.shape[3]
+        rows = _f32(pages[page, 0, 0, row])
+        return _as(rows if len(x) < 3 else rows * x[2][page, 0, 0, row][:, None], ty)
+    return rule, ref
+
+
+@op("expanded_attend", ["q_nope", "q_rope", "kv", "rows", "q_indptr", "kv_indptr"], {"scale": REQUIRED})
+def _expanded_attend():
+    """Causal attention per head over keys and values rebuilt from latent rows. Sequence s's context
+    is rows kv_indptr[s]:kv_indptr[s + 1] of rows [kv_tokens, R + P] (from latent_gather) and of kv
+    [kv_tokens, H (N + V)] (their first R values through kv_b_proj: head h's N key then V value
+    values). Head h's query [q_nope[t, h] | q_rope[t, h]] scores the key [kv k-part of h | the row's
+    last P values]; its values are kv's V part of h. Causality as paged_attend (a sequence's new
+    tokens are the last of its context); scores q·k * scale, softmax in float32. Output [tokens, H, V]."""
+    def rule(types, attrs, fail):
+        qn, qr, kv, rows, qi, ki = types
+        _need_float(qn, "q_nope", fail)
+        if qn.rank != 3 or qr.rank != 3 or qn.shape[:2] != qr.shape[:2] or qn.dtype != qr.dtype:
+            fail(f"q_nope and q_rope must be [tokens, heads, N] and [tokens, heads, P], got {qn}, {qr}")
+        heads, nope, rope = qn.shape[1], qn.shape[2], qr.shape[2]
+        if (kv.rank != 2 or rows.rank != 2 or kv.shape[0] != rows.shape[0] or kv.dtype != qn.dtype
+                or rows.dtype != qn.dtype or kv.shape[1] % heads or kv.shape[1] // heads <= nope
+                or rows.shape[1] <= rope):
+            fail(f"kv and rows must be {qn.dtype}[kv_tokens, {heads} × ({nope} + v)] and "
+                 f"{qn.dtype}[kv_tokens, R + {rope}], got {kv}, {rows}")
+        check_indices({"q_indptr": qi, "kv_indptr": ki}, fail)
+        return TensorType((qn.shape[0], heads, kv.shape[1] // heads - nope), qn.dtype)
+
+    def ref(x, at, ty, dims):
+        qn, qr, kv, rows, qi, ki = x
+        heads, nope, rope = qn.shape[1], qn.shape[2], qr.shape[2]
+        kv = _f32(kv).reshape(kv.shape[0], heads, -1)
+        query = np.concatenate([_f32(qn), _f32(qr)], axis=-1)                  # [T, H, N + P]
+        out = np.zeros((qn.shape[0], heads, kv.shape[2] - nope), np.float32)
+        for s in range(len(qi) - 1):
+            lo, hi, k_lo, k_hi = int(qi[s]), int(qi[s + 1]), int(ki[s]), int(ki[s + 1])
+            ctx = kv[k_lo:k_hi]
+            k_pe = np.broadcast_to(_f32(rows[k_lo:k_hi, -rope:])[:, None], (k_hi - k_lo, heads, rope))
+            keys = np.concatenate([ctx[:, :, :nope], k_pe], axis=-1)            # [L, H, N + P]
+            scores = np.einsum("thd,lhd->htl", query[lo:hi], keys) * np.float32(at["scale"])
+            kv_len, n_q = k_hi - k_lo, hi - lo
+            visible = np.arange(kv_len)[None, :] <= (kv_len - n_q + np.arange(n_q))[:, None]
+            scores = np.where(visible[None], scores, -np.inf)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[lo:hi] = np.einsum("htl,lhv->thv", p, ctx[:, :, nope:])
         return _as(out, ty)
     return rule, ref
 

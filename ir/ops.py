@@ -547,7 +547,8 @@ def _geglu():
 from . import kv_ops  # noqa: E402,F401  (registers the paged KV cache ops)
 from . import moe_ops  # noqa: E402,F401  (registers moe_router and moe_experts)
 from . import mla_ops  # noqa: E402,F401  (registers the latent-cache attention ops)
+from . import step_forms  # noqa: E402,F401  (registers step_choice)
 
 APPEND_OPS = ("kv_append", "latent_append")              # write a step's rows; their result is the pages
-LATENT_OPS = ("latent_append", "mla_attend", "latent_attend")
+LATENT_OPS = ("latent_append", "mla_attend", "latent_attend", "latent_gather")
 KV_OPS = ("kv_append", "paged_attend", *ATTENTION_OPS, *LATENT_OPS)   # the ops that read or write a layer's KV cache

@@ -67,11 +67,15 @@ def main(debug):
 @click.option("--print-after-all", is_flag=True, help="Print the IR after import and after every pass.")
 @click.option("--print-after", multiple=True, metavar="PASS", help="Print the IR after this pass (repeatable).")
 @click.option("--disable-pass", multiple=True, metavar="PASS", help="Skip this pass (repeatable).")
+@click.option("--mla-expanded-from", default=None, type=click.IntRange(min=0), metavar="N",
+              help="MLA models: prefill steps whose every sequence brings at least N new tokens attend over "
+                   "K and V rebuilt from the latent cache (the expanded form); 0: the absorbed form in every "
+                   "step. Default: the target's (cpu: where it measured faster).")
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln fill-weights` draws seeded random ones there).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
-            force, print_after_all, print_after, disable_pass, weights):
+            force, print_after_all, print_after, disable_pass, mla_expanded_from, weights):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile
@@ -89,7 +93,8 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
     m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
                       disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head,
                       group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                      quant_embedding=quant_embedding, force=force, weights=weights)
+                      quant_embedding=quant_embedding, force=force, weights=weights,
+                      mla_expanded_from=mla_expanded_from)
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
          + ("" if weights else "; no weights (kiln fill-weights draws them)"))

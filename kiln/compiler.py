@@ -13,6 +13,7 @@ from typing import Callable
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
 from kiln.errors import KilnError
 from kiln.ir.ops import ATTENTION_OPS
+from kiln.ir.step_forms import prefill_min_tokens
 
 
 class Phases:
@@ -74,6 +75,8 @@ def _attention_layers(graph, target) -> list[dict]:
         elif n.op == "latent_attend":
             kernel = "kiln_latent" if target.device == "cpu" else "tvm_mla"
             layers.append({"layer": n.attrs["layer"], "variant": "mla", "mixed": kernel, "decode": kernel})
+            if prefill_min_tokens(graph):             # long prefill chunks: the expanded form
+                layers[-1]["prefill"] = "kiln_expanded"
     return layers
 
 
@@ -100,7 +103,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
                   quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
-                  kv_dtype: str | None = None, quant_embedding: bool = True, weights: bool = True) -> dict:
+                  kv_dtype: str | None = None, quant_embedding: bool = True, weights: bool = True,
+                  mla_expanded_from: int | None = None) -> dict:
     """Compile `model_dir` into the empty directory `out_dir`; `dump(pass_name, graph)` sees the IR after each
     pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False. Without
     `weights`, no weights file is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
@@ -119,7 +123,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, disable=disable_passes,
                                                                     quant=quant, quant_lm_head=quant_lm_head,
                                                                     group_size=group_size, kv_dtype=kv_dtype,
-                                                                    quant_embedding=quant_embedding))
+                                                                    quant_embedding=quant_embedding,
+                                                                    mla_expanded_from=mla_expanded_from))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -162,13 +167,15 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "library": tgt.library_name,
         "entry": "forward",
         "entries": lowered.entries,
+        **({"prefill_min_tokens": prefill_min_tokens(graph)} if "prefill" in lowered.entries else {}),
         "inputs": lowered.inputs,
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],
         "weights_source": "checkpoint" if weights else "absent",
         "kernels": kernels,
         "attention_variants": sorted({layer["variant"] for layer in attention}),
-        "attention_kernels": {step: sorted({layer[step] for layer in attention}) for step in ("mixed", "decode")},
+        "attention_kernels": {step: sorted({layer[step] for layer in attention if step in layer})
+                              for step in ("mixed", "decode", "prefill") if any(step in layer for layer in attention)},
         "attention_layers": attention,
         "graph_batches": list(tgt.graph_batches),
         "sampling": "device" if tgt.device_sampling else "host",

@@ -10,13 +10,15 @@ def _attention_kernels(m: dict) -> str:
     kernels = m.get("attention_kernels")
     if not kernels:
         return "kernels not recorded"
-    return "; ".join(f"{step} steps: {', '.join(names)}" for step, names in kernels.items())
+    chunks = f" (every sequence ≥ {m['prefill_min_tokens']} new tokens)" if "prefill_min_tokens" in m else ""
+    return "; ".join(f"{step} steps{chunks if step == 'prefill' else ''}: {', '.join(names)}"
+                     for step, names in kernels.items())
 
 
 def _kv_layers(m: dict) -> list[str]:
     """Each run of layers with the same KV spec and attention kernels, one line per run."""
     kernels = m["attention_layers"]
-    rows = [(KVSpec.from_json(spec), (k["variant"], k["mixed"], k["decode"]))
+    rows = [(KVSpec.from_json(spec), (k["variant"], k["mixed"], k["decode"], k.get("prefill", k["mixed"])))
             for spec, k in zip(m["kv"]["layers"], kernels)]
     runs: list[list] = []
     for layer, row in enumerate(rows):
@@ -25,10 +27,12 @@ def _kv_layers(m: dict) -> list[str]:
         else:
             runs.append([layer, layer, row])
     lines = []
-    for first, last, (spec, (variant, mixed, decode)) in runs:
+    for first, last, (spec, (variant, mixed, decode, prefill)) in runs:
         which = f"layer {first}" if first == last else f"layers {first}-{last}"
+        other = [f"{step} steps: {kernel}" for step, kernel in (("decode", decode), ("prefill", prefill))
+                 if kernel != mixed]
         lines.append(f"  {which:<13} {spec.describe()}; {variant}, kernel {mixed}"
-                     + (f" (decode steps: {decode})" if decode != mixed else ""))
+                     + (f" ({'; '.join(other)})" if other else ""))
     return lines
 
 

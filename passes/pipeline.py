@@ -27,10 +27,11 @@ class PassRecord:
 
 def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None,
-                 quant_embedding: bool = True) -> list[tuple[str, Pass]]:
+                 quant_embedding: bool = True, mla_expanded_from: int | None = None) -> list[tuple[str, Pass]]:
     """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
     the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too unless
-    `quant_embedding` is off), KV -> attention kernel choice."""
+    `quant_embedding` is off), KV -> attention kernel choice. MLA prefill steps run the expanded
+    form from `mla_expanded_from` new tokens per sequence (default: the target's; 0: never)."""
     from kiln.targets import target_defaults
     from .fuse_append_attend import fuse_append_attend
     from .fuse_rope_attention import fuse_rope_attention
@@ -41,11 +42,13 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
     from .quantize_embedding import QuantizeEmbedding
     from .quantize_kv import QuantizeKV
     from .specialize_attention import SpecializeAttention
-    from .specialize_mla import specialize_mla
+    from .specialize_mla import SpecializeMLA
     target = target_defaults(target) if isinstance(target, str) else target
     passes: list[tuple[str, Pass]] = [
         ("fuse_append_attend", fuse_append_attend),       # every kernel runs append and attention together
-        ("specialize_mla", specialize_mla),               # latent layers attend over the latent rows
+        # latent layers attend over the latent rows (and over rows rebuilt from them in long prefills)
+        ("specialize_mla", SpecializeMLA(target.mla_expanded_from if mla_expanded_from is None
+                                         else mla_expanded_from)),
         ("fuse_qkv", fuse_qkv),
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),

@@ -12,7 +12,9 @@ f16 group scales):
         each expert quantised on its own, as a linear weight would be
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
   logits) only when `lm_head` is set. MoE routers (linears feeding moe_router) stay in float, as
-  llama.cpp keeps them: a rounding there changes which experts run. Embedding tables are left to
+  llama.cpp keeps them: a rounding there changes which experts run. MLA's kv_b_proj in the expanded
+  form (feeding expanded_attend) stays in float, as its absorbed halves do, so that both forms compute
+  one function. Embedding tables are left to
   quantize_embedding.
 Leaves: %y keeps its name and type; the float weight param is dropped once no node reads it.
 """
@@ -74,6 +76,7 @@ class Quantize:
         graph = editable_copy(graph)
         scheme = SCHEMES[self.mode]
         skip = self._linears_feeding(graph, [n.inputs[0] for n in graph.nodes if n.op == "moe_router"])
+        skip |= self._linears_feeding(graph, [n.inputs[2] for n in graph.nodes if n.op == "expanded_attend"])
         if not self.lm_head:
             skip |= self._linears_feeding(graph, graph.outputs)
         grouped = scheme.grouped

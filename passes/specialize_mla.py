@@ -13,17 +13,64 @@ and the value mix Σ p (c W_UV) = (Σ p c) W_UV: attention becomes MQA with one 
 and an R wide value per token, read once for every head, and the expanded K/V never exist.
 In exact arithmetic the result is the same; rounding differs by where the products are rounded
 (the literal form rounds k_nope and v, the absorbed form q_latent and o_latent).
+With `expanded_from` = n (a target's choice: where its kernels make the expanded form cheaper),
+prefill steps whose every sequence brings at least n new tokens run the expanded form instead:
+    %rows       = latent_gather(%pages, %kv_slots) {layer, dtype}           every context row
+    %kv         = linear(slice(%rows, 0:R), @kv_b)                          K_nope and V, rebuilt
+    %o_expanded = expanded_attend(%q_nope, %q_rope, %kv, %rows, %q_indptr, %kv_indptr) {scale}
+    %o          = step_choice(%o_absorbed, %o_expanded, %q_indptr) {min_tokens=n}
+(ir/step_forms.py; kv_slots and kv_indptr become graph inputs). Expanded, kv_b is applied once per
+context row instead of twice per query token, and attention runs at N + P and V wide instead of
+R + P and R: fewer operations once a chunk is long (docs/BENCHMARKS.md measures where).
 Requires: kv_b is a param (a weight the rewrite can split).
-Leaves: the output keeps its name and type; kv_b itself is no longer read.
+Leaves: the output keeps its name and type; kv_b is no longer read unless the expanded form reads it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from kiln.errors import KilnError
 from kiln.ir import Graph, Node, Param, TensorType
+from kiln.ir.step_forms import CONTEXT_INPUTS
 
 from .rewrite import drop_unused_params, editable_copy
 
 
 def specialize_mla(graph: Graph) -> Graph:
+    """The absorbed form in every step."""
+    return SpecializeMLA()(graph)
+
+
+@dataclass
+class SpecializeMLA:
+    expanded_from: int = 0          # new tokens per sequence from which prefill steps run expanded (0: never)
+
+    def __post_init__(self):
+        if self.expanded_from == 1 or self.expanded_from < 0:
+            raise KilnError(f"the expanded MLA form starts at 2 or more new tokens per sequence (0: never), "
+                            f"not {self.expanded_from}: decode steps always run the absorbed form")
+
+    def __call__(self, graph: Graph) -> Graph:
+        return _specialize(graph, self.expanded_from)
+
+
+def _expanded(node: Node, types, rank: int) -> list[Node]:
+    """The expanded form of one mla_attend, its result named o_expanded{layer}."""
+    q_nope, q_rope, pages, kv_b, q_indptr, *_ = node.inputs
+    layer, dtype = node.attrs["layer"], node.type.dtype
+    width = types[pages].shape[4]
+    rows, latent, kv = f"latent_rows{layer}", f"c_rows{layer}", f"kv_rows{layer}"
+    return [
+        Node("latent_gather", [pages, "kv_slots", *node.inputs[8:]], {"layer": layer, "dtype": dtype}, rows,
+             TensorType(("kv_tokens", width), dtype)),
+        Node("slice", [rows], {"begin": 0, "end": rank}, latent, TensorType(("kv_tokens", rank), dtype)),
+        Node("linear", [latent, kv_b], {}, kv, TensorType(("kv_tokens", types[kv_b].shape[0]), dtype)),
+        Node("expanded_attend", [q_nope, q_rope, kv, rows, q_indptr, "kv_indptr"], {"scale": node.attrs["scale"]},
+             f"o_expanded{layer}", node.type),
+    ]
+
+
+def _specialize(graph: Graph, expanded_from: int) -> Graph:
     graph = editable_copy(graph)
     types = graph.value_types()
     nodes: list[Node] = []
@@ -45,11 +92,17 @@ def specialize_mla(graph: Graph) -> Graph:
         tokens, layer = types[q_nope].shape[0], node.attrs["layer"]
         q_latent, o_latent = f"q_latent{layer}", f"o_latent{layer}"        # one mla_attend per layer
         latent = TensorType((tokens, heads, rank), dtype)
+        absorbed = f"o_absorbed{layer}" if expanded_from else node.output
         nodes += [
             Node("head_linear", [q_nope, weights["k"]], {}, q_latent, latent),
             Node("latent_attend", [q_latent, q_rope, pages, *rest], dict(node.attrs), o_latent, latent),
-            Node("head_linear", [o_latent, weights["v"]], {}, node.output, node.type),
+            Node("head_linear", [o_latent, weights["v"]], {}, absorbed, node.type),
         ]
+        if expanded_from:
+            expanded = _expanded(node, types, rank)
+            nodes += expanded + [Node("step_choice", [absorbed, expanded[-1].output, rest[0]],
+                                      {"min_tokens": expanded_from}, node.output, node.type)]
+            graph.inputs.update(CONTEXT_INPUTS)
         types.update({q_latent: latent, o_latent: latent})
     graph.nodes = nodes
     return drop_unused_params(graph)

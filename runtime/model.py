@@ -5,7 +5,8 @@ weights file, handed to TVM without a copy; a GPU artifact's are uploaded from t
 a time. The files' checksums are checked in a background thread while this happens.
 
 Each step runs the entry its shape calls for (`step_kind`): `forward` for any step, `decode` for
-one new token per sequence, `decode_graph` (CUDA) for those of up to 64 sequences, padded to a batch
+one new token per sequence, `prefill` for long chunks where the graph has prefill forms (MLA's
+expanded attention, ir/step_forms.py), `decode_graph` (CUDA) for those of up to 64 sequences, padded to a batch
 bucket with sequences on a scratch page so that each bucket replays one captured CUDA graph. The
 step's small inputs go through persistent device buffers (runtime/step_buffers.py); the graph's are
 fixed, as the captured graph reads them where they were at capture.
@@ -24,9 +25,10 @@ import numpy as np
 from kiln.artifact import WEIGHTS, read_manifest, start_verify
 from kiln.errors import KilnError
 from kiln.ir.kv_spec import KVSpec
+from kiln.ir.step_forms import is_prefill_step
 
 from .device_sampler import DeviceSampler
-from .step import graph_step_capacities, pad_decode_step
+from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
 
 GRAPH_ENTRY = "decode_graph"
@@ -103,6 +105,7 @@ class CompiledModel:
         # padded to a batch bucket and replayed as a CUDA graph
         self.entries = {step: self.vm[name] for step, name in m.get("entries", {"mixed": m["entry"]}).items()}
         self.graph_batches = tuple(m.get("graph_batches", ())) if GRAPH_ENTRY in self.entries else ()
+        self.prefill_min_tokens = m.get("prefill_min_tokens") if "prefill" in self.entries else None
         self.step_buffers = StepBuffers(self.device)
         # artifacts built with sampling on the device: the engine samples there (runtime/device_sampler.py)
         self.sampler = DeviceSampler(self.vm, self.device) if m.get("sampling") == "device" else None
@@ -205,6 +208,10 @@ class CompiledModel:
         if not self.kv_tensors:
             raise KilnError("allocate_kv must be called before forward")
         kind = self.step_kind(inputs)
+        if "kv_slots" in self.input_names:         # read by the prefill entry's forms only
+            seqs = len(inputs["q_indptr"]) - 1
+            context = context_rows(inputs, self.page_size) if kind == "prefill" else no_context_rows(seqs)
+            inputs = {**inputs, **context}
         buffers, lengths = self.step_buffers, {}
         if kind == GRAPH_ENTRY:
             seqs = len(inputs["tokens"])
@@ -219,10 +226,13 @@ class CompiledModel:
 
     def step_kind(self, inputs: dict[str, np.ndarray]) -> str:
         """The entry a step runs: where the artifact has them, "decode_graph" or "decode" when every
-        sequence brings one new token (the graph up to its largest batch bucket), else "mixed"."""
+        sequence brings one new token (the graph up to its largest batch bucket), "prefill" when
+        every sequence brings at least prefill_min_tokens (ir/step_forms.py), else "mixed"."""
         seqs = len(inputs["q_indptr"]) - 1
         if len(inputs["tokens"]) != seqs:
-            return "mixed"
+            prefill = self.prefill_min_tokens is not None and is_prefill_step(inputs["q_indptr"],
+                                                                            self.prefill_min_tokens)
+            return "prefill" if prefill else "mixed"
         if self.graph_batches and seqs <= max(self.graph_batches):
             return GRAPH_ENTRY
         return "decode" if "decode" in self.entries else "mixed"

@@ -54,6 +54,25 @@ def step_inputs(chunks: list[SeqChunk], page_size: int) -> dict[str, np.ndarray]
     }
 
 
+def context_rows(inputs: dict[str, np.ndarray], page_size: int) -> dict[str, np.ndarray]:
+    """kv_slots and kv_indptr (ir/step_forms.py): the KV slot of every context row of every sequence,
+    sequence after sequence, for the steps whose forms read whole contexts."""
+    page_indptr, pages = inputs["page_indptr"], inputs["page_values"].astype(np.int64)
+    n_pages = np.diff(page_indptr)
+    kv_lens = np.where(n_pages > 0, (n_pages - 1) * page_size + inputs["last_page_len"], 0)
+    kv_indptr = np.zeros(len(kv_lens) + 1, np.int32)
+    kv_indptr[1:] = np.cumsum(kv_lens)
+    rows = np.arange(page_size)
+    slots = [((pages[page_indptr[s]:page_indptr[s + 1], None] * page_size + rows).reshape(-1)[:kv_lens[s]])
+             for s in range(len(kv_lens))]
+    return {"kv_slots": np.concatenate(slots or [np.zeros(0)]).astype(np.int32), "kv_indptr": kv_indptr}
+
+
+def no_context_rows(seqs: int) -> dict[str, np.ndarray]:
+    """kv_slots and kv_indptr for a step whose forms do not read them."""
+    return {"kv_slots": np.zeros(0, np.int32), "kv_indptr": np.zeros(seqs + 1, np.int32)}
+
+
 def graph_step_capacities(max_batch: int, pages_per_seq: int) -> dict[str, int]:
     """Buffer lengths a padded decode step of up to `max_batch` sequences can need."""
     return {"tokens": max_batch, "positions": max_batch, "q_indptr": max_batch + 1, "page_indptr": max_batch + 1,

@@ -25,6 +25,9 @@ class Target:
     kv_dtypes: tuple[str, ...] = ()  # quantised KV caches its attention kernel reads (ir/quant.py KV_SCHEMES)
     graph_batches: tuple[int, ...] = ()   # decode batch buckets replayed as CUDA graphs (none: no graphs)
     device_sampling: bool = False    # compile the sampler into the artifact (codegen/sampling.py)
+    # MLA prefill steps whose every sequence brings at least this many new tokens run the expanded
+    # form (passes/specialize_mla.py); 0: the absorbed form in every step
+    mla_expanded_from: int = 0
 
     def tvm_target(self):
         raise NotImplementedError

@@ -13,9 +13,10 @@ Seq = tuple[list[int], int, list[int]]   # (new token ids, tokens already cached
 
 
 def make_step_inputs(seqs: list[Seq], page_size: int) -> dict[str, np.ndarray]:
-    """tokens, positions, q_indptr, page_indptr, page_values, last_page_len, slot_mapping, logit_rows."""
-    tokens, positions, slots, page_values = [], [], [], []
-    q_indptr, page_indptr, last_page_len, logit_rows = [0], [0], [], []
+    """tokens, positions, q_indptr, page_indptr, page_values, last_page_len, slot_mapping, logit_rows;
+    and kv_slots, kv_indptr (every context row's slot, ir/step_forms.py)."""
+    tokens, positions, slots, page_values, kv_slots = [], [], [], [], []
+    q_indptr, page_indptr, last_page_len, logit_rows, kv_indptr = [0], [0], [], [], [0]
     for new, start, pages in seqs:
         if not new:
             raise ValueError("every sequence in a step needs at least one new token")
@@ -32,9 +33,11 @@ def make_step_inputs(seqs: list[Seq], page_size: int) -> dict[str, np.ndarray]:
         page_indptr.append(len(page_values))
         last_page_len.append(kv_len - (n_pages - 1) * page_size)
         logit_rows.append(len(tokens) - 1)
+        kv_slots += [pages[p // page_size] * page_size + p % page_size for p in range(kv_len)]
+        kv_indptr.append(len(kv_slots))
     arrays = dict(tokens=tokens, positions=positions, q_indptr=q_indptr, page_indptr=page_indptr,
                   page_values=page_values, last_page_len=last_page_len, slot_mapping=slots,
-                  logit_rows=logit_rows)
+                  logit_rows=logit_rows, kv_slots=kv_slots, kv_indptr=kv_indptr)
     return {k: np.asarray(v, dtype=np.int32) for k, v in arrays.items()}
 
 

@@ -23,8 +23,8 @@ STEPS = [
 ]
 
 
-def run_steps(forward, kv) -> list[np.ndarray]:
-    return [forward({**make_step_inputs(step, PAGE), **kv}) for step in STEPS]
+def run_steps(forward, kv, steps=STEPS) -> list[np.ndarray]:
+    return [forward({**make_step_inputs(step, PAGE), **kv}) for step in steps]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +34,11 @@ def deepseek(make_model):
     return model, model.build_graph("float32", PAGE)
 
 
-def interpreted(graph, model):
+def interpreted(graph, model, steps=STEPS):
     from kiln.ir import interpret, weight_loader
     weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
     kv = kv_pages_for(graph.kv_specs, 8, fill=np.nan)          # NaN: an unwritten slot read shows
-    return run_steps(lambda inputs: interpret(graph, inputs, weights)["logits"], kv)
+    return run_steps(lambda inputs: interpret(graph, inputs, weights)["logits"], kv, steps)
 
 
 def test_specialize_mla_absorbs_kv_b_proj_in_every_layer(deepseek):
@@ -62,6 +62,70 @@ def test_absorbed_attention_equals_the_literal_form(deepseek):
     model, literal = deepseek
     for want, got in zip(interpreted(literal, model), interpreted(specialize_mla(literal), model)):
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_expanded_form_is_chosen_for_prefill_steps(deepseek):
+    """SpecializeMLA(n): the absorbed chain for every step, the expanded form (gather, linear with
+    kv_b, expanded_attend) beside it, a step_choice at n tokens; for_step keeps one form per step."""
+    from kiln.ir.step_forms import for_step
+    from kiln.passes.specialize_mla import SpecializeMLA
+    model, literal = deepseek
+    layers = model.config.num_layers
+    both = SpecializeMLA(4)(literal)
+    ops = [n.op for n in both.nodes]
+    assert ops.count("step_choice") == ops.count("expanded_attend") == ops.count("latent_attend") == layers
+    assert {n.attrs["min_tokens"] for n in both.nodes if n.op == "step_choice"} == {4}
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert any(n.op == "linear" and n.inputs[1] == kv_b for n in both.nodes)
+    assert set(both.inputs) - set(literal.inputs) == {"kv_slots", "kv_indptr"}
+    prefill = [n.op for n in for_step(both, "prefill")[0]]
+    mixed = [n.op for n in for_step(both, "mixed")[0]]
+    assert prefill.count("expanded_attend") == layers and "latent_attend" not in prefill
+    assert mixed.count("latent_attend") == layers and "expanded_attend" not in mixed and "latent_gather" not in mixed
+    assert "step_choice" not in prefill + mixed
+
+
+# prefill, then a chunk after cached context beside a 2-token chunk, then decodes
+PREFILL_STEPS = [
+    [(A[:20], 0, PAGES_A), (B[:19], 0, PAGES_B)],
+    [(A[20:], 20, PAGES_A), (B[19:], 19, PAGES_B)],
+    [([5], 37, PAGES_A), ([7], 21, PAGES_B)],
+]
+
+
+@pytest.mark.parametrize("expanded_from, chosen", [(2, [True, True, False]), (18, [True, False, False])])
+def test_expanded_and_absorbed_forms_equal_the_literal_form(deepseek, expanded_from, chosen):
+    """Steps take the expanded form exactly when every chunk has expanded_from tokens; either way
+    the logits are the literal form's (the expanded form after cached context too)."""
+    from kiln.ir.step_forms import is_prefill_step
+    from kiln.passes.specialize_mla import SpecializeMLA
+    model, literal = deepseek
+    assert [is_prefill_step(make_step_inputs(step, PAGE)["q_indptr"], expanded_from)
+            for step in PREFILL_STEPS] == chosen
+    for want, got in zip(interpreted(literal, model, PREFILL_STEPS),
+                         interpreted(SpecializeMLA(expanded_from)(literal), model, PREFILL_STEPS)):
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_expanded_form_refuses_decode_steps():
+    """Decode steps keep the default form: a threshold of 1 is refused by the pass and the op."""
+    from kiln.errors import KilnError
+    from kiln.ir import GraphBuilder, IRError
+    from kiln.passes.specialize_mla import SpecializeMLA
+    with pytest.raises(KilnError, match="starts at 2 or more new tokens"):
+        SpecializeMLA(1)
+    b = GraphBuilder("choice")
+    x, y = (b.input(n, ("tokens", 4), "float32") for n in "xy")
+    with pytest.raises(IRError, match="min_tokens must be an integer of at least 2"):
+        b.op("step_choice", x, y, b.input("q_indptr", ("seqs1",), "int32"), min_tokens=1)
+
+
+def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tmp_path):
+    from kiln.compiler import compile_model
+    from kiln.errors import KilnError
+    with pytest.raises(KilnError, match="expanded MLA prefill form has kernels for the CPU only, not cuda"):
+        compile_model(make_model("deepseek_v2"), tmp_path / "a", target="cuda", show=None, mla_expanded_from=8)
+    assert not (tmp_path / "a").exists()
 
 
 def test_mla_attend_without_a_weight_to_split_is_left_alone():
@@ -111,17 +175,22 @@ def compiled(compiled_family):
 @pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
 def test_compiled_latent_kernels_match_the_interpreter(deepseek, compiled, kv_dtype):
     """The latent append and attention kernels (and head_linear) on float, int8 and fp8 latent
-    caches, against the interpreter on the same pipeline's graph."""
+    caches, against the interpreter on the same pipeline's graph; and the expanded form's kernels
+    (gather, expanded_attend) in the prefill entry, which runs exactly for the prefill steps."""
     from kiln.passes import run_pipeline
     from kiln.runtime.model import CompiledModel
     model, literal = deepseek
-    graph, _ = run_pipeline(literal, "cpu", kv_dtype=kv_dtype)
-    artifact = CompiledModel(compiled(**({"kv_dtype": kv_dtype} if kv_dtype else {})))
-    artifact.allocate_kv(8 * artifact.bytes_per_page)
-    assert [s.dtype for s in artifact.kv_specs] == [s.dtype for s in graph.kv_specs.values()]
-    got = run_steps(artifact.forward, {})
-    for g, w in zip(got, interpreted(graph, model)):
-        assert np.abs(g - w).max() / np.abs(w).max() < 1e-4
+    for expanded_from, steps, kinds in ((0, STEPS, ["mixed", "mixed", "mixed"]),
+                                        (2, PREFILL_STEPS, ["prefill", "prefill", "mixed"])):
+        graph, _ = run_pipeline(literal, "cpu", kv_dtype=kv_dtype, mla_expanded_from=expanded_from)
+        artifact = CompiledModel(compiled(mla_expanded_from=expanded_from,
+                                          **({"kv_dtype": kv_dtype} if kv_dtype else {})))
+        artifact.allocate_kv(8 * artifact.bytes_per_page)
+        assert [s.dtype for s in artifact.kv_specs] == [s.dtype for s in graph.kv_specs.values()]
+        assert [artifact.step_kind(make_step_inputs(step, PAGE)) for step in steps] == kinds
+        got = run_steps(artifact.forward, {}, steps)
+        for g, w in zip(got, interpreted(graph, model, steps)):
+            assert np.abs(g - w).max() / np.abs(w).max() < 1e-4
 
 
 def test_kv_bytes_per_token_are_the_latent_rows(deepseek, compiled):
@@ -145,11 +214,25 @@ def greedy(max_tokens):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def test_engine_batches_preempts_and_caches_prefixes_on_an_mla_model(compiled):
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_expanded_prefill_generation_equals_transformers(make_model, compiled_family, family):
+    """Every prefill chunk (8 tokens, after the cached ones) in the expanded form, decode absorbed."""
+    import transformers
+    from kiln.runtime.llm import LLM
+    from reference import hf_greedy_uncached
+    hf = transformers.AutoModelForCausalLM.from_pretrained(make_model(family), attn_implementation="eager").eval()
+    llm = LLM(compiled_family(family, dtype="float32", mla_expanded_from=2), kv_memory="8MiB", max_batched_tokens=8)
+    ids = random_prompt(30, 7)
+    [out] = llm.generate([ids], greedy(12), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy_uncached(hf, ids, 12)
+
+
+@pytest.mark.parametrize("expanded_from", [None, 2])      # the target's choice; every prefill chunk expanded
+def test_engine_batches_preempts_and_caches_prefixes_on_an_mla_model(compiled, expanded_from):
     """Twelve requests batched equal each alone, also with a pool so small that sequences are
     preempted; a shared prefix hits the prefix cache and keeps the tokens."""
     from kiln.runtime.llm import LLM
-    artifact = compiled()
+    artifact = compiled(**({} if expanded_from is None else {"mla_expanded_from": expanded_from}))
     rng = np.random.default_rng(3)
     system = random_prompt(40, seed=50)
     reqs = [((system if i % 3 == 0 else []) + random_prompt(int(rng.integers(3, 40)), seed=60 + i),
