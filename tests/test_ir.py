@@ -246,6 +246,9 @@ EXAMPLES = {
     "latent_append": None,     # tests/test_mla.py: the literal form against transformers' DeepSeek attention,
     "mla_attend": None,        # the absorbed form (latent_attend) against it, both kernels against those
     "latent_attend": None,
+    "latent_gather": None,     # tests/test_mla.py: the expanded form (gather, kv_b linear, expanded_attend)
+    "expanded_attend": None,   # against the literal form, and its kernels against the interpreter
+    "step_choice": None,       # test_step_choice_picks_the_alternative_for_prefill_steps below
 }
 
 
@@ -389,12 +392,21 @@ def test_make_step_inputs():
     x = make_step_inputs([([7, 8, 9], 0, [5, 2]), ([4], 17, [1, 3, 6])], page_size=16)
     expect = dict(tokens=[7, 8, 9, 4], positions=[0, 1, 2, 17], q_indptr=[0, 3, 4], page_indptr=[0, 1, 3],
                   page_values=[5, 1, 3], last_page_len=[3, 2], slot_mapping=[80, 81, 82, 3 * 16 + 1],
-                  logit_rows=[2, 3])
+                  logit_rows=[2, 3], kv_slots=[80, 81, 82, *range(16, 32), 48, 49], kv_indptr=[0, 3, 21])
     assert set(x) == set(expect)
     for k, v in expect.items():
         assert x[k].dtype == np.int32 and x[k].tolist() == v, k
     with pytest.raises(ValueError, match="need 2 pages"):
         make_step_inputs([([1] * 20, 0, [0])], page_size=16)
+
+
+def test_step_choice_picks_the_alternative_for_prefill_steps():
+    """Every sequence with at least min_tokens new tokens: the alternative; any shorter: the default."""
+    g = verify(_one_node("step_choice", [((2,), "float32"), ((2,), "float32"), ((3,), "int32")], {"min_tokens": 3}))
+    default, alternative = np.array([1, 2], np.float32), np.array([3, 4], np.float32)
+    for q_indptr, want in (([0, 3, 7], alternative), ([0, 3, 5], default), ([0, 1, 2], default)):
+        got = interpret(g, {"in0": default, "in1": alternative, "in2": np.array(q_indptr, np.int32)}, None)["y"]
+        assert got.tolist() == want.tolist(), q_indptr
 
 
 def test_kv_row_quantisation_known_values():
