@@ -1,7 +1,9 @@
 """Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
 GPUs: a TE matmul that dlight schedules. CPUs: kiln's packed-weight kernel, weights stored
-[out/nb, in', nb] so a task accumulates nb outputs in vector registers. Quantised weights are
+[out/nb, in', nb] so a task accumulates nb outputs in vector registers; in steps that bring
+chunks (every entry but decode, on targets with `chunk_gemm`) the register-blocked GEMM of
+codegen/gemm.py over the same layout. Quantised weights are
 decoded inside the reduction (q4) or scaled in the epilogue (q8, fp8): no dequantised copy of a
 weight ever exists.
 """
@@ -44,7 +46,7 @@ class WeightFormat:
         return scale if self.kind in ("q8", "fp8") else None
 
 
-def _epilogue(acc, scale, bias, residual, dtype):
+def epilogue(acc, scale, bias, residual, dtype):
     """The value a linear writes for acc[i, j] (float32): * scale, + bias, round, + residual, round."""
     def value(i, j):
         y = acc[i, j] if scale is None else acc[i, j] * scale[j]
@@ -60,7 +62,7 @@ def _nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat):
     k = te.reduce_axis((0, x.shape[1]), "k")
     acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
         x[m, k].astype("float32") * fmt.value(lambda j, kk: w[j, kk], scale, n, k), axis=k), name="matmul")
-    return te.compute(acc.shape, _epilogue(acc, fmt.epilogue_scale(scale), bias, residual, out_dtype),
+    return te.compute(acc.shape, epilogue(acc, fmt.epilogue_scale(scale), bias, residual, out_dtype),
                       name="linear")
 
 
@@ -81,7 +83,7 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
     acc = te.compute((m, n_out), lambda i, j: te.sum(
         x[i, k].astype("float32") * fmt.value(lambda jj, kk: wp[jj // nb, kk, jj % nb], scale, j, k), axis=k),
         name="acc")
-    y = te.compute((m, n_out), _epilogue(acc, fmt.epilogue_scale(scale), bias, residual, dtype), name="y")
+    y = te.compute((m, n_out), epilogue(acc, fmt.epilogue_scale(scale), bias, residual, dtype), name="y")
     args = [x, wp] + [t for t in (scale, bias, residual) if t is not None] + [y]
     return schedule_packed(te.create_prim_func(args), n_in, nb)
 
@@ -123,7 +125,15 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     present = [k for k, v in optional.items() if v is not None]
     args = [rows(x, n_in), w] + [optional[k] for k in present]
     nb = packed_block(layout)
-    if nb is None:
+    if nb is not None and ctx.target.chunk_gemm and ctx.step != "decode":
+        # steps that bring chunks: the register-blocked GEMM (decode steps keep the GEMV schedule)
+        from .gemm import packed_gemm_kernel, vector_lanes
+        kern = packed_gemm_kernel(n_out, n_in, nb, dtype, fmt, w.ty.dtype, bias is not None, residual is not None,
+                                  vector_lanes(ctx.target.tvm_target()))
+        suffix = "".join(f"_{k}" for k in present if k != "scale")
+        gv = ctx.add_kernel(kern, f"gemm{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=True)
+        y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+    elif nb is None:
         def kernel(a, b, *rest):
             given = dict(zip(present, rest))
             return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt)

@@ -186,11 +186,14 @@ def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
 
 def entry_steps(graph: Graph, target) -> list[str]:
     """Step kinds that get their own function: "mixed" always; "decode" where a layer's decode kernel
-    is not its mixed-step kernel; "prefill" where the graph has alternative forms."""
+    is not its mixed-step kernel, or the target runs packed linears as GEMMs in steps with chunks;
+    "prefill" where the graph has alternative forms."""
     kernels = [(step_kernel(target, graph, n, "mixed"), step_kernel(target, graph, n, "decode"))
                for n in graph.nodes if n.op in ATTENTION_OPS]
-    return (["mixed"] + (["decode"] if any(mixed != decode for mixed, decode in kernels) else [])
-            + (["prefill"] if prefill_min_tokens(graph) else []))
+    packed = target.chunk_gemm and any(n.op in LINEAR_OPS and _layout_for(n, 1, graph, target) != "nk"
+                                       for n in graph.nodes)
+    decode = packed or any(mixed != decode for mixed, decode in kernels)
+    return ["mixed"] + (["decode"] if decode else []) + (["prefill"] if prefill_min_tokens(graph) else [])
 
 
 def _emit_entry(ctx: _Context, name: str) -> None:

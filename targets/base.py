@@ -28,6 +28,9 @@ class Target:
     # MLA prefill steps whose every sequence brings at least this many new tokens run the expanded
     # form (passes/specialize_mla.py); 0: the absorbed form in every step
     mla_expanded_from: int = 0
+    # packed linears in steps that bring chunks run codegen/gemm.py's GEMM, decode steps the GEMV
+    # schedule: a "decode" entry is built for them
+    chunk_gemm: bool = False
 
     def tvm_target(self):
         raise NotImplementedError

@@ -25,6 +25,7 @@ class CPUTarget(Target):
     default_dtype: str = "float32"
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
+    chunk_gemm: bool = True
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
 
     def weight_quants(self):

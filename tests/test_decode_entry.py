@@ -51,11 +51,16 @@ def test_manifest_records_the_decode_entry_and_its_kernels(artifact):
     assert "decode steps: tvm_decode" in summary(artifact)
 
 
-def test_default_cpu_target_needs_no_decode_entry(llama_cpu):
+def test_default_cpu_target_decodes_with_gemv_and_prefills_with_gemm(llama_cpu):
+    """One attention kernel for every step, but two linear kernels per projection shape: the
+    register-blocked GEMM (codegen/gemm.py) for steps with chunks, the GEMV schedule for decode."""
     from kiln.artifact import read_manifest
     m = read_manifest(llama_cpu[0])
-    assert m["entries"] == {"mixed": "forward"}
+    assert m["entries"] == {"mixed": "forward", "decode": "decode"}
     assert m["attention_kernels"] == {"mixed": ["kiln_cpu"], "decode": ["kiln_cpu"]}
+    gemms = {k.removeprefix("gemm_") for k in m["kernels"] if k.startswith("gemm_")}
+    gemvs = {k.removeprefix("linear_") for k in m["kernels"] if k.startswith("linear_packed")}
+    assert gemms and gemms == gemvs
 
 
 def test_steps_match_the_interpreter_and_pick_their_entry(artifact, make_model):

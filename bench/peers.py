@@ -1,0 +1,142 @@
+"""kiln beside llama.cpp on the CPU, in one run: prefill, batch-1 decode and batch-8 decode per mode.
+
+    python bench/peers.py [--preset llama-3.2-1b] [--modes bf16,q8,q4] [--threads 2] [--repeats 3]
+                          [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
+
+The preset's random checkpoint (kiln/tiny.py PRESETS) is compiled by kiln per mode (bf16; q8 and q4
+weights over float32 activations) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_model.py).
+- prefill: one step of --prompt-len new tokens for one sequence (CompiledModel.forward, median of
+  --repeats) against `llama-bench -p N -n 0`'s pp. kiln is measured twice: as compiled (steps with
+  chunks run codegen/gemm.py's GEMM) and with the target's `chunk_gemm` off (every step on the GEMV
+  schedule), so the GEMM's gain is measured in the same run;
+- decode, batch 1: `llama-bench -n 64`'s tg against kiln's engine decoding 64 tokens;
+- decode, batch 8: `llama-batched-bench -npp 16 -ntg 64 -npl 8`'s S_TG against 8 sequences in kiln's
+  engine.
+llama.cpp must be built as ../shared/PEERS.md says. Same thread count everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from big_model import MODES, gguf_files  # noqa: E402
+from decode_cpu import decode_rate  # noqa: E402
+
+
+def llama_cpp_rates(llama_cpp: Path, gguf: Path, prompt: int, new_tokens: int, threads: int, repeats: int) -> dict:
+    bins = llama_cpp / "build" / "bin"
+    proc = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", str(prompt), "-n", str(new_tokens),
+                           "-t", str(threads), "-r", str(repeats), "-o", "json"], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"llama-bench failed:\n{proc.stderr[-3000:]}")
+    runs = json.loads(proc.stdout)
+    rates = {"pp": next(r["avg_ts"] for r in runs if r["n_prompt"]), "tg": next(r["avg_ts"] for r in runs if r["n_gen"])}
+    eight = []
+    for _ in range(repeats):
+        proc = subprocess.run([str(bins / "llama-batched-bench"), "-m", str(gguf), "-c", "2048", "-npp", "16",
+                               "-ntg", str(new_tokens), "-npl", "8", "-t", str(threads)], capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"llama-batched-bench failed:\n{proc.stderr[-3000:]}")
+        row = next(line for line in proc.stdout.splitlines() if re.match(r"\|\s+16\s+\|", line))
+        eight.append(float(row.strip("|").split("|")[7]))          # S_TG t/s
+    rates["b8"] = statistics.median(eight)
+    return rates
+
+
+def kiln_prefill_rate(artifact: Path, prompt: int, repeats: int) -> float:
+    import numpy as np
+    from kiln.runtime.model import CompiledModel
+    from kiln.runtime.step import SeqChunk, step_inputs
+    model = CompiledModel(artifact)
+    pages = -(-prompt // model.page_size)
+    model.allocate_kv((pages + 1) * model.bytes_per_page)
+    ids = np.random.default_rng(0).integers(3, 500, prompt).tolist()
+    inputs = step_inputs([SeqChunk(ids, 0, list(range(pages)), list(range(prompt)))], model.page_size)
+    model.forward(inputs)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.forward(inputs)
+        times.append(time.perf_counter() - t0)
+    return prompt / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--modes", default="bf16,q8,q4")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-cpp", default=None, help="default: build/peers/llama_cpp_python-*/vendor/llama.cpp")
+    ap.add_argument("--workdir", default="build/bench")
+    args = ap.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    found = sorted(glob.glob("build/peers/llama_cpp_python-*/vendor/llama.cpp"))
+    llama_cpp = Path(args.llama_cpp or (found[-1] if found else ""))
+    if not (llama_cpp / "build" / "bin" / "llama-bench").exists():
+        raise SystemExit(f"llama.cpp is not built at {llama_cpp} (recipe: ../shared/PEERS.md)")
+
+    import numpy as np
+    from kiln.compiler import compile_model
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.targets import target_defaults
+    from kiln.tiny import preset_model
+
+    work = Path(args.workdir) / args.preset
+    model_dir = preset_model(args.preset, work / "model")
+    modes = args.modes.split(",")
+    ggufs = gguf_files(model_dir, work, llama_cpp, modes)
+    prompts = [np.random.default_rng(i).integers(3, 500, 16).tolist() for i in range(8)]
+    cpu, rows = target_defaults("cpu"), []
+    for mode in modes:
+        dtype, quant = MODES[mode]
+        kiln = {}
+        for label, target in (("gemv", dataclasses.replace(cpu, chunk_gemm=False)), ("gemm", cpu)):
+            artifact = work / f"artifact-{mode}-{label}"
+            t0 = time.perf_counter()
+            compile_model(model_dir, artifact, target=target, dtype=dtype, quant=quant, show=None, force=True)
+            kiln[f"compile_{label}"] = time.perf_counter() - t0
+            kiln[f"pp_{label}"] = kiln_prefill_rate(artifact, args.prompt_len, args.repeats)
+        llm = LLM(work / f"artifact-{mode}-gemm", kv_memory="512MiB", max_num_seqs=8)
+
+        def generate(batch, new_tokens, llm=llm):
+            reqs = llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                                ignore_eos=True), use_tqdm=False)
+            return max(r.metrics.first_token_time for r in reqs), max(r.metrics.finish_time for r in reqs)
+        generate(1, 4)
+        kiln["tg"] = decode_rate(generate, 1, args.new_tokens, args.repeats)
+        kiln["b8"] = decode_rate(generate, 8, args.new_tokens, args.repeats)
+        del llm
+        peer = llama_cpp_rates(llama_cpp, ggufs[mode]["gguf"], args.prompt_len, args.new_tokens, args.threads,
+                               args.repeats)
+        rows.append([mode, f"{peer['pp']:.1f}", f"{kiln['pp_gemv']:.1f}", f"{kiln['pp_gemm']:.1f}",
+                     f"{kiln['pp_gemm'] / kiln['pp_gemv']:.2f}x", f"{kiln['pp_gemm'] / peer['pp']:.2f}x",
+                     f"{peer['tg']:.1f}", f"{kiln['tg']:.1f}", f"{kiln['tg'] / peer['tg']:.2f}x",
+                     f"{peer['b8']:.1f}", f"{kiln['b8']:.1f}", f"{kiln['b8'] / peer['b8']:.2f}x",
+                     f"{kiln['compile_gemm']:.0f}"])
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+
+    print(f"\n{args.preset}, {args.threads} threads, tok/s, medians of {args.repeats}: prefill {args.prompt_len} "
+          f"tokens, decode {args.new_tokens} tokens at batch 1 and 8")
+    print("| mode | llama.cpp pp | kiln pp (GEMV) | kiln pp (GEMM) | GEMM / GEMV | kiln / llama.cpp | llama.cpp tg "
+          "| kiln tg | kiln / llama.cpp | llama.cpp b8 | kiln b8 | kiln / llama.cpp | kiln compile (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""kiln's register-blocked CPU GEMM over packed weights, for steps that bring many rows (prefill chunks).
+
+The packed GEMV schedule (codegen/linear.py) decodes every weight element to float32 once per row,
+so a chunk pays a conversion per multiply-add. Here a task owns one weight panel (nb output
+columns) and a tile of up to ROWS rows, and walks the reduction in blocks of K_BLOCK:
+  1. decode the panel's block [K_BLOCK, nb] to float32 once (bf16 widened, q8/fp8 cast, q4 nibbles
+     times their group scale), and the tile's rows of x [ROWS, K_BLOCK] likewise;
+  2. a micro-kernel multiplies MICRO_ROWS rows by `2 × vector lanes` columns per step: its
+     accumulators stay in registers across the block (12 of AVX2's 16 ymm registers), each
+     decoded weight vector serves MICRO_ROWS rows and each broadcast x value two vectors.
+Rows past the last are computed on zeros and never written, so the micro-kernel has no per-row
+test. The epilogue (q8/fp8 scale, bias, rounding, residual) is codegen/linear.py's.
+"""
+from __future__ import annotations
+
+import functools
+
+import tvm
+from tvm.script import tirx as T
+
+from .linear import WeightFormat, epilogue
+
+ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6     # measured on a 2-vCPU Zen 3 VM: docs/BENCHMARKS.md
+
+
+def vector_lanes(target) -> int:
+    """float32 lanes of the target's vector registers: 16 with AVX-512, 8 with AVX2, else 4 (SSE, NEON).
+    (llvm_get_vector_width says 512 for an AVX2-only znver3, so ask for the features.)"""
+    has = tvm.target.codegen.llvm_cpu_has_features
+    if "x86" not in str(target.attrs.get("mtriple", "")):
+        return 4
+    return 16 if has(["avx512f"], target) else 8 if has(["avx2"], target) else 4
+
+
+@functools.cache
+def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, weight_dtype: str,
+                       has_bias: bool, has_residual: bool, lanes: int):
+    """(x [m, n_in], w [n_out/nb, n_in', nb], [scale,] [bias,] [residual,] y [m, n_out])."""
+    width = min(2 * lanes, nb)
+    k_block = next(b for b in (K_BLOCK, 64, 32, 16, 8, 4, 2, 1) if n_in % b == 0)
+    panels, slices = n_out // nb, nb // width
+    stored_in = n_in // 2 if fmt.kind == "q4" else n_in
+    scale_shape = {"q8": (n_out,), "fp8": (n_out,), "q4": (n_in // max(fmt.group_size, 1), n_out)}.get(fmt.kind)
+    scaled_format = scale_shape is not None
+    scale_shape = scale_shape or (1,)           # every signature below is parsed; a float weight uses none
+    scale_dtype = "float16" if fmt.kind == "q4" else "float32"
+
+    def weight(w, scale, jo, k, c):                 # evaluated while parsing: the decoded W[j, k]
+        if scale is None and scaled_format:       # a signature this format never uses
+            return T.float32(0)
+        return fmt.value(lambda j, kk: w[jo, kk, c], scale, jo * nb + c, k)
+
+    def output(acc, scale, bias, residual, row0, col0, r, c):   # evaluated while parsing: y[row0 + r, col0 + c]
+        class Tile:                               # the epilogue indexes the whole output
+            def __getitem__(self, ij):
+                return acc[ij[0] - row0, ij[1] - col0]
+        return epilogue(Tile(), fmt.epilogue_scale(scale), bias, residual, dtype)(row0 + r, col0 + c)
+
+    @T.macro
+    def gemm(x, w, scale, bias, residual, y, m):
+        for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
+            with T.sblock("tile"):
+                jo = T.axis.spatial(panels, task % panels)
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
+                T.reads(x[io * ROWS:io * ROWS + ROWS, 0:n_in], w[jo, 0:stored_in, 0:nb])
+                T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
+                acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
+                wf = T.sblock_alloc_buffer((k_block, nb), "float32")
+                xf = T.sblock_alloc_buffer((ROWS, k_block), "float32")
+                rows = T.min(ROWS, m - io * ROWS)
+                tiles = (rows + MICRO_ROWS - 1) // MICRO_ROWS
+                for r, c in T.grid(ROWS, nb):
+                    acc[r, c] = T.float32(0)
+                for kbo in range(n_in // k_block):
+                    for kk in range(k_block):
+                        for c in T.vectorized(nb):
+                            wf[kk, c] = weight(w, scale, jo, kbo * k_block + kk, c)
+                    for r in range(tiles * MICRO_ROWS):
+                        for kk in T.vectorized(k_block):
+                            xf[r, kk] = T.if_then_else(
+                                r < rows, T.Cast("float32", x[T.min(io * ROWS + r, m - 1), kbo * k_block + kk]),
+                                T.float32(0))
+                    for t in range(tiles):
+                        for s in range(slices):
+                            for kk in range(k_block):
+                                for r in T.unroll(MICRO_ROWS):
+                                    for c in T.vectorized(width):
+                                        acc[t * MICRO_ROWS + r, s * width + c] = (
+                                            acc[t * MICRO_ROWS + r, s * width + c]
+                                            + xf[t * MICRO_ROWS + r, kk] * wf[kk, s * width + c])
+                for r in range(rows):
+                    for c in T.vectorized(nb):
+                        y[io * ROWS + r, jo * nb + c] = output(acc, scale, bias, residual, io * ROWS, jo * nb, r, c)
+
+    # one signature per combination of optional inputs, as the packed GEMV kernel takes them
+    @T.prim_func(private=True, s_tir=True)
+    def plain(var_x: T.handle, var_w: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, None, None, None, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def scaled(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, scale, None, None, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def with_bias(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        bias = T.match_buffer(var_b, (n_out,), dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, None, bias, None, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def with_residual(var_x: T.handle, var_w: T.handle, var_r: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        residual = T.match_buffer(var_r, (m, n_out), dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, None, None, residual, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def scaled_with_bias(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        bias = T.match_buffer(var_b, (n_out,), dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, scale, bias, None, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def scaled_with_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        residual = T.match_buffer(var_r, (m, n_out), dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, scale, None, residual, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_r: T.handle,
+                               var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        bias = T.match_buffer(var_b, (n_out,), dtype)
+        residual = T.match_buffer(var_r, (m, n_out), dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, None, bias, residual, y, m)
+
+    @T.prim_func(private=True, s_tir=True)
+    def scaled_with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle,
+                                      var_r: T.handle, var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, n_in), dtype)
+        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        bias = T.match_buffer(var_b, (n_out,), dtype)
+        residual = T.match_buffer(var_r, (m, n_out), dtype)
+        y = T.match_buffer(var_y, (m, n_out), dtype)
+        gemm(x, w, scale, bias, residual, y, m)
+
+    return {(False, False, False): plain, (True, False, False): scaled, (False, True, False): with_bias,
+            (False, False, True): with_residual, (True, True, False): scaled_with_bias,
+            (True, False, True): scaled_with_residual, (False, True, True): with_bias_and_residual,
+            (True, True, True): scaled_with_bias_and_residual}[(scaled_format, has_bias, has_residual)]
