@@ -4,14 +4,17 @@
                           [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
 
 The preset's random checkpoint (kiln/tiny.py PRESETS) is compiled by kiln per mode (bf16; q8 and q4
-weights over float32 activations) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_model.py).
+weights in a float32 model) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_model.py).
 - prefill: one step of --prompt-len new tokens for one sequence (CompiledModel.forward, median of
   --repeats) against `llama-bench -p N -n 0`'s pp. kiln is measured twice: as compiled (steps with
-  chunks run codegen/gemm.py's GEMM) and with the target's `chunk_gemm` off (every step on the GEMV
-  schedule), so the GEMM's gain is measured in the same run;
+  chunks run codegen/gemm.py's GEMM; q8/q4 linears take int8 activations, codegen/int8_gemm.py) and
+  as before those kernels (the target's `chunk_gemm` off, float activations: every step on the GEMV
+  schedule), so their gain is measured in the same run;
 - decode, batch 1: `llama-bench -n 64`'s tg against kiln's engine decoding 64 tokens;
 - decode, batch 8: `llama-batched-bench -npp 16 -ntg 64 -npl 8`'s S_TG against 8 sequences in kiln's
-  engine.
+  engine;
+- the batch-1 decode roofline: the machine's streaming-read rate (bench/bandwidth.py, same threads)
+  over the bytes of weights a decode step reads (every weight but an untied embedding table).
 llama.cpp must be built as ../shared/PEERS.md says. Same thread count everywhere.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bandwidth import read_bandwidth  # noqa: E402
 from big_model import MODES, gguf_files  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 
@@ -51,6 +56,16 @@ def llama_cpp_rates(llama_cpp: Path, gguf: Path, prompt: int, new_tokens: int, t
         eight.append(float(row.strip("|").split("|")[7]))          # S_TG t/s
     rates["b8"] = statistics.median(eight)
     return rates
+
+
+def decode_bytes(artifact: Path) -> int:
+    """Bytes of weights one decode step reads: all but an embedding table the LM head does not share."""
+    from kiln.artifact import read_manifest
+    m = read_manifest(artifact, verify=False)
+    item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
+    untied_table = not m["quantization"]["embedding_shared_with_lm_head"]
+    return sum(item[w["dtype"]] * math.prod(w["shape"]) for w in m["weights"]
+               if not (untied_table and "embed_tokens" in w["param"]))
 
 
 def kiln_prefill_rate(artifact: Path, prompt: int, repeats: int) -> float:
@@ -101,13 +116,17 @@ def main() -> None:
     ggufs = gguf_files(model_dir, work, llama_cpp, modes)
     prompts = [np.random.default_rng(i).integers(3, 500, 16).tolist() for i in range(8)]
     cpu, rows = target_defaults("cpu"), []
+    bandwidth = read_bandwidth(args.threads)
+    print(f"streaming read: {bandwidth:.1f} GB/s at {args.threads} threads", file=sys.stderr, flush=True)
     for mode in modes:
         dtype, quant = MODES[mode]
         kiln = {}
-        for label, target in (("gemv", dataclasses.replace(cpu, chunk_gemm=False)), ("gemm", cpu)):
+        for label, target, int8_activations in (("gemv", dataclasses.replace(cpu, chunk_gemm=False), False),
+                                                ("gemm", cpu, None)):
             artifact = work / f"artifact-{mode}-{label}"
             t0 = time.perf_counter()
-            compile_model(model_dir, artifact, target=target, dtype=dtype, quant=quant, show=None, force=True)
+            compile_model(model_dir, artifact, target=target, dtype=dtype, quant=quant, show=None, force=True,
+                          int8_activations=int8_activations if quant else None)
             kiln[f"compile_{label}"] = time.perf_counter() - t0
             kiln[f"pp_{label}"] = kiln_prefill_rate(artifact, args.prompt_len, args.repeats)
         llm = LLM(work / f"artifact-{mode}-gemm", kv_memory="512MiB", max_num_seqs=8)
@@ -118,6 +137,7 @@ def main() -> None:
             return max(r.metrics.first_token_time for r in reqs), max(r.metrics.finish_time for r in reqs)
         generate(1, 4)
         kiln["tg"] = decode_rate(generate, 1, args.new_tokens, args.repeats)
+        kiln["roofline"] = bandwidth * 1e9 / decode_bytes(work / f"artifact-{mode}-gemm")
         kiln["b8"] = decode_rate(generate, 8, args.new_tokens, args.repeats)
         del llm
         peer = llama_cpp_rates(llama_cpp, ggufs[mode]["gguf"], args.prompt_len, args.new_tokens, args.threads,
@@ -125,15 +145,18 @@ def main() -> None:
         rows.append([mode, f"{peer['pp']:.1f}", f"{kiln['pp_gemv']:.1f}", f"{kiln['pp_gemm']:.1f}",
                      f"{kiln['pp_gemm'] / kiln['pp_gemv']:.2f}x", f"{kiln['pp_gemm'] / peer['pp']:.2f}x",
                      f"{peer['tg']:.1f}", f"{kiln['tg']:.1f}", f"{kiln['tg'] / peer['tg']:.2f}x",
+                     f"{kiln['roofline']:.1f}", f"{kiln['tg'] / kiln['roofline']:.0%}",
                      f"{peer['b8']:.1f}", f"{kiln['b8']:.1f}", f"{kiln['b8'] / peer['b8']:.2f}x",
                      f"{kiln['compile_gemm']:.0f}"])
         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
 
     print(f"\n{args.preset}, {args.threads} threads, tok/s, medians of {args.repeats}: prefill {args.prompt_len} "
-          f"tokens, decode {args.new_tokens} tokens at batch 1 and 8")
-    print("| mode | llama.cpp pp | kiln pp (GEMV) | kiln pp (GEMM) | GEMM / GEMV | kiln / llama.cpp | llama.cpp tg "
-          "| kiln tg | kiln / llama.cpp | llama.cpp b8 | kiln b8 | kiln / llama.cpp | kiln compile (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"tokens, decode {args.new_tokens} tokens at batch 1 and 8; roofline: {bandwidth:.1f} GB/s streaming "
+          "read over the bytes a decode step reads")
+    print("| mode | llama.cpp pp | kiln pp (before: GEMV) | kiln pp | kiln / before | kiln / llama.cpp | llama.cpp tg "
+          "| kiln tg | kiln / llama.cpp | tg roofline | kiln / roofline | llama.cpp b8 | kiln b8 | kiln / llama.cpp "
+          "| kiln compile (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 

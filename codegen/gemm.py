@@ -42,19 +42,12 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     stored_in = n_in // 2 if fmt.kind == "q4" else n_in
     scale_shape = {"q8": (n_out,), "fp8": (n_out,), "q4": (n_in // max(fmt.group_size, 1), n_out)}.get(fmt.kind)
     scaled_format = scale_shape is not None
-    scale_shape = scale_shape or (1,)           # every signature below is parsed; a float weight uses none
     scale_dtype = "float16" if fmt.kind == "q4" else "float32"
 
     def weight(w, scale, jo, k, c):                 # evaluated while parsing: the decoded W[j, k]
         if scale is None and scaled_format:       # a signature this format never uses
             return T.float32(0)
         return fmt.value(lambda j, kk: w[jo, kk, c], scale, jo * nb + c, k)
-
-    def output(acc, scale, bias, residual, row0, col0, r, c):   # evaluated while parsing: y[row0 + r, col0 + c]
-        class Tile:                               # the epilogue indexes the whole output
-            def __getitem__(self, ij):
-                return acc[ij[0] - row0, ij[1] - col0]
-        return epilogue(Tile(), fmt.epilogue_scale(scale), bias, residual, dtype)(row0 + r, col0 + c)
 
     @T.macro
     def gemm(x, w, scale, bias, residual, y, m):
@@ -90,69 +83,88 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                                             + xf[t * MICRO_ROWS + r, kk] * wf[kk, s * width + c])
                 for r in range(rows):
                     for c in T.vectorized(nb):
-                        y[io * ROWS + r, jo * nb + c] = output(acc, scale, bias, residual, io * ROWS, jo * nb, r, c)
+                        y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
+                                                                    io * ROWS, jo * nb, r, c)
 
-    # one signature per combination of optional inputs, as the packed GEMV kernel takes them
+    return signature(gemm, n_in, n_out, (panels, stored_in, nb), dtype, weight_dtype,
+                     scale_shape, scale_dtype, has_bias, has_residual)
+
+
+def tile_output(acc, fmt: WeightFormat, dtype: str, scale, bias, residual, row0, col0, r, c):
+    """y[row0 + r, col0 + c] from a tile's float32 accumulators acc [rows, nb] (evaluated while
+    parsing): the linear's epilogue, which indexes the whole output."""
+    class Tile:
+        def __getitem__(self, ij):
+            return acc[ij[0] - row0, ij[1] - col0]
+    return epilogue(Tile(), fmt.epilogue_scale(scale), bias, residual, dtype)(row0 + r, col0 + c)
+
+
+def signature(body, n_in: int, n_out: int, w_shape: tuple, dtype: str, weight_dtype: str, scale_shape: tuple | None,
+              scale_dtype: str, has_bias: bool, has_residual: bool):
+    """The PrimFunc around `body(x, w, scale, bias, residual, y, m)` (a T.macro; absent inputs None)
+    that takes the optional inputs the linear has, in the packed GEMV kernel's argument order."""
+    parsed_scale_shape = scale_shape or (1,)        # every signature below is parsed; only scaled ones read it
+
     @T.prim_func(private=True, s_tir=True)
     def plain(var_x: T.handle, var_w: T.handle, var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, None, None, None, y, m)
+        body(x, w, None, None, None, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def scaled(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
-        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
+        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, scale, None, None, y, m)
+        body(x, w, scale, None, None, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def with_bias(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
         bias = T.match_buffer(var_b, (n_out,), dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, None, bias, None, y, m)
+        body(x, w, None, bias, None, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def with_residual(var_x: T.handle, var_w: T.handle, var_r: T.handle, var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
         residual = T.match_buffer(var_r, (m, n_out), dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, None, None, residual, y, m)
+        body(x, w, None, None, residual, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def scaled_with_bias(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle, var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
-        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
+        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
         bias = T.match_buffer(var_b, (n_out,), dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, scale, bias, None, y, m)
+        body(x, w, scale, bias, None, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def scaled_with_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
-        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
+        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
         residual = T.match_buffer(var_r, (m, n_out), dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, scale, None, residual, y, m)
+        body(x, w, scale, None, residual, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_r: T.handle,
@@ -160,11 +172,11 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
         bias = T.match_buffer(var_b, (n_out,), dtype)
         residual = T.match_buffer(var_r, (m, n_out), dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, None, bias, residual, y, m)
+        body(x, w, None, bias, residual, y, m)
 
     @T.prim_func(private=True, s_tir=True)
     def scaled_with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle,
@@ -172,14 +184,14 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         T.func_attr({"tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, (panels, stored_in, nb), weight_dtype)
-        scale = T.match_buffer(var_s, scale_shape, scale_dtype)
+        w = T.match_buffer(var_w, w_shape, weight_dtype)
+        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
         bias = T.match_buffer(var_b, (n_out,), dtype)
         residual = T.match_buffer(var_r, (m, n_out), dtype)
         y = T.match_buffer(var_y, (m, n_out), dtype)
-        gemm(x, w, scale, bias, residual, y, m)
+        body(x, w, scale, bias, residual, y, m)
 
     return {(False, False, False): plain, (True, False, False): scaled, (False, True, False): with_bias,
             (False, False, True): with_residual, (True, True, False): scaled_with_bias,
             (True, False, True): scaled_with_residual, (False, True, True): with_bias_and_residual,
-            (True, True, True): scaled_with_bias_and_residual}[(scaled_format, has_bias, has_residual)]
+            (True, True, True): scaled_with_bias_and_residual}[(scale_shape is not None, has_bias, has_residual)]

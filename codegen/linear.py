@@ -23,24 +23,33 @@ class WeightFormat:
     """How to read W[j, k] as float32 from the stored weight (and its scales)."""
     kind: str = "float"          # "float" | "q8", "fp8" (per-output scale) | "q4" (nibbles, group scales)
     group_size: int = 0
+    act_block: int = 0           # > 0: x quantised to int8 in blocks of this many inputs (ir/ops.py)
 
     @classmethod
     def of(cls, node, base: str) -> WeightFormat:
         """The format an op reads: `base` reads float weights, `base`_q8/_q4/_fp8 quantised ones."""
-        return cls(node.op.removeprefix(f"{base}_") if node.op != base else "float", node.attrs.get("group_size", 0))
+        return cls(node.op.removeprefix(f"{base}_") if node.op != base else "float", node.attrs.get("group_size", 0),
+                   node.attrs.get("act_block", 0))
 
     @property
     def suffix(self) -> str:
-        """A kernel-name suffix: "" for float, "_q8", "_q4g32", ..."""
-        return "" if self.kind == "float" else f"_{self.kind}" + (f"g{self.group_size}" if self.group_size else "")
+        """A kernel-name suffix: "" for float, "_q8", "_q4g32", "_q4g32a32" (int8 x in blocks of 32), ..."""
+        return "" if self.kind == "float" else (f"_{self.kind}" + (f"g{self.group_size}" if self.group_size else "")
+                                                + (f"a{self.act_block}" if self.act_block else ""))
 
     def value(self, load, scale, j, k):
         """`load(j, kk)` reads the stored element for output j at stored input index kk."""
         if self.kind == "q4":
+            return self.level(load, j, k).astype("float32") * scale[k // self.group_size, j].astype("float32")
+        return load(j, k).astype("float32")
+
+    def level(self, load, j, k):
+        """The integer level of W[j, k] (int32) for q8 and q4: the byte, or the nibble - 8."""
+        if self.kind == "q4":
             byte = load(j, k // 2)
             nibble = (byte >> (k % 2 * 4).astype("uint8")) & tirx.const(15, "uint8")
-            return (nibble.astype("float32") - 8.0) * scale[k // self.group_size, j].astype("float32")
-        return load(j, k).astype("float32")
+            return nibble.astype("int32") - 8
+        return load(j, k).astype("int32")
 
     def epilogue_scale(self, scale):
         return scale if self.kind in ("q8", "fp8") else None
@@ -59,11 +68,39 @@ def epilogue(acc, scale, bias, residual, dtype):
 
 def _nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat):
     """y[m, n] = sum_k x[m, k] * W[n, k], accumulated in float32, then the epilogue."""
-    k = te.reduce_axis((0, x.shape[1]), "k")
-    acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
-        x[m, k].astype("float32") * fmt.value(lambda j, kk: w[j, kk], scale, n, k), axis=k), name="matmul")
+    if fmt.act_block:
+        acc = _int8_activation_matmul(x, w, scale, fmt)
+    else:
+        k = te.reduce_axis((0, x.shape[1]), "k")
+        acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
+            x[m, k].astype("float32") * fmt.value(lambda j, kk: w[j, kk], scale, n, k), axis=k), name="matmul")
     return te.compute(acc.shape, epilogue(acc, fmt.epilogue_scale(scale), bias, residual, out_dtype),
                       name="linear")
+
+
+def _int8_activation_matmul(x, w, scale, fmt: WeightFormat):
+    """The int8-activation scheme (ir/ops.py linear_q8/q4 with act_block) as TE stages, for weights
+    the packed kernels do not take: x's block peaks, its int8 levels, per-block integer dots, and
+    their sum over blocks, each times x's block scale (and the q4 group's)."""
+    rows, width, block = x.shape[0], x.shape[1], fmt.act_block
+    blocks = width // block
+    k = te.reduce_axis((0, block), "k")
+    amax = te.compute((rows, blocks), lambda i, b: te.max(te.abs(x[i, b * block + k].astype("float32")), axis=k),
+                      name="amax")
+    inverse = te.compute((rows, blocks), lambda i, b: tirx.if_then_else(
+        amax[i, b] > 0, tirx.const(127, "float32") / amax[i, b], tirx.const(0, "float32")), name="inverse")
+    levels = te.compute((rows, width), lambda i, c: tirx.nearbyint(
+        x[i, c].astype("float32") * inverse[i, c // block]).astype("int32"), name="x_levels")
+    kk = te.reduce_axis((0, block), "kk")
+    dots = te.compute((rows, w.shape[0], blocks), lambda i, n, b: te.sum(
+        levels[i, b * block + kk] * fmt.level(lambda j, c: w[j, c], n, b * block + kk), axis=kk), name="dots")
+
+    def block_scale(i, n, b):
+        x_scale = amax[i, b] / tirx.const(127, "float32")
+        return x_scale if fmt.kind != "q4" else x_scale * scale[b * block // fmt.group_size, n].astype("float32")
+    b = te.reduce_axis((0, blocks), "b")
+    return te.compute((rows, w.shape[0]), lambda i, n: te.sum(
+        dots[i, n, b].astype("float32") * block_scale(i, n, b), axis=b), name="matmul")
 
 
 def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str, has_bias: bool,
@@ -125,7 +162,14 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     present = [k for k, v in optional.items() if v is not None]
     args = [rows(x, n_in), w] + [optional[k] for k in present]
     nb = packed_block(layout)
-    if nb is not None and ctx.target.chunk_gemm and ctx.step != "decode":
+    if nb is not None and fmt.act_block:
+        # int8 activations: integer pair dots in every step (codegen/int8_gemm.py)
+        from .int8_gemm import int8_gemm_kernel
+        kern = int8_gemm_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None)
+        suffix = "".join(f"_{k}" for k in present if k != "scale")
+        gv = ctx.add_kernel(kern, f"int8_gemm{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=True)
+        y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+    elif nb is not None and ctx.target.chunk_gemm and ctx.step != "decode":
         # steps that bring chunks: the register-blocked GEMM (decode steps keep the GEMV schedule)
         from .gemm import packed_gemm_kernel, vector_lanes
         kern = packed_gemm_kernel(n_out, n_in, nb, dtype, fmt, w.ty.dtype, bias is not None, residual is not None,

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from .quant import kv_scheme_for
+from .quant import int8_activation_matmul, kv_scheme_for
 from .types import FLOAT_DTYPES, IRError, TensorType, numpy_dtype
 
 REQUIRED = object()
@@ -303,7 +303,9 @@ def _linear():
 
 def _per_channel_linear(weight_dtype: str):
     """Type rule and reference of a linear whose weight is stored in `weight_dtype` with one float32
-    scale per output channel: x @ (weight * scale[:, None]).T (+ bias) (+ residual)."""
+    scale per output channel: x @ (weight * scale[:, None]).T (+ bias) (+ residual). An op that
+    declares an `act_block` attr (linear_q8) and sets it > 0 quantises x as ir/quant.py quantize_activations
+    says and sums integer dots per block (int8_activation_matmul), then scales by the weight's."""
     short = str(TensorType((), weight_dtype))[:-2]
 
     def rule(types, attrs, fail):
@@ -313,18 +315,33 @@ def _per_channel_linear(weight_dtype: str):
             fail(f"weight must be {short}[out, {x.shape[-1]}], got {w}")
         if s.dtype != "float32" or s.shape != (w.shape[0],):
             fail(f"scale must be f32[{w.shape[0]}], got {s}")
+        _check_act_block(x.shape[-1], attrs, fail)
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
+        if at.get("act_block"):
+            rows = _f32(x[0]).reshape(-1, x[0].shape[-1])
+            y = int8_activation_matmul(rows, np.asarray(x[1]), None, at["act_block"]) * _f32(x[2])[None, :]
+            return _linear_ref(y.reshape(*x[0].shape[:-1], -1), x[3:], ty)
         w = np.asarray(x[1]).astype(np.float32) * _f32(x[2])[:, None]        # dequantised, float32
         return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
     return rule, ref
 
 
-@op("linear_q8", ["x", "weight", "scale", "bias?", "residual?"])
+def _check_act_block(k, attrs, fail, group_size: int = 0) -> None:
+    block = attrs.get("act_block", 0)
+    if block and (k % block or block % 2 or (group_size and group_size % block)):
+        fail(f"act_block {block} must be even and divide the input width {k}"
+             + (f" and the group_size {group_size}" if group_size else ""))
+
+
+@op("linear_q8", ["x", "weight", "scale", "bias?", "residual?"], {"act_block": 0})
 def _linear_q8():
     """linear with an int8 weight [out, in] and float32 per-output-channel scales:
-    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel."""
+    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel.
+    act_block > 0: x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
+    quantize_activations) and each block's integer dot scaled by the block's x scale, then the sum
+    by the weight's scale (llama.cpp's Q8_0 × Q8_0 with per-channel weight scales)."""
     return _per_channel_linear("int8")
 
 
@@ -335,11 +352,14 @@ def _linear_fp8():
     return _per_channel_linear("float8_e4m3fn")
 
 
-@op("linear_q4", ["x", "weight", "scale", "bias?", "residual?"], {"group_size": REQUIRED})
+@op("linear_q4", ["x", "weight", "scale", "bias?", "residual?"], {"group_size": REQUIRED, "act_block": 0})
 def _linear_q4():
     """linear with int4 weights in groups along the input axis: weight u8[out, in/2] holds two
     nibbles (q + 8, even input index low), scale f16[in/group_size, out];
-    x @ W.T with W[n, k] = (nibble - 8) * scale[k // group_size, n] (+ bias) (+ residual)."""
+    x @ W.T with W[n, k] = (nibble - 8) * scale[k // group_size, n] (+ bias) (+ residual).
+    act_block > 0 (dividing group_size): x is quantised to int8 in blocks of act_block inputs per
+    row (ir/quant.py quantize_activations); each block's integer dot with the levels (nibble - 8)
+    is scaled by x's block scale times the group's scale, and the blocks summed in order."""
     def rule(types, attrs, fail):
         x, w, s, b, r = types
         _need_float(x, "x", fail)
@@ -351,12 +371,18 @@ def _linear_q4():
             fail(f"weight must be u8[out, {k // 2}], got {w}")
         if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
             fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
+        _check_act_block(k, attrs, fail, g)
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
         packed = np.asarray(x[1])
-        nibbles = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
-        w = (nibbles - 8) * np.repeat(_f32(x[2]).T, at["group_size"], axis=1)
+        levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
+        scale, g, block = _f32(x[2]), at["group_size"], at.get("act_block", 0)
+        if block:
+            rows = _f32(x[0]).reshape(-1, x[0].shape[-1])
+            y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block)
+            return _linear_ref(y.reshape(*x[0].shape[:-1], -1), x[3:], ty)
+        w = levels * np.repeat(scale.T, g, axis=1)
         return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
     return rule, ref
 

@@ -109,6 +109,32 @@ SCHEMES = {
 }
 
 
+
+def quantize_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 activations, as the q8/q4 linears with `act_block` read them: each row of x [rows, k]
+    in blocks of `block` inputs, q = rint(x * (127 / amax)) with amax the block's largest |x| and
+    scale = amax / 127, all in float32 (q = 0, scale = 0 for an all-zero block).
+    Returns (q [rows, k / block, block] float32 integers in [-127, 127], scale [rows, k / block])."""
+    blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(blocks).max(axis=-1)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    return np.rint(blocks * inverse[..., None]), amax / np.float32(127)
+
+
+def int8_activation_matmul(x: np.ndarray, w_int: np.ndarray, block_scale, block: int) -> np.ndarray:
+    """sum over blocks b, in order, of float32(xq_b · w_int_b) * (x_scale_b * block_scale(b)):
+    x [rows, k] quantised by quantize_activations, w_int [out, k] integer weight levels,
+    block_scale(b) None (one per block: none) or a float32 [out] factor for block b.
+    The per-block integer dots are exact (|sum| < 2^24), so only the float sum is ordered."""
+    q, x_scale = quantize_activations(x, block)
+    w_blocks = np.asarray(w_int, np.float64).reshape(w_int.shape[0], -1, block)
+    acc = np.zeros((x.shape[0], w_int.shape[0]), np.float32)
+    for b in range(q.shape[1]):
+        dots = (q[:, b].astype(np.float64) @ w_blocks[:, b].T).astype(np.float32)
+        factor = x_scale[:, b, None] if block_scale is None else x_scale[:, b, None] * block_scale(b)[None, :]
+        acc += dots * factor
+    return acc
+
 @dataclass(frozen=True)
 class KVScheme:
     """A KV-cache storage format: each row (one token, one KV head, k or v) is stored as

@@ -71,11 +71,15 @@ def main(debug):
               help="MLA models: prefill steps whose every sequence brings at least N new tokens attend over "
                    "K and V rebuilt from the latent cache (the expanded form); 0: the absorbed form in every "
                    "step. Default: the target's (cpu: where it measured faster).")
+@click.option("--activations", type=click.Choice(["int8", "float"]), default=None,
+              help="q8/q4: int8 quantises each linear's input rows in blocks of 32 and multiplies in integer "
+                   "dot products (as llama.cpp's Q8_0 does); float keeps float activations. Default: int8 "
+                   "where the target has the kernel (cpu with AVX2), else float.")
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln fill-weights` draws seeded random ones there).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
-            force, print_after_all, print_after, disable_pass, mla_expanded_from, weights):
+            force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, weights):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile
@@ -94,7 +98,8 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
                       disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head,
                       group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                       quant_embedding=quant_embedding, force=force, weights=weights,
-                      mla_expanded_from=mla_expanded_from)
+                      mla_expanded_from=mla_expanded_from,
+                      int8_activations=None if activations is None else activations == "int8")
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
          + ("" if weights else "; no weights (kiln fill-weights draws them)"))

@@ -99,14 +99,20 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = Fals
         return _compile_into(model_dir, partial, **options)
 
 
+def _activation_block(graph) -> int:
+    """The int8 activation block of the graph's q8/q4 linears (0: float activations)."""
+    return max((n.attrs.get("act_block", 0) for n in graph.nodes if n.op in ("linear_q8", "linear_q4")), default=0)
+
+
 def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arch: str | None = None,
                   dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
                   quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
                   kv_dtype: str | None = None, quant_embedding: bool = True, weights: bool = True,
-                  mla_expanded_from: int | None = None) -> dict:
+                  mla_expanded_from: int | None = None, int8_activations: bool | None = None) -> dict:
     """Compile `model_dir` into the empty directory `out_dir`; `dump(pass_name, graph)` sees the IR after each
-    pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False. Without
+    pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False; q8/q4
+    linears take int8 activations where the target has the kernel, unless `int8_activations` is False. Without
     `weights`, no weights file is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     tgt = get_target(target, arch) if isinstance(target, str) else target
@@ -124,7 +130,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                                                                     quant=quant, quant_lm_head=quant_lm_head,
                                                                     group_size=group_size, kv_dtype=kv_dtype,
                                                                     quant_embedding=quant_embedding,
-                                                                    mla_expanded_from=mla_expanded_from))
+                                                                    mla_expanded_from=mla_expanded_from,
+                                                                    int8_activations=int8_activations))
 
     from kiln.codegen import lower_graph
     lowered = phases.run("codegen", lower_graph, graph, tgt)
@@ -160,7 +167,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "dtype": dtype,
         "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": embedding,
                          "embedding_shared_with_lm_head": embedding_shared,
-                         "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {})},
+                         "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {}),
+                         "activation_block": _activation_block(graph)},
         "kv": {"page_size": tgt.page_size, "layers": [graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs))]},
         "vocab_size": c.vocab_size,
         "max_context": c.max_context,

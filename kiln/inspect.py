@@ -79,7 +79,9 @@ def summary(artifact_dir) -> str:
         f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads, head_dim {c['head_dim']}, vocab {c['vocab_size']}",
         f"target     {t['name']}" + (f" {t['arch']}" if t.get("arch") else "") + f" ({where})",
         f"quant      weights {m['quantization']['weights']}"
-        + (f" group {m['quantization']['group_size']}" if "group_size" in m["quantization"] else "") + " (LM head "
+        + (f" group {m['quantization']['group_size']}" if "group_size" in m["quantization"] else "")
+        + (f", activations int8 in blocks of {m['quantization']['activation_block']}"
+           if m["quantization"].get("activation_block") else "") + " (LM head "
         f"{'quantised' if m['quantization']['lm_head'] else 'kept'}, {_embedding(m['quantization'])}), KV cache "
         f"{m['quantization']['kv_cache']}",
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",

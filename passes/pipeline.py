@@ -27,11 +27,14 @@ class PassRecord:
 
 def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None,
-                 quant_embedding: bool = True, mla_expanded_from: int | None = None) -> list[tuple[str, Pass]]:
+                 quant_embedding: bool = True, mla_expanded_from: int | None = None,
+                 int8_activations: bool | None = None) -> list[tuple[str, Pass]]:
     """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
     the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too unless
     `quant_embedding` is off), KV -> attention kernel choice. MLA prefill steps run the expanded
-    form from `mla_expanded_from` new tokens per sequence (default: the target's; 0: never)."""
+    form from `mla_expanded_from` new tokens per sequence (default: the target's; 0: never). q8/q4
+    linears take int8 activations in the target's blocks unless `int8_activations` is False (None:
+    the target's choice; True where the target has no such kernel is refused)."""
     from kiln.targets import target_defaults
     from .fuse_append_attend import fuse_append_attend
     from .fuse_rope_attention import fuse_rope_attention
@@ -56,7 +59,12 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
     if "fuse_rope_attention" in target.fusions:
         passes.append(("fuse_rope_attention", fuse_rope_attention))
     if quant:
-        passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size)))
+        if int8_activations and not target.activation_block:
+            from kiln.errors import KilnError
+            raise KilnError(f"--activations int8 is not supported on target {target.name}: it has no integer "
+                            "dot-product linear kernel (the cpu target has one where the CPU has AVX2)")
+        act_block = target.activation_block if int8_activations is not False else 0
+        passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size, act_block=act_block)))
         if quant_embedding:
             passes.append(("quantize_embedding", QuantizeEmbedding(quant, group_size=group_size)))
     if kv_dtype:

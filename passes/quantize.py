@@ -10,6 +10,9 @@ f16 group scales):
   ->
     %y = moe_experts_q8(%x, %routing, @gate_up.q8, @gate_up.q8_scale, @down.q8, @down.q8_scale)
         each expert quantised on its own, as a linear weight would be
+With act_block > 0 (the target's choice), q8/q4 linears get {act_block}: their input rows are
+quantised to int8 in blocks of act_block inputs and multiplied in integer dot products (ir/ops.py
+gives the numerics); MoE experts keep float activations.
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
   logits) only when `lm_head` is set. MoE routers (linears feeding moe_router) stay in float, as
   llama.cpp keeps them: a rounding there changes which experts run. MLA's kv_b_proj in the expanded
@@ -52,6 +55,7 @@ class Quantize:
     mode: str = "q8"
     lm_head: bool = True
     group_size: int = 32          # q4 only: inputs per scale
+    act_block: int = 0            # q8/q4 linears: > 0 quantises x to int8 in blocks of this many inputs
 
     def __post_init__(self):
         if self.mode not in SCHEMES:
@@ -91,8 +95,16 @@ class Quantize:
             q, scale = add_quantized_params(graph, w, self.mode, self.group_size)
             node.op = f"linear_{self.mode}"
             node.inputs = [node.inputs[0], q, scale, *node.inputs[2:]]
-            node.attrs = {"group_size": self.group_size} if grouped else {}
+            node.attrs = {**({"group_size": self.group_size} if grouped else {}),
+                          **({"act_block": self.act_block if self._int8_activations(w.type.shape[1]) else 0}
+                             if self.mode in ("q8", "q4") else {})}
         return drop_unused_params(graph)
+
+    def _int8_activations(self, n_in: int) -> bool:
+        """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
+        and, for q4, its groups)."""
+        return (self.act_block > 0 and n_in % self.act_block == 0
+                and (self.mode != "q4" or self.group_size % self.act_block == 0))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
         gate_up, down = (graph.params[name] for name in node.inputs[2:4])

@@ -31,6 +31,9 @@ class Target:
     # packed linears in steps that bring chunks run codegen/gemm.py's GEMM, decode steps the GEMV
     # schedule: a "decode" entry is built for them
     chunk_gemm: bool = False
+    # > 0: q8/q4 linears quantise their input rows to int8 in blocks of this many inputs and
+    # multiply in integer dot products (codegen/int8_gemm.py); 0: float activations
+    activation_block: int = 0
 
     def tvm_target(self):
         raise NotImplementedError

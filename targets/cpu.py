@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tvm
 from tvm import relax
@@ -18,6 +18,12 @@ def host_cpu_target() -> tvm.target.Target:
                               "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
 
+def _int8_activation_block() -> int:
+    """llama.cpp's Q8_0 block where the CPU has kiln's integer pair-dot kernel (AVX2), else none."""
+    from kiln.codegen.int8_gemm import has_pair_dot
+    return 32 if has_pair_dot(host_cpu_target()) else 0
+
+
 @dataclass
 class CPUTarget(Target):
     name: str = "cpu"
@@ -27,6 +33,7 @@ class CPUTarget(Target):
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
     chunk_gemm: bool = True
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
+    activation_block: int = field(default_factory=lambda: _int8_activation_block())
 
     def weight_quants(self):
         return ("q8", "q4", "fp8")      # fp8 is decoded in software here: for accuracy checks, not speed

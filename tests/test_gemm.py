@@ -1,6 +1,8 @@
-"""kiln's register-blocked CPU GEMM (codegen/gemm.py) against the reference interpreter's linear ops,
-on the same (quantised) weights: float32, bfloat16, q8, q4 and fp8 weights, with bias and residual,
-at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97)."""
+"""kiln's register-blocked CPU GEMMs against the reference interpreter's linear ops, on the same
+(quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
+codegen/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/int8_gemm.py (and the TE
+form codegen/linear.py uses for unpacked weights) on q8 and q4 weights with int8 activations; with
+bias and residual."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -29,10 +31,58 @@ def _weights(op, rng) -> list[np.ndarray]:
             (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
 
 
+INT8_CASES = [  # (op, dtype, bias, residual)
+    ("linear_q8", "float32", False, False), ("linear_q8", "float32", True, True),
+    ("linear_q8", "bfloat16", False, True), ("linear_q4", "float32", False, False),
+    ("linear_q4", "float32", True, False), ("linear_q4", "bfloat16", True, True),
+]
+
+
 @pytest.mark.parametrize("op,dtype,bias,residual", CASES)
 def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
-    import tvm
     from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
+    from kiln.targets.cpu import host_cpu_target
+    check_against_interpreter(op, dtype, bias, residual, {}, lambda fmt, weight_dtype: packed_gemm_kernel(
+        N_OUT, N_IN, NB, dtype, fmt, weight_dtype, bias, residual, vector_lanes(host_cpu_target())))
+
+
+def pair_dot_or_skip():
+    from kiln.codegen.int8_gemm import has_pair_dot
+    from kiln.targets.cpu import host_cpu_target
+    if not has_pair_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
+
+
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
+def test_int8_gemm_equals_the_interpreter(op, dtype, bias, residual):
+    from kiln.codegen.int8_gemm import int8_gemm_kernel
+    pair_dot_or_skip()
+    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: int8_gemm_kernel(
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual))
+
+
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2])
+def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residual):
+    """The TE stages for unpacked weights (nk layout): same scheme, generic loops."""
+    from tvm import te, tirx
+    from kiln.codegen.linear import _nt_matmul
+
+    def kernel(fmt, weight_dtype):
+        m = tirx.Var("m", "int64")
+        w_shape = (N_OUT, N_IN // 2) if fmt.kind == "q4" else (N_OUT, N_IN)
+        scale_shape, scale_dtype = ((N_IN // 32, N_OUT), "float16") if fmt.kind == "q4" else ((N_OUT,), "float32")
+        x, w = te.placeholder((m, N_IN), dtype), te.placeholder(w_shape, weight_dtype)
+        scale = te.placeholder(scale_shape, scale_dtype)
+        b = te.placeholder((N_OUT,), dtype) if bias else None
+        r = te.placeholder((m, N_OUT), dtype) if residual else None
+        y = _nt_matmul(x, w, scale, b, r, dtype, fmt)
+        return te.create_prim_func([t for t in (x, w, scale, b, r, y) if t is not None])
+    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, kernel, layout="nk")
+
+
+def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}"):
+    """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout`, against interpret()."""
+    import tvm
     from kiln.codegen.layouts import apply_layout
     from kiln.codegen.linear import WeightFormat
     from kiln.ir import GraphBuilder, interpret
@@ -42,10 +92,10 @@ def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
     weights = _weights(op, rng)
     if op == "linear":
         weights = [weights[0].astype(numpy_dtype(dtype))]
-    fmt = WeightFormat.of(type("N", (), {"op": op, "attrs": {"group_size": 32} if op == "linear_q4" else {}}), "linear")
+    attrs = {**attrs, **({"group_size": 32} if op == "linear_q4" else {})}
+    fmt = WeightFormat.of(type("N", (), {"op": op, "attrs": attrs}), "linear")
+    kernel = make_kernel(fmt, str(weights[0].dtype) if op != "linear" else dtype)
     target = host_cpu_target()
-    kernel = packed_gemm_kernel(N_OUT, N_IN, NB, dtype, fmt, str(weights[0].dtype) if op != "linear" else dtype,
-                                bias, residual, vector_lanes(target))
     built = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
 
     np_dtype = numpy_dtype(dtype)
@@ -56,7 +106,6 @@ def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
     extra += [b.input("residual", ("tokens", N_OUT), dtype)] if residual else []
     while extra and extra[-1] is None:
         extra.pop()
-    attrs = {"group_size": 32} if op == "linear_q4" else {}
     graph = b.output(b.op(op, x, *params, *extra, name="y", **attrs))
     bias_value = rng.standard_normal(N_OUT).astype(np_dtype)
     values = {f"w{i}": w for i, w in enumerate(weights)} | {"bias": bias_value}
@@ -64,13 +113,14 @@ def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
         inputs = {"x": rng.standard_normal((rows, N_IN)).astype(np_dtype),
                   "residual": rng.standard_normal((rows, N_OUT)).astype(np_dtype)}
         want = interpret(graph, {k: v for k, v in inputs.items() if k in graph.inputs}, values.__getitem__)["y"]
-        args = [inputs["x"], apply_layout(f"packed{NB}", weights[0]), *weights[1:]]
+        args = [inputs["x"], apply_layout(layout, weights[0]), *weights[1:]]
         args += [bias_value] if bias else []
         args += [inputs["residual"]] if residual else []
         y = tvm.runtime.tensor(np.zeros((rows, N_OUT), np_dtype))
         built(*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], y)
         got, want = y.numpy().astype(np.float32), want.astype(np.float32)
         # float32: sums in another order, a q8/fp8 scale applied after the sum rather than to each
-        # weight; bfloat16: outputs may round one step apart
+        # weight (int8 activations: the same levels, block sums in order); bfloat16: outputs may
+        # round one step apart
         bound = 1e-4 if dtype == "float32" else 2 ** -7
         assert np.abs(got - want).max() / np.abs(want).max() < bound, rows

@@ -235,11 +235,22 @@ def test_quantize_rewrite():
     after = Quantize("q8")(head_graph())
     assert [line for line in body(after) if "%" in line] == [
         "  %h = embed(%ids, @embed.weight) : f32[tokens, 8]",
-        "  %x = linear_q8(%h, @proj.weight.q8, @proj.weight.q8_scale, @proj.bias) : f32[tokens, 8]",
-        "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) : f32[tokens, 16]",
+        "  %x = linear_q8(%h, @proj.weight.q8, @proj.weight.q8_scale, @proj.bias) {act_block=0} : f32[tokens, 8]",
+        "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) {act_block=0} : f32[tokens, 16]",
         "  %logits = cast(%y) {dtype='float32'} : f32[tokens, 16]",
     ]
     assert "  @proj.weight.q8: i8[8, 8] = q8.q(@proj.weight)" in body(after)
+
+
+def test_quantize_sets_the_activation_block_where_it_divides():
+    """act_block 4 divides both widths (8); q4's blocks must also divide its groups (a near miss:
+    groups of 4, blocks of 8: float activations); fp8 weights never take one."""
+    def blocks(graph):
+        return [n.attrs.get("act_block") for n in graph.nodes if n.op.startswith("linear_")]
+    assert blocks(Quantize("q8", act_block=4)(head_graph())) == [4, 4]
+    assert blocks(Quantize("q4", group_size=4, act_block=4)(head_graph())) == [4, 4]
+    assert blocks(Quantize("q4", group_size=4, act_block=8)(head_graph())) == [0, 0]
+    assert blocks(Quantize("fp8", act_block=4)(head_graph())) == [None, None]
 
 
 def test_quantize_is_exact_on_representable_weights():
@@ -264,7 +275,7 @@ def test_quantize_q4_rewrite_and_exactness():
     survive unchanged, so the graph's outputs do not move."""
     before = head_graph()
     after = Quantize("q4", group_size=4)(before)
-    assert "  %x = linear_q4(%h, @proj.weight.q4, @proj.weight.q4_scale, @proj.bias) {group_size=4} : f32[tokens, 8]" \
+    assert "  %x = linear_q4(%h, @proj.weight.q4, @proj.weight.q4_scale, @proj.bias) {group_size=4, act_block=0} : f32[tokens, 8]" \
         in body(after)
     assert "  @proj.weight.q4_scale: f16[2, 8] = q4.scale(@proj.weight, group_size=4)" in body(after)
     rng = np.random.default_rng(5)

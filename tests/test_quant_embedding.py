@@ -51,7 +51,7 @@ def test_quantize_embedding_rewrite():
             "  @embed.weight.q8_scale: f32[16] = q8.scale(@embed.weight)"} < set(body(after))
     assert "  %h = embed_q8(%ids, @embed.weight.q8, @embed.weight.q8_scale) {dtype='float32'} : f32[tokens, 8]" \
         in body(after)
-    assert "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) : f32[tokens, 16]" in body(after)
+    assert "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) {act_block=0} : f32[tokens, 16]" in body(after)
     assert "embed.weight" not in after.params            # the float table is no longer read
 
 
@@ -204,7 +204,10 @@ def artifact(request, make_model, tmp_path_factory):
     family, quant = request.param
     model_dir = make_model(family)
     out = tmp_path_factory.mktemp(f"{family}-{quant}") / "artifact"
-    manifest = compile_model(model_dir, out, target="cpu", quant=quant, show=None)
+    # Float activations: with int8 ones (tests/test_int8_activations.py) these tiny random models
+    # with an int8 table move their logits by ~0.7% when the table's scales move by 3e-7 (activation
+    # levels flip), so one-ulp kernel differences upstream would decide the comparison below.
+    manifest = compile_model(model_dir, out, target="cpu", quant=quant, show=None, int8_activations=False)
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return family == "llama32", quant, model_dir, out, manifest, model
@@ -219,7 +222,7 @@ def test_compiled_quantised_embedding_matches_the_interpreter(artifact):
     from kiln.passes import run_pipeline
     tied, quant, model_dir, _, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
-    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant)
+    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, int8_activations=False)
     assert graph.nodes[0].op == f"embed_{quant}"
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     c = hf_model.config

@@ -1,0 +1,138 @@
+"""int8 activations for q8/q4 linears (act_block): the scheme's known values and error bound, the
+quantize pass and pipeline choosing it, and a compiled model using it end to end.
+
+The kernels themselves are held to the interpreter in tests/test_gemm.py; here the interpreter's
+rule is held to values worked out by hand and to the float-activation linear it approximates."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.ir import GraphBuilder, interpret
+from kiln.ir.quant import quantize_activations
+
+torch = pytest.importorskip("torch")
+
+K, N, BLOCK = 64, 12, 32
+
+
+def test_quantize_activations_known_values():
+    """127 / peak times x, rounded half to even; an all-zero block has level 0 and scale 0."""
+    x = np.array([[0.5, -1.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    q, scale = quantize_activations(x, 4)
+    assert q.tolist() == [[[64, -127, 32, 0], [0, 0, 0, 0]]]        # 63.5 -> 64, 31.75 -> 32
+    assert scale.tolist() == [[np.float32(1) / np.float32(127), 0.0]]
+
+
+def _linear(op, weights, act_block, x):
+    b = GraphBuilder(op)
+    params = [b.param(f"w{i}", w.shape, str(w.dtype)) for i, w in enumerate(weights)]
+    attrs = {"group_size": BLOCK} if op == "linear_q4" else {}
+    graph = b.output(b.op(op, b.input("x", ("tokens", K), "float32"), *params, name="y", act_block=act_block,
+                          **attrs))
+    return interpret(graph, {"x": x}, {f"w{i}": w for i, w in enumerate(weights)}.__getitem__)["y"]
+
+
+def _weights(op, rng):
+    if op == "linear_q8":
+        return [rng.integers(-127, 128, (N, K)).astype(np.int8), rng.uniform(0.001, 0.01, N).astype(np.float32)]
+    return [rng.integers(0, 256, (N, K // 2)).astype(np.uint8),
+            rng.uniform(0.001, 0.01, (K // BLOCK, N)).astype(np.float16)]
+
+
+def _dequantised(op, weights) -> np.ndarray:      # W [N, K] in float64, written out independently
+    w, scale = weights
+    if op == "linear_q8":
+        return w.astype(np.float64) * scale.astype(np.float64)[:, None]
+    levels = np.empty((N, K))
+    levels[:, 0::2], levels[:, 1::2] = (w & 15).astype(np.float64) - 8, (w >> 4).astype(np.float64) - 8
+    return levels * np.repeat(scale.astype(np.float64).T, BLOCK, axis=1)
+
+
+@pytest.mark.parametrize("op", ["linear_q8", "linear_q4"])
+def test_activations_on_the_int8_grid_lose_nothing(op):
+    """x = level * (peak / 127) with a ±127 in every block quantises to itself: the int8 path
+    equals x @ W.T in float64 up to float32 rounding."""
+    rng = np.random.default_rng(3)
+    weights = _weights(op, rng)
+    levels = rng.integers(-127, 128, (5, K)).astype(np.float32)
+    levels[:, ::BLOCK] = 127
+    peaks = rng.uniform(0.5, 4.0, (5, K // BLOCK)).astype(np.float32)
+    x = levels * np.repeat(peaks / np.float32(127), BLOCK, axis=1)
+    got = _linear(op, weights, BLOCK, x)
+    want = x.astype(np.float64) @ _dequantised(op, weights).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("op", ["linear_q8", "linear_q4"])
+def test_int8_activation_error_is_within_half_a_level_per_input(op):
+    """Rounding moves each x by at most half its block's step (peak / 127 / 2), so
+    |y_int8 - y_float| <= sum over blocks of step / 2 * sum |W| over the block: a bound the rule
+    must meet and that a rule rounding twice as coarsely would break."""
+    rng = np.random.default_rng(4)
+    weights = _weights(op, rng)
+    x = (rng.standard_normal((7, K)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)
+    w = _dequantised(op, weights)
+    half_step = np.abs(x).reshape(7, -1, BLOCK).max(-1) / 127 / 2                  # [rows, blocks]
+    bound = half_step @ np.abs(w).reshape(N, -1, BLOCK).sum(-1).T                   # [rows, N]
+    error = np.abs(_linear(op, weights, BLOCK, x) - x.astype(np.float64) @ w.T)
+    assert (error <= bound * 1.001 + 1e-6).all()
+    assert error.max() > 0.05 * bound.max()                                         # it did quantise
+
+
+def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(make_model):
+    from kiln.errors import KilnError
+    from kiln.frontend import load_hf_model
+    from kiln.passes import run_pipeline
+    from kiln.targets import target_defaults
+    graph = load_hf_model(make_model("qwen2")).build_graph("float32", 16)
+    block = target_defaults("cpu").activation_block
+    for quant in ("q8", "q4"):
+        quantised, _ = run_pipeline(graph, "cpu", quant=quant)
+        linears = [n for n in quantised.nodes if n.op == f"linear_{quant}"]
+        assert linears and {n.attrs.get("act_block", 0) for n in linears} == {block}
+        floats, _ = run_pipeline(graph, "cpu", quant=quant, int8_activations=False)
+        assert {n.attrs.get("act_block", 0) for n in floats.nodes if n.op == f"linear_{quant}"} == {0}
+    fp8, _ = run_pipeline(graph, "cpu", quant="fp8")
+    assert all("act_block" not in n.attrs for n in fp8.nodes)              # fp8 weights: float activations
+    with pytest.raises(KilnError, match="--activations int8 is not supported on target cuda"):
+        run_pipeline(graph, "cuda", quant="q8", int8_activations=True)
+
+
+@pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98)])
+def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_model, tmp_path, quant, cosine):
+    """The default CPU compile of a q8/q4 model: its manifest and `kiln inspect` name the activation
+    block and its linears are the int8 GEMM; its last-token logits stay as close to transformers'
+    (float32) as tests/test_quant.py holds float activations to; and 6 greedy requests batched give
+    each one's tokens alone (every row's levels and dots are its own, whatever the step).
+    Compiled against interpreted logits are not compared here: a one-ulp difference upstream can flip
+    a level (a ~1e-3 change in these 256-wide models), so that equality is held op by op
+    (tests/test_gemm.py)."""
+    import transformers
+    from kiln.codegen.int8_gemm import has_pair_dot
+    from kiln.compiler import compile_model
+    from kiln.inspect import summary
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.model import CompiledModel
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.targets.cpu import host_cpu_target
+    from reference import last_logit_cosines, random_prompt
+    if not has_pair_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
+    model_dir = make_model("qwen2")                  # biases, fused QKV and gate/up: every linear variant
+    # the embedding stays float, as in tests/test_quant.py, whose bounds these are
+    manifest = compile_model(model_dir, tmp_path / "a", target="cpu", quant=quant, show=None, quant_embedding=False)
+    assert manifest["quantization"]["activation_block"] == 32
+    assert "activations int8 in blocks of 32" in summary(tmp_path / "a")
+    linears = [k for k in manifest["kernels"] if k.startswith(("int8_gemm_", "gemm", "linear"))]
+    assert linears and all(k.startswith(f"int8_gemm_{quant}") for k in linears)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    compiled = CompiledModel(tmp_path / "a")
+    compiled.allocate_kv(16 * compiled.bytes_per_page)
+    assert min(last_logit_cosines(hf, compiled)) >= cosine
+    del compiled
+    llm = LLM(tmp_path / "a", kv_memory="8MiB", max_batched_tokens=24)
+    prompts = [random_prompt(5 + 3 * i, 40 + i) for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == alone
