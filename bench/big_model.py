@@ -94,6 +94,17 @@ def sentencepiece_tokenizer(out: Path) -> None:
     text.unlink()
 
 
+def built_llama_cpp(given: str | None) -> Path:
+    """The llama.cpp checkout to run: `given`, else the newest build/peers/llama_cpp_python-*; it must
+    have been built as ../shared/PEERS.md says."""
+    import glob
+    found = sorted(glob.glob("build/peers/llama_cpp_python-*/vendor/llama.cpp"))
+    llama_cpp = Path(given or (found[-1] if found else ""))
+    if not (llama_cpp / "build" / "bin" / "llama-bench").exists():
+        raise SystemExit(f"llama.cpp is not built at {llama_cpp} (recipe: ../shared/PEERS.md)")
+    return llama_cpp
+
+
 def gguf_source(model_dir: Path, work: Path) -> Path:
     """The checkpoint (linked) with a SentencePiece tokenizer in place of its own, for the converter."""
     source = work / "hf-with-sentencepiece"

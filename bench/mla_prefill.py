@@ -14,7 +14,6 @@ which form is faster; the CPU target's mla_expanded_from (targets/cpu.py) comes 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from big_model import built_llama_cpp  # noqa: E402
 from moe_mla import gguf  # noqa: E402
 
 
@@ -47,10 +47,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="build/bench")
     args = ap.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
-    found = sorted(glob.glob("build/peers/llama_cpp_python-*/vendor/llama.cpp"))
-    llama_cpp = Path(args.llama_cpp or (found[-1] if found else ""))
-    if not (llama_cpp / "build" / "bin" / "llama-bench").exists():
-        raise SystemExit(f"llama.cpp is not built at {llama_cpp} (recipe: ../shared/PEERS.md)")
+    llama_cpp = built_llama_cpp(args.llama_cpp)
 
     import numpy as np
     from kiln.compiler import compile_model

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bandwidth import read_bandwidth  # noqa: E402
-from big_model import MODES, gguf_files  # noqa: E402
+from big_model import MODES, built_llama_cpp, gguf_files  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 
 
@@ -98,10 +97,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="build/bench")
     args = ap.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
-    found = sorted(glob.glob("build/peers/llama_cpp_python-*/vendor/llama.cpp"))
-    llama_cpp = Path(args.llama_cpp or (found[-1] if found else ""))
-    if not (llama_cpp / "build" / "bin" / "llama-bench").exists():
-        raise SystemExit(f"llama.cpp is not built at {llama_cpp} (recipe: ../shared/PEERS.md)")
+    llama_cpp = built_llama_cpp(args.llama_cpp)
 
     import numpy as np
     from kiln.compiler import compile_model

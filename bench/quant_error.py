@@ -21,12 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
-# mode -> (weight quant, group size, KV cache dtype, quantised embedding); with a weight quant the
-# embedding is quantised too (kiln's default) unless the mode says "float embedding"
-MODES = {"q8": ("q8", 32, None, True), "q8 + float embedding": ("q8", 32, None, False),
-         "q4 g32": ("q4", 32, None, True), "q4 g32 + float embedding": ("q4", 32, None, False),
-         "q4 g128": ("q4", 128, None, True), "fp8": ("fp8", 32, None, True), "kv int8": (None, 32, "int8", True),
-         "kv fp8": (None, 32, "fp8", True), "q4 g32 + kv int8": ("q4", 32, "int8", True)}
+# mode -> (weight quant, group size, KV cache dtype, quantised embedding, int8 activations); with a
+# weight quant the embedding is quantised too (kiln's default) unless the mode says "float
+# embedding", and q8/q4 linears take int8 activations where the CPU has the kernel (kiln's default)
+# unless the mode says "float activations"
+MODES = {"q8": ("q8", 32, None, True, None), "q8 + float embedding": ("q8", 32, None, False, None),
+         "q8 + float activations": ("q8", 32, None, True, False),
+         "q4 g32": ("q4", 32, None, True, None), "q4 g32 + float embedding": ("q4", 32, None, False, None),
+         "q4 g32 + float activations": ("q4", 32, None, True, False),
+         "q4 g128": ("q4", 128, None, True, None), "fp8": ("fp8", 32, None, True, None),
+         "kv int8": (None, 32, "int8", True, None), "kv fp8": (None, 32, "fp8", True, None),
+         "q4 g32 + kv int8": ("q4", 32, "int8", True, None)}
 
 
 def open_model(artifact: Path, max_tokens: int, seqs: int):
@@ -80,6 +85,16 @@ def perplexity(logits: np.ndarray, docs: list[list[int]]) -> float:
     return math.exp(-np.take_along_axis(logp, targets[..., None], -1).mean())
 
 
+def _activation_block(artifact: Path):
+    return json.loads((artifact / "manifest.json").read_text())["quantization"].get("activation_block")
+
+
+def _expected_block(quant, int8_activations) -> int:
+    from kiln.targets import target_defaults
+    default = target_defaults("cpu").activation_block
+    return default if quant in ("q8", "q4") and int8_activations is not False else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-3.2-1b")
@@ -107,13 +122,15 @@ def main() -> None:
         prompts = [rng.integers(3, 500, int(rng.integers(8, 40))).tolist() for _ in range(args.prompts)]
         run = lambda path: last_logits(path, prompts)            # noqa: E731
         what = f"last-token logits of {args.prompts} random prompts of 8-39 tokens"
-    modes = {"f32": (None, 32, None, True), **{m: MODES[m] for m in args.modes.split(",")}}
+    modes = {"f32": (None, 32, None, True, None), **{m: MODES[m] for m in args.modes.split(",")}}
     logits = {}
-    for mode, (quant, group, kv, quant_embedding) in modes.items():
+    for mode, (quant, group, kv, quant_embedding, int8_activations) in modes.items():
         path = work / f"artifact-{mode.replace(' + ', '-').replace(' ', '-')}"
-        if not (path / "manifest.json").exists():
+        # an artifact compiled before int8 activations existed (or with other ones) is rebuilt
+        if not (path / "manifest.json").exists() or _activation_block(path) != _expected_block(quant, int8_activations):
             compile_model(model_dir, path, target="cpu", quant=quant, group_size=group, kv_dtype=kv,
-                          quant_embedding=quant_embedding, show=None)
+                          quant_embedding=quant_embedding, int8_activations=int8_activations, show=None,
+                          force=True)
         logits[mode] = run(path)
     ref = logits["f32"]
     print(f"\n{model_dir.name}: logits against the float32 artifact; {what}")

@@ -8,8 +8,9 @@ columns) and a tile of up to ROWS rows, and walks the reduction in blocks of K_B
   2. a micro-kernel multiplies MICRO_ROWS rows by `2 × vector lanes` columns per step: its
      accumulators stay in registers across the block (12 of AVX2's 16 ymm registers), each
      decoded weight vector serves MICRO_ROWS rows and each broadcast x value two vectors.
-Rows past the last are computed on zeros and never written, so the micro-kernel has no per-row
-test. The epilogue (q8/fp8 scale, bias, rounding, residual) is codegen/linear.py's.
+Rows that do not fill a micro-kernel run one at a time, each over the panel's nb columns (enough
+independent accumulators to keep the FMA units busy), so one decode row costs one row.
+The epilogue (q8/fp8 scale, bias, rounding, residual) is codegen/linear.py's.
 """
 from __future__ import annotations
 
@@ -61,18 +62,16 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                 wf = T.sblock_alloc_buffer((k_block, nb), "float32")
                 xf = T.sblock_alloc_buffer((ROWS, k_block), "float32")
                 rows = T.min(ROWS, m - io * ROWS)
-                tiles = (rows + MICRO_ROWS - 1) // MICRO_ROWS
+                tiles = rows // MICRO_ROWS
                 for r, c in T.grid(ROWS, nb):
                     acc[r, c] = T.float32(0)
                 for kbo in range(n_in // k_block):
                     for kk in range(k_block):
                         for c in T.vectorized(nb):
                             wf[kk, c] = weight(w, scale, jo, kbo * k_block + kk, c)
-                    for r in range(tiles * MICRO_ROWS):
+                    for r in range(rows):
                         for kk in T.vectorized(k_block):
-                            xf[r, kk] = T.if_then_else(
-                                r < rows, T.Cast("float32", x[T.min(io * ROWS + r, m - 1), kbo * k_block + kk]),
-                                T.float32(0))
+                            xf[r, kk] = T.Cast("float32", x[io * ROWS + r, kbo * k_block + kk])
                     for t in range(tiles):
                         for s in range(slices):
                             for kk in range(k_block):
@@ -81,6 +80,10 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                                         acc[t * MICRO_ROWS + r, s * width + c] = (
                                             acc[t * MICRO_ROWS + r, s * width + c]
                                             + xf[t * MICRO_ROWS + r, kk] * wf[kk, s * width + c])
+                    for r in range(tiles * MICRO_ROWS, rows):      # the rest, a row at a time: the
+                        for kk in range(k_block):                   # panel's nb columns in registers
+                            for c in T.vectorized(nb):
+                                acc[r, c] = acc[r, c] + xf[r, kk] * wf[kk, c]
                 for r in range(rows):
                     for c in T.vectorized(nb):
                         y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
