@@ -176,6 +176,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "entry": "forward",
         "entries": lowered.entries,
         **({"prefill_min_tokens": prefill_min_tokens(graph)} if "prefill" in lowered.entries else {}),
+        **({"decode_gemm_from": tgt.decode_gemm_from}
+           if tgt.chunk_gemm and tgt.decode_gemm_from and "decode" in lowered.entries else {}),
         "inputs": lowered.inputs,
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],

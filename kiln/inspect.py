@@ -11,8 +11,9 @@ def _attention_kernels(m: dict) -> str:
     if not kernels:
         return "kernels not recorded"
     chunks = f" (every sequence ≥ {m['prefill_min_tokens']} new tokens)" if "prefill_min_tokens" in m else ""
-    return "; ".join(f"{step} steps{chunks if step == 'prefill' else ''}: {', '.join(names)}"
-                     for step, names in kernels.items())
+    batches = f" (up to {m['decode_gemm_from'] - 1} sequences)" if "decode_gemm_from" in m else ""
+    return "; ".join(f"{step} steps{chunks if step == 'prefill' else batches if step == 'decode' else ''}: "
+                     f"{', '.join(names)}" for step, names in kernels.items())
 
 
 def _kv_layers(m: dict) -> list[str]:

@@ -106,6 +106,7 @@ class CompiledModel:
         self.entries = {step: self.vm[name] for step, name in m.get("entries", {"mixed": m["entry"]}).items()}
         self.graph_batches = tuple(m.get("graph_batches", ())) if GRAPH_ENTRY in self.entries else ()
         self.prefill_min_tokens = m.get("prefill_min_tokens") if "prefill" in self.entries else None
+        self.decode_gemm_from = m.get("decode_gemm_from", 0)
         self.step_buffers = StepBuffers(self.device)
         # artifacts built with sampling on the device: the engine samples there (runtime/device_sampler.py)
         self.sampler = DeviceSampler(self.vm, self.device) if m.get("sampling") == "device" else None
@@ -226,8 +227,9 @@ class CompiledModel:
 
     def step_kind(self, inputs: dict[str, np.ndarray]) -> str:
         """The entry a step runs: where the artifact has them, "decode_graph" or "decode" when every
-        sequence brings one new token (the graph up to its largest batch bucket), "prefill" when
-        every sequence brings at least prefill_min_tokens (ir/step_forms.py), else "mixed"."""
+        sequence brings one new token (the graph up to its largest batch bucket; "mixed", whose
+        linears are GEMMs, from decode_gemm_from sequences), "prefill" when every sequence brings at
+        least prefill_min_tokens (ir/step_forms.py), else "mixed"."""
         seqs = len(inputs["q_indptr"]) - 1
         if len(inputs["tokens"]) != seqs:
             prefill = self.prefill_min_tokens is not None and is_prefill_step(inputs["q_indptr"],
@@ -235,4 +237,5 @@ class CompiledModel:
             return "prefill" if prefill else "mixed"
         if self.graph_batches and seqs <= max(self.graph_batches):
             return GRAPH_ENTRY
-        return "decode" if "decode" in self.entries else "mixed"
+        gemm = self.decode_gemm_from and seqs >= self.decode_gemm_from
+        return "decode" if "decode" in self.entries and not gemm else "mixed"

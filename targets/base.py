@@ -31,6 +31,9 @@ class Target:
     # packed linears in steps that bring chunks run codegen/gemm.py's GEMM, decode steps the GEMV
     # schedule: a "decode" entry is built for them
     chunk_gemm: bool = False
+    # with chunk_gemm: decode steps of at least this many sequences run the mixed entry (its GEMMs
+    # beat the GEMV from there); 0: every decode step runs the decode entry
+    decode_gemm_from: int = 0
     # > 0: q8/q4 linears quantise their input rows to int8 in blocks of this many inputs and
     # multiply in integer dot products (codegen/int8_gemm.py); 0: float activations
     activation_block: int = 0

@@ -32,6 +32,7 @@ class CPUTarget(Target):
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
     chunk_gemm: bool = True
+    decode_gemm_from: int = 8          # where the GEMM overtakes the GEMV: docs/BENCHMARKS.md
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
     activation_block: int = field(default_factory=lambda: _int8_activation_block())
 

@@ -65,7 +65,8 @@ def test_default_cpu_target_decodes_with_gemv_and_prefills_with_gemm(llama_cpu):
 
 def test_steps_match_the_interpreter_and_pick_their_entry(artifact, make_model):
     """Prefill of two sequences, then decode steps of both (the decode entry), then a mixed step of
-    a new prompt beside a decode token (the mixed entry): every step against the interpreter."""
+    a new prompt beside a decode token (the mixed entry), then decode steps of 8 sequences (the
+    mixed entry: GEMMs) and of 7 (the decode entry): every step against the interpreter."""
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
     from kiln.passes import run_pipeline
@@ -81,6 +82,11 @@ def test_steps_match_the_interpreter_and_pick_their_entry(artifact, make_model):
     for i in range(3):
         steps.append(([([5 + i], len(a) + i, pages_a), ([9 + i], len(b) + i, pages_b)], "decode"))
     steps.append(([([40], len(a) + 3, pages_a), (random_prompt(18, 3), 0, pages_c)], "mixed"))
+    # decode_gemm_from (8) sequences decoding: the mixed entry's GEMMs; one fewer: the decode entry
+    assert model.decode_gemm_from == 8
+    singles = [([30 + i], 0, [21 + i]) for i in range(6)]
+    steps.append(([([41], len(a) + 4, pages_a), ([42], len(b) + 3, pages_b), *singles], "mixed"))
+    steps.append(([([43], len(a) + 5, pages_a), ([44], len(b) + 4, pages_b), *singles[:5]], "decode"))
     for seqs, kind in steps:
         step = make_step_inputs(seqs, model.page_size)
         assert model.step_kind(step) == kind

@@ -204,7 +204,7 @@ def test_kv_bytes_per_token_are_the_latent_rows(deepseek, compiled):
     artifact = compiled()
     text = summary(artifact)
     assert f"kv cache   {layers * latent * 4} bytes per token" in text
-    assert "kernel variant mla; mixed steps: kiln_latent; decode steps: kiln_latent" in text
+    assert "kernel variant mla; mixed steps: kiln_latent; decode steps (up to 7 sequences): kiln_latent" in text
     assert CompiledModel(artifact).bytes_per_token == layers * latent * 4
     quantised = CompiledModel(compiled(kv_dtype="int8"))
     assert quantised.bytes_per_token == layers * (latent + 4)          # a byte per value, a scale per row

@@ -1,0 +1,141 @@
+"""kiln's CPU linear kernels at one projection shape beside the machine's peak for their instruction.
+
+    python bench/cpu_linear.py [--shape 8192x2048] [--rows 1,8,128,512] [--threads 1,2] [--repeats 9]
+
+Kernels (on the same random weights, stored as the CPU target stores them):
+- bf16 weights, bf16 x: the packed GEMV schedule (decode steps) and the register-blocked GEMM
+  (codegen/gemm.py), both in fp32 FMAs;
+- q8 and q4 weights, float32 x: the GEMV and GEMM with float activations, and the int8-activation
+  GEMM (codegen/int8_gemm.py, vpmaddwd), which every step of a default CPU artifact runs.
+Peaks, measured here on registers only (no memory): fp32 FMA (12 independent 8-lane FMAs per
+step) and vpmaddwd (12 independent pair dots and their int32 adds per step), per thread count.
+GOP/s counts a multiply-add as 2 operations; `% peak` is against the instruction the kernel uses.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+CHAINS, STEPS = 12, 1 << 20     # independent accumulators and steps per thread of a peak kernel
+
+
+def _peak(threads: int, kind: str) -> float:
+    """GOP/s of CHAINS independent 8-lane fp32 FMAs, or vpmaddwd + int32 adds, per thread."""
+    import numpy as np
+    import tvm
+    from tvm.script import tirx as T
+    from kiln.codegen.int8_gemm import PAIR_DOT
+    from kiln.targets.cpu import host_cpu_target
+
+    @T.prim_func(s_tir=True)
+    def fma(a: T.Buffer((8,), "float32"), out: T.Buffer((threads, CHAINS, 8), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads):
+            for c in T.unroll(CHAINS):
+                out[t, c, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+            for _ in range(STEPS):
+                for c in T.unroll(CHAINS):
+                    out[t, c, T.ramp(0, 1, 8)] = T.call_llvm_pure_intrin(
+                        "float32x8", "llvm.fma.v8f32", out[t, c, T.ramp(0, 1, 8)], a[T.ramp(0, 1, 8)],
+                        a[T.ramp(0, 1, 8)])
+
+    @T.prim_func(s_tir=True)
+    def pair_dot(a: T.Buffer((16,), "int16"), out: T.Buffer((threads, CHAINS, 8), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads):
+            for c in T.unroll(CHAINS):
+                out[t, c, T.ramp(0, 1, 8)] = T.broadcast(T.int32(0), 8)
+            for _ in range(STEPS):
+                for c in T.unroll(CHAINS):
+                    out[t, c, T.ramp(0, 1, 8)] = out[t, c, T.ramp(0, 1, 8)] + T.call_llvm_pure_intrin(
+                        "int32x8", PAIR_DOT, a[T.ramp(0, 1, 16)], a[T.ramp(0, 1, 16)])
+
+    func, dtype, lanes, ops = {"fma": (fma, "float32", 8, 2 * 8), "pair_dot": (pair_dot, "int16", 16, 2 * 16)}[kind]
+    kernel = tvm.compile(tvm.IRModule({"main": func}), target=host_cpu_target())
+    a = tvm.runtime.tensor(np.ones(lanes, dtype) * (1 if kind == "pair_dot" else 0.5))
+    out = tvm.runtime.tensor(np.zeros((threads, CHAINS, 8), "float32" if kind == "fma" else "int32"))
+    kernel(a, out)
+    best = min(_timed(lambda: kernel(a, out)) for _ in range(5))
+    return threads * CHAINS * STEPS * ops / best / 1e9
+
+
+def _timed(call) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+def _kernels(n_out: int, n_in: int):
+    """(name, instruction, weight arrays as stored, x dtype, built kernel) for each kernel measured."""
+    import ml_dtypes
+    import numpy as np
+    import tvm
+    from tvm import tirx
+    from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
+    from kiln.codegen.int8_gemm import int8_gemm_kernel
+    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.linear import WeightFormat, packed_linear_kernel
+    from kiln.ir.quant import SCHEMES
+    from kiln.targets.cpu import host_cpu_target
+    target, nb = host_cpu_target(), 64
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((n_out, n_in)) * 0.02).astype(np.float32)
+    built = lambda f: tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target)  # noqa: E731
+    m = tirx.Var("m", "int64")
+    bf16 = [apply_layout(f"packed{nb}", w.astype(ml_dtypes.bfloat16))]
+    yield ("bf16 GEMV", "fma", bf16, "bfloat16",
+           built(packed_linear_kernel(m, n_out, n_in, nb, "bfloat16", False, False, WeightFormat(), "bfloat16")))
+    yield ("bf16 GEMM", "fma", bf16, "bfloat16", built(packed_gemm_kernel(
+        n_out, n_in, nb, "bfloat16", WeightFormat(), "bfloat16", False, False, vector_lanes(target))))
+    for quant, group in (("q8", 0), ("q4", 32)):
+        parts = SCHEMES[quant].quantize(w, group_size=group) if group else SCHEMES[quant].quantize(w)
+        stored = [apply_layout(f"packed{nb}", parts["q"]), parts["scale"]]
+        wdt = str(parts["q"].dtype)
+        yield (f"{quant} GEMV, float x", "fma", stored, "float32", built(packed_linear_kernel(
+            m, n_out, n_in, nb, "float32", False, False, WeightFormat(quant, group), wdt)))
+        yield (f"{quant} GEMM, float x", "fma", stored, "float32", built(packed_gemm_kernel(
+            n_out, n_in, nb, "float32", WeightFormat(quant, group), wdt, False, False, vector_lanes(target))))
+        yield (f"{quant} int8 GEMM", "pair_dot", stored, "float32", built(int8_gemm_kernel(
+            n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8192x2048", help="OUTxIN (Llama-3.2-1B's gate/up half: 8192x2048)")
+    ap.add_argument("--rows", default="1,8,128,512")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    import ml_dtypes
+    import numpy as np
+    import tvm
+    from kiln.runtime.threads import set_threads
+    n_out, n_in = map(int, args.shape.split("x"))
+    rows, thread_counts = [int(r) for r in args.rows.split(",")], [int(t) for t in args.threads.split(",")]
+    kernels = list(_kernels(n_out, n_in))
+    rng = np.random.default_rng(1)
+    print(f"{n_out}x{n_in}, GOP/s (median of {args.repeats}) and % of the measured peak of the kernel's instruction")
+    print("| threads | kernel | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|---|" + "---|" * len(rows))
+    for threads in thread_counts:
+        set_threads(threads)
+        peaks = {kind: _peak(threads, kind) for kind in ("fma", "pair_dot")}
+        print(f"| {threads} | peak: fp32 FMA {peaks['fma']:.0f}, vpmaddwd {peaks['pair_dot']:.0f} |"
+              + " |" * len(rows))
+        for name, kind, weights, x_dtype, kernel in kernels:
+            cells = []
+            for r in rows:
+                np_dtype = ml_dtypes.bfloat16 if x_dtype == "bfloat16" else np.float32
+                args_ = [tvm.runtime.tensor(rng.standard_normal((r, n_in)).astype(np_dtype)),
+                         *[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in weights],
+                         tvm.runtime.tensor(np.zeros((r, n_out), np_dtype))]
+                kernel(*args_)
+                seconds = statistics.median(_timed(lambda: kernel(*args_)) for _ in range(args.repeats))
+                rate = 2 * r * n_out * n_in / seconds / 1e9
+                cells.append(f"{rate:.0f} ({rate / peaks[kind]:.0%})")
+            print(f"| {threads} | {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
