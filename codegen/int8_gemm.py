@@ -9,8 +9,7 @@ is scaled once per block. One kernel serves every step, from one decode row to a
      inputs it widens the panel's block to int16 once, as pairs of inputs per column: the operand
      order of vpmaddwd, for q4 nibbles and q8 bytes alike;
   3. a micro-kernel multiplies MICRO_ROWS rows (single rows for the rest of the tile) by two
-     vectors of 8 columns with vpmaddwd (a tile of fewer than MICRO_ROWS rows, as in decode,
-     widens the weights in registers as it reads them instead of through the buffer), 16 products per instruction (twice fp32 FMA's rate), into
+     vectors of 8 columns with vpmaddwd, 16 products per instruction (twice fp32 FMA's rate), into
      int32 accumulators held in registers for one activation block, then adds them to the tile's
      float32 accumulators times the block's scales (x's, and for q4 the weight group's).
 The epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
@@ -72,15 +71,9 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         columns = T.ramp(T.Cast("int32", col), 1, LANES)       # col is int64 where m is
         return x_scale * T.Cast("float32x8", scale[kb * block // fmt.group_size, columns])
 
-    def pairs_of(w, wi, jo, kbo, kp, v, direct):   # evaluated while parsing: the int16x16 weight operand
-        if direct:                                 # widened in registers (no buffered copy)
-            return widened(w, jo, kbo, kp, v)
-        return wi[kp, T.ramp(v * 2 * LANES, 1, 2 * LANES)]
-
     @T.macro
-    def micro(xq, sx, w, wi, acc, dots, scale, jo, row0, r0, kbo, s, count, direct):
-        """acc[r0 : r0 + count, slice s] += the block-scaled dots over this K block; weights from
-        the widened copy wi, or (direct) widened from w as they are used."""
+    def micro(xq, sx, wi, acc, dots, scale, jo, row0, r0, kbo, s, count):
+        """acc[r0 : r0 + count, slice s] += the block-scaled dots over this K block."""
         for b in range(k_block // block):
             for r in T.unroll(count):
                 for v in T.unroll(per_slice):
@@ -94,7 +87,7 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                                 T.reinterpret("int16x16", T.broadcast(T.reinterpret(
                                     "int32", xq[row0 + r0 + r, T.ramp(kbo * k_block + b * block + 2 * kp, 1, 2)]),
                                     LANES)),
-                                pairs_of(w, wi, jo, kbo, b * block // 2 + kp, s * per_slice + v, direct))
+                                wi[b * block // 2 + kp, T.ramp((s * per_slice + v) * 2 * LANES, 1, 2 * LANES)])
             for r in T.unroll(count):
                 for v in T.unroll(per_slice):
                     acc[r0 + r, T.ramp((s * per_slice + v) * LANES, 1, LANES)] = \
@@ -138,18 +131,12 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                 for r, c in T.grid(ROWS, nb):
                     acc[r, c] = T.float32(0)
                 for kbo in range(n_in // k_block):
-                    if full > 0:            # widen the block once for the tile's rows
-                        for kp, v in T.grid(pairs, vectors):
-                            wi[kp, T.ramp(v * 2 * LANES, 1, 2 * LANES)] = widened(w, jo, kbo, kp, v)
-                        for t, s in T.grid(full, slices):
-                            micro(xq, sx, w, wi, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s,
-                                  MICRO_ROWS, False)
-                        for r, s in T.grid(rows - full * MICRO_ROWS, slices):
-                            micro(xq, sx, w, wi, acc, dots, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s,
-                                  1, False)
-                    else:                   # a few rows (decode): widen in registers as they are read
-                        for r, s in T.grid(rows, slices):
-                            micro(xq, sx, w, wi, acc, dots, scale, jo, io * ROWS, r, kbo, s, 1, True)
+                    for kp, v in T.grid(pairs, vectors):
+                        wi[kp, T.ramp(v * 2 * LANES, 1, 2 * LANES)] = widened(w, jo, kbo, kp, v)
+                    for t, s in T.grid(full, slices):
+                        micro(xq, sx, wi, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s, MICRO_ROWS)
+                    for r, s in T.grid(rows - full * MICRO_ROWS, slices):
+                        micro(xq, sx, wi, acc, dots, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s, 1)
                 for r in range(rows):
                     for c in T.vectorized(nb):
                         y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
