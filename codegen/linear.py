@@ -162,33 +162,30 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     present = [k for k, v in optional.items() if v is not None]
     args = [rows(x, n_in), w] + [optional[k] for k in present]
     nb = packed_block(layout)
+
+    def packed(kern, family: str, scheduled: bool = False):     # a packed-weight kernel, named by its shape
+        suffix = "".join(f"_{k}" for k in present if k != "scale")
+        gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=scheduled)
+        return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+
     if nb is not None and fmt.act_block:
         # int8 activations: integer pair dots in every step (codegen/int8_gemm.py)
         from .int8_gemm import int8_gemm_kernel
-        kern = int8_gemm_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None)
-        suffix = "".join(f"_{k}" for k in present if k != "scale")
-        gv = ctx.add_kernel(kern, f"int8_gemm{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=True)
-        y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+        y = packed(int8_gemm_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),
+                   "int8_gemm", scheduled=True)
     elif nb is not None and ctx.target.chunk_gemm and ctx.step != "decode":
         # steps that bring chunks: the register-blocked GEMM (decode steps keep the GEMV schedule)
         from .gemm import packed_gemm_kernel, vector_lanes
-        kern = packed_gemm_kernel(n_out, n_in, nb, dtype, fmt, w.ty.dtype, bias is not None, residual is not None,
-                                  vector_lanes(ctx.target.tvm_target()))
-        suffix = "".join(f"_{k}" for k in present if k != "scale")
-        gv = ctx.add_kernel(kern, f"gemm{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=True)
-        y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+        y = packed(packed_gemm_kernel(n_out, n_in, nb, dtype, fmt, w.ty.dtype, bias is not None, residual is not None,
+                                      vector_lanes(ctx.target.tvm_target())), "gemm", scheduled=True)
     elif nb is None:
         def kernel(a, b, *rest):
             given = dict(zip(present, rest))
             return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt)
         y = ctx.bb.emit_te(kernel, *args, primfunc_name_hint="linear")
     else:
-        m = tirx.Var("m", "int64")
-        kern = packed_linear_kernel(m, n_out, n_in, nb, dtype, bias is not None, residual is not None, fmt,
-                                    w.ty.dtype)
-        suffix = "".join(f"_{k}" for k in present if k != "scale")
-        gv = ctx.add_kernel(kern, f"linear{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}")
-        y = ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+        y = packed(packed_linear_kernel(tirx.Var("m", "int64"), n_out, n_in, nb, dtype, bias is not None,
+                                        residual is not None, fmt, w.ty.dtype), "linear")
     if len(x.ty.shape) != 2:
         y = ctx.bb.emit(relax.op.reshape(y, list(x.ty.shape[:-1]) + [n_out]))
     return y
