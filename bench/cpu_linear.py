@@ -6,7 +6,8 @@ Kernels (on the same random weights, stored as the CPU target stores them):
 - bf16 weights, bf16 x: the packed GEMV schedule (decode steps) and the register-blocked GEMM
   (codegen/gemm.py), both in fp32 FMAs;
 - q8 and q4 weights, float32 x: the GEMV and GEMM with float activations, and the int8-activation
-  GEMM (codegen/int8_gemm.py, vpmaddwd), which every step of a default CPU artifact runs.
+  GEMM (codegen/int8_gemm.py, vpmaddwd: steps with chunks) and GEMV (codegen/int8_gemv.py: decode
+  steps), which a default CPU artifact runs.
 Peaks, measured here on registers only (no memory): fp32 FMA (12 independent 8-lane FMA chains)
 and vpmaddwd (12 independent chains of a pair dot and its int32 add, each dot reading its chain's
 accumulator so none can be hoisted). TVM sizes its thread pool once per process, so each thread
@@ -77,6 +78,7 @@ def _kernels(n_out: int, n_in: int):
     from tvm import tirx
     from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
     from kiln.codegen.int8_gemm import int8_gemm_kernel
+    from kiln.codegen.int8_gemv import int8_gemv_kernel
     from kiln.codegen.layouts import apply_layout
     from kiln.codegen.linear import WeightFormat, packed_linear_kernel
     from kiln.ir.quant import SCHEMES
@@ -99,7 +101,11 @@ def _kernels(n_out: int, n_in: int):
             m, n_out, n_in, nb, "float32", False, False, WeightFormat(quant, group), wdt)))
         yield (f"{quant} GEMM, float x", "fma", stored, "float32", built(packed_gemm_kernel(
             n_out, n_in, nb, "float32", WeightFormat(quant, group), wdt, False, False, vector_lanes(target))))
-        yield (f"{quant} int8 GEMM", "pair_dot", stored, "float32", built(int8_gemm_kernel(
+        # int8 activations: q8 is stored in input pairs (the CPU target's layout for it)
+        paired = [apply_layout(f"packed{nb}x2", parts["q"]), parts["scale"]] if quant == "q8" else stored
+        yield (f"{quant} int8 GEMM", "pair_dot", paired, "float32", built(int8_gemm_kernel(
+            n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
+        yield (f"{quant} int8 GEMV (decode steps)", "pair_dot", paired, "float32", built(int8_gemv_kernel(
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
 
 

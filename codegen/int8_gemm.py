@@ -2,12 +2,13 @@
 
 The scheme (ir/ops.py; ir/quant.py quantize_activations): each row of x is quantised to int8 in
 blocks of act_block inputs, each block's dot with the integer weight levels is exact in int32, and
-is scaled once per block. One kernel serves every step, from one decode row to a prefill chunk:
+is scaled once per block. This kernel serves steps with chunks (decode steps run codegen/int8_gemv.py,
+whose float steps are the same, so a row's outputs do not depend on its step):
   1. x is quantised once, inside the kernel (a parallel loop over rows), to int16 levels and a
      scale per block; every task then reads them from cache;
   2. a task owns one weight panel (nb output columns) and a tile of up to ROWS rows. Per K_BLOCK
      inputs it widens the panel's block to int16 once, as pairs of inputs per column: the operand
-     order of vpmaddwd, for q4 nibbles and q8 bytes alike;
+     order of vpmaddwd (q4: a byte's two nibbles; q8: stored in pairs, layout packedNBx2);
   3. a micro-kernel multiplies MICRO_ROWS rows (single rows for the rest of the tile) by two
      vectors of 8 columns with vpmaddwd, 16 products per instruction (twice fp32 FMA's rate), into
      int32 accumulators held in registers for one activation block, then adds them to the tile's
@@ -35,11 +36,41 @@ def has_pair_dot(target) -> bool:
             and bool(tvm.target.codegen.llvm_cpu_has_features(["avx2"], target)))
 
 
+def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
+    """A T.macro quantize(x, xq, sx, m) writing the scheme's levels of each row of x (ir/quant.py
+    quantize_activations: q = rint(x * 127 / amax) per block) into xq as level_dtype, input k of a
+    block at position(k) of it (default k), and each block's scale amax / 127 into sx. Rows run in
+    parallel; the int8 kernels call it first, so x is read from memory once."""
+    place = position or (lambda k: k)
+    loop = T.serial if position else T.vectorized
+
+    @T.macro
+    def quantize(x, xq, sx, m):
+        for i in T.parallel(m):
+            for kb in range(n_in // block):
+                with T.sblock("quantize"):
+                    row = T.axis.spatial(m, i)
+                    b = T.axis.spatial(n_in // block, kb)
+                    T.reads(x[row, b * block:b * block + block])
+                    T.writes(xq[row, b * block:b * block + block], sx[row, b])
+                    amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    amax[0] = T.float32(0)
+                    for k in range(block):
+                        amax[0] = T.max(amax[0], T.abs(T.Cast("float32", x[row, b * block + k])))
+                    sx[row, b] = amax[0] / T.float32(127)
+                    for k in loop(block):
+                        xq[row, b * block + place(k)] = T.Cast(level_dtype, T.nearbyint(
+                            T.Cast("float32", x[row, b * block + k])
+                            * T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))))
+    return quantize
+
+
 @functools.cache
 def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
                      has_residual: bool):
-    """(x [m, n_in], w [n_out/nb, n_in', nb], scale, [bias,] [residual,] y [m, n_out]) for fmt q8 or
-    q4 with act_block > 0; nb a multiple of 8."""
+    """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]) for fmt q8 or q4 with act_block > 0,
+    w stored [n_out/nb, n_in/2, nb] bytes of two nibbles (q4) or in layout packedNBx2 (q8); nb a
+    multiple of 8."""
     if nb % LANES:
         raise ValueError(f"the int8 GEMM takes panels of a multiple of {LANES} columns, not {nb}")
     block, q4 = fmt.act_block, fmt.kind == "q4"
@@ -48,8 +79,10 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     panels, vectors = n_out // nb, nb // LANES
     per_slice = min(2, vectors)            # vectors of columns per micro-kernel step
     slices, pairs = vectors // per_slice, k_block // 2
-    stored_in = n_in // 2 if q4 else n_in
+    w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
     scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
+
+    quantize = x_quantizer(n_in, block, "int16")
 
     def int32x8(value):
         return T.broadcast(T.int32(value), LANES)
@@ -60,9 +93,7 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
             byte = T.Cast("int32x8", w[jo, kbo * pairs + kp, columns])
             word = (byte & int32x8(15)) | ((byte >> int32x8(4)) << int32x8(16))
             return T.reinterpret("int16x16", word) - T.broadcast(T.int16(8), 2 * LANES)
-        low = T.Cast("int32x8", w[jo, kbo * k_block + 2 * kp, columns])
-        high = T.Cast("int32x8", w[jo, kbo * k_block + 2 * kp + 1, columns])
-        return T.reinterpret("int16x16", (low & int32x8(0xFFFF)) | (high << int32x8(16)))
+        return T.Cast("int16x16", w[jo, kbo * pairs + kp, T.ramp(v * 2 * LANES, 1, 2 * LANES)])   # stored in pairs
 
     def block_scale(sx, scale, row, kb, col):   # evaluated while parsing: float32x8 for block kb
         x_scale = T.broadcast(sx[row, kb], LANES)
@@ -100,28 +131,13 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     def gemm(x, w, scale, bias, residual, y, m):
         xq = T.alloc_buffer((m, n_in), "int16")
         sx = T.alloc_buffer((m, n_in // block), "float32")
-        for i in T.parallel(m):
-            for kb in range(n_in // block):
-                with T.sblock("quantize"):
-                    row = T.axis.spatial(m, i)
-                    b = T.axis.spatial(n_in // block, kb)
-                    T.reads(x[row, b * block:b * block + block])
-                    T.writes(xq[row, b * block:b * block + block], sx[row, b])
-                    amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    amax[0] = T.float32(0)
-                    for k in range(block):
-                        amax[0] = T.max(amax[0], T.abs(T.Cast("float32", x[row, b * block + k])))
-                    sx[row, b] = amax[0] / T.float32(127)
-                    for k in T.vectorized(block):
-                        xq[row, b * block + k] = T.Cast("int16", T.nearbyint(
-                            T.Cast("float32", x[row, b * block + k])
-                            * T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))))
+        quantize(x, xq, sx, m)
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
                 jo = T.axis.spatial(panels, task % panels)
                 io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
                 T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:n_in // block],
-                        w[jo, 0:stored_in, 0:nb])
+                        w[jo, 0:w_shape[1], 0:w_shape[2]])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
                 wi = T.sblock_alloc_buffer((pairs, 2 * nb), "int16")
@@ -142,5 +158,5 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                         y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
                                                                     io * ROWS, jo * nb, r, c)
 
-    return signature(gemm, n_in, n_out, (panels, stored_in, nb), dtype, "uint8" if q4 else "int8", scale_shape,
+    return signature(gemm, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
                      "float16" if q4 else "float32", has_bias, has_residual)

@@ -169,10 +169,15 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
 
     if nb is not None and fmt.act_block:
-        # int8 activations: integer pair dots in every step (codegen/int8_gemm.py)
+        # int8 activations: exact integer dots per block, the same float steps in both kernels
+        from . import int8_gemv
         from .int8_gemm import int8_gemm_kernel
-        y = packed(int8_gemm_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),
-                   "int8_gemm", scheduled=True)
+        if ctx.step == "decode" and int8_gemv.supports(n_out, n_in, nb, fmt):
+            y = packed(int8_gemv.int8_gemv_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),
+                       "int8_gemv", scheduled=True)
+        else:
+            y = packed(int8_gemm_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),
+                       "int8_gemm", scheduled=True)
     elif nb is not None and ctx.target.chunk_gemm and ctx.step != "decode":
         # steps that bring chunks: the register-blocked GEMM (decode steps keep the GEMV schedule)
         from .gemm import packed_gemm_kernel, vector_lanes

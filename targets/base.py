@@ -71,8 +71,9 @@ class Target:
         return ("fuse_rope_attention",) if all(KERNELS[k].fused_qkv for k in firsts) else ()
 
 
-    def linear_layout(self, n_out: int, n_in: int) -> str:
-        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB'."""
+    def linear_layout(self, n_out: int, n_in: int, input_pairs: bool = False) -> str:
+        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB'
+        ('packedNBx2' with input_pairs: for kernels that multiply input pairs, codegen/layouts.py)."""
         return "nk"
 
     # -- lowering to machine code ------------------------------------------------------------

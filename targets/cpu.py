@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
+from kiln.codegen.layouts import PAIRS
 from kiln.errors import KilnError
 
 from .base import Target
@@ -42,11 +43,11 @@ class CPUTarget(Target):
     def tvm_target(self) -> tvm.target.Target:
         return host_cpu_target()
 
-    def linear_layout(self, n_out, n_in):
+    def linear_layout(self, n_out, n_in, input_pairs=False):
         # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers.
         for nb in (64, 32, 16, 8):
             if n_out % nb == 0:
-                return f"packed{nb}"
+                return f"packed{nb}" + (PAIRS if input_pairs and n_in % 2 == 0 else "")
         return "nk"
 
     def relax_pipeline(self):

@@ -46,6 +46,11 @@ def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
         N_OUT, N_IN, NB, dtype, fmt, weight_dtype, bias, residual, vector_lanes(host_cpu_target())))
 
 
+def int8_layout(op: str) -> str:
+    """How the CPU target stores the weight of a linear with int8 activations (q8: in input pairs)."""
+    return f"packed{NB}x2" if op == "linear_q8" else f"packed{NB}"
+
+
 def pair_dot_or_skip():
     from kiln.codegen.int8_gemm import has_pair_dot
     from kiln.targets.cpu import host_cpu_target
@@ -58,7 +63,15 @@ def test_int8_gemm_equals_the_interpreter(op, dtype, bias, residual):
     from kiln.codegen.int8_gemm import int8_gemm_kernel
     pair_dot_or_skip()
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: int8_gemm_kernel(
-        N_OUT, N_IN, NB, dtype, fmt, bias, residual))
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=int8_layout(op))
+
+
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
+def test_int8_gemv_equals_the_interpreter(op, dtype, bias, residual):
+    from kiln.codegen.int8_gemv import int8_gemv_kernel
+    pair_dot_or_skip()
+    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: int8_gemv_kernel(
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=int8_layout(op))
 
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2])

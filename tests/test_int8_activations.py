@@ -102,7 +102,7 @@ def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(m
 @pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98)])
 def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_model, tmp_path, quant, cosine):
     """The default CPU compile of a q8/q4 model: its manifest and `kiln inspect` name the activation
-    block and its linears are the int8 GEMM; its last-token logits stay as close to transformers'
+    block and its linears are the int8 GEMM (the decode entry's the int8 GEMV); its last-token logits stay as close to transformers'
     (float32) as tests/test_quant.py holds float activations to; and 6 greedy requests batched give
     each one's tokens alone (every row's levels and dots are its own, whatever the step).
     Compiled against interpreted logits are not compared here: a one-ulp difference upstream can flip
@@ -124,8 +124,9 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     manifest = compile_model(model_dir, tmp_path / "a", target="cpu", quant=quant, show=None, quant_embedding=False)
     assert manifest["quantization"]["activation_block"] == 32
     assert "activations int8 in blocks of 32" in summary(tmp_path / "a")
-    linears = [k for k in manifest["kernels"] if k.startswith(("int8_gemm_", "gemm", "linear"))]
-    assert linears and all(k.startswith(f"int8_gemm_{quant}") for k in linears)
+    linears = [k for k in manifest["kernels"] if k.startswith(("int8_gem", "gemm", "linear"))]
+    assert linears and all(k.startswith((f"int8_gemm_{quant}", f"int8_gemv_{quant}")) for k in linears)
+    assert any(k.startswith("int8_gemv_") for k in linears)         # the decode entry's
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     compiled = CompiledModel(tmp_path / "a")
     compiled.allocate_kv(16 * compiled.bytes_per_page)
@@ -136,3 +137,44 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == alone
+
+
+def test_pair_layout_known_values():
+    """packedNBx2 (q8 with int8 activations): W[j, k] at [j // NB, k // 2, 2 (j % NB) + k % 2]."""
+    from kiln.codegen.layouts import apply_layout, packed_index, stored_shape
+    w = np.arange(16 * 6).reshape(16, 6)            # W[j, k] = 6 j + k
+    stored = apply_layout("packed8x2", w)
+    assert stored.shape == stored_shape("packed8x2", (16, 6)) == (2, 3, 16)
+    assert stored[1, 2].tolist() == [6 * j + k for j in range(8, 16) for k in (4, 5)]
+    assert all(stored[packed_index("packed8x2", j, k)] == 6 * j + k for j in range(16) for k in range(6))
+    experts = apply_layout("packed8x2", np.stack([w, w + 1000]))
+    assert experts.shape == (2, 2, 3, 16) and experts[1, 0, 0, 1] == 1001
+
+
+def test_a_q8_table_stored_in_pairs_gathers_the_interpreters_rows():
+    """A table tied to a q8 LM head with int8 activations is stored in the head's pair layout
+    (tests/test_quant_embedding.py); the gather must still read each row the interpreter's
+    embed_q8 reads."""
+    import tvm
+    from tvm import te
+    from kiln.codegen.embed import gather_kernel
+    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.linear import WeightFormat
+    from kiln.ir import GraphBuilder, interpret
+    from kiln.targets.cpu import host_cpu_target
+    vocab, hidden = 64, 48
+    rng = np.random.default_rng(0)
+    table = rng.integers(-127, 128, (vocab, hidden)).astype(np.int8)
+    scale = (rng.random(vocab) * 0.01).astype(np.float32)
+    ids = np.array([0, 63, 17, 17, 5, 16], np.int32)
+    b = GraphBuilder("embed")
+    graph = b.output(b.op("embed_q8", b.input("ids", ("tokens",), "int32"), b.param("table", (vocab, hidden), "int8"),
+                          b.param("scale", (vocab,), "float32"), name="out", dtype="float32"))
+    want = interpret(graph, {"ids": ids}, {"table": table, "scale": scale}.__getitem__)["out"]
+    ph = [te.placeholder((ids.size,), "int32"), te.placeholder((vocab // 16, hidden // 2, 32), "int8"),
+          te.placeholder((vocab,), "float32")]
+    func = te.create_prim_func([*ph, gather_kernel(vocab, hidden, "packed16x2", "float32", WeightFormat("q8"))(*ph)])
+    built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=host_cpu_target())
+    out = tvm.runtime.tensor(np.zeros((ids.size, hidden), np.float32))
+    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout("packed16x2", table), scale)], out)
+    np.testing.assert_array_equal(out.numpy(), want)

@@ -174,6 +174,10 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
                                                      f"proj.weight.q8{proj}", "proj.weight.q8_scale"]
         # without --quant the gather reads the head's float table in the head's layout: one copy too
         assert sorted(stored(lm_graph(tied=True), target)) == [f"embed.weight{head}", f"proj.weight{proj}"]
+    # q8 with int8 activations: the head is stored in input pairs, and so is the table it shares
+    paired = QuantizeEmbedding("q8")(Quantize("q8", act_block=4)(lm_graph(tied=True)))
+    assert sorted(stored(paired, CPUTarget())) == ["embed.weight.q8@packed16x2", "embed.weight.q8_scale",
+                                                   "proj.weight.q8@packed8x2", "proj.weight.q8_scale"]
 
 
 def test_no_quant_lm_head_stores_the_float_head_and_the_quantised_embedding():
