@@ -7,10 +7,11 @@ Kernels (on the same random weights, stored as the CPU target stores them):
   (codegen/gemm.py), both in fp32 FMAs;
 - q8 and q4 weights, float32 x: the GEMV and GEMM with float activations, and the int8-activation
   GEMM (codegen/int8_gemm.py, vpmaddwd: steps with chunks) and GEMV (codegen/int8_gemv.py: decode
-  steps), which a default CPU artifact runs.
+  steps), which a default CPU artifact runs on AVX2; on AVX-512 VNNI, codegen/vnni_linear.py (vpdpbusd,
+  every step), which it runs there.
 Peaks, measured here on registers only (no memory): fp32 FMA (12 independent 8-lane FMA chains)
-and vpmaddwd (12 independent chains of a pair dot and its int32 add, each dot reading its chain's
-accumulator so none can be hoisted). TVM sizes its thread pool once per process, so each thread
+vpmaddwd (12 independent chains of a pair dot and its int32 add, each dot reading its chain's
+accumulator so none can be hoisted) and vpdpbusd (12 chains of 512-bit byte-quad dots). TVM sizes its thread pool once per process, so each thread
 count is its own run.
 GOP/s counts a multiply-add as 2 operations; `% peak` is against the instruction the kernel uses.
 """
@@ -29,6 +30,7 @@ def _peak(threads: int, kind: str) -> float:
     import tvm
     from tvm.script import tirx as T
     from kiln.codegen.int8_gemm import PAIR_DOT
+    from kiln.codegen.vnni_linear import QUAD_DOT
     from kiln.targets.cpu import host_cpu_target
 
     @T.prim_func(s_tir=True)
@@ -55,10 +57,23 @@ def _peak(threads: int, kind: str) -> float:
                         "int32x8", PAIR_DOT, T.reinterpret("int16x16", out[t, c, T.ramp(0, 1, 8)]),
                         a[T.ramp(0, 1, 16)])
 
-    func, dtype, lanes, ops = {"fma": (fma, "float32", 8, 2 * 8), "pair_dot": (pair_dot, "int16", 16, 2 * 16)}[kind]
+    @T.prim_func(s_tir=True)
+    def quad_dot(a: T.Buffer((64,), "int8"), out: T.Buffer((threads, CHAINS, 16), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads):
+            for c in T.unroll(CHAINS):
+                out[t, c, T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+            for _ in range(STEPS):
+                for c in T.unroll(CHAINS):     # the accumulator is an operand: nothing to hoist
+                    out[t, c, T.ramp(0, 1, 16)] = T.call_llvm_pure_intrin(
+                        "int32x16", QUAD_DOT, out[t, c, T.ramp(0, 1, 16)], a[T.ramp(0, 1, 64)], a[T.ramp(0, 1, 64)])
+
+    func, dtype, lanes, out_lanes, ops = {"fma": (fma, "float32", 8, 8, 2 * 8),
+                                          "pair_dot": (pair_dot, "int16", 16, 8, 2 * 16),
+                                          "quad_dot": (quad_dot, "int8", 64, 16, 2 * 64)}[kind]
     kernel = tvm.compile(tvm.IRModule({"main": func}), target=host_cpu_target())
-    a = tvm.runtime.tensor(np.ones(lanes, dtype) * (1 if kind == "pair_dot" else 0.5))   # values stay small
-    out = tvm.runtime.tensor(np.zeros((threads, CHAINS, 8), "float32" if kind == "fma" else "int32"))
+    a = tvm.runtime.tensor(np.ones(lanes, dtype) * (0.5 if kind == "fma" else 1))   # values stay small
+    out = tvm.runtime.tensor(np.zeros((threads, CHAINS, out_lanes), "float32" if kind == "fma" else "int32"))
     kernel(a, out)
     best = min(_timed(lambda: kernel(a, out)) for _ in range(5))
     return threads * CHAINS * STEPS * ops / best / 1e9
@@ -81,6 +96,7 @@ def _kernels(n_out: int, n_in: int):
     from kiln.codegen.int8_gemv import int8_gemv_kernel
     from kiln.codegen.layouts import apply_layout
     from kiln.codegen.linear import WeightFormat, packed_linear_kernel
+    from kiln.codegen.vnni_linear import has_quad_dot, vnni_linear_kernel
     from kiln.ir.quant import SCHEMES
     from kiln.targets.cpu import host_cpu_target
     target, nb = host_cpu_target(), 64
@@ -107,6 +123,10 @@ def _kernels(n_out: int, n_in: int):
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
         yield (f"{quant} int8 GEMV (decode steps)", "pair_dot", paired, "float32", built(int8_gemv_kernel(
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
+        if has_quad_dot(target):            # AVX-512 VNNI: the CPU target's kernel for every step
+            quads = [apply_layout(f"packed{nb}x4", parts["q"]), parts["scale"]]
+            yield (f"{quant} VNNI", "quad_dot", quads, "float32", built(vnni_linear_kernel(
+                n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
 
 
 def main() -> None:
@@ -129,8 +149,9 @@ def main() -> None:
     print("| threads | kernel | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
     for threads in [args.threads]:
-        peaks = {kind: _peak(threads, kind) for kind in ("fma", "pair_dot")}
-        print(f"| {threads} | peak: fp32 FMA {peaks['fma']:.0f}, vpmaddwd {peaks['pair_dot']:.0f} |"
+        peaks = {kind: _peak(threads, kind) for kind in {k[1] for k in kernels}}
+        names = {"fma": "fp32 FMA", "pair_dot": "vpmaddwd", "quad_dot": "vpdpbusd"}
+        print(f"| {threads} | peak: " + ", ".join(f"{names[k]} {v:.0f}" for k, v in sorted(peaks.items())) + " |"
               + " |" * len(rows))
         for name, kind, weights, x_dtype, kernel in kernels:
             cells = []

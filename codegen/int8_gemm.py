@@ -65,6 +65,24 @@ def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
     return quantize
 
 
+def x_block_sums(n_in: int, block: int):
+    """A T.macro sums(xq, x_sums, m) writing Σ of each block's levels (int32): the kernels whose
+    weight operand is offset to be unsigned (q4's nibbles, VNNI's q8 + 128) subtract offset · Σx."""
+    @T.macro
+    def sums(xq, x_sums, m):
+        for i in T.parallel(m):
+            for b in range(n_in // block):
+                with T.sblock("x_sums"):
+                    r = T.axis.spatial(m, i)
+                    bb = T.axis.spatial(n_in // block, b)
+                    T.reads(xq[r, bb * block:bb * block + block])
+                    T.writes(x_sums[r, bb])
+                    x_sums[r, bb] = 0
+                    for k in range(block):
+                        x_sums[r, bb] = x_sums[r, bb] + T.Cast("int32", xq[r, bb * block + k])
+    return sums
+
+
 @functools.cache
 def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
                      has_residual: bool):

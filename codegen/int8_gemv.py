@@ -23,7 +23,7 @@ import functools
 from tvm.script import tirx as T
 
 from .gemm import signature, tile_output
-from .int8_gemm import LANES, PAIR_DOT, x_quantizer
+from .int8_gemm import LANES, PAIR_DOT, x_block_sums, x_quantizer
 from .linear import WeightFormat
 
 GROUP = 16                                 # output columns per step: 16 int16 lanes (q4), two pair dots (q8)
@@ -57,6 +57,7 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
     scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
     quantize = x_quantizer(n_in, block, "int8", _quad_position) if q4 else x_quantizer(n_in, block, "int16")
+    sum_blocks = x_block_sums(n_in, block)
     rows_per_block = block // 2                            # stored weight rows per block of x
     # Prefetching measured on Zen 3 (docs/BENCHMARKS.md): q4 gains ~1.5x, chiefly from its group
     # scales (a row of a [groups, n_out] table per block, which no stride prefetcher follows); q8
@@ -138,16 +139,7 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         sx = T.alloc_buffer((m, blocks), "float32")
         x_sums = T.alloc_buffer((m, blocks), "int32")      # q4: Σx per block, for the nibbles' +8
         quantize(x, xq, sx, m)
-        for i in T.parallel(m):
-            for b in range(blocks if q4 else 0):
-                with T.sblock("x_sums"):
-                    r = T.axis.spatial(m, i)
-                    bb = T.axis.spatial(blocks, b)
-                    T.reads(xq[r, bb * block:bb * block + block])
-                    T.writes(x_sums[r, bb])
-                    x_sums[r, bb] = 0
-                    for k in range(block):
-                        x_sums[r, bb] = x_sums[r, bb] + T.Cast("int32", xq[r, bb * block + k])
+        sum_blocks(xq, x_sums, m)
         for task in T.parallel(panels):
             with T.sblock("panel"):
                 jo = T.axis.spatial(panels, task)

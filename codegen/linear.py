@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tvm import relax, s_tir, te, tirx
 
-from .layouts import packed_block
+from .layouts import interleave, packed_block
 
 ROW_TILE, K_BLOCK = 16, 128      # CPU packed kernel tiling (measured on a 2-core Zen VM, bench in docs)
 
@@ -168,7 +168,12 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=scheduled)
         return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
 
-    if nb is not None and fmt.act_block:
+    if nb is not None and fmt.act_block and interleave(layout) == 4:
+        # int8 activations on VNNI: one kernel for every step
+        from .vnni_linear import vnni_linear_kernel
+        y = packed(vnni_linear_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),
+                   "vnni", scheduled=True)
+    elif nb is not None and fmt.act_block:
         # int8 activations: exact integer dots per block, the same float steps in both kernels
         from . import int8_gemv
         from .int8_gemm import int8_gemm_kernel

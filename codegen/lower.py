@@ -168,9 +168,9 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
         return target.linear_layout(*graph.params[name].type.shape[1:])      # each expert packed as a linear
     if node.op in LINEAR_OPS and pos == 1:
-        # q8 with int8 activations: its kernels multiply input pairs (codegen/int8_gemm.py)
-        pairs = node.op == "linear_q8" and node.attrs.get("act_block", 0) > 0
-        return target.linear_layout(*graph.params[name].type.shape, input_pairs=pairs)
+        # int8 activations: the target stores the inputs its integer dot multiplies side by side
+        int8_weights = node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0 else None
+        return target.linear_layout(*graph.params[name].type.shape, int8_weights=int8_weights)
     head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == name), None)
     if node.op in EMBED_OPS and pos == 1 and head is not None:
         return _layout_for(head, 1, graph, target)

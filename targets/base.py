@@ -71,9 +71,9 @@ class Target:
         return ("fuse_rope_attention",) if all(KERNELS[k].fused_qkv for k in firsts) else ()
 
 
-    def linear_layout(self, n_out: int, n_in: int, input_pairs: bool = False) -> str:
-        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB'
-        ('packedNBx2' with input_pairs: for kernels that multiply input pairs, codegen/layouts.py)."""
+    def linear_layout(self, n_out: int, n_in: int, int8_weights: str | None = None) -> str:
+        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB[xF]'
+        (codegen/layouts.py). int8_weights ("q8", "q4") says its kernel takes int8 activations."""
         return "nk"
 
     # -- lowering to machine code ------------------------------------------------------------

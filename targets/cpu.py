@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from kiln.codegen.layouts import PAIRS
+from kiln.codegen.layouts import packed_layout
 from kiln.errors import KilnError
 
 from .base import Target
@@ -19,10 +19,14 @@ def host_cpu_target() -> tvm.target.Target:
                               "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
 
 
-def _int8_activation_block() -> int:
-    """llama.cpp's Q8_0 block where the CPU has kiln's integer pair-dot kernel (AVX2), else none."""
+def _int8_dot() -> str:
+    """The integer dot kiln's int8-activation kernels use on this CPU: "vnni" (AVX-512 VNNI,
+    codegen/vnni_linear.py), "avx2" (vpmaddwd, codegen/int8_gemm.py and int8_gemv.py), or "" (none:
+    linears keep float activations)."""
     from kiln.codegen.int8_gemm import has_pair_dot
-    return 32 if has_pair_dot(host_cpu_target()) else 0
+    from kiln.codegen.vnni_linear import has_quad_dot
+    target = host_cpu_target()
+    return "vnni" if has_quad_dot(target) else "avx2" if has_pair_dot(target) else ""
 
 
 @dataclass
@@ -35,7 +39,12 @@ class CPUTarget(Target):
     chunk_gemm: bool = True
     decode_gemm_from: int = 8          # where the GEMM overtakes the GEMV: docs/BENCHMARKS.md
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
-    activation_block: int = field(default_factory=lambda: _int8_activation_block())
+    int8_dot: str = field(default_factory=lambda: _int8_dot())
+    activation_block: int = -1         # llama.cpp's Q8_0 block where there is an int8 dot, else 0
+
+    def __post_init__(self):
+        if self.activation_block < 0:
+            self.activation_block = 32 if self.int8_dot else 0
 
     def weight_quants(self):
         return ("q8", "q4", "fp8")      # fp8 is decoded in software here: for accuracy checks, not speed
@@ -43,12 +52,17 @@ class CPUTarget(Target):
     def tvm_target(self) -> tvm.target.Target:
         return host_cpu_target()
 
-    def linear_layout(self, n_out, n_in, input_pairs=False):
-        # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers.
-        for nb in (64, 32, 16, 8):
-            if n_out % nb == 0:
-                return f"packed{nb}" + (PAIRS if input_pairs and n_in % 2 == 0 else "")
-        return "nk"
+    def linear_layout(self, n_out, n_in, int8_weights=None):
+        # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers; for
+        # int8 activations put the inputs its integer dot multiplies at once side by side.
+        nb = next((nb for nb in (64, 32, 16, 8) if n_out % nb == 0), None)
+        if nb is None:
+            return "nk"
+        if int8_weights and self.int8_dot == "vnni" and nb % 16 == 0 and n_in % 4 == 0:
+            return packed_layout(nb, 4)                  # vpdpbusd's byte quads (q8 levels, q4 bytes)
+        if int8_weights == "q8" and n_in % 2 == 0:
+            return packed_layout(nb, 2)                  # vpmaddwd's pairs (a q4 byte is one already)
+        return packed_layout(nb)
 
     def relax_pipeline(self):
         # TVM's CPU pipeline: legalize, fuse elementwise chains (FuseOps/FuseTIR), lower to the VM.

@@ -1,8 +1,8 @@
 """kiln's register-blocked CPU GEMMs against the reference interpreter's linear ops, on the same
 (quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
-codegen/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/int8_gemm.py (and the TE
-form codegen/linear.py uses for unpacked weights) on q8 and q4 weights with int8 activations; with
-bias and residual."""
+codegen/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/int8_gemm.py,
+int8_gemv.py, vnni_linear.py (and the TE form codegen/linear.py uses for unpacked weights) on q8 and
+q4 weights with int8 activations; with bias and residual."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -72,6 +72,17 @@ def test_int8_gemv_equals_the_interpreter(op, dtype, bias, residual):
     pair_dot_or_skip()
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: int8_gemv_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=int8_layout(op))
+
+
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
+def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
+    """codegen/vnni_linear.py (every step on AVX-512 VNNI CPUs), weights in byte quads."""
+    from kiln.codegen.vnni_linear import has_quad_dot, vnni_linear_kernel
+    from kiln.targets.cpu import host_cpu_target
+    if not has_quad_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
+    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4")
 
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2])

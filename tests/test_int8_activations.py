@@ -102,7 +102,8 @@ def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(m
 @pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98)])
 def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_model, tmp_path, quant, cosine):
     """The default CPU compile of a q8/q4 model: its manifest and `kiln inspect` name the activation
-    block and its linears are the int8 GEMM (the decode entry's the int8 GEMV); its last-token logits stay as close to transformers'
+    block and its linears are the int8 GEMM (the decode entry's the int8 GEMV), or on AVX-512 VNNI
+    the VNNI kernel in every entry; its last-token logits stay as close to transformers'
     (float32) as tests/test_quant.py holds float activations to; and 6 greedy requests batched give
     each one's tokens alone (every row's levels and dots are its own, whatever the step).
     Compiled against interpreted logits are not compared here: a one-ulp difference upstream can flip
@@ -115,7 +116,7 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     from kiln.runtime.llm import LLM
     from kiln.runtime.model import CompiledModel
     from kiln.runtime.sampler import SamplingParams
-    from kiln.targets.cpu import host_cpu_target
+    from kiln.targets.cpu import CPUTarget, host_cpu_target
     from reference import last_logit_cosines, random_prompt
     if not has_pair_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
@@ -124,9 +125,12 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     manifest = compile_model(model_dir, tmp_path / "a", target="cpu", quant=quant, show=None, quant_embedding=False)
     assert manifest["quantization"]["activation_block"] == 32
     assert "activations int8 in blocks of 32" in summary(tmp_path / "a")
-    linears = [k for k in manifest["kernels"] if k.startswith(("int8_gem", "gemm", "linear"))]
-    assert linears and all(k.startswith((f"int8_gemm_{quant}", f"int8_gemv_{quant}")) for k in linears)
-    assert any(k.startswith("int8_gemv_") for k in linears)         # the decode entry's
+    linears = [k for k in manifest["kernels"] if k.startswith(("int8_gem", "vnni", "gemm", "linear"))]
+    if CPUTarget().int8_dot == "vnni":                                # one kernel for every step
+        assert linears and all(k.startswith(f"vnni_{quant}") for k in linears)
+    else:
+        assert linears and all(k.startswith((f"int8_gemm_{quant}", f"int8_gemv_{quant}")) for k in linears)
+        assert any(k.startswith("int8_gemv_") for k in linears)     # the decode entry's
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     compiled = CompiledModel(tmp_path / "a")
     compiled.allocate_kv(16 * compiled.bytes_per_page)
@@ -139,42 +143,57 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == alone
 
 
-def test_pair_layout_known_values():
-    """packedNBx2 (q8 with int8 activations): W[j, k] at [j // NB, k // 2, 2 (j % NB) + k % 2]."""
-    from kiln.codegen.layouts import apply_layout, packed_index, stored_shape
-    w = np.arange(16 * 6).reshape(16, 6)            # W[j, k] = 6 j + k
+def test_interleaved_layouts_known_values():
+    """packedNBxF (int8 activations: F = 2 for vpmaddwd's pairs, 4 for vpdpbusd's quads): W[j, k]
+    at [j // NB, k // F, F (j % NB) + k % F]."""
+    from kiln.codegen.layouts import apply_layout, interleave, packed_block, packed_index, stored_shape
+    w = np.arange(16 * 8).reshape(16, 8)            # W[j, k] = 8 j + k
     stored = apply_layout("packed8x2", w)
-    assert stored.shape == stored_shape("packed8x2", (16, 6)) == (2, 3, 16)
-    assert stored[1, 2].tolist() == [6 * j + k for j in range(8, 16) for k in (4, 5)]
-    assert all(stored[packed_index("packed8x2", j, k)] == 6 * j + k for j in range(16) for k in range(6))
+    assert stored.shape == stored_shape("packed8x2", (16, 8)) == (2, 4, 16)
+    assert stored[1, 2].tolist() == [8 * j + k for j in range(8, 16) for k in (4, 5)]
+    quads = apply_layout("packed8x4", w)
+    assert quads.shape == stored_shape("packed8x4", (16, 8)) == (2, 2, 32)
+    assert quads[1, 1].tolist() == [8 * j + k for j in range(8, 16) for k in (4, 5, 6, 7)]
+    for layout in ("packed8x2", "packed8x4", "packed8"):
+        stored = apply_layout(layout, w)
+        assert all(stored[packed_index(layout, j, k)] == 8 * j + k for j in range(16) for k in range(8))
+    assert (packed_block("packed64x4"), interleave("packed64x4"), interleave("packed64"), interleave("nk")) == (64, 4, 1, 1)
     experts = apply_layout("packed8x2", np.stack([w, w + 1000]))
-    assert experts.shape == (2, 2, 3, 16) and experts[1, 0, 0, 1] == 1001
+    assert experts.shape == (2, 2, 4, 16) and experts[1, 0, 0, 1] == 1001
 
 
-def test_a_q8_table_stored_in_pairs_gathers_the_interpreters_rows():
-    """A table tied to a q8 LM head with int8 activations is stored in the head's pair layout
-    (tests/test_quant_embedding.py); the gather must still read each row the interpreter's
-    embed_q8 reads."""
+@pytest.mark.parametrize("op, layout", [("embed_q8", "packed16x2"), ("embed_q8", "packed16x4"),
+                                        ("embed_q4", "packed16x4")])
+def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout):
+    """A table tied to a q8/q4 LM head with int8 activations is stored in the head's interleaved
+    layout (tests/test_quant_embedding.py); the gather must still read each row the interpreter's
+    embed_q8/embed_q4 reads."""
     import tvm
     from tvm import te
     from kiln.codegen.embed import gather_kernel
-    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.layouts import apply_layout, stored_shape
     from kiln.codegen.linear import WeightFormat
     from kiln.ir import GraphBuilder, interpret
     from kiln.targets.cpu import host_cpu_target
-    vocab, hidden = 64, 48
+    vocab, hidden, group = 64, 48, 16
     rng = np.random.default_rng(0)
-    table = rng.integers(-127, 128, (vocab, hidden)).astype(np.int8)
-    scale = (rng.random(vocab) * 0.01).astype(np.float32)
+    if op == "embed_q8":
+        table = rng.integers(-127, 128, (vocab, hidden)).astype(np.int8)
+        scale = (rng.random(vocab) * 0.01).astype(np.float32)
+        fmt, attrs = WeightFormat("q8"), {}
+    else:
+        table = rng.integers(0, 256, (vocab, hidden // 2)).astype(np.uint8)
+        scale = (rng.random((hidden // group, vocab)) * 0.01).astype(np.float16)
+        fmt, attrs = WeightFormat("q4", group), {"group_size": group}
     ids = np.array([0, 63, 17, 17, 5, 16], np.int32)
     b = GraphBuilder("embed")
-    graph = b.output(b.op("embed_q8", b.input("ids", ("tokens",), "int32"), b.param("table", (vocab, hidden), "int8"),
-                          b.param("scale", (vocab,), "float32"), name="out", dtype="float32"))
+    graph = b.output(b.op(op, b.input("ids", ("tokens",), "int32"), b.param("table", table.shape, str(table.dtype)),
+                          b.param("scale", scale.shape, str(scale.dtype)), name="out", dtype="float32", **attrs))
     want = interpret(graph, {"ids": ids}, {"table": table, "scale": scale}.__getitem__)["out"]
-    ph = [te.placeholder((ids.size,), "int32"), te.placeholder((vocab // 16, hidden // 2, 32), "int8"),
-          te.placeholder((vocab,), "float32")]
-    func = te.create_prim_func([*ph, gather_kernel(vocab, hidden, "packed16x2", "float32", WeightFormat("q8"))(*ph)])
+    ph = [te.placeholder((ids.size,), "int32"), te.placeholder(stored_shape(layout, table.shape), str(table.dtype)),
+          te.placeholder(scale.shape, str(scale.dtype))]
+    func = te.create_prim_func([*ph, gather_kernel(vocab, hidden, layout, "float32", fmt)(*ph)])
     built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=host_cpu_target())
     out = tvm.runtime.tensor(np.zeros((ids.size, hidden), np.float32))
-    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout("packed16x2", table), scale)], out)
+    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout(layout, table), scale)], out)
     np.testing.assert_array_equal(out.numpy(), want)

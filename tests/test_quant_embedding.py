@@ -174,10 +174,12 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
                                                      f"proj.weight.q8{proj}", "proj.weight.q8_scale"]
         # without --quant the gather reads the head's float table in the head's layout: one copy too
         assert sorted(stored(lm_graph(tied=True), target)) == [f"embed.weight{head}", f"proj.weight{proj}"]
-    # q8 with int8 activations: the head is stored in input pairs, and so is the table it shares
-    paired = QuantizeEmbedding("q8")(Quantize("q8", act_block=4)(lm_graph(tied=True)))
-    assert sorted(stored(paired, CPUTarget())) == ["embed.weight.q8@packed16x2", "embed.weight.q8_scale",
-                                                   "proj.weight.q8@packed8x2", "proj.weight.q8_scale"]
+    # q8 with int8 activations: the head is stored with the inputs its integer dot takes side by side
+    # (AVX2: pairs; VNNI: quads, where the panel fills 512-bit registers), and so is the table it shares
+    int8 = QuantizeEmbedding("q8")(Quantize("q8", act_block=4)(lm_graph(tied=True)))
+    for dot, head in (("avx2", "packed16x2"), ("vnni", "packed16x4")):
+        assert sorted(stored(int8, CPUTarget(int8_dot=dot))) == [f"embed.weight.q8@{head}", "embed.weight.q8_scale",
+                                                                 "proj.weight.q8@packed8x2", "proj.weight.q8_scale"]
 
 
 def test_no_quant_lm_head_stores_the_float_head_and_the_quantised_embedding():

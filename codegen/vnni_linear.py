@@ -1,0 +1,172 @@
+"""kiln's int8-activation kernel for q8 and q4 linears on CPUs with AVX-512 VNNI, for every step.
+
+The scheme and the float steps are codegen/int8_gemm.py's (x quantised per block inside the kernel,
+exact integer dots per block, then acc + dot · block scale in block order), so the outputs equal
+that kernel's and the interpreter's. The dots run on vpdpbusd: four unsigned bytes times four signed
+bytes, summed into each int32 lane, 64 products per instruction with nothing to widen. The weights
+are stored four bytes per output column side by side (layout packedNBx4 over the stored columns),
+so one 64-byte row of a panel is the operand for 16 columns:
+  - q8: four levels; XOR 0x80 makes them unsigned (level + 128), and 128 · Σx of the block is
+    subtracted once from its dots;
+  - q4: four bytes hold eight nibbles (level + 8); the low nibbles are inputs (0, 2, 4, 6) of eight
+    and the high ones (1, 3, 5, 7), two operands; x's levels are stored in that order; 8 · Σx is
+    subtracted.
+A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block it prefetches
+the next block's weights (and q4's group scales, a strided row per block no hardware prefetcher
+follows); a micro-kernel runs MICRO_ROWS rows × 2 vectors of 16 columns (leftover rows one at a
+time × 4 vectors), int32 dots in registers for one activation block. A decode step is the same
+kernel with a tile of one row. The epilogue (q8 scale, bias, rounding, residual) is
+codegen/linear.py's.
+"""
+from __future__ import annotations
+
+import functools
+
+import tvm
+from tvm.script import tirx as T
+
+from .gemm import signature, tile_output
+from .int8_gemm import x_block_sums, x_quantizer
+from .linear import WeightFormat
+
+QUAD_DOT = "llvm.x86.avx512.vpdpbusd.512"  # unsigned × signed bytes, four per int32 lane summed in
+LANES = 16                                 # int32 lanes of a 512-bit register: 16 output columns
+QUAD = 4                                   # stored bytes per column in a row of the layout
+ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
+MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
+
+
+def has_quad_dot(target) -> bool:
+    """Whether the LLVM target runs QUAD_DOT (x86 with AVX-512 VNNI)."""
+    return ("x86" in str(target.attrs.get("mtriple", ""))
+            and bool(tvm.target.codegen.llvm_cpu_has_features(["avx512vnni", "avx512bw"], target)))
+
+
+def supports(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
+    inputs_per_row = QUAD * (2 if fmt.kind == "q4" else 1)
+    return fmt.kind in ("q8", "q4") and fmt.act_block % inputs_per_row == 0 and nb % LANES == 0
+
+
+def _octet_position(k):
+    """Where input k of a block goes among x's levels for q4: (k0, k2, k4, k6, k1, k3, k5, k7) per eight."""
+    return (k // 8) * 8 + (k % 2) * 4 + (k % 8) // 2
+
+
+@functools.cache
+def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
+                       has_residual: bool):
+    """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]), w stored in layout packedNBx4:
+    [n_out/nb, n_in/4, 4 nb] int8 (q8) or [n_out/nb, n_in/8, 4 nb] bytes of two nibbles (q4)."""
+    if not supports(n_out, n_in, nb, fmt):
+        raise ValueError(f"the VNNI kernel takes q8/q4 with panels of a multiple of {LANES} columns and "
+                         f"activation blocks of whole stored rows, not nb={nb}, {fmt}")
+    block, q4 = fmt.act_block, fmt.kind == "q4"
+    per_byte = 2 if q4 else 1                          # inputs per stored byte
+    row_inputs = QUAD * per_byte                       # inputs per stored row of the layout
+    k_block = next((b for b in (K_BLOCK, 64, 32) if n_in % b == 0 and b % block == 0), block)
+    blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
+    micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)
+    while vectors % single_vectors:
+        single_vectors -= 1
+    w_shape = (panels, n_in // row_inputs, QUAD * nb)
+    scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
+    offset = 8 if q4 else 128                          # what makes a level unsigned
+    quantize = x_quantizer(n_in, block, "int8", _octet_position if q4 else None)
+    sum_blocks = x_block_sums(n_in, block)
+    rows_per_k_block = k_block // row_inputs
+    weight_lines = rows_per_k_block * QUAD * nb // 64  # cache lines of a panel's K block
+    scale_rows = k_block // fmt.group_size if q4 else 0   # q4 group-scale rows of a K block
+    scale_lines = (nb * 2 + 63) // 64                     # cache lines of a panel's row of them (float16)
+
+    def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
+        stored = w[jo, row, T.ramp(v * QUAD * LANES, 1, QUAD * LANES)]
+        if not q4:
+            return stored ^ T.broadcast(T.int8(-128), QUAD * LANES)
+        nibbles = stored >> T.broadcast(T.Cast("uint8", part * 4), QUAD * LANES)     # part: low, high
+        return T.reinterpret("int8x64", nibbles & T.broadcast(T.uint8(15), QUAD * LANES))
+
+    def x_quad(xq, row, k):                # evaluated while parsing: levels k .. k + 3 in every int32 lane
+        return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", xq[row, T.ramp(k, 1, QUAD)]), LANES))
+
+    def block_scale(sx, scale, row, b, col):   # evaluated while parsing: float32x16, the GEMM's rounding
+        x_scale = T.broadcast(sx[row, b], LANES)
+        if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
+            return x_scale
+        return x_scale * T.Cast("float32x16", scale[b * block // fmt.group_size, T.ramp(T.Cast("int32", col), 1, LANES)])
+
+    def scale_prefetch(scale, jo, kbo, line):  # evaluated while parsing (the unscaled signature has none)
+        if scale is None or not q4:
+            return T.int32(0)
+        return T.call_intrin("void", "tirx.prefetch", T.address_of(scale[
+            (kbo + 1) * scale_rows + line // scale_lines, jo * nb + line % scale_lines * 32]), 0, 3, 1)
+
+    @T.macro
+    def prefetch(w, scale, jo, kbo):
+        """The panel's next K block (past the panel's end: the next panel's, which a prefetch never
+        faults on) and, for q4, its group scales."""
+        for line in T.serial(weight_lines):
+            T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(
+                w[jo, (kbo + 1) * rows_per_k_block + line // (QUAD * nb // 64), line % (QUAD * nb // 64) * 64]),
+                0, 3, 1))
+        for line in T.serial(scale_rows * scale_lines):
+            T.evaluate(scale_prefetch(scale, jo, kbo, line))
+
+    @T.macro
+    def micro(xq, sx, x_sums, w, acc, dots, scale, jo, row0, r0, kbo, s, count, width):
+        """acc[r0 : r0 + count, vectors s·width ...] += the block-scaled dots over K block kbo."""
+        for b in range(k_block // block):
+            kb = kbo * (k_block // block) + b
+            for r in T.unroll(count):
+                for v in T.unroll(width):
+                    dots[r, T.ramp(v * LANES, 1, LANES)] = T.broadcast(-offset * x_sums[row0 + r0 + r, kb], LANES)
+            for kr in T.unroll(block // row_inputs):
+                for v in T.unroll(width):
+                    for part in T.unroll(per_byte):
+                        for r in T.unroll(count):
+                            dots[r, T.ramp(v * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
+                                "int32x16", QUAD_DOT, dots[r, T.ramp(v * LANES, 1, LANES)],
+                                unsigned(w, jo, kb * (block // row_inputs) + kr, s * width + v, part),
+                                x_quad(xq, row0 + r0 + r, kb * block + kr * row_inputs + part * QUAD))
+            for r in T.unroll(count):
+                for v in T.unroll(width):
+                    acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = \
+                        acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] + \
+                        T.Cast("float32x16", dots[r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
+                            sx, scale, row0 + r0 + r, kb, jo * nb + (s * width + v) * LANES)
+
+    @T.macro
+    def vnni(x, w, scale, bias, residual, y, m):
+        xq = T.alloc_buffer((m, n_in), "int8")
+        sx = T.alloc_buffer((m, blocks), "float32")
+        x_sums = T.alloc_buffer((m, blocks), "int32")
+        quantize(x, xq, sx, m)
+        sum_blocks(xq, x_sums, m)
+        for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
+            with T.sblock("tile"):
+                jo = T.axis.spatial(panels, task % panels)
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
+                T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:blocks],
+                        x_sums[io * ROWS:io * ROWS + ROWS, 0:blocks], w[jo, 0:w_shape[1], 0:w_shape[2]])
+                T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
+                acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
+                dots = T.sblock_alloc_buffer((MICRO_ROWS, SINGLE_VECTORS * LANES), "int32", scope="local")
+                rows = T.min(ROWS, m - io * ROWS)
+                full = rows // MICRO_ROWS
+                for r in range(rows):
+                    for c in T.vectorized(nb):
+                        acc[r, c] = T.float32(0)
+                for kbo in range(n_in // k_block):
+                    prefetch(w, scale, jo, kbo)
+                    for t, s in T.grid(full, vectors // micro_vectors):
+                        micro(xq, sx, x_sums, w, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s,
+                              MICRO_ROWS, micro_vectors)
+                    for r, s in T.grid(rows - full * MICRO_ROWS, vectors // single_vectors):
+                        micro(xq, sx, x_sums, w, acc, dots, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s,
+                              1, single_vectors)
+                for r in range(rows):
+                    for c in T.vectorized(nb):
+                        y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
+                                                                    io * ROWS, jo * nb, r, c)
+
+    return signature(vnni, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
+                     "float16" if q4 else "float32", has_bias, has_residual)
