@@ -11,12 +11,12 @@ so one 64-byte row of a panel is the operand for 16 columns:
   - q4: four bytes hold eight nibbles (level + 8); the low nibbles are inputs (0, 2, 4, 6) of eight
     and the high ones (1, 3, 5, 7), two operands; x's levels are stored in that order; 8 · Σx is
     subtracted.
-A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block it prefetches
-the next block's weights (and q4's group scales, a strided row per block no hardware prefetcher
-follows); a micro-kernel runs MICRO_ROWS rows × 2 vectors of 16 columns (leftover rows one at a
-time × 4 vectors), int32 dots in registers for one activation block. A decode step is the same
-kernel with a tile of one row. The epilogue (q8 scale, bias, rounding, residual) is
-codegen/linear.py's.
+A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block a micro-kernel
+runs MICRO_ROWS rows × 2 vectors of 16 columns (leftover rows one at a time × 4 vectors), int32
+dots in registers for one activation block. A decode step is the same kernel with a tile of one
+row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's weights halved a
+decode GEMV's rate, and the q4 scales' gained nothing measurable (docs/BENCHMARKS.md). The
+epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ LANES = 16                                 # int32 lanes of a 512-bit register: 
 QUAD = 4                                   # stored bytes per column in a row of the layout
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
 MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
+PREFETCH_WEIGHTS = True
 
 
 def has_quad_dot(target) -> bool:
@@ -73,10 +74,6 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     offset = 8 if q4 else 128                          # what makes a level unsigned
     quantize = x_quantizer(n_in, block, "int8", _octet_position if q4 else None)
     sum_blocks = x_block_sums(n_in, block)
-    rows_per_k_block = k_block // row_inputs
-    weight_lines = rows_per_k_block * QUAD * nb // 64  # cache lines of a panel's K block
-    scale_rows = k_block // fmt.group_size if q4 else 0   # q4 group-scale rows of a K block
-    scale_lines = (nb * 2 + 63) // 64                     # cache lines of a panel's row of them (float16)
 
     def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
         stored = w[jo, row, T.ramp(v * QUAD * LANES, 1, QUAD * LANES)]
@@ -93,23 +90,6 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
             return x_scale
         return x_scale * T.Cast("float32x16", scale[b * block // fmt.group_size, T.ramp(T.Cast("int32", col), 1, LANES)])
-
-    def scale_prefetch(scale, jo, kbo, line):  # evaluated while parsing (the unscaled signature has none)
-        if scale is None or not q4:
-            return T.int32(0)
-        return T.call_intrin("void", "tirx.prefetch", T.address_of(scale[
-            (kbo + 1) * scale_rows + line // scale_lines, jo * nb + line % scale_lines * 32]), 0, 3, 1)
-
-    @T.macro
-    def prefetch(w, scale, jo, kbo):
-        """The panel's next K block (past the panel's end: the next panel's, which a prefetch never
-        faults on) and, for q4, its group scales."""
-        for line in T.serial(weight_lines):
-            T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(
-                w[jo, (kbo + 1) * rows_per_k_block + line // (QUAD * nb // 64), line % (QUAD * nb // 64) * 64]),
-                0, 3, 1))
-        for line in T.serial(scale_rows * scale_lines):
-            T.evaluate(scale_prefetch(scale, jo, kbo, line))
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, scale, jo, row0, r0, kbo, s, count, width):
@@ -156,7 +136,6 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                     for c in T.vectorized(nb):
                         acc[r, c] = T.float32(0)
                 for kbo in range(n_in // k_block):
-                    prefetch(w, scale, jo, kbo)
                     for t, s in T.grid(full, vectors // micro_vectors):
                         micro(xq, sx, x_sums, w, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s,
                               MICRO_ROWS, micro_vectors)

@@ -65,9 +65,21 @@ class CPUTarget(Target):
         return packed_layout(nb)
 
     def relax_pipeline(self):
-        # TVM's CPU pipeline: legalize, fuse elementwise chains (FuseOps/FuseTIR), lower to the VM.
-        # kiln's own kernels are opaque (op_pattern 8) and keep their schedules.
-        return relax.get_default_pipeline(self.tvm_target())
+        # TVM's CPU pipeline (legalize, fuse elementwise chains, lower to the VM), with the kernels
+        # it legalised scheduled after fusion (codegen/cpu_schedule.py); kiln's own kernels are
+        # opaque (op_pattern 8) and keep their schedules.
+        from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+        from kiln.codegen.cpu_schedule import schedule_cpu_kernels
+        target = self.tvm_target()
+
+        @tvm.transform.module_pass(opt_level=0)
+        def pipeline(mod, _ctx):
+            with target:
+                return tvm.transform.Sequential(
+                    cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
+                    + [schedule_cpu_kernels()] + cpu_generic.dataflow_lower_passes(target)
+                    + cpu_generic.finalize_passes(target))(mod)
+        return pipeline
 
 
 TARGET_CLASS = CPUTarget
