@@ -9,10 +9,10 @@ Kernels (on the same random weights, stored as the CPU target stores them):
   GEMM (codegen/int8_gemm.py, vpmaddwd: steps with chunks) and GEMV (codegen/int8_gemv.py: decode
   steps), which a default CPU artifact runs on AVX2; on AVX-512 VNNI, codegen/vnni_linear.py (vpdpbusd,
   every step), which it runs there.
-Peaks, measured here on registers only (no memory): fp32 FMA (12 independent 8-lane FMA chains)
+Peaks, measured here on registers only (no memory): fp32 FMA (12 independent 8-lane FMA chains),
 vpmaddwd (12 independent chains of a pair dot and its int32 add, each dot reading its chain's
-accumulator so none can be hoisted) and vpdpbusd (12 chains of 512-bit byte-quad dots). TVM sizes its thread pool once per process, so each thread
-count is its own run.
+accumulator so none can be hoisted) and, on AVX-512 VNNI, vpdpbusd (12 chains of 512-bit byte-quad
+dots). TVM sizes its thread pool once per process, so each thread count is its own run.
 GOP/s counts a multiply-add as 2 operations; `% peak` is against the instruction the kernel uses.
 """
 from __future__ import annotations

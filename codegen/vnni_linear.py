@@ -66,9 +66,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     row_inputs = QUAD * per_byte                       # inputs per stored row of the layout
     k_block = next((b for b in (K_BLOCK, 64, 32) if n_in % b == 0 and b % block == 0), block)
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
-    micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)
-    while vectors % single_vectors:
-        single_vectors -= 1
+    micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // row_inputs, QUAD * nb)
     scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
     offset = 8 if q4 else 128                          # what makes a level unsigned
@@ -89,7 +87,8 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         x_scale = T.broadcast(sx[row, b], LANES)
         if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
             return x_scale
-        return x_scale * T.Cast("float32x16", scale[b * block // fmt.group_size, T.ramp(T.Cast("int32", col), 1, LANES)])
+        columns = T.ramp(T.Cast("int32", col), 1, LANES)           # col is int64 where m is
+        return x_scale * T.Cast("float32x16", scale[b * block // fmt.group_size, columns])
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, scale, jo, row0, r0, kbo, s, count, width):
