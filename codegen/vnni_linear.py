@@ -11,12 +11,13 @@ so one 64-byte row of a panel is the operand for 16 columns:
   - q4: four bytes hold eight nibbles (level + 8); the low nibbles are inputs (0, 2, 4, 6) of eight
     and the high ones (1, 3, 5, 7), two operands; x's levels are stored in that order; 8 · Σx is
     subtracted.
-A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block a micro-kernel
-runs MICRO_ROWS rows × 2 vectors of 16 columns (leftover rows one at a time × 4 vectors), int32
-dots in registers for one activation block. A decode step is the same kernel with a tile of one
-row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's weights halved a
-decode GEMV's rate, and the q4 scales' gained nothing measurable (docs/BENCHMARKS.md). The
-epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
+A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block (read from
+memory once, then from cache by every micro-tile) a micro-kernel runs MICRO_ROWS rows × 2 vectors
+of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in registers for one activation
+block, their scaled float sums in registers for the K block. A decode step is the same kernel
+with a tile of one row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's
+weights halved a decode GEMV's rate, and the q4 scales' gained nothing measurable
+(docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .linear import WeightFormat
 QUAD_DOT = "llvm.x86.avx512.vpdpbusd.512"  # unsigned × signed bytes, four per int32 lane summed in
 LANES = 16                                 # int32 lanes of a 512-bit register: 16 output columns
 QUAD = 4                                   # stored bytes per column in a row of the layout
-ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
+ROWS, K_BLOCK, MICRO_ROWS = 48, 512, 6
 MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
 PREFETCH_WEIGHTS = True
 
@@ -64,7 +65,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     block, q4 = fmt.act_block, fmt.kind == "q4"
     per_byte = 2 if q4 else 1                          # inputs per stored byte
     row_inputs = QUAD * per_byte                       # inputs per stored row of the layout
-    k_block = next((b for b in (K_BLOCK, 64, 32) if n_in % b == 0 and b % block == 0), block)
+    k_block = next((b for b in (K_BLOCK, 256, 128, 64, 32) if n_in % b == 0 and b % block == 0), block)
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // row_inputs, QUAD * nb)
@@ -91,8 +92,12 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         return x_scale * T.Cast("float32x16", scale[b * block // fmt.group_size, columns])
 
     @T.macro
-    def micro(xq, sx, x_sums, w, acc, dots, scale, jo, row0, r0, kbo, s, count, width):
-        """acc[r0 : r0 + count, vectors s·width ...] += the block-scaled dots over K block kbo."""
+    def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
+        """acc[r0 : r0 + count, vectors s·width ...] += the block-scaled dots over K block kbo,
+        summed in registers (sums) for the K block."""
+        for r in T.unroll(count):
+            for v in T.unroll(width):
+                sums[r, T.ramp(v * LANES, 1, LANES)] = acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)]
         for b in range(k_block // block):
             kb = kbo * (k_block // block) + b
             for r in T.unroll(count):
@@ -108,10 +113,12 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                                 x_quad(xq, row0 + r0 + r, kb * block + kr * row_inputs + part * QUAD))
             for r in T.unroll(count):
                 for v in T.unroll(width):
-                    acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = \
-                        acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] + \
-                        T.Cast("float32x16", dots[r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
+                    sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
+                        "float32x16", dots[r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
                             sx, scale, row0 + r0 + r, kb, jo * nb + (s * width + v) * LANES)
+        for r in T.unroll(count):
+            for v in T.unroll(width):
+                acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)]
 
     @T.macro
     def vnni(x, w, scale, bias, residual, y, m):
@@ -129,6 +136,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
                 dots = T.sblock_alloc_buffer((MICRO_ROWS, SINGLE_VECTORS * LANES), "int32", scope="local")
+                sums = T.sblock_alloc_buffer((MICRO_ROWS, SINGLE_VECTORS * LANES), "float32", scope="local")
                 rows = T.min(ROWS, m - io * ROWS)
                 full = rows // MICRO_ROWS
                 for r in range(rows):
@@ -136,10 +144,10 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                         acc[r, c] = T.float32(0)
                 for kbo in range(n_in // k_block):
                     for t, s in T.grid(full, vectors // micro_vectors):
-                        micro(xq, sx, x_sums, w, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s,
+                        micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s,
                               MICRO_ROWS, micro_vectors)
                     for r, s in T.grid(rows - full * MICRO_ROWS, vectors // single_vectors):
-                        micro(xq, sx, x_sums, w, acc, dots, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s,
+                        micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s,
                               1, single_vectors)
                 for r in range(rows):
                     for c in T.vectorized(nb):
