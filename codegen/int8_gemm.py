@@ -65,13 +65,14 @@ def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
     return quantize
 
 
-def x_block_sums(n_in: int, block: int):
+def x_block_sums(n_in: int, block: int, needed: bool = True):
     """A T.macro sums(xq, x_sums, m) writing Σ of each block's levels (int32): the kernels whose
-    weight operand is offset to be unsigned (q4's nibbles, VNNI's q8 + 128) subtract offset · Σx."""
+    weight operand is offset to be unsigned (q4's nibbles, VNNI's q8 + 128) subtract offset · Σx.
+    With `needed` False it sums nothing (a kernel variant that does not read them)."""
     @T.macro
     def sums(xq, x_sums, m):
         for i in T.parallel(m):
-            for b in range(n_in // block):
+            for b in range(n_in // block if needed else 0):
                 with T.sblock("x_sums"):
                     r = T.axis.spatial(m, i)
                     bb = T.axis.spatial(n_in // block, b)

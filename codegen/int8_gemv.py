@@ -57,7 +57,7 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
     scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
     quantize = x_quantizer(n_in, block, "int8", _quad_position) if q4 else x_quantizer(n_in, block, "int16")
-    sum_blocks = x_block_sums(n_in, block)
+    sum_blocks = x_block_sums(n_in, block, needed=q4)     # q8's levels are signed: no offset
     rows_per_block = block // 2                            # stored weight rows per block of x
     # Prefetching measured on Zen 3 (docs/BENCHMARKS.md): q4 gains ~1.5x, chiefly from its group
     # scales (a row of a [groups, n_out] table per block, which no stride prefetcher follows); q8

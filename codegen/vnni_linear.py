@@ -35,7 +35,6 @@ LANES = 16                                 # int32 lanes of a 512-bit register: 
 QUAD = 4                                   # stored bytes per column in a row of the layout
 ROWS, K_BLOCK, MICRO_ROWS = 48, 512, 6
 MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
-PREFETCH_WEIGHTS = True
 
 
 def has_quad_dot(target) -> bool:

@@ -5,7 +5,6 @@ import platform
 from dataclasses import dataclass, field
 
 import tvm
-from tvm import relax
 
 from kiln.codegen.layouts import packed_layout
 from kiln.errors import KilnError
