@@ -9,6 +9,18 @@ from tvm import relax
 RUN_OR_CAPTURE = "vm.builtin.cuda_graph.run_or_capture"
 
 
+def is_kernel(func) -> bool:
+    """A compiled kernel, not one of the host-side shape functions TVM's VMShapeLower writes (their
+    number varies between compiles of one model: TVM merges them only when their statements happen to
+    come out in the same order)."""
+    return isinstance(func, tvm.tirx.PrimFunc) and not (func.attrs and func.attrs.get("tirx.is_host_func"))
+
+
+def kernel_names(mod: tvm.IRModule) -> list[str]:
+    """The names of the module's kernels, sorted."""
+    return sorted(gv.name_hint for gv, func in mod.functions.items() if is_kernel(func))
+
+
 def _calls(mod: tvm.IRModule, func_name: str):
     for block in mod[func_name].body.blocks:
         for binding in block.bindings:
@@ -23,8 +35,7 @@ def kernel_launches(mod: tvm.IRModule, func_name: str = "forward") -> Counter:
     Host-side shape functions are not kernels and are not counted."""
     counts: Counter = Counter()
     for call in _calls(mod, func_name):
-        if isinstance(call.op, tvm.ir.GlobalVar) and isinstance(mod[call.op], tvm.tirx.PrimFunc) \
-                and not call.op.name_hint.startswith("shape_func"):
+        if isinstance(call.op, tvm.ir.GlobalVar) and is_kernel(mod[call.op]):
             counts[call.op.name_hint] += 1
     for captured in graph_captures(mod, func_name):
         counts.update(kernel_launches(mod, captured))

@@ -144,8 +144,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
             module = add_sampling_functions(module, model.config.vocab_size)
         with tgt.tvm_target(), tvm.transform.PassContext(config=tgt.pass_config()):
             mod = tgt.relax_pipeline()(module)
-        from kiln.codegen.launches import host_launches, kernel_launches
-        kernels = sorted(gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
+        from kiln.codegen.launches import host_launches, kernel_launches, kernel_names
+        kernels = kernel_names(mod)
         launches = {step: (kernel_launches(mod, name), host_launches(mod, name))
                     for step, name in lowered.entries.items()}
         return tgt.build(mod), kernels, launches
