@@ -3,7 +3,9 @@
 GPUs: a TE matmul that dlight schedules. CPUs: kiln's packed-weight kernel, weights stored
 [out/nb, in', nb] so a task accumulates nb outputs in vector registers; in steps that bring
 chunks (every entry but decode, on targets with `chunk_gemm`) the register-blocked GEMM of
-codegen/gemm.py over the same layout. Quantised weights are
+codegen/gemm.py over the same layout. Where the CPU has a dot product for the operands, weights
+are stored with its inputs side by side and one kernel serves every step: int8 activations
+(codegen/vnni_linear.py, int8_gemm.py, int8_gemv.py), bf16 (codegen/bf16_linear.py). Quantised weights are
 decoded inside the reduction (q4) or scaled in the epilogue (q8, fp8): no dequantised copy of a
 weight ever exists.
 """
@@ -168,7 +170,15 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=scheduled)
         return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
 
-    if nb is not None and fmt.act_block and interleave(layout) == 4:
+    if nb is not None and fmt.kind == "float" and interleave(layout) == 2:
+        # bf16 weights in input pairs (AVX-512 BF16): one kernel for every step
+        from .bf16_linear import bf16_linear_kernel, micro_kernels
+        if dtype != "bfloat16" or w.ty.dtype != "bfloat16":
+            raise ValueError(f"the bf16 kernel multiplies bf16 activations and weights, not {dtype} and {w.ty.dtype}")
+        ctx.micro_kernels.update(micro_kernels(nb))
+        y = packed(bf16_linear_kernel(n_out, n_in, nb, bias is not None, residual is not None), "bf16dot",
+                   scheduled=True)
+    elif nb is not None and fmt.act_block and interleave(layout) == 4:
         # int8 activations on VNNI: one kernel for every step
         from .vnni_linear import vnni_linear_kernel
         y = packed(vnni_linear_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),

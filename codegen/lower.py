@@ -54,13 +54,14 @@ class _Context:
     """What an op lowering may use while one entry function is built: the block builder, the step
     kind, symbolic dims, weights, and the kernels (shared by every entry)."""
 
-    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict):
+    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict, micro_kernels: set):
         self.graph, self.target, self.bb, self.step = graph, target, bb, step
         self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
         self.inputs: dict[str, relax.Var] = {}
         self.weights: dict[tuple[str, str], tuple[StoredWeight, relax.Var]] = {}
         self.kernels = kernels
+        self.micro_kernels = micro_kernels     # (rows, vectors) of the bf16 micro-kernels kernels call
 
     def shape(self, dims) -> list:
         return [self.dims.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in dims]
@@ -168,9 +169,11 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
         return target.linear_layout(*graph.params[name].type.shape[1:])      # each expert packed as a linear
     if node.op in LINEAR_OPS and pos == 1:
-        # int8 activations: the target stores the inputs its integer dot multiplies side by side
-        int8_weights = node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0 else None
-        return target.linear_layout(*graph.params[name].type.shape, int8_weights=int8_weights)
+        # int8 activations or bf16 weights: the target stores the inputs its dot multiplies side by side
+        weight = graph.params[name].type
+        operands = (node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0
+                    else "bf16" if node.op == "linear" and weight.dtype == "bfloat16" else None)
+        return target.linear_layout(*weight.shape, operands=operands)
     head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == name), None)
     if node.op in EMBED_OPS and pos == 1 and head is not None:
         return _layout_for(head, 1, graph, target)
@@ -226,10 +229,15 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
         raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
+    micro_kernels: set[tuple[int, int]] = set()
     for step, name in entries.items():
-        ctx = _Context(graph, target, bb, step, kernels)
+        ctx = _Context(graph, target, bb, step, kernels, micro_kernels)
         _emit_entry(ctx, name)
     module = bb.get()
+    if micro_kernels:
+        # LLVM IR kiln writes itself (codegen/bf16_micro.py): the Relax build links it into the library
+        from .bf16_micro import micro_module
+        module = module.with_attr("external_mods", [micro_module(sorted(micro_kernels), target.tvm_target())])
     if target.graph_batches:
         # the decode-step function again (a copy with fresh variables), marked for capture
         decode = module[entries.get("decode", "forward")]

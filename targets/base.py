@@ -71,9 +71,10 @@ class Target:
         return ("fuse_rope_attention",) if all(KERNELS[k].fused_qkv for k in firsts) else ()
 
 
-    def linear_layout(self, n_out: int, n_in: int, int8_weights: str | None = None) -> str:
+    def linear_layout(self, n_out: int, n_in: int, operands: str | None = None) -> str:
         """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB[xF]'
-        (codegen/layouts.py). int8_weights ("q8", "q4") says its kernel takes int8 activations."""
+        (codegen/layouts.py). operands: what its kernel multiplies, where the target has a dot
+        product for them: "q8"/"q4" weights with int8 activations, "bf16" weights and activations."""
         return "nk"
 
     # -- lowering to machine code ------------------------------------------------------------

@@ -28,6 +28,13 @@ def _int8_dot() -> str:
     return "vnni" if has_quad_dot(target) else "avx2" if has_pair_dot(target) else ""
 
 
+def _bf16_dot() -> bool:
+    """Whether this CPU multiplies bf16 pairs (AVX-512 BF16): bf16 linears then run
+    codegen/bf16_linear.py."""
+    from kiln.codegen.bf16_micro import has_bf16_dot
+    return has_bf16_dot(host_cpu_target())
+
+
 @dataclass
 class CPUTarget(Target):
     name: str = "cpu"
@@ -39,6 +46,7 @@ class CPUTarget(Target):
     decode_gemm_from: int = 8          # where the GEMM overtakes the GEMV: docs/BENCHMARKS.md
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
     int8_dot: str = field(default_factory=lambda: _int8_dot())
+    bf16_dot: bool = field(default_factory=lambda: _bf16_dot())
     activation_block: int = -1         # llama.cpp's Q8_0 block where there is an int8 dot, else 0
 
     def __post_init__(self):
@@ -51,15 +59,17 @@ class CPUTarget(Target):
     def tvm_target(self) -> tvm.target.Target:
         return host_cpu_target()
 
-    def linear_layout(self, n_out, n_in, int8_weights=None):
+    def linear_layout(self, n_out, n_in, operands=None):
         # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers; for
-        # int8 activations put the inputs its integer dot multiplies at once side by side.
+        # a dot product put the inputs it multiplies at once side by side.
         nb = next((nb for nb in (64, 32, 16, 8) if n_out % nb == 0), None)
         if nb is None:
             return "nk"
-        if int8_weights and self.int8_dot == "vnni" and nb % 16 == 0 and n_in % 4 == 0:
+        if operands == "bf16":
+            return packed_layout(nb, 2) if self.bf16_dot and nb % 16 == 0 and n_in % 2 == 0 else packed_layout(nb)
+        if operands and self.int8_dot == "vnni" and nb % 16 == 0 and n_in % 4 == 0:
             return packed_layout(nb, 4)                  # vpdpbusd's byte quads (q8 levels, q4 bytes)
-        if int8_weights == "q8" and n_in % 2 == 0:
+        if operands == "q8" and n_in % 2 == 0:
             return packed_layout(nb, 2)                  # vpmaddwd's pairs (a q4 byte is one already)
         return packed_layout(nb)
 

@@ -2,7 +2,7 @@
 (quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
 codegen/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/int8_gemm.py,
 int8_gemv.py, vnni_linear.py (and the TE form codegen/linear.py uses for unpacked weights) on q8 and
-q4 weights with int8 activations; with bias and residual."""
+q4 weights with int8 activations, codegen/bf16_linear.py on bfloat16; with bias and residual."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -104,8 +104,43 @@ def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residua
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, kernel, layout="nk")
 
 
-def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}"):
-    """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout`, against interpret()."""
+BF16_CASES = [(False, False), (True, False), (False, True), (True, True)]   # (bias, residual)
+
+
+@pytest.mark.parametrize("bias,residual", BF16_CASES)
+def test_bf16_dot_kernel_equals_the_interpreter(bias, residual, tmp_path):
+    """codegen/bf16_linear.py (every step on AVX-512 BF16 CPUs), weights in input pairs, its
+    micro-kernels (codegen/bf16_micro.py) linked in as the artifact links them."""
+    from kiln.codegen.bf16_linear import bf16_linear_kernel, micro_kernels
+    from kiln.codegen.bf16_micro import has_bf16_dot, micro_module
+    from kiln.targets.cpu import host_cpu_target
+    if not has_bf16_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX-512 BF16 (vdpbf16ps)")
+    check_against_interpreter("linear", "bfloat16", bias, residual, {}, lambda fmt, weight_dtype: bf16_linear_kernel(
+        N_OUT, N_IN, NB, bias, residual), layout=f"packed{NB}x2",
+        link=(micro_module(micro_kernels(NB), host_cpu_target()), tmp_path))
+
+
+def test_bf16_micro_kernels_select_vdpbf16ps_for_a_bf16_cpu():
+    """The LLVM IR kiln writes for the bf16 micro-kernels parses, and LLVM selects vdpbf16ps for it
+    on a CPU with AVX-512 BF16 (Zen 4), whichever x86 CPU runs the test: rows × vectors dots per pair."""
+    import platform
+    import tvm
+    from kiln.codegen.bf16_micro import micro_module, micro_name
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 only: the micro-kernels are AVX-512 BF16 code")
+    target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "znver4"})
+    shapes = [(6, 4), (1, 4), (3, 1)]
+    asm = micro_module(shapes, target).inspect_source("asm")
+    for rows, vectors in shapes:
+        body = asm[asm.index(f"{micro_name(rows, vectors)}:"):]
+        body = body[:body.index(".Lfunc_end")]
+        assert body.count("vdpbf16ps") == rows * vectors, (rows, vectors)
+
+
+def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}", link=None):
+    """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout`, against interpret().
+    link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
     import tvm
     from kiln.codegen.layouts import apply_layout
     from kiln.codegen.linear import WeightFormat
@@ -120,7 +155,14 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     fmt = WeightFormat.of(type("N", (), {"op": op, "attrs": attrs}), "linear")
     kernel = make_kernel(fmt, str(weights[0].dtype) if op != "linear" else dtype)
     target = host_cpu_target()
-    built = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=target)
+    module = tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")})
+    if link is None:
+        built = tvm.compile(module, target=target)
+    else:
+        library, directory = tvm.tirx.build(module, target=target), link[1]
+        library.import_module(link[0])
+        library.export_library(str(directory / "kernel.so"))
+        built = tvm.runtime.load_module(str(directory / "kernel.so"))["main"]
 
     np_dtype = numpy_dtype(dtype)
     b = GraphBuilder(op)

@@ -163,11 +163,12 @@ def test_interleaved_layouts_known_values():
 
 
 @pytest.mark.parametrize("op, layout", [("embed_q8", "packed16x2"), ("embed_q8", "packed16x4"),
-                                        ("embed_q4", "packed16x4")])
+                                        ("embed_q4", "packed16x4"), ("embed", "packed16x2")])
 def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout):
-    """A table tied to a q8/q4 LM head with int8 activations is stored in the head's interleaved
-    layout (tests/test_quant_embedding.py); the gather must still read each row the interpreter's
-    embed_q8/embed_q4 reads."""
+    """A table tied to a q8/q4 LM head with int8 activations, or to a bf16 head on a CPU with a bf16
+    dot, is stored in the head's interleaved layout (tests/test_quant_embedding.py); the gather must
+    still read each row the interpreter's embed_q8/embed_q4/embed reads."""
+    import ml_dtypes
     import tvm
     from tvm import te
     from kiln.codegen.embed import gather_kernel
@@ -177,7 +178,10 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout):
     from kiln.targets.cpu import host_cpu_target
     vocab, hidden, group = 64, 48, 16
     rng = np.random.default_rng(0)
-    if op == "embed_q8":
+    if op == "embed":                    # bf16, no scale
+        table = rng.standard_normal((vocab, hidden)).astype(ml_dtypes.bfloat16)
+        scale, fmt, attrs = None, WeightFormat(), {}     # out: the table's dtype, widened below
+    elif op == "embed_q8":
         table = rng.integers(-127, 128, (vocab, hidden)).astype(np.int8)
         scale = (rng.random(vocab) * 0.01).astype(np.float32)
         fmt, attrs = WeightFormat("q8"), {}
@@ -186,14 +190,16 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout):
         scale = (rng.random((hidden // group, vocab)) * 0.01).astype(np.float16)
         fmt, attrs = WeightFormat("q4", group), {"group_size": group}
     ids = np.array([0, 63, 17, 17, 5, 16], np.int32)
+    scales = [] if scale is None else [scale]
     b = GraphBuilder("embed")
     graph = b.output(b.op(op, b.input("ids", ("tokens",), "int32"), b.param("table", table.shape, str(table.dtype)),
-                          b.param("scale", scale.shape, str(scale.dtype)), name="out", dtype="float32", **attrs))
-    want = interpret(graph, {"ids": ids}, {"table": table, "scale": scale}.__getitem__)["out"]
+                          *[b.param("scale", s.shape, str(s.dtype)) for s in scales], name="out",
+                          **attrs, **({"dtype": "float32"} if scales else {})))
+    want = interpret(graph, {"ids": ids}, {"table": table, "scale": scale}.__getitem__)["out"].astype(np.float32)
     ph = [te.placeholder((ids.size,), "int32"), te.placeholder(stored_shape(layout, table.shape), str(table.dtype)),
-          te.placeholder(scale.shape, str(scale.dtype))]
+          *[te.placeholder(s.shape, str(s.dtype)) for s in scales]]
     func = te.create_prim_func([*ph, gather_kernel(vocab, hidden, layout, "float32", fmt)(*ph)])
     built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=host_cpu_target())
     out = tvm.runtime.tensor(np.zeros((ids.size, hidden), np.float32))
-    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout(layout, table), scale)], out)
+    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout(layout, table), *scales)], out)
     np.testing.assert_array_equal(out.numpy(), want)

@@ -28,14 +28,14 @@ def rows_graph(vocab=16, hidden=8, dtype="float32"):
     return verify(b.output(b.op("cast", h, dtype="float32", name="out")))
 
 
-def lm_graph(tied: bool):
+def lm_graph(tied: bool, dtype: str = "float32"):
     """embed -> linear -> LM head (the embedding table itself when tied) -> cast."""
     b = GraphBuilder("lm")
     ids = b.input("ids", ("tokens",), "int32")
-    table = b.param("embed.weight", (16, 8), "float32")
+    table = b.param("embed.weight", (16, 8), dtype)
     h = b.op("embed", ids, table, name="h")
-    x = b.op("linear", h, b.param("proj.weight", (8, 8), "float32"), name="x")
-    head = table if tied else b.param("head.weight", (16, 8), "float32")
+    x = b.op("linear", h, b.param("proj.weight", (8, 8), dtype), name="x")
+    head = table if tied else b.param("head.weight", (16, 8), dtype)
     return verify(b.output(b.op("cast", b.op("linear", x, head, name="y"), dtype="float32", name="logits")))
 
 
@@ -180,6 +180,11 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
     for dot, head in (("avx2", "packed16x2"), ("vnni", "packed16x4")):
         assert sorted(stored(int8, CPUTarget(int8_dot=dot))) == [f"embed.weight.q8@{head}", "embed.weight.q8_scale",
                                                                  "proj.weight.q8@packed8x2", "proj.weight.q8_scale"]
+    # bf16 where the CPU has a bf16 dot: the head (and the table it shares) in input pairs where the
+    # panel fills 16 lanes (not the 8-column projection, which the float kernels read)
+    for dot, head in ((True, "packed16x2"), (False, "packed16")):
+        assert sorted(stored(lm_graph(tied=True, dtype="bfloat16"), CPUTarget(bf16_dot=dot))) == [
+            f"embed.weight@{head}", "proj.weight@packed8"]
 
 
 def test_no_quant_lm_head_stores_the_float_head_and_the_quantised_embedding():
