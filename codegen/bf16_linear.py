@@ -16,7 +16,7 @@ import functools
 from tvm.script import tirx as T
 
 from .bf16_micro import LANES, PAIR, micro_name
-from .gemm import signature, tile_output
+from .gemm import panel_and_tile, signature, tile_output
 from .linear import WeightFormat
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 1024, 6
@@ -53,8 +53,8 @@ def bf16_linear_kernel(n_out: int, n_in: int, nb: int, has_bias: bool, has_resid
     def bf16_dot(x, w, scale, bias, residual, y, m):
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
-                jo = T.axis.spatial(panels, task % panels)
-                io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
+                jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
                 T.reads(x[io * ROWS:io * ROWS + ROWS, 0:n_in], w[jo, 0:w_shape[1], 0:w_shape[2]])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")

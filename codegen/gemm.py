@@ -54,8 +54,8 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     def gemm(x, w, scale, bias, residual, y, m):
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
-                jo = T.axis.spatial(panels, task % panels)
-                io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
+                jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
                 T.reads(x[io * ROWS:io * ROWS + ROWS, 0:n_in], w[jo, 0:stored_in, 0:nb])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
@@ -91,6 +91,14 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
 
     return signature(gemm, n_in, n_out, (panels, stored_in, nb), dtype, weight_dtype,
                      scale_shape, scale_dtype, has_bias, has_residual)
+
+
+def panel_and_tile(task, m, rows: int):
+    """(weight panel, row tile) of a task when m rows are split in tiles of `rows`: a panel's row
+    tiles are side by side, so each thread's share of the tasks is whole panels (balanced whatever
+    the last tile holds), each read from memory once and then from cache."""
+    tiles = (m + rows - 1) // rows
+    return task // tiles, task % tiles
 
 
 def tile_output(acc, fmt: WeightFormat, dtype: str, scale, bias, residual, row0, col0, r, c):

@@ -22,7 +22,7 @@ import functools
 import tvm
 from tvm.script import tirx as T
 
-from .gemm import signature, tile_output
+from .gemm import panel_and_tile, signature, tile_output
 from .linear import WeightFormat
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
@@ -153,8 +153,8 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         quantize(x, xq, sx, m)
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
-                jo = T.axis.spatial(panels, task % panels)
-                io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
+                jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
                 T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:n_in // block],
                         w[jo, 0:w_shape[1], 0:w_shape[2]])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])

@@ -26,7 +26,7 @@ import functools
 import tvm
 from tvm.script import tirx as T
 
-from .gemm import signature, tile_output
+from .gemm import panel_and_tile, signature, tile_output
 from .int8_gemm import x_block_sums, x_quantizer
 from .linear import WeightFormat
 
@@ -128,8 +128,8 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         sum_blocks(xq, x_sums, m)
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
-                jo = T.axis.spatial(panels, task % panels)
-                io = T.axis.spatial((m + ROWS - 1) // ROWS, task // panels)
+                jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
                 T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:blocks],
                         x_sums[io * ROWS:io * ROWS + ROWS, 0:blocks], w[jo, 0:w_shape[1], 0:w_shape[2]])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
