@@ -93,6 +93,12 @@ class CompiledModel:
         if not self.device.exist:
             raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "
                             f"but this machine has no {device} device")
+        if device == "cpu":
+            from kiln.targets.cpu import missing_cpu_features
+            missing = missing_cpu_features(m["target"]["tvm_target"])
+            if missing:
+                raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
+                                f"compile it on this machine")
         # one page pool for every layer: page p is page p of each layer's tensor (ir/kv_spec.py)
         self.kv_specs = [KVSpec.from_json(layer) for layer in m["kv"]["layers"]]
         self.page_size = m["kv"]["page_size"]

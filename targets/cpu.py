@@ -13,9 +13,27 @@ from .base import Target
 
 
 def host_cpu_target() -> tvm.target.Target:
-    # "mcpu": "native" is ignored by TVM's LLVM; ask LLVM for the host CPU's name instead.
+    # "mcpu": "native" is ignored by TVM's LLVM; ask LLVM for the host CPU's name instead. What is
+    # built for it lowers float32 exp inline (codegen/exp_lowering.py), not as libm calls.
+    from kiln.codegen.exp_lowering import register_exp_lowering
+    register_exp_lowering()
     return tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu",
                               "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+
+
+# LLVM feature names of instruction sets (not tuning flags) a CPU artifact's kernels may use
+_ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "gfni", "vaes", "vpclmulqdq", "neon", "sve",
+                 "dotprod", "i8mm", "bf16")
+
+
+def missing_cpu_features(tvm_target: str) -> list[str]:
+    """The instruction sets the CPU an artifact was compiled for has and this machine's CPU lacks
+    (`tvm_target` as its manifest records it): kernels built for them would stop with SIGILL here."""
+    import json
+    built_for = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(json.loads(tvm_target)))
+    here = {name for name, present in tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()
+            if present}
+    return sorted(f for f in built_for if f.startswith(_ISA_PREFIXES) and f not in here)
 
 
 def _int8_dot() -> str:

@@ -121,3 +121,32 @@ def test_the_runtime_runs_an_artifact_without_torch_or_transformers(llama_cpu):
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_an_artifact_built_for_a_cpu_with_more_instruction_sets_is_refused(llama_cpu, tmp_path):
+    """An artifact records the CPU its kernels were compiled for; loaded on a CPU lacking one of
+    that CPU's instruction sets (AVX-512 BF16, AMX, ...) it is refused with the missing ones named,
+    rather than stopping with SIGILL in the first step. This machine's own artifacts load."""
+    import json
+    import shutil
+    import tvm
+    from kiln.errors import KilnError
+    from kiln.runtime.model import CompiledModel
+    from kiln.targets.cpu import host_cpu_target, missing_cpu_features
+    assert missing_cpu_features(json.dumps({"kind": "llvm", "mcpu": str(host_cpu_target().attrs["mcpu"]),
+                                            "mtriple": str(host_cpu_target().attrs["mtriple"])})) == []
+    triple = str(host_cpu_target().attrs["mtriple"])
+    for cpu in ("diamondrapids", "graniterapids", "sapphirerapids", "znver5", "neoverse-v2"):
+        target = json.dumps({"kind": "llvm", "mtriple": triple, "mcpu": cpu})
+        missing = missing_cpu_features(target) if tvm.target.codegen.llvm_is_valid_cpu(cpu, triple) else []
+        if missing:
+            break
+    else:
+        pytest.skip("this CPU has every instruction set of the newest CPUs LLVM knows")
+    artifact = shutil.copytree(llama_cpu[0], tmp_path / "elsewhere")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["target"]["tvm_target"] = target
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KilnError) as e:
+        CompiledModel(artifact)
+    assert missing[0] in str(e.value) and "compile it on this machine" in str(e.value)
