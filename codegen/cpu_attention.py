@@ -4,6 +4,8 @@ One task per (sequence, KV head) serves the whole group of query heads that shar
 so each K/V row is read from the pages once per group (GQA) rather than once per query head; with
 group 1 it is plain MHA, with one KV head MQA. Each query walks only its own sequence's keys (cost
 O(context), or O(window) for a layer with a sliding window), with an online softmax in float32.
+On the CPU a task takes its queries in blocks of rows (query × head) against blocks of 16 keys at
+fixed positions, in vector FMAs along the keys and along head_dim; on GPUs one key at a time.
 Queries are read from the fused projection qkv [T, (Hq + 2 Hkv) D] (q at column 0), rotated as
 they are read when `rope` is set (codegen/rope_load.py).
 Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
@@ -19,6 +21,8 @@ import functools
 from tvm.script import tirx as T
 
 from .rope_load import RotaryLoad, load_head_element
+
+KEYS = 16                          # CPU: keys per block, one float32 vector of scores per query row
 
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
@@ -60,6 +64,94 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         state[g, 2] = T.float32(0)
         for lane in range(lanes):
             state[g, 2] = state[g, 2] + part[lane]
+
+    # CPU: queries in blocks of rows (query × head of the group) against blocks of KEYS keys. A block's
+    # K and V rows are read and widened once for all its rows; scores, their exps and the weighted
+    # V sums run as vector FMAs along the keys (K stored transposed) and along head_dim.
+    rows = max(1, 16 // group) * group                  # query rows per block: whole groups
+    queries = rows // group
+
+    @T.macro
+    def attend_blocked(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
+                       output, batch):
+        for task in T.parallel(batch * kv_heads):
+            with T.sblock("attention"):
+                b = T.axis.spatial(batch, task // kv_heads)
+                kvh = T.axis.spatial(kv_heads, task % kv_heads)
+                T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b],
+                        page_values[0:page_values.shape[0]], qkv[0:qkv.shape[0], 0:width],
+                        positions[0:positions.shape[0]], inv_freq[0:freqs],
+                        pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
+                        *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]]))
+                T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
+                qv = T.sblock_alloc_buffer((rows, head_dim), "float32")
+                acc = T.sblock_alloc_buffer((rows, head_dim), "float32")
+                kt = T.sblock_alloc_buffer((head_dim, KEYS), "float32")     # the key block, transposed
+                vb = T.sblock_alloc_buffer((KEYS, head_dim), "float32")
+                sc = T.sblock_alloc_buffer((rows, KEYS), "float32")         # scores, then weights
+                stat = T.sblock_alloc_buffer((rows, 4), "float32")          # max, sum, new max, correction
+                q_start = q_indptr[b]
+                n_q = q_indptr[b + 1] - q_start
+                p_start = page_indptr[b]
+                n_pages = page_indptr[b + 1] - p_start
+                kv_len = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+                for qb in range((n_q + queries - 1) // queries):
+                    n_here = T.min(queries, n_q - qb * queries)
+                    for r, d in T.grid(rows, head_dim):
+                        qv[r, d] = T.if_then_else(r // group < n_here, load_head_element(
+                            qkv, positions, inv_freq, q_start + T.min(qb * queries + r // group, n_q - 1),
+                            (kvh * group + r % group) * head_dim, d, dtype, rope), T.float32(0)) * T.float32(scale)
+                        acc[r, d] = T.float32(0)
+                    for r in range(rows):
+                        stat[r, 0] = T.float32(lowest)
+                        stat[r, 1] = T.float32(0)
+                    first_seen = kv_len - n_q + qb * queries + 1           # keys the block's first query sees
+                    last_seen = kv_len - n_q + qb * queries + n_here
+                    k_start = first_key(first_seen)
+                    # key blocks start at multiples of KEYS whatever the step: a query's sums are the
+                    # same in a prefill, a chunk, a batch or a decode step (a block with no key of
+                    # its row changes nothing: weight 0, correction exp(0) = 1)
+                    k_block0 = k_start // KEYS * KEYS
+                    for kb in range((last_seen - k_block0 + KEYS - 1) // KEYS):
+                        j0 = k_block0 + kb * KEYS
+                        for jj, d in T.grid(KEYS, head_dim):
+                            j = T.max(T.min(j0 + jj, last_seen - 1), k_start)   # outside: a copy, masked below
+                            page = page_values[p_start + j // page_size]
+                            kt[d, jj] = T.Cast("float32", pages[page, 0, kvh, j % page_size, d]) * row_scale(
+                                scales, page, 0, kvh, j % page_size)
+                            vb[jj, d] = T.Cast("float32", pages[page, 1, kvh, j % page_size, d]) * row_scale(
+                                scales, page, 1, kvh, j % page_size)
+                        for r in range(n_here * group):                      # a decode step: one query
+                            seen = first_seen + r // group
+                            for jj in T.vectorized(KEYS):
+                                sc[r, jj] = T.float32(0)
+                            for d in range(head_dim):
+                                for jj in T.vectorized(KEYS):
+                                    sc[r, jj] = sc[r, jj] + qv[r, d] * kt[d, jj]
+                            for jj in T.vectorized(KEYS):
+                                sc[r, jj] = T.if_then_else(
+                                    (j0 + jj < seen) & (j0 + jj >= first_key(seen)), capped(sc[r, jj]),
+                                    T.float32(lowest))
+                            stat[r, 2] = stat[r, 0]
+                            for jj in range(KEYS):
+                                stat[r, 2] = T.max(stat[r, 2], sc[r, jj])            # the new max
+                            for jj in T.vectorized(KEYS):
+                                sc[r, jj] = T.if_then_else(sc[r, jj] > T.float32(lowest),
+                                                           T.exp(sc[r, jj] - stat[r, 2]), T.float32(0))
+                            stat[r, 3] = T.exp(stat[r, 0] - stat[r, 2])
+                            stat[r, 0] = stat[r, 2]
+                            stat[r, 1] = stat[r, 1] * stat[r, 3]
+                            for jj in range(KEYS):
+                                stat[r, 1] = stat[r, 1] + sc[r, jj]
+                            for d in T.vectorized(head_dim):
+                                acc[r, d] = acc[r, d] * stat[r, 3]
+                            for jj in range(KEYS):
+                                for d in T.vectorized(head_dim):
+                                    acc[r, d] = acc[r, d] + sc[r, jj] * vb[jj, d]
+                    for r, d in T.grid(rows, head_dim):
+                        if r // group < n_here:
+                            output[q_start + qb * queries + r // group, kvh * group + r % group, d] = T.Cast(
+                                dtype, acc[r, d] / stat[r, 1])
 
     @T.macro
     def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
@@ -115,6 +207,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                     for g, d in T.grid(group, head_dim):
                         output[q_start + i, kvh * group + g, d] = T.Cast(dtype, acc[g, d] / state[g, 1])
 
+    body = attend if gpu else attend_blocked
+
     @T.prim_func(private=True, s_tir=True)
     def paged_attention(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle, var_q_indptr: T.handle,
                         var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
@@ -130,7 +224,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
         output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
+        body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
                batch)
 
     @T.prim_func(private=True, s_tir=True)
@@ -150,7 +244,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
         scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
         output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
+        body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
                batch)
 
     return paged_attention_scaled if quantized else paged_attention

@@ -91,3 +91,32 @@ def test_a_target_without_windowed_kernels_refuses_at_compile_time(make_model, t
     with pytest.raises(KilnError, match="no attention kernel for paged_attention over a KV cache of sliding window 7"):
         compile_model(make_model("mistral_window"), tmp_path / "cuda", target=tvm_only, show=None)
     assert not (tmp_path / "cuda").exists()
+
+
+def test_a_tokens_logits_do_not_depend_on_how_its_prompt_was_chunked(make_model, tmp_path):
+    """The CPU attention kernel sums each query's keys in blocks at fixed positions (multiples of 16
+    keys), whatever the step: a prompt prefilled whole, in chunks that cut blocks and windows, or its
+    last token decoded alone gives that token the same logits, bit for bit. (The tiny Mistral with
+    its window widened to 24 keys, so a query's window spans two blocks.)"""
+    import shutil
+    import numpy as np
+    from kiln.compiler import compile_model
+    from kiln.runtime.model import CompiledModel
+    from paging import make_step_inputs
+    model_dir = shutil.copytree(make_model("mistral_window"), tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 24}))
+    compile_model(model_dir, tmp_path / "artifact", target="cpu", show=None)
+    model = CompiledModel(tmp_path / "artifact")
+    model.allocate_kv(8 * model.bytes_per_page)
+    ids, pages = random_prompt(45, 5), [3, 0, 7, 1, 5, 2]
+
+    def last_logits(chunks):
+        start = 0
+        for n in chunks:
+            out = model.forward(make_step_inputs([(ids[start:start + n], start, pages)], model.page_size))
+            start += n
+        return out[0]
+    whole = last_logits([45])
+    for chunks in ([11, 34], [19, 17, 9], [44, 1]):
+        assert np.array_equal(last_logits(chunks), whole), chunks
