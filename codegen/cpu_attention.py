@@ -48,6 +48,13 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
     def tasks(n):                      # a CPU thread, or a GPU thread block, per (sequence, KV head)
         return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
 
+    def task_reads(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, b,
+                   kvh):                # evaluated while parsing: what the task of sequence b, KV head kvh reads
+        return [q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b], page_values[0:page_values.shape[0]],
+                qkv[0:qkv.shape[0], 0:width], positions[0:positions.shape[0]], inv_freq[0:freqs],
+                pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
+                *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]])]
+
     scope = "local" if gpu else "global"
     # CPU: a score is summed in `lanes` partial sums, a vector FMA per `lanes` of head_dim, then
     # across the lanes: one long chain of scalar FMAs per key and head cost ~4x the whole kernel
@@ -78,11 +85,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
                 kvh = T.axis.spatial(kv_heads, task % kv_heads)
-                T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b],
-                        page_values[0:page_values.shape[0]], qkv[0:qkv.shape[0], 0:width],
-                        positions[0:positions.shape[0]], inv_freq[0:freqs],
-                        pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
-                        *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]]))
+                T.reads(*task_reads(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values,
+                                    last_page_len, scales, b, kvh))
                 T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
                 qv = T.sblock_alloc_buffer((rows, head_dim), "float32")
                 acc = T.sblock_alloc_buffer((rows, head_dim), "float32")
@@ -160,11 +164,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
                 kvh = T.axis.spatial(kv_heads, task % kv_heads)
-                T.reads(q_indptr[b:b + 2], page_indptr[b:b + 2], last_page_len[b],
-                        page_values[0:page_values.shape[0]], qkv[0:qkv.shape[0], 0:width],
-                        positions[0:positions.shape[0]], inv_freq[0:freqs],
-                        pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
-                        *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]]))
+                T.reads(*task_reads(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values,
+                                    last_page_len, scales, b, kvh))
                 T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
                 acc = T.sblock_alloc_buffer((group, head_dim), "float32", scope=scope)
                 qv = T.sblock_alloc_buffer((group, head_dim), "float32", scope=scope)
