@@ -95,7 +95,7 @@ class CompiledModel:
                             f"but this machine has no {device} device")
         if device == "cpu":
             from kiln.targets.cpu import missing_cpu_features
-            missing = missing_cpu_features(m["target"]["tvm_target"])
+            missing = missing_cpu_features(m["target"].get("cpu_features", []))
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
                                 f"compile it on this machine")

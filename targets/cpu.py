@@ -26,14 +26,17 @@ _ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "gfni", "vae
                  "dotprod", "i8mm", "bf16")
 
 
-def missing_cpu_features(tvm_target: str) -> list[str]:
-    """The instruction sets the CPU an artifact was compiled for has and this machine's CPU lacks
-    (`tvm_target` as its manifest records it): kernels built for them would stop with SIGILL here."""
-    import json
-    built_for = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(json.loads(tvm_target)))
-    here = {name for name, present in tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()
-            if present}
-    return sorted(f for f in built_for if f.startswith(_ISA_PREFIXES) and f not in here)
+def host_cpu_features() -> list[str]:
+    """The instruction sets this machine's CPU reports (CPUID, as LLVM reads it), sorted."""
+    present = tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()
+    return sorted(name for name, on in present if on and name.startswith(_ISA_PREFIXES))
+
+
+def missing_cpu_features(built_on: list[str]) -> list[str]:
+    """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
+    that this machine's CPU lacks: kernels built there could stop with SIGILL here."""
+    here = set(host_cpu_features())
+    return [name for name in built_on if name not in here]
 
 
 def _int8_dot() -> str:
