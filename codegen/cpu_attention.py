@@ -45,8 +45,9 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
     def capped(score):                 # evaluated while parsing: Gemma 2's soft-capped scores
         return T.tanh(score / T.float32(softcap)) * T.float32(softcap) if softcap else score
 
-    def tasks(n):                      # a CPU thread, or a GPU thread block, per (sequence, KV head)
-        return T.thread_binding(n, thread="blockIdx.x") if gpu else T.parallel(n)
+    def context_length(page_indptr, last_page_len, b):    # evaluated while parsing: sequence b's keys
+        n_pages = page_indptr[b + 1] - page_indptr[b]
+        return T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
 
     def task_reads(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, b,
                    kvh):                # evaluated while parsing: what the task of sequence b, KV head kvh reads
@@ -54,23 +55,6 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 qkv[0:qkv.shape[0], 0:width], positions[0:positions.shape[0]], inv_freq[0:freqs],
                 pages[0:pages.shape[0], 0:2, kvh, 0:page_size, 0:head_dim],
                 *([] if scales is None else [scales[0:pages.shape[0], 0:2, kvh, 0:page_size]])]
-
-    scope = "local" if gpu else "global"
-    # CPU: a score is summed in `lanes` partial sums, a vector FMA per `lanes` of head_dim, then
-    # across the lanes: one long chain of scalar FMAs per key and head cost ~4x the whole kernel
-    lanes = 1 if gpu else next(n for n in (16, 8, 4, 2, 1) if head_dim % n == 0)
-
-    @T.macro
-    def score(qv, kv, part, state, g):
-        """state[g, 2] = q_g · k."""
-        for lane in T.vectorized(lanes):
-            part[lane] = T.float32(0)
-        for d0 in range(head_dim // lanes):
-            for lane in T.vectorized(lanes):
-                part[lane] = part[lane] + qv[g, d0 * lanes + lane] * kv[0, d0 * lanes + lane]
-        state[g, 2] = T.float32(0)
-        for lane in range(lanes):
-            state[g, 2] = state[g, 2] + part[lane]
 
     # CPU: queries in blocks of rows (query × head of the group) against blocks of KEYS keys. A block's
     # K and V rows are read and widened once for all its rows; scores, their exps and the weighted
@@ -97,8 +81,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 q_start = q_indptr[b]
                 n_q = q_indptr[b + 1] - q_start
                 p_start = page_indptr[b]
-                n_pages = page_indptr[b + 1] - p_start
-                kv_len = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+                kv_len = context_length(page_indptr, last_page_len, b)
                 for qb in range((n_q + queries - 1) // queries):
                     n_here = T.min(queries, n_q - qb * queries)
                     for r, d in T.grid(rows, head_dim):
@@ -157,26 +140,25 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                             output[q_start + qb * queries + r // group, kvh * group + r % group, d] = T.Cast(
                                 dtype, acc[r, d] / stat[r, 1])
 
+    # GPU: a thread block per task, one key at a time
     @T.macro
     def attend(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
                output, batch):
-        for task in tasks(batch * kv_heads):
+        for task in T.thread_binding(batch * kv_heads, thread="blockIdx.x"):
             with T.sblock("attention"):
                 b = T.axis.spatial(batch, task // kv_heads)
                 kvh = T.axis.spatial(kv_heads, task % kv_heads)
                 T.reads(*task_reads(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values,
                                     last_page_len, scales, b, kvh))
                 T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
-                acc = T.sblock_alloc_buffer((group, head_dim), "float32", scope=scope)
-                qv = T.sblock_alloc_buffer((group, head_dim), "float32", scope=scope)
-                kv = T.sblock_alloc_buffer((2, head_dim), "float32", scope=scope)     # this key and value row
-                state = T.sblock_alloc_buffer((group, 4), "float32", scope=scope)     # max, sum, score, correction
-                part = T.sblock_alloc_buffer((lanes,), "float32", scope="local")      # a score's partial sums
+                acc = T.sblock_alloc_buffer((group, head_dim), "float32", scope="local")
+                qv = T.sblock_alloc_buffer((group, head_dim), "float32", scope="local")
+                kv = T.sblock_alloc_buffer((2, head_dim), "float32", scope="local")     # this key and value row
+                state = T.sblock_alloc_buffer((group, 4), "float32", scope="local")     # max, sum, score, correction
                 q_start = q_indptr[b]
                 n_q = q_indptr[b + 1] - q_start
                 p_start = page_indptr[b]
-                n_pages = page_indptr[b + 1] - p_start
-                kv_len = T.if_then_else(n_pages > 0, (n_pages - 1) * page_size + last_page_len[b], 0)
+                kv_len = context_length(page_indptr, last_page_len, b)
                 for i in range(n_q):
                     for g, d in T.grid(group, head_dim):
                         qv[g, d] = load_head_element(qkv, positions, inv_freq, q_start + i,
@@ -196,7 +178,9 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                             kv[1, d] = T.Cast("float32", pages[page, 1, kvh, row, d]) * row_scale(
                                 scales, page, 1, kvh, row)
                         for g in range(group):
-                            score(qv, kv, part, state, g)
+                            state[g, 2] = T.float32(0)
+                            for d in range(head_dim):
+                                state[g, 2] = state[g, 2] + qv[g, d] * kv[0, d]
                             state[g, 2] = capped(state[g, 2])
                             m_new = T.max(state[g, 0], state[g, 2])
                             state[g, 3] = T.exp(state[g, 0] - m_new)
