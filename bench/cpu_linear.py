@@ -182,7 +182,8 @@ def _kernels(n_out: int, n_in: int):
         yield (f"{quant} int8 GEMV (decode steps)", "pair_dot", paired, "float32", built(int8_gemv_kernel(
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
         if has_quad_dot(target):            # AVX-512 VNNI: the CPU target's kernel for every step
-            quads = [apply_layout(f"packed{nb}x4", parts["q"]), parts["scale"]]
+            quads = [apply_layout(f"packed{nb}x4", parts["q"]),
+                     apply_layout(f"panels{nb}" if quant == "q4" else "nk", parts["scale"])]
             yield (f"{quant} VNNI", "quad_dot", quads, "float32", built(vnni_linear_kernel(
                 n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
 

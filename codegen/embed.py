@@ -1,22 +1,23 @@
 """Embedding gathers: float tables, and quantised tables decoded only in the rows a step reads.
 
 A table that is also the LM head's weight (tied embeddings) is stored once, in the head's layout
-('nk', 'packedNB' or 'packedNBx2', codegen/layouts.py), and the gather computes each row's
+('nk', 'packedNB' or 'packedNBxF', codegen/layouts.py), and the gather computes each row's
 address inside it: row r, stored column c of Wp[vocab/NB, columns, NB] is Wp[r // NB, c, r % NB].
+Its q4 group scales likewise take the head's layout ('nk' or 'panelsNB').
 """
 from __future__ import annotations
 
 from tvm import relax, te, tirx
 
-from .layouts import packed_block, packed_index
+from .layouts import group_scales, packed_block, packed_index
 from .linear import WeightFormat
 
 
-def gather_kernel(vocab: int, hidden: int, layout: str, dtype: str, fmt: WeightFormat):
+def gather_kernel(vocab: int, hidden: int, layout: str, dtype: str, fmt: WeightFormat, scale_layout: str = "nk"):
     """A TE function (ids, table[, scale]) -> out [tokens, hidden] in `dtype`: each output element
     reads one stored element (one byte of two nibbles for q4) and its row's scale, in float32."""
     def gather(ids, table, *scale):
-        s = scale[0] if scale else None
+        s = group_scales(scale[0], scale_layout) if scale else None
 
         def load(r, kk):                    # stored element at row r, stored column kk
             return table[packed_index(layout, r, kk)] if packed_block(layout) else table[r, kk]
@@ -33,11 +34,12 @@ def gather_kernel(vocab: int, hidden: int, layout: str, dtype: str, fmt: WeightF
 
 
 def emit_embed(ctx, ids: relax.Expr, table: relax.Expr, scale: relax.Expr | None, layout: str, vocab: int,
-               hidden: int, dtype: str, fmt: WeightFormat = WeightFormat()) -> relax.Expr:
+               hidden: int, dtype: str, fmt: WeightFormat = WeightFormat(), scale_layout: str = "nk") -> relax.Expr:
     """Emit out[t] = row ids[t] of the table (dequantised to `dtype`) for a table stored in `layout`."""
     nb = packed_block(layout)
     if fmt.kind == "float" and nb is None:
         return ctx.bb.emit(relax.op.take(table, ids, axis=0, mode="clip"))
     name = "embed" + ("" if fmt.kind == "float" else f"_{fmt.kind}") + (f"_{layout}" if nb else "")
     args = [ids, table] + ([scale] if scale is not None else [])
-    return ctx.bb.emit_te(gather_kernel(vocab, hidden, layout, dtype, fmt), *args, primfunc_name_hint=name)
+    return ctx.bb.emit_te(gather_kernel(vocab, hidden, layout, dtype, fmt, scale_layout), *args,
+                          primfunc_name_hint=name)

@@ -1,7 +1,8 @@
 """Weight layouts: how a parameter is stored in the artifact for the kernels that read it.
 
-A layout is a short string; `apply_layout` turns a [out, in] array into it.
-The same functions run at compile time (writing weights) and in tests.
+A layout is a short string; `apply_layout` turns a [out, in] array into it (a 'panelsNB' table of
+group scales: a [groups, out] array). The same functions run at compile time (writing weights) and
+in tests.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import numpy as np
 
 _PACKED = re.compile(r"packed(\d+)(?:x(\d+))?$")
+_PANELS = re.compile(r"panels(\d+)$")
 
 
 def packed_layout(nb: int, interleave: int = 1) -> str:
@@ -36,7 +38,38 @@ def packed_index(layout: str, j, k):
     return j // nb, k, j % nb
 
 
+def panels_layout(nb: int) -> str:
+    """'panelsNB': group scales [groups, out] stored by weight panel, [out / NB, groups, NB], so the
+    scales of the NB columns a kernel task reads lie in one run beside its weights' run."""
+    return f"panels{nb}"
+
+
+def panels_block(layout: str) -> int | None:
+    found = _PANELS.match(layout)
+    return int(found[1]) if found else None
+
+
+class PanelScales:
+    """A 'panelsNB' table read as [group, column], as the kernels that take 'nk' scales index it."""
+
+    def __init__(self, table, nb: int):
+        self.table, self.nb = table, nb
+
+    def __getitem__(self, index):
+        group, column = index
+        return self.table[column // self.nb, group, column % self.nb]
+
+
+def group_scales(table, layout: str):
+    """The scale table as [group, column], whichever way it is stored."""
+    nb = panels_block(layout)
+    return PanelScales(table, nb) if nb else table
+
+
 def stored_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if panels_block(layout):
+        groups, n = shape
+        return (n // panels_block(layout), groups, panels_block(layout))
     nb, f = packed_block(layout), interleave(layout)
     if nb is None:
         return tuple(shape)
@@ -50,6 +83,9 @@ def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
     inputs of a column side by side, Wp[n // NB, k // F, F NB] with W[j, k] at
     [j // NB, k // F, F (j % NB) + k % F]: the int16 pairs of vpmaddwd after one sign extension
     (F = 2), the byte quads of vpdpbusd (F = 4)."""
+    if panels_block(layout):
+        groups, n = arr.shape
+        return np.ascontiguousarray(arr.reshape(groups, n // panels_block(layout), -1).swapaxes(0, 1))
     nb, f = packed_block(layout), interleave(layout)
     if nb is None:
         return arr

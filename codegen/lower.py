@@ -26,7 +26,7 @@ from kiln.ir.step_forms import for_step, prefill_min_tokens
 from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
-from .layouts import stored_shape
+from .layouts import interleave, packed_block, panels_layout, stored_shape
 from .linear import WeightFormat, emit_linear
 
 
@@ -116,9 +116,10 @@ def _emit_linear(ctx, node, x, w, *rest):
 def _emit_embed(ctx, node, ids, table, scale=None):
     """embed(ids, table) and embed_q8/q4/fp8(ids, table, scale), the table in its stored layout."""
     fmt = WeightFormat.of(node, "embed")
-    layout = _layout_for(node, 1, ctx.graph, ctx.target) if node.inputs[1] in ctx.graph.params else "nk"
+    layout, scale_layout = (_layout_for(node, pos, ctx.graph, ctx.target) if node.inputs[pos] in ctx.graph.params
+                            else "nk" for pos in (1, 2 if scale is not None else 1))
     vocab = ctx.types[node.inputs[1]].shape[0]
-    return emit_embed(ctx, ids, table, scale, layout, vocab, node.type.shape[1], node.type.dtype, fmt)
+    return emit_embed(ctx, ids, table, scale, layout, vocab, node.type.shape[1], node.type.dtype, fmt, scale_layout)
 
 
 LOWERINGS = {
@@ -162,9 +163,10 @@ LOWERINGS = {
 
 
 def _layout_for(node, pos: int, graph: Graph, target) -> str:
-    """The stored layout of the param at input `pos` of `node`: linear weights take the target's; an
-    embedding table that is also a linear weight (tied to the LM head) takes that layout too, so it
-    is stored once; other tables stay 'nk' (rows contiguous)."""
+    """The stored layout of the param at input `pos` of `node`: linear weights take the target's, and
+    the group scales of q4 weights in byte quads (the VNNI kernel) are stored by weight panel; an
+    embedding table that is also a linear weight (tied to the LM head) takes that layout too, and
+    its scales the head's, so each is stored once; other tables stay 'nk' (rows contiguous)."""
     name = node.inputs[pos]
     if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
         return target.linear_layout(*graph.params[name].type.shape[1:])      # each expert packed as a linear
@@ -174,9 +176,14 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
         operands = (node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0
                     else "bf16" if node.op == "linear" and weight.dtype == "bfloat16" else None)
         return target.linear_layout(*weight.shape, operands=operands)
-    head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == name), None)
-    if node.op in EMBED_OPS and pos == 1 and head is not None:
-        return _layout_for(head, 1, graph, target)
+    if node.op == "linear_q4" and pos == 2:
+        weights = _layout_for(node, 1, graph, target)
+        vnni = node.attrs.get("act_block", 0) > 0 and interleave(weights) == 4
+        return panels_layout(packed_block(weights)) if vnni else "nk"
+    if node.op in EMBED_OPS and pos in (1, 2):
+        head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == node.inputs[1]), None)
+        if head is not None and (pos == 1 or head.inputs[2] == name):
+            return _layout_for(head, pos, graph, target)
     return "nk"
 
 

@@ -10,14 +10,16 @@ so one 64-byte row of a panel is the operand for 16 columns:
     subtracted once from its dots;
   - q4: four bytes hold eight nibbles (level + 8); the low nibbles are inputs (0, 2, 4, 6) of eight
     and the high ones (1, 3, 5, 7), two operands; x's levels are stored in that order; 8 · Σx is
-    subtracted.
+    subtracted. q4's group scales are stored by panel (layout panelsNB): a task reads them as one
+    run beside its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8%
+    faster on Zen 4, docs/BENCHMARKS.md).
 A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block (read from
 memory once, then from cache by every micro-tile) a micro-kernel runs MICRO_ROWS rows × 2 vectors
 of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in registers for one activation
 block, their scaled float sums in registers for the K block. A decode step is the same kernel
 with a tile of one row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's
-weights halved a decode GEMV's rate, and the q4 scales' gained nothing measurable
-(docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
+weights halved a decode GEMV's rate; prefetching a few blocks ahead, or the q4 scales, was slower
+or gained nothing measurable (docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ def _octet_position(k):
 def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
                        has_residual: bool):
     """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]), w stored in layout packedNBx4:
-    [n_out/nb, n_in/4, 4 nb] int8 (q8) or [n_out/nb, n_in/8, 4 nb] bytes of two nibbles (q4)."""
+    [n_out/nb, n_in/4, 4 nb] int8 (q8) or [n_out/nb, n_in/8, 4 nb] bytes of two nibbles (q4); q4's
+    group scales in layout panelsNB: [n_out/nb, n_in/group, nb]."""
     if not supports(n_out, n_in, nb, fmt):
         raise ValueError(f"the VNNI kernel takes q8/q4 with panels of a multiple of {LANES} columns and "
                          f"activation blocks of whole stored rows, not nb={nb}, {fmt}")
@@ -68,7 +71,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // row_inputs, QUAD * nb)
-    scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
+    scale_shape = (panels, n_in // fmt.group_size, nb) if q4 else (n_out,)      # q4: layout panelsNB
     offset = 8 if q4 else 128                          # what makes a level unsigned
     quantize = x_quantizer(n_in, block, "int8", _octet_position if q4 else None)
     sum_blocks = x_block_sums(n_in, block)
@@ -83,12 +86,12 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     def x_quad(xq, row, k):                # evaluated while parsing: levels k .. k + 3 in every int32 lane
         return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", xq[row, T.ramp(k, 1, QUAD)]), LANES))
 
-    def block_scale(sx, scale, row, b, col):   # evaluated while parsing: float32x16, the GEMM's rounding
+    def block_scale(sx, scale, row, b, jo, vector):   # evaluated while parsing: float32x16, the GEMM's rounding
         x_scale = T.broadcast(sx[row, b], LANES)
         if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
             return x_scale
-        columns = T.ramp(T.Cast("int32", col), 1, LANES)           # col is int64 where m is
-        return x_scale * T.Cast("float32x16", scale[b * block // fmt.group_size, columns])
+        columns = T.ramp(vector * LANES, 1, LANES)
+        return x_scale * T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns])
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
@@ -114,7 +117,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                 for v in T.unroll(width):
                     sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
                         "float32x16", dots[r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
-                            sx, scale, row0 + r0 + r, kb, jo * nb + (s * width + v) * LANES)
+                            sx, scale, row0 + r0 + r, kb, jo, s * width + v)
         for r in T.unroll(count):
             for v in T.unroll(width):
                 acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)]

@@ -82,7 +82,8 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
     if not has_quad_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
-        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4")
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4",
+        scale_layout=f"panels{NB}" if op == "linear_q4" else "nk")
 
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2])
@@ -138,8 +139,10 @@ def test_bf16_micro_kernels_select_vdpbf16ps_for_a_bf16_cpu():
         assert body.count("vdpbf16ps") == rows * vectors, (rows, vectors)
 
 
-def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}", link=None):
-    """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout`, against interpret().
+def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}", link=None,
+                              scale_layout="nk"):
+    """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout` (its scales in
+    `scale_layout`), against interpret().
     link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
     import tvm
     from kiln.codegen.layouts import apply_layout
@@ -179,7 +182,7 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
         inputs = {"x": rng.standard_normal((rows, N_IN)).astype(np_dtype),
                   "residual": rng.standard_normal((rows, N_OUT)).astype(np_dtype)}
         want = interpret(graph, {k: v for k, v in inputs.items() if k in graph.inputs}, values.__getitem__)["y"]
-        args = [inputs["x"], apply_layout(layout, weights[0]), *weights[1:]]
+        args = [inputs["x"], apply_layout(layout, weights[0]), *[apply_layout(scale_layout, s) for s in weights[1:]]]
         args += [bias_value] if bias else []
         args += [inputs["residual"]] if residual else []
         y = tvm.runtime.tensor(np.zeros((rows, N_OUT), np_dtype))

@@ -162,12 +162,27 @@ def test_interleaved_layouts_known_values():
     assert experts.shape == (2, 2, 4, 16) and experts[1, 0, 0, 1] == 1001
 
 
-@pytest.mark.parametrize("op, layout", [("embed_q8", "packed16x2"), ("embed_q8", "packed16x4"),
-                                        ("embed_q4", "packed16x4"), ("embed", "packed16x2")])
-def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout):
+def test_group_scales_stored_by_panel_known_values():
+    """panelsNB: q4 group scales S[g, j] ([groups, out]) at [j // NB, g, j % NB]; group_scales reads
+    the stored table back as [g, j]."""
+    from kiln.codegen.layouts import apply_layout, group_scales, stored_shape
+    s = np.arange(4 * 16).reshape(4, 16)           # S[g, j] = 16 g + j
+    stored = apply_layout("panels8", s)
+    assert stored.shape == stored_shape("panels8", (4, 16)) == (2, 4, 8)
+    assert stored[1, 2].tolist() == [16 * 2 + j for j in range(8, 16)]
+    view = group_scales(stored, "panels8")
+    assert all(view[g, j] == 16 * g + j for g in range(4) for j in range(16))
+    assert group_scales(s, "nk") is s
+
+
+@pytest.mark.parametrize("op, layout, scale_layout", [
+    ("embed_q8", "packed16x2", "nk"), ("embed_q8", "packed16x4", "nk"), ("embed_q4", "packed16x4", "nk"),
+    ("embed_q4", "packed16x4", "panels16"), ("embed", "packed16x2", "nk")])
+def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, scale_layout):
     """A table tied to a q8/q4 LM head with int8 activations, or to a bf16 head on a CPU with a bf16
-    dot, is stored in the head's interleaved layout (tests/test_quant_embedding.py); the gather must
-    still read each row the interpreter's embed_q8/embed_q4/embed reads."""
+    dot, is stored in the head's interleaved layout, a q4 table's scales in the head's (panelsNB for
+    the VNNI kernel; tests/test_quant_embedding.py); the gather must still read each row the
+    interpreter's embed_q8/embed_q4/embed reads."""
     import ml_dtypes
     import tvm
     from tvm import te
@@ -197,9 +212,10 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout):
                           **attrs, **({"dtype": "float32"} if scales else {})))
     want = interpret(graph, {"ids": ids}, {"table": table, "scale": scale}.__getitem__)["out"].astype(np.float32)
     ph = [te.placeholder((ids.size,), "int32"), te.placeholder(stored_shape(layout, table.shape), str(table.dtype)),
-          *[te.placeholder(s.shape, str(s.dtype)) for s in scales]]
-    func = te.create_prim_func([*ph, gather_kernel(vocab, hidden, layout, "float32", fmt)(*ph)])
+          *[te.placeholder(stored_shape(scale_layout, s.shape), str(s.dtype)) for s in scales]]
+    func = te.create_prim_func([*ph, gather_kernel(vocab, hidden, layout, "float32", fmt, scale_layout)(*ph)])
     built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=host_cpu_target())
     out = tvm.runtime.tensor(np.zeros((ids.size, hidden), np.float32))
-    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout(layout, table), *scales)], out)
+    stored_scales = [apply_layout(scale_layout, s) for s in scales]
+    built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout(layout, table), *stored_scales)], out)
     np.testing.assert_array_equal(out.numpy(), want)

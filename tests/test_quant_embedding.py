@@ -180,6 +180,13 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
     for dot, head in (("avx2", "packed16x2"), ("vnni", "packed16x4")):
         assert sorted(stored(int8, CPUTarget(int8_dot=dot))) == [f"embed.weight.q8@{head}", "embed.weight.q8_scale",
                                                                  "proj.weight.q8@packed8x2", "proj.weight.q8_scale"]
+    # q4 on VNNI: the head's group scales (and so the table's) stored by weight panel; AVX2 keeps them
+    # [groups, out]
+    int4 = QuantizeEmbedding("q4", group_size=8)(Quantize("q4", group_size=8, act_block=8)(lm_graph(tied=True)))
+    for dot, head, scale in (("avx2", "packed16", "embed.weight.q4_scale"),
+                             ("vnni", "packed16x4", "embed.weight.q4_scale@panels16")):
+        assert sorted(stored(int4, CPUTarget(int8_dot=dot))) == [f"embed.weight.q4@{head}", scale,
+                                                                 "proj.weight.q4@packed8", "proj.weight.q4_scale"]
     # bf16 where the CPU has a bf16 dot: the head (and the table it shares) in input pairs where the
     # panel fills 16 lanes (not the 8-column projection, which the float kernels read)
     for dot, head in ((True, "packed16x2"), (False, "packed16")):
