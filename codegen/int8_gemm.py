@@ -45,23 +45,30 @@ def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
     loop = T.serial if position else T.vectorized
 
     @T.macro
+    def quantize_row(x, xq, sx, m, i):
+        for kb in range(n_in // block):
+            with T.sblock("quantize"):
+                row = T.axis.spatial(m, i)
+                b = T.axis.spatial(n_in // block, kb)
+                T.reads(x[row, b * block:b * block + block])
+                T.writes(xq[row, b * block:b * block + block], sx[row, b])
+                amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                amax[0] = T.float32(0)
+                for k in range(block):
+                    amax[0] = T.max(amax[0], T.abs(T.Cast("float32", x[row, b * block + k])))
+                sx[row, b] = amax[0] / T.float32(127)
+                for k in loop(block):
+                    xq[row, b * block + place(k)] = T.Cast(level_dtype, T.nearbyint(
+                        T.Cast("float32", x[row, b * block + k])
+                        * T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))))
+
+    @T.macro
     def quantize(x, xq, sx, m):
-        for i in T.parallel(m):
-            for kb in range(n_in // block):
-                with T.sblock("quantize"):
-                    row = T.axis.spatial(m, i)
-                    b = T.axis.spatial(n_in // block, kb)
-                    T.reads(x[row, b * block:b * block + block])
-                    T.writes(xq[row, b * block:b * block + block], sx[row, b])
-                    amax = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    amax[0] = T.float32(0)
-                    for k in range(block):
-                        amax[0] = T.max(amax[0], T.abs(T.Cast("float32", x[row, b * block + k])))
-                    sx[row, b] = amax[0] / T.float32(127)
-                    for k in loop(block):
-                        xq[row, b * block + place(k)] = T.Cast(level_dtype, T.nearbyint(
-                            T.Cast("float32", x[row, b * block + k])
-                            * T.if_then_else(amax[0] > T.float32(0), T.float32(127) / amax[0], T.float32(0))))
+        if m == 1:         # a decode step: waking the thread pool costs more than quantising one row
+            quantize_row(x, xq, sx, m, 0)
+        else:
+            for i in T.parallel(m):
+                quantize_row(x, xq, sx, m, i)
     return quantize
 
 
@@ -70,17 +77,24 @@ def x_block_sums(n_in: int, block: int, needed: bool = True):
     weight operand is offset to be unsigned (q4's nibbles, VNNI's q8 + 128) subtract offset · Σx.
     With `needed` False it sums nothing (a kernel variant that does not read them)."""
     @T.macro
+    def sums_row(xq, x_sums, m, i):
+        for b in range(n_in // block if needed else 0):
+            with T.sblock("x_sums"):
+                r = T.axis.spatial(m, i)
+                bb = T.axis.spatial(n_in // block, b)
+                T.reads(xq[r, bb * block:bb * block + block])
+                T.writes(x_sums[r, bb])
+                x_sums[r, bb] = 0
+                for k in range(block):
+                    x_sums[r, bb] = x_sums[r, bb] + T.Cast("int32", xq[r, bb * block + k])
+
+    @T.macro
     def sums(xq, x_sums, m):
-        for i in T.parallel(m):
-            for b in range(n_in // block if needed else 0):
-                with T.sblock("x_sums"):
-                    r = T.axis.spatial(m, i)
-                    bb = T.axis.spatial(n_in // block, b)
-                    T.reads(xq[r, bb * block:bb * block + block])
-                    T.writes(x_sums[r, bb])
-                    x_sums[r, bb] = 0
-                    for k in range(block):
-                        x_sums[r, bb] = x_sums[r, bb] + T.Cast("int32", xq[r, bb * block + k])
+        if m == 1:         # as quantize: one row is summed without waking the thread pool
+            sums_row(xq, x_sums, m, 0)
+        else:
+            for i in T.parallel(m):
+                sums_row(xq, x_sums, m, i)
     return sums
 
 
