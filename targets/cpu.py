@@ -12,18 +12,28 @@ from kiln.errors import KilnError
 from .base import Target
 
 
-def host_cpu_target() -> tvm.target.Target:
-    # "mcpu": "native" is ignored by TVM's LLVM; ask LLVM for the host CPU's name instead. What is
-    # built for it lowers float32 exp inline (codegen/exp_lowering.py), not as libm calls.
-    from kiln.codegen.exp_lowering import register_exp_lowering
-    register_exp_lowering()
-    return tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu",
-                              "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
-
-
 # LLVM feature names of instruction sets (not tuning flags) a CPU artifact's kernels may use
 _ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "gfni", "vaes", "vpclmulqdq", "neon", "sve",
                  "dotprod", "i8mm", "bf16")
+
+
+def host_cpu_target() -> tvm.target.Target:
+    # "mcpu": "native" is ignored by TVM's LLVM; ask LLVM for the host CPU's name and the features
+    # CPUID reports instead. What is built for it lowers float32 exp inline
+    # (codegen/exp_lowering.py), not as libm calls.
+    from kiln.codegen.exp_lowering import register_exp_lowering
+    register_exp_lowering()
+    return cpu_target(tvm.target.codegen.llvm_get_system_cpu(),
+                      dict(tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()))
+
+
+def cpu_target(cpu: str, reported: dict[str, bool]) -> tvm.target.Target:
+    """LLVM's target for CPU model `cpu` with each instruction set switched on or off as `reported`
+    (name -> present): a VM may hide one the model implies (AMX on a Sapphire Rapids host,
+    AVX-512 on a Zen 4 one), and kernels built with it would stop with SIGILL."""
+    mattr = sorted(("+" if on else "-") + name for name, on in reported.items() if name.startswith(_ISA_PREFIXES))
+    return tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu",
+                              "mcpu": cpu, "mattr": mattr})
 
 
 def host_cpu_features() -> list[str]:

@@ -141,3 +141,23 @@ def test_an_artifact_built_for_a_cpu_with_more_instruction_sets_is_refused(llama
     with pytest.raises(KilnError) as e:
         CompiledModel(artifact)
     assert "amx-kiln-test" in str(e.value) and "compile it on this machine" in str(e.value)
+
+
+def test_the_cpu_target_uses_exactly_the_instruction_sets_cpuid_reports():
+    """kiln compiles for LLVM's name of the CPU with each instruction set switched on or off as
+    CPUID reports it, so a VM that hides one the CPU model implies gets no kernel that needs it."""
+    import tvm
+    from kiln.targets.cpu import cpu_target, host_cpu_features, host_cpu_target
+    has = tvm.target.codegen.llvm_cpu_has_features
+    # a Sapphire Rapids VM that hides AMX and AVX-512 FP16: the model alone implies both
+    hidden = {"amx-int8": False, "amx-tile": False, "avx512fp16": False, "avx2": True, "avx512f": True}
+    assert has(["amx-int8"], tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids"}))
+    target = cpu_target("sapphirerapids", hidden)
+    assert not any(has([name], target) for name in ("amx-int8", "amx-tile", "avx512fp16"))
+    assert has(["avx2", "avx512f"], target)
+    # this machine: every instruction set CPUID reports, and none it does not
+    here = host_cpu_target()
+    reported = dict(tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items())
+    absent = [name for name, present in reported.items() if not present and name.startswith(("avx", "amx"))]
+    assert host_cpu_features() and all(has([name], here) for name in host_cpu_features())
+    assert not any(has([name], here) for name in absent), absent
