@@ -10,12 +10,17 @@ weights in a float32 model) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_m
   chunks run codegen/gemm.py's GEMM; q8/q4 linears take int8 activations, codegen/int8_gemm.py) and
   as before those kernels (the target's `chunk_gemm` off, float activations: every step on the GEMV
   schedule), so their gain is measured in the same run;
-- decode, batch 1: `llama-bench -n 64`'s tg against kiln's engine decoding 64 tokens;
+- decode, batch 1: `llama-bench -n 64`'s tg against kiln's engine decoding 64 tokens, in --repeats
+  rounds that each read the bandwidth, run llama-bench once and kiln once: this VM's bandwidth
+  drifts by half within minutes, so each round's kiln / llama.cpp ratio compares one window, and
+  the table shows the median ratio beside each program's median rate;
 - decode, batch 8: `llama-batched-bench -npp 16 -ntg 64 -npl 8`'s S_TG against 8 sequences in kiln's
   engine;
 - the batch-1 decode roofline: the machine's best streaming-read rate (bench/bandwidth.py, same
-  threads; read at the start and beside each mode's decode, as this VM's bandwidth drifts) over the
-  bytes of weights a decode step reads (every weight but an untied embedding table).
+  threads; read at the start and in each decode round) over the bytes of weights a decode step
+  reads (every weight but an untied embedding table); `kiln / roofline` is kiln's median rate
+  against the best read of the mode's rounds, and `(same round)` the median of each round's rate
+  against that round's read.
 llama.cpp must be built as ../shared/PEERS.md says. Same thread count everywhere.
 """
 from __future__ import annotations
@@ -38,24 +43,28 @@ from big_model import MODES, built_llama_cpp, gguf_files  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 
 
-def llama_cpp_rates(llama_cpp: Path, gguf: Path, prompt: int, new_tokens: int, threads: int, repeats: int) -> dict:
-    bins = llama_cpp / "build" / "bin"
-    proc = subprocess.run([str(bins / "llama-bench"), "-m", str(gguf), "-p", str(prompt), "-n", str(new_tokens),
-                           "-t", str(threads), "-r", str(repeats), "-o", "json"], capture_output=True, text=True)
+def llama_bench(llama_cpp: Path, gguf: Path, prompt: int, new_tokens: int, threads: int, repeats: int) -> float:
+    """llama-bench's tokens/s for a prompt of `prompt` tokens (pp) or `new_tokens` decoded (tg): one of them 0."""
+    proc = subprocess.run([str(llama_cpp / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-p", str(prompt),
+                           "-n", str(new_tokens), "-t", str(threads), "-r", str(repeats), "-o", "json"],
+                          capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"llama-bench failed:\n{proc.stderr[-3000:]}")
-    runs = json.loads(proc.stdout)
-    rates = {"pp": next(r["avg_ts"] for r in runs if r["n_prompt"]), "tg": next(r["avg_ts"] for r in runs if r["n_gen"])}
+    return json.loads(proc.stdout)[0]["avg_ts"]
+
+
+def llama_batched_rate(llama_cpp: Path, gguf: Path, new_tokens: int, threads: int, repeats: int) -> float:
+    """Median S_TG (tokens/s over 8 sequences) of llama-batched-bench."""
     eight = []
     for _ in range(repeats):
-        proc = subprocess.run([str(bins / "llama-batched-bench"), "-m", str(gguf), "-c", "2048", "-npp", "16",
-                               "-ntg", str(new_tokens), "-npl", "8", "-t", str(threads)], capture_output=True, text=True)
+        proc = subprocess.run([str(llama_cpp / "build" / "bin" / "llama-batched-bench"), "-m", str(gguf), "-c", "2048",
+                               "-npp", "16", "-ntg", str(new_tokens), "-npl", "8", "-t", str(threads)],
+                              capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"llama-batched-bench failed:\n{proc.stderr[-3000:]}")
         row = next(line for line in proc.stdout.splitlines() if re.match(r"\|\s+16\s+\|", line))
         eight.append(float(row.strip("|").split("|")[7]))          # S_TG t/s
-    rates["b8"] = statistics.median(eight)
-    return rates
+    return statistics.median(eight)
 
 
 def decode_bytes(artifact: Path) -> int:
@@ -133,30 +142,39 @@ def main() -> None:
                                                                 ignore_eos=True), use_tqdm=False)
             return max(r.metrics.first_token_time for r in reqs), max(r.metrics.finish_time for r in reqs)
         generate(1, 4)
-        # the VM's memory bandwidth drifts by half within minutes: the roofline is the best read seen
-        # so far, one more read taken beside each mode's decode
-        bandwidth = max(bandwidth, read_bandwidth(args.threads))
-        kiln["tg"] = decode_rate(generate, 1, args.new_tokens, args.repeats)
-        bandwidth = max(bandwidth, read_bandwidth(args.threads))
-        kiln["roofline"] = bandwidth * 1e9 / decode_bytes(work / f"artifact-{mode}-gemm")
+        gguf, step_bytes = ggufs[mode]["gguf"], decode_bytes(work / f"artifact-{mode}-gemm")
+        # batch-1 decode in rounds, each one window of the VM's drifting bandwidth: a read, llama.cpp, kiln
+        rounds = []
+        for _ in range(args.repeats):
+            read = read_bandwidth(args.threads)
+            peer_tg = llama_bench(llama_cpp, gguf, 0, args.new_tokens, args.threads, 1)
+            kiln_tg = decode_rate(generate, 1, args.new_tokens, 1)
+            rounds.append((read, peer_tg, kiln_tg))
+        best_read = max(r[0] for r in rounds)
+        bandwidth = max(bandwidth, best_read)
+        kiln["tg"], peer_tg = (statistics.median(r[i] for r in rounds) for i in (2, 1))
+        tg_ratio = statistics.median(k / p for _, p, k in rounds)
+        roofline = best_read * 1e9 / step_bytes
+        same_round = statistics.median(k * step_bytes / (read * 1e9) for read, _, k in rounds)
         kiln["b8"] = decode_rate(generate, 8, args.new_tokens, args.repeats)
         del llm
-        peer = llama_cpp_rates(llama_cpp, ggufs[mode]["gguf"], args.prompt_len, args.new_tokens, args.threads,
-                               args.repeats)
+        peer = {"pp": llama_bench(llama_cpp, gguf, args.prompt_len, 0, args.threads, args.repeats),
+                "b8": llama_batched_rate(llama_cpp, gguf, args.new_tokens, args.threads, args.repeats)}
         rows.append([mode, f"{peer['pp']:.1f}", f"{kiln['pp_gemv']:.1f}", f"{kiln['pp_gemm']:.1f}",
                      f"{kiln['pp_gemm'] / kiln['pp_gemv']:.2f}x", f"{kiln['pp_gemm'] / peer['pp']:.2f}x",
-                     f"{peer['tg']:.1f}", f"{kiln['tg']:.1f}", f"{kiln['tg'] / peer['tg']:.2f}x",
-                     f"{kiln['roofline']:.1f}", f"{kiln['tg'] / kiln['roofline']:.0%}",
+                     f"{peer_tg:.1f}", f"{kiln['tg']:.1f}", f"{tg_ratio:.2f}x",
+                     f"{roofline:.1f}", f"{kiln['tg'] / roofline:.0%} ({same_round:.0%})",
                      f"{peer['b8']:.1f}", f"{kiln['b8']:.1f}", f"{kiln['b8'] / peer['b8']:.2f}x",
                      f"{kiln['compile_gemm']:.0f}"])
         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
 
     print(f"\n{args.preset}, {args.threads} threads, tok/s, medians of {args.repeats}: prefill {args.prompt_len} "
-          f"tokens, decode {args.new_tokens} tokens at batch 1 and 8; roofline: the best streaming read beside "
-          f"each mode's decode (at most {bandwidth:.1f} GB/s) over the bytes a decode step reads")
+          f"tokens, decode {args.new_tokens} tokens at batch 1 (in rounds, the ratio the median of the rounds') "
+          f"and 8; roofline: the best streaming read of the mode's decode rounds (at most {bandwidth:.1f} GB/s) "
+          f"over the bytes a decode step reads; (same round): each round's rate against its own read")
     print("| mode | llama.cpp pp | kiln pp (before: GEMV) | kiln pp | kiln / before | kiln / llama.cpp | llama.cpp tg "
-          "| kiln tg | kiln / llama.cpp | tg roofline | kiln / roofline | llama.cpp b8 | kiln b8 | kiln / llama.cpp "
-          "| kiln compile (s) |")
+          "| kiln tg | kiln / llama.cpp | tg roofline | kiln / roofline (same round) | llama.cpp b8 | kiln b8 "
+          "| kiln / llama.cpp | kiln compile (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
