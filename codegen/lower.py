@@ -116,8 +116,10 @@ def _emit_linear(ctx, node, x, w, *rest):
 def _emit_embed(ctx, node, ids, table, scale=None):
     """embed(ids, table) and embed_q8/q4/fp8(ids, table, scale), the table in its stored layout."""
     fmt = WeightFormat.of(node, "embed")
-    layout, scale_layout = (_layout_for(node, pos, ctx.graph, ctx.target) if node.inputs[pos] in ctx.graph.params
-                            else "nk" for pos in (1, 2 if scale is not None else 1))
+
+    def stored(pos):            # a table or scale the graph computes (not a param) is 'nk'
+        return _layout_for(node, pos, ctx.graph, ctx.target) if node.inputs[pos] in ctx.graph.params else "nk"
+    layout, scale_layout = stored(1), stored(2) if scale is not None else "nk"
     vocab = ctx.types[node.inputs[1]].shape[0]
     return emit_embed(ctx, ids, table, scale, layout, vocab, node.type.shape[1], node.type.dtype, fmt, scale_layout)
 
@@ -182,7 +184,7 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
         return panels_layout(packed_block(weights)) if vnni else "nk"
     if node.op in EMBED_OPS and pos in (1, 2):
         head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == node.inputs[1]), None)
-        if head is not None and (pos == 1 or head.inputs[2] == name):
+        if head is not None and (pos == 1 or head.inputs[2:3] == [name]):
             return _layout_for(head, pos, graph, target)
     return "nk"
 

@@ -19,7 +19,8 @@ of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in register
 block, their scaled float sums in registers for the K block. A decode step is the same kernel
 with a tile of one row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's
 weights halved a decode GEMV's rate; prefetching a few blocks ahead, or the q4 scales, was slower
-or gained nothing measurable (docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding, residual) is codegen/linear.py's.
+or gained nothing measurable (docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding,
+residual) is codegen/linear.py's.
 """
 from __future__ import annotations
 
