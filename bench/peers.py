@@ -152,17 +152,18 @@ def main() -> None:
             rounds.append((read, peer_tg, kiln_tg))
         best_read = max(r[0] for r in rounds)
         bandwidth = max(bandwidth, best_read)
-        kiln["tg"], peer_tg = (statistics.median(r[i] for r in rounds) for i in (2, 1))
+        peer = {"tg": statistics.median(p for _, p, _ in rounds)}
+        kiln["tg"] = statistics.median(k for _, _, k in rounds)
         tg_ratio = statistics.median(k / p for _, p, k in rounds)
         roofline = best_read * 1e9 / step_bytes
         same_round = statistics.median(k * step_bytes / (read * 1e9) for read, _, k in rounds)
         kiln["b8"] = decode_rate(generate, 8, args.new_tokens, args.repeats)
         del llm
-        peer = {"pp": llama_bench(llama_cpp, gguf, args.prompt_len, 0, args.threads, args.repeats),
-                "b8": llama_batched_rate(llama_cpp, gguf, args.new_tokens, args.threads, args.repeats)}
+        peer["pp"] = llama_bench(llama_cpp, gguf, args.prompt_len, 0, args.threads, args.repeats)
+        peer["b8"] = llama_batched_rate(llama_cpp, gguf, args.new_tokens, args.threads, args.repeats)
         rows.append([mode, f"{peer['pp']:.1f}", f"{kiln['pp_gemv']:.1f}", f"{kiln['pp_gemm']:.1f}",
                      f"{kiln['pp_gemm'] / kiln['pp_gemv']:.2f}x", f"{kiln['pp_gemm'] / peer['pp']:.2f}x",
-                     f"{peer_tg:.1f}", f"{kiln['tg']:.1f}", f"{tg_ratio:.2f}x",
+                     f"{peer['tg']:.1f}", f"{kiln['tg']:.1f}", f"{tg_ratio:.2f}x",
                      f"{roofline:.1f}", f"{kiln['tg'] / roofline:.0%} ({same_round:.0%})",
                      f"{peer['b8']:.1f}", f"{kiln['b8']:.1f}", f"{kiln['b8'] / peer['b8']:.2f}x",
                      f"{kiln['compile_gemm']:.0f}"])

@@ -38,6 +38,18 @@ def packed_index(layout: str, j, k):
     return j // nb, k, j % nb
 
 
+def in_byte_quads(layout: str, act_block: int) -> bool:
+    """Whether a linear with int8 activations in blocks of `act_block` (0: none) and weights in
+    `layout` runs the VNNI kernel (codegen/vnni_linear.py): weights in byte quads, 'packedNBx4'."""
+    return act_block > 0 and packed_block(layout) is not None and interleave(layout) == 4
+
+
+def q4_scale_layout(weight_layout: str, act_block: int) -> str:
+    """Where q4 group scales are stored for the kernel that reads them: by weight panel for the
+    VNNI kernel, [groups, out] elsewhere."""
+    return panels_layout(packed_block(weight_layout)) if in_byte_quads(weight_layout, act_block) else "nk"
+
+
 def panels_layout(nb: int) -> str:
     """'panelsNB': group scales [groups, out] stored by weight panel, [out / NB, groups, NB], so the
     scales of the NB columns a kernel task reads lie in one run beside its weights' run."""

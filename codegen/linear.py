@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tvm import relax, s_tir, te, tirx
 
-from .layouts import interleave, packed_block
+from .layouts import in_byte_quads, interleave, packed_block
 
 ROW_TILE, K_BLOCK = 16, 128      # CPU packed kernel tiling (measured on a 2-core Zen VM, bench in docs)
 
@@ -178,7 +178,7 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         ctx.micro_kernels.update(micro_kernels(nb))
         y = packed(bf16_linear_kernel(n_out, n_in, nb, bias is not None, residual is not None), "bf16dot",
                    scheduled=True)
-    elif nb is not None and fmt.act_block and interleave(layout) == 4:
+    elif in_byte_quads(layout, fmt.act_block):
         # int8 activations on VNNI: one kernel for every step
         from .vnni_linear import vnni_linear_kernel
         y = packed(vnni_linear_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),

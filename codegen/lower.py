@@ -26,7 +26,7 @@ from kiln.ir.step_forms import for_step, prefill_min_tokens
 from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
-from .layouts import interleave, packed_block, panels_layout, stored_shape
+from .layouts import q4_scale_layout, stored_shape
 from .linear import WeightFormat, emit_linear
 
 
@@ -179,9 +179,7 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
                     else "bf16" if node.op == "linear" and weight.dtype == "bfloat16" else None)
         return target.linear_layout(*weight.shape, operands=operands)
     if node.op == "linear_q4" and pos == 2:
-        weights = _layout_for(node, 1, graph, target)
-        vnni = node.attrs.get("act_block", 0) > 0 and interleave(weights) == 4
-        return panels_layout(packed_block(weights)) if vnni else "nk"
+        return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op in EMBED_OPS and pos in (1, 2):
         head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == node.inputs[1]), None)
         if head is not None and (pos == 1 or head.inputs[2:3] == [name]):

@@ -23,8 +23,12 @@ def host_cpu_target() -> tvm.target.Target:
     # (codegen/exp_lowering.py), not as libm calls.
     from kiln.codegen.exp_lowering import register_exp_lowering
     register_exp_lowering()
-    return cpu_target(tvm.target.codegen.llvm_get_system_cpu(),
-                      dict(tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()))
+    return cpu_target(tvm.target.codegen.llvm_get_system_cpu(), _reported_features())
+
+
+def _reported_features() -> dict[str, bool]:
+    """LLVM's feature map of this machine's CPU (CPUID): name -> present."""
+    return dict(tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items())
 
 
 def cpu_target(cpu: str, reported: dict[str, bool]) -> tvm.target.Target:
@@ -38,8 +42,7 @@ def cpu_target(cpu: str, reported: dict[str, bool]) -> tvm.target.Target:
 
 def host_cpu_features() -> list[str]:
     """The instruction sets this machine's CPU reports (CPUID, as LLVM reads it), sorted."""
-    present = tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()
-    return sorted(name for name, on in present if on and name.startswith(_ISA_PREFIXES))
+    return sorted(name for name, on in _reported_features().items() if on and name.startswith(_ISA_PREFIXES))
 
 
 def missing_cpu_features(built_on: list[str]) -> list[str]:
