@@ -10,13 +10,14 @@ import re
 
 import numpy as np
 
-_PACKED = re.compile(r"packed(\d+)(?:x(\d+))?$")
+_PACKED = re.compile(r"packed(\d+)(?:x(\d+))?(?:n(\d+))?$")
 _PANELS = re.compile(r"panels(\d+)$")
 
 
-def packed_layout(nb: int, interleave: int = 1) -> str:
-    """'packedNB', or 'packedNBxF' with F stored inputs per column side by side."""
-    return f"packed{nb}" + (f"x{interleave}" if interleave > 1 else "")
+def packed_layout(nb: int, interleave: int = 1, nibble_span: int = 0) -> str:
+    """'packedNB', or 'packedNBxF' with F stored inputs per column side by side; a suffix 'nS' on
+    an array of q4 bytes pairs its nibbles S inputs apart (see `nibble_of`)."""
+    return f"packed{nb}" + (f"x{interleave}" if interleave > 1 else "") + (f"n{nibble_span}" if nibble_span else "")
 
 
 def packed_block(layout: str) -> int | None:
@@ -28,6 +29,21 @@ def interleave(layout: str) -> int:
     """Stored inputs per column side by side: 1, 2 ('packedNBx2') or 4 ('packedNBx4')."""
     found = _PACKED.match(layout)
     return int(found[2] or 1) if found else 1
+
+
+def nibble_span(layout: str) -> int:
+    """How far apart the two inputs of a stored q4 byte are: 0 for neighbours (k, k + 1), S for
+    'packed...nS' (k and k + S, of two consecutive runs of S inputs)."""
+    found = _PACKED.match(layout)
+    return int(found[3] or 0) if found else 0
+
+
+def nibble_of(k, span: int):
+    """(byte, high nibble?) of input k among a row's q4 bytes: neighbours share a byte (span 0), or
+    input i of each run of 2S sits in byte S·(k // 2S) + i % S, the second run in high nibbles."""
+    if not span:
+        return k // 2, k % 2
+    return k // (2 * span) * span + k % span, k % (2 * span) // span
 
 
 def packed_index(layout: str, j, k):
@@ -94,13 +110,28 @@ def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
     (experts [E, n, k] -> [E, n // NB, k, NB], each expert packed on its own). 'packedNBxF': F
     inputs of a column side by side, Wp[n // NB, k // F, F NB] with W[j, k] at
     [j // NB, k // F, F (j % NB) + k % F]: the int16 pairs of vpmaddwd after one sign extension
-    (F = 2), the byte quads of vpdpbusd (F = 4)."""
+    (F = 2), the byte quads of vpdpbusd (F = 4). 'nS' first re-pairs the nibbles of q4 bytes (two
+    neighbouring inputs a byte, the even one low) S inputs apart."""
     if panels_block(layout):
         groups, n = arr.shape
         return np.ascontiguousarray(arr.reshape(groups, n // panels_block(layout), -1).swapaxes(0, 1))
-    nb, f = packed_block(layout), interleave(layout)
+    nb, f, span = packed_block(layout), interleave(layout), nibble_span(layout)
     if nb is None:
         return arr
+    if span:
+        arr = _pair_nibbles(arr, span)
     *experts, n, k = arr.shape
     grouped = arr.reshape(*experts, n // nb, nb, k // f, f).swapaxes(-3, -2)
     return np.ascontiguousarray(grouped).reshape(*experts, n // nb, k // f, f * nb)
+
+
+def _pair_nibbles(arr: np.ndarray, span: int) -> np.ndarray:
+    """q4 bytes [..., k / 2] of neighbouring inputs -> bytes holding inputs S apart (`nibble_of`):
+    in each run of S bytes, the first half's bytes hold the run's low inputs, the second half's
+    the high ones; byte 2t takes the low nibbles of bytes t of both halves, byte 2t + 1 the high."""
+    runs = arr.reshape(*arr.shape[:-1], -1, 2, span // 2)
+    first, second = runs[..., 0, :], runs[..., 1, :]
+    paired = np.empty(runs.shape[:-2] + (span // 2, 2), np.uint8)
+    paired[..., 0] = (first & 15) | (second << 4)
+    paired[..., 1] = (first >> 4) | (second & 0xF0)
+    return paired.reshape(arr.shape)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tvm import relax, s_tir, te, tirx
 
-from .layouts import in_byte_quads, interleave, packed_block
+from .layouts import in_byte_quads, interleave, nibble_of, nibble_span, packed_block
 
 ROW_TILE, K_BLOCK = 16, 128      # CPU packed kernel tiling (measured on a 2-core Zen VM, bench in docs)
 
@@ -39,17 +39,18 @@ class WeightFormat:
         return "" if self.kind == "float" else (f"_{self.kind}" + (f"g{self.group_size}" if self.group_size else "")
                                                 + (f"a{self.act_block}" if self.act_block else ""))
 
-    def value(self, load, scale, j, k):
-        """`load(j, kk)` reads the stored element for output j at stored input index kk."""
+    def value(self, load, scale, j, k, span: int = 0):
+        """`load(j, kk)` reads the stored element for output j at stored input index kk; q4 bytes
+        hold inputs `span` apart (codegen/layouts.py: nibble_of)."""
         if self.kind == "q4":
-            return self.level(load, j, k).astype("float32") * scale[k // self.group_size, j].astype("float32")
+            return self.level(load, j, k, span).astype("float32") * scale[k // self.group_size, j].astype("float32")
         return load(j, k).astype("float32")
 
-    def level(self, load, j, k):
+    def level(self, load, j, k, span: int = 0):
         """The integer level of W[j, k] (int32) for q8 and q4: the byte, or the nibble - 8."""
         if self.kind == "q4":
-            byte = load(j, k // 2)
-            nibble = (byte >> (k % 2 * 4).astype("uint8")) & tirx.const(15, "uint8")
+            byte_k, high = nibble_of(k, span)
+            nibble = (load(j, byte_k) >> (high * 4).astype("uint8")) & tirx.const(15, "uint8")
             return nibble.astype("int32") - 8
         return load(j, k).astype("int32")
 
@@ -181,6 +182,8 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     elif in_byte_quads(layout, fmt.act_block):
         # int8 activations on VNNI: one kernel for every step
         from .vnni_linear import vnni_linear_kernel
+        if fmt.kind == "q4" and nibble_span(layout) != fmt.act_block:
+            raise ValueError(f"the VNNI kernel reads q4 bytes of inputs {fmt.act_block} apart, not layout {layout}")
         y = packed(vnni_linear_kernel(n_out, n_in, nb, dtype, fmt, bias is not None, residual is not None),
                    "vnni", scheduled=True)
     elif nb is not None and fmt.act_block:

@@ -177,7 +177,7 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
         weight = graph.params[name].type
         operands = (node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0
                     else "bf16" if node.op == "linear" and weight.dtype == "bfloat16" else None)
-        return target.linear_layout(*weight.shape, operands=operands)
+        return target.linear_layout(*weight.shape, operands=operands, act_block=node.attrs.get("act_block", 0))
     if node.op == "linear_q4" and pos == 2:
         return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op in EMBED_OPS and pos in (1, 2):

@@ -8,15 +8,20 @@ are stored four bytes per output column side by side (layout packedNBx4 over the
 so one 64-byte row of a panel is the operand for 16 columns:
   - q8: four levels; XOR 0x80 makes them unsigned (level + 128), and 128 · Σx of the block is
     subtracted once from its dots;
-  - q4: four bytes hold eight nibbles (level + 8); the low nibbles are inputs (0, 2, 4, 6) of eight
-    and the high ones (1, 3, 5, 7), two operands; x's levels are stored in that order; 8 · Σx is
-    subtracted. q4's group scales are stored by panel (layout panelsNB): a task reads them as one
-    run beside its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8%
-    faster on Zen 4, docs/BENCHMARKS.md).
+  - q4: weights in layout packedNBx4nB (B the activation block): byte i of a pair of blocks'
+    stored rows holds input i of the first block in its low nibble and input i of the second in
+    its high one, both level + 8. An AND with 0x0F gives the first block's operand, an AND with
+    0xF0 sixteen times the second's, whose dots then start from 16 · 8 · Σx and take the weight
+    scale / 16 (a power of two: the products round as the scheme's), so no shift is needed: on
+    Zen 4 a byte shift (vgf2p8affineqb) takes a slot of vpdpbusd's pipes, an AND does not
+    (bench/zen4_ports.c, docs/BENCHMARKS.md). x's levels stay in input order. q4's group scales are stored by panel (layout panelsNB): a task reads them as one run
+    beside its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8% faster
+    on Zen 4, docs/BENCHMARKS.md).
 A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block (read from
 memory once, then from cache by every micro-tile) a micro-kernel runs MICRO_ROWS rows × 2 vectors
 of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in registers for one activation
-block, their scaled float sums in registers for the K block. A decode step is the same kernel
+block (a single row: q4's two blocks of a stored row at once, so each row is loaded once), their
+scaled float sums in registers for the K block. A decode step is the same kernel
 with a tile of one row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's
 weights halved a decode GEMV's rate; prefetching a few blocks ahead, or the q4 scales, was slower
 or gained nothing measurable (docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding,
@@ -47,52 +52,62 @@ def has_quad_dot(target) -> bool:
 
 
 def supports(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
-    inputs_per_row = QUAD * (2 if fmt.kind == "q4" else 1)
-    return fmt.kind in ("q8", "q4") and fmt.act_block % inputs_per_row == 0 and nb % LANES == 0
-
-
-def _octet_position(k):
-    """Where input k of a block goes among x's levels for q4: (k0, k2, k4, k6, k1, k3, k5, k7) per eight."""
-    return (k // 8) * 8 + (k % 2) * 4 + (k % 8) // 2
+    paired = 2 if fmt.kind == "q4" else 1            # blocks whose inputs share stored bytes
+    return (fmt.kind in ("q8", "q4") and fmt.act_block % QUAD == 0 and n_in % (paired * fmt.act_block) == 0
+            and nb % LANES == 0)
 
 
 @functools.cache
 def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
                        has_residual: bool):
     """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]), w stored in layout packedNBx4:
-    [n_out/nb, n_in/4, 4 nb] int8 (q8) or [n_out/nb, n_in/8, 4 nb] bytes of two nibbles (q4); q4's
-    group scales in layout panelsNB: [n_out/nb, n_in/group, nb]."""
+    [n_out/nb, n_in/4, 4 nb] int8 (q8), or in packedNBx4nB [n_out/nb, n_in/8, 4 nb] bytes of two
+    nibbles (q4, B the activation block); q4's group scales in layout panelsNB: [n_out/nb, n_in/group, nb]."""
     if not supports(n_out, n_in, nb, fmt):
         raise ValueError(f"the VNNI kernel takes q8/q4 with panels of a multiple of {LANES} columns and "
                          f"activation blocks of whole stored rows, not nb={nb}, {fmt}")
     block, q4 = fmt.act_block, fmt.kind == "q4"
-    per_byte = 2 if q4 else 1                          # inputs per stored byte
-    row_inputs = QUAD * per_byte                       # inputs per stored row of the layout
-    k_block = next((b for b in (K_BLOCK, 256, 128, 64, 32) if n_in % b == 0 and b % block == 0), block)
+    parts = 2 if q4 else 1                             # blocks a stored row holds (q4: one per nibble)
+    unit = parts * block                               # inputs of one run of stored rows
+    unit_rows = block // QUAD                          # its stored rows
+    k_block = next((b for b in (K_BLOCK, 256, 128, 64, 32) if n_in % b == 0 and b % unit == 0), unit)
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
-    w_shape = (panels, n_in // row_inputs, QUAD * nb)
+    w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
     scale_shape = (panels, n_in // fmt.group_size, nb) if q4 else (n_out,)      # q4: layout panelsNB
-    offset = 8 if q4 else 128                          # what makes a level unsigned
-    quantize = x_quantizer(n_in, block, "int8", _octet_position if q4 else None)
+    quantize = x_quantizer(n_in, block, "int8")
     sum_blocks = x_block_sums(n_in, block)
 
     def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
         stored = w[jo, row, T.ramp(v * QUAD * LANES, 1, QUAD * LANES)]
         if not q4:
             return stored ^ T.broadcast(T.int8(-128), QUAD * LANES)
-        nibbles = stored >> T.broadcast(T.Cast("uint8", part * 4), QUAD * LANES)     # part: low, high
-        return T.reinterpret("int8x64", nibbles & T.broadcast(T.uint8(15), QUAD * LANES))
+        mask = T.Cast("uint8", 15 << 4 * part)                                      # part: low, high nibbles
+        return T.reinterpret("int8x64", stored & T.broadcast(mask, QUAD * LANES))
+
+    def offset(part):                      # evaluated while parsing: what the unsigned operand adds, / x
+        return 8 << 4 * part if q4 else 128
+
+    def together(count):                   # evaluated while parsing: blocks a step takes at once
+        return parts if count == 1 else 1  # a single row: q4's two blocks of each stored row it loads
+
+    def kb(kbo, step, q, count):           # evaluated while parsing: the activation block of a step's q-th
+        return kbo * (k_block // block) + step * together(count) + q
+
+    def part(kbo, step, q, count):         # evaluated while parsing: which nibbles of its stored rows hold it
+        return kb(kbo, step, q, count) % parts
 
     def x_quad(xq, row, k):                # evaluated while parsing: levels k .. k + 3 in every int32 lane
         return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", xq[row, T.ramp(k, 1, QUAD)]), LANES))
 
-    def block_scale(sx, scale, row, b, jo, vector):   # evaluated while parsing: float32x16, the GEMM's rounding
+    def block_scale(sx, scale, row, b, jo, vector, part):   # evaluated while parsing: float32x16, the GEMM's rounding
         x_scale = T.broadcast(sx[row, b], LANES)
         if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
             return x_scale
         columns = T.ramp(vector * LANES, 1, LANES)
-        return x_scale * T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns])
+        # high nibbles' dots are 16x: their weight scale / 16
+        sixteenths = T.broadcast(T.if_then_else(part == 0, T.float32(1), T.float32(1 / 16)), LANES)
+        return x_scale * (T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns]) * sixteenths)
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
@@ -101,24 +116,28 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         for r in T.unroll(count):
             for v in T.unroll(width):
                 sums[r, T.ramp(v * LANES, 1, LANES)] = acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)]
-        for b in range(k_block // block):
-            kb = kbo * (k_block // block) + b
-            for r in T.unroll(count):
+        for step in range(k_block // block // together(count)):
+            for q in T.unroll(together(count)):
+                for r in T.unroll(count):
+                    for v in T.unroll(width):
+                        dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = T.broadcast(
+                            -offset(part(kbo, step, q, count)) * x_sums[row0 + r0 + r, kb(kbo, step, q, count)], LANES)
+            for kr in T.unroll(unit_rows):
                 for v in T.unroll(width):
-                    dots[r, T.ramp(v * LANES, 1, LANES)] = T.broadcast(-offset * x_sums[row0 + r0 + r, kb], LANES)
-            for kr in T.unroll(block // row_inputs):
-                for v in T.unroll(width):
-                    for part in T.unroll(per_byte):
+                    for q in T.unroll(together(count)):
                         for r in T.unroll(count):
-                            dots[r, T.ramp(v * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
-                                "int32x16", QUAD_DOT, dots[r, T.ramp(v * LANES, 1, LANES)],
-                                unsigned(w, jo, kb * (block // row_inputs) + kr, s * width + v, part),
-                                x_quad(xq, row0 + r0 + r, kb * block + kr * row_inputs + part * QUAD))
-            for r in T.unroll(count):
-                for v in T.unroll(width):
-                    sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
-                        "float32x16", dots[r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
-                            sx, scale, row0 + r0 + r, kb, jo, s * width + v)
+                            dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
+                                "int32x16", QUAD_DOT, dots[q * count + r, T.ramp(v * LANES, 1, LANES)],
+                                unsigned(w, jo, kb(kbo, step, q, count) // parts * unit_rows + kr, s * width + v,
+                                         part(kbo, step, q, count)),
+                                x_quad(xq, row0 + r0 + r, kb(kbo, step, q, count) * block + kr * QUAD))
+            for q in T.unroll(together(count)):
+                for r in T.unroll(count):
+                    for v in T.unroll(width):
+                        sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
+                            "float32x16", dots[q * count + r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
+                                sx, scale, row0 + r0 + r, kb(kbo, step, q, count), jo, s * width + v,
+                                part(kbo, step, q, count))
         for r in T.unroll(count):
             for v in T.unroll(width):
                 acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)]
@@ -138,7 +157,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                         x_sums[io * ROWS:io * ROWS + ROWS, 0:blocks], w[jo, 0:w_shape[1], 0:w_shape[2]])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
-                dots = T.sblock_alloc_buffer((MICRO_ROWS, SINGLE_VECTORS * LANES), "int32", scope="local")
+                dots = T.sblock_alloc_buffer((max(MICRO_ROWS, parts), SINGLE_VECTORS * LANES), "int32", scope="local")
                 sums = T.sblock_alloc_buffer((MICRO_ROWS, SINGLE_VECTORS * LANES), "float32", scope="local")
                 rows = T.min(ROWS, m - io * ROWS)
                 full = rows // MICRO_ROWS

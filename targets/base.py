@@ -71,10 +71,11 @@ class Target:
         return ("fuse_rope_attention",) if all(KERNELS[k].fused_qkv for k in firsts) else ()
 
 
-    def linear_layout(self, n_out: int, n_in: int, operands: str | None = None) -> str:
-        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB[xF]'
+    def linear_layout(self, n_out: int, n_in: int, operands: str | None = None, act_block: int = 0) -> str:
+        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB[xF[nS]]'
         (codegen/layouts.py). operands: what its kernel multiplies, where the target has a dot
-        product for them: "q8"/"q4" weights with int8 activations, "bf16" weights and activations."""
+        product for them: "q8"/"q4" weights with int8 activations in blocks of `act_block`, "bf16"
+        weights and activations."""
         return "nk"
 
     # -- lowering to machine code ------------------------------------------------------------

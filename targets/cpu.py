@@ -93,7 +93,7 @@ class CPUTarget(Target):
     def tvm_target(self) -> tvm.target.Target:
         return host_cpu_target()
 
-    def linear_layout(self, n_out, n_in, operands=None):
+    def linear_layout(self, n_out, n_in, operands=None, act_block=0):
         # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers; for
         # a dot product put the inputs it multiplies at once side by side.
         nb = next((nb for nb in (64, 32, 16, 8) if n_out % nb == 0), None)
@@ -101,8 +101,11 @@ class CPUTarget(Target):
             return "nk"
         if operands == "bf16":
             return packed_layout(nb, 2) if self.bf16_dot and nb % 16 == 0 and n_in % 2 == 0 else packed_layout(nb)
-        if operands and self.int8_dot == "vnni" and nb % 16 == 0 and n_in % 4 == 0:
-            return packed_layout(nb, 4)                  # vpdpbusd's byte quads (q8 levels, q4 bytes)
+        if operands == "q8" and self.int8_dot == "vnni" and nb % 16 == 0 and n_in % 4 == 0:
+            return packed_layout(nb, 4)                  # vpdpbusd's byte quads
+        if operands == "q4" and self.int8_dot == "vnni" and nb % 16 == 0 and act_block % 4 == 0 and n_in % act_block == 0:
+            # byte quads of q4 bytes, a byte's nibbles from two activation blocks (codegen/vnni_linear.py)
+            return packed_layout(nb, 4, act_block)
         if operands == "q8" and n_in % 2 == 0:
             return packed_layout(nb, 2)                  # vpmaddwd's pairs (a q4 byte is one already)
         return packed_layout(nb)

@@ -82,7 +82,7 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
     if not has_quad_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
-        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4",
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4" + ("n32" if op == "linear_q4" else ""),
         scale_layout=f"panels{NB}" if op == "linear_q4" else "nk")
 
 

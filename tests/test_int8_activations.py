@@ -162,6 +162,24 @@ def test_interleaved_layouts_known_values():
     assert experts.shape == (2, 2, 4, 16) and experts[1, 0, 0, 1] == 1001
 
 
+def test_q4_bytes_of_two_blocks_known_values():
+    """packedNBx4nS on q4 bytes (neighbouring inputs a byte, the even one low): byte i of each run
+    of S bytes holds input i of a run of 2S inputs in its low nibble and input S + i in its high
+    one, then the bytes are stored in quads; the gather's reading (nibble_of) finds every level."""
+    from kiln.codegen.layouts import apply_layout, nibble_of, nibble_span, packed_index
+    levels = (np.arange(16)[:, None] + np.arange(16)[None, :]) % 16       # L[j, k] = (j + k) % 16
+    q4 = (levels[:, 0::2] | levels[:, 1::2] << 4).astype(np.uint8)     # [16, 8], as ir/quant.py stores them
+    stored = apply_layout("packed8x4n4", q4)
+    assert stored.shape == (2, 2, 32)
+    # stored row 1 of panel 0: bytes 4..7 (the second run: inputs 8..11 low, 12..15 high) of columns 0..7
+    assert stored[0, 1].tolist() == [(j + 8 + i) % 16 | (j + 12 + i) % 16 << 4 for j in range(8) for i in range(4)]
+    assert nibble_span("packed8x4n4") == 4 and nibble_span("packed8x4") == 0
+    for j in range(16):
+        for k in range(16):
+            byte, high = nibble_of(k, 4)
+            assert stored[packed_index("packed8x4n4", j, byte)] >> 4 * high & 15 == levels[j, k]
+
+
 def test_group_scales_stored_by_panel_known_values():
     """panelsNB: q4 group scales S[g, j] ([groups, out]) at [j // NB, g, j % NB]; group_scales reads
     the stored table back as [g, j]."""
@@ -177,12 +195,13 @@ def test_group_scales_stored_by_panel_known_values():
 
 @pytest.mark.parametrize("op, layout, scale_layout", [
     ("embed_q8", "packed16x2", "nk"), ("embed_q8", "packed16x4", "nk"), ("embed_q4", "packed16x4", "nk"),
-    ("embed_q4", "packed16x4", "panels16"), ("embed", "packed16x2", "nk")])
+    ("embed_q4", "packed16x4n8", "panels16"), ("embed", "packed16x2", "nk")])
 def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, scale_layout):
     """A table tied to a q8/q4 LM head with int8 activations, or to a bf16 head on a CPU with a bf16
     dot, is stored in the head's interleaved layout, a q4 table's scales in the head's (panelsNB for
     the VNNI kernel; tests/test_quant_embedding.py); the gather must still read each row the
-    interpreter's embed_q8/embed_q4/embed reads."""
+    interpreter's embed_q8/embed_q4/embed reads (q4 bytes of neighbouring inputs, or of inputs 8
+    apart as the VNNI kernel's 'nS' stores them)."""
     import ml_dtypes
     import tvm
     from tvm import te

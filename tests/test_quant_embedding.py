@@ -180,11 +180,13 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
     for dot, head in (("avx2", "packed16x2"), ("vnni", "packed16x4")):
         assert sorted(stored(int8, CPUTarget(int8_dot=dot))) == [f"embed.weight.q8@{head}", "embed.weight.q8_scale",
                                                                  "proj.weight.q8@packed8x2", "proj.weight.q8_scale"]
-    # q4 on VNNI: the head's group scales (and so the table's) stored by weight panel; AVX2 keeps them
-    # [groups, out]
-    int4 = QuantizeEmbedding("q4", group_size=8)(Quantize("q4", group_size=8, act_block=8)(lm_graph(tied=True)))
-    for dot, head, scale in (("avx2", "packed16", "embed.weight.q4_scale"),
-                             ("vnni", "packed16x4", "embed.weight.q4_scale@panels16")):
+    # q4 on VNNI: the head's bytes in quads, each byte's nibbles from two activation blocks, its group
+    # scales (and so the table's) stored by weight panel; AVX2 keeps them [groups, out], and so does
+    # VNNI where a row is one activation block (nothing to pair: the AVX2 kernels read it)
+    for block, dot, head, scale in ((4, "avx2", "packed16", "embed.weight.q4_scale"),
+                                    (4, "vnni", "packed16x4n4", "embed.weight.q4_scale@panels16"),
+                                    (8, "vnni", "packed16", "embed.weight.q4_scale")):
+        int4 = QuantizeEmbedding("q4", group_size=8)(Quantize("q4", group_size=8, act_block=block)(lm_graph(tied=True)))
         assert sorted(stored(int4, CPUTarget(int8_dot=dot))) == [f"embed.weight.q4@{head}", scale,
                                                                  "proj.weight.q4@packed8", "proj.weight.q4_scale"]
     # bf16 where the CPU has a bf16 dot: the head (and the table it shares) in input pairs where the
