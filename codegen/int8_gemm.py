@@ -37,13 +37,15 @@ def has_pair_dot(target) -> bool:
             and bool(tvm.target.codegen.llvm_cpu_has_features(["avx2"], target)))
 
 
-def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
+def x_quantizer(n_in: int, block: int, level_dtype: str, position=None, scale_shift=None):
     """A T.macro quantize(x, xq, sx, m) writing the scheme's levels of each row of x (ir/quant.py
     quantize_activations: q = rint(x * 127 / amax) per block) into xq as level_dtype, input k of a
-    block at position(k) of it (default k), and each block's scale amax / 127 into sx (amax taken
-    16 floats at a time where the block allows: a scalar chain of maxima cost ~1 µs a 2048-wide
-    row). Rows run in parallel; the int8 kernels call it first, so x is read from memory once."""
+    block at position(k) of it (default k), and each block's scale amax / 127 into sx, divided by
+    2^scale_shift(b) where given (exact: for a kernel whose dots of block b are 2^n times the
+    scheme's). amax is taken 16 floats at a time where the block allows. Rows run in parallel; the
+    int8 kernels call it first, so x is read from memory once."""
     place = position or (lambda k: k)
+    shift = scale_shift or (lambda b: 0)
     loop = T.serial if position else T.vectorized
 
     def block_peak(x, row, start):         # evaluated while parsing: max |x| of a block, a vector at a time
@@ -66,7 +68,7 @@ def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
                         amax[0] = T.max(amax[0], T.abs(T.Cast("float32", x[row, b * block + k])))
                 else:
                     amax[0] = block_peak(x, row, b * block)
-                sx[row, b] = amax[0] / T.float32(127)
+                sx[row, b] = amax[0] / T.float32(127) / T.Cast("float32", 1 << shift(b))
                 for k in loop(block):
                     xq[row, b * block + place(k)] = T.Cast(level_dtype, T.nearbyint(
                         T.Cast("float32", x[row, b * block + k])
@@ -82,10 +84,13 @@ def x_quantizer(n_in: int, block: int, level_dtype: str, position=None):
     return quantize
 
 
-def x_block_sums(n_in: int, block: int, needed: bool = True):
-    """A T.macro sums(xq, x_sums, m) writing Σ of each block's levels (int32): the kernels whose
-    weight operand is offset to be unsigned (q4's nibbles, VNNI's q8 + 128) subtract offset · Σx.
-    With `needed` False it sums nothing (a kernel variant that does not read them)."""
+def x_block_sums(n_in: int, block: int, needed: bool = True, times=None):
+    """A T.macro sums(xq, x_sums, m) writing Σ of each block's levels (int32), times `times(b)` for
+    block b where given: the kernels whose weight operand is offset to be unsigned (q4's nibbles,
+    VNNI's q8 + 128) subtract offset · Σx. With `needed` False it sums nothing (a kernel variant
+    that does not read them)."""
+    factor = times or (lambda b: 1)
+
     @T.macro
     def sums_row(xq, x_sums, m, i):
         for b in range(n_in // block if needed else 0):
@@ -94,8 +99,8 @@ def x_block_sums(n_in: int, block: int, needed: bool = True):
                 bb = T.axis.spatial(n_in // block, b)
                 T.reads(xq[r, bb * block:bb * block + block])
                 T.writes(x_sums[r, bb])
-                x_sums[r, bb] = T.call_llvm_pure_intrin(          # one vector: a chain of scalar adds
-                    "int32", "llvm.vector.reduce.add",              # through memory cost ~1 µs a row
+                x_sums[r, bb] = factor(bb) * T.call_llvm_pure_intrin(  # one vector: a chain of scalar
+                    "int32", "llvm.vector.reduce.add",                 # adds through memory cost ~1 µs a row
                     T.Cast(f"int32x{block}", xq[r, T.ramp(bb * block, 1, block)]))
 
     @T.macro

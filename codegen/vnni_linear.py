@@ -6,17 +6,18 @@ that kernel's and the interpreter's. The dots run on vpdpbusd: four unsigned byt
 bytes, summed into each int32 lane, 64 products per instruction with nothing to widen. The weights
 are stored four bytes per output column side by side (layout packedNBx4 over the stored columns),
 so one 64-byte row of a panel is the operand for 16 columns:
-  - q8: four levels; XOR 0x80 makes them unsigned (level + 128), and 128 · Σx of the block is
-    subtracted once from its dots;
+  - q8: four levels; XOR 0x80 makes them unsigned (level + 128), so a block's dots start from
+    -128 · Σx (x_block_sums computes it with the sums);
   - q4: weights in layout packedNBx4nB (B the activation block): byte i of a pair of blocks'
     stored rows holds input i of the first block in its low nibble and input i of the second in
     its high one, both level + 8. An AND with 0x0F gives the first block's operand, an AND with
-    0xF0 sixteen times the second's, whose dots then start from 16 · 8 · Σx and take the weight
-    scale / 16 (a power of two: the products round as the scheme's), so no shift is needed: on
-    Zen 4 a byte shift (vgf2p8affineqb) takes a slot of vpdpbusd's pipes, an AND does not
-    (bench/zen4_ports.c, docs/BENCHMARKS.md). x's levels stay in input order. q4's group scales are stored by panel (layout panelsNB): a task reads them as one run
-    beside its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8% faster
-    on Zen 4, docs/BENCHMARKS.md).
+    0xF0 sixteen times the second's, whose dots then start from -16 · 8 · Σx and take x's scale
+    / 16 (the quantiser stores it so; a power of two: the products round as the scheme's). No
+    shift is needed: on Zen 4 a byte shift (vgf2p8affineqb) takes a slot of vpdpbusd's pipes,
+    an AND does not (bench/zen4_ports.c, docs/BENCHMARKS.md). x's levels stay in input order.
+    q4's group scales are stored by panel (layout panelsNB): a task reads them as one run beside
+    its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8% faster on
+    Zen 4, docs/BENCHMARKS.md).
 A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block (read from
 memory once, then from cache by every micro-tile) a micro-kernel runs MICRO_ROWS rows × 2 vectors
 of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in registers for one activation
@@ -75,8 +76,8 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
     scale_shape = (panels, n_in // fmt.group_size, nb) if q4 else (n_out,)      # q4: layout panelsNB
-    quantize = x_quantizer(n_in, block, "int8")
-    sum_blocks = x_block_sums(n_in, block)
+    quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % 2)) if q4 else None)
+    sum_blocks = x_block_sums(n_in, block, times=lambda b: -offset(b % parts))    # each block's dots start there
 
     def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
         stored = w[jo, row, T.ramp(v * QUAD * LANES, 1, QUAD * LANES)]
@@ -100,14 +101,12 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     def x_quad(xq, row, k):                # evaluated while parsing: levels k .. k + 3 in every int32 lane
         return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", xq[row, T.ramp(k, 1, QUAD)]), LANES))
 
-    def block_scale(sx, scale, row, b, jo, vector, part):   # evaluated while parsing: float32x16, the GEMM's rounding
+    def block_scale(sx, scale, row, b, jo, vector):   # evaluated while parsing: float32x16, the GEMM's rounding
         x_scale = T.broadcast(sx[row, b], LANES)
         if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
             return x_scale
         columns = T.ramp(vector * LANES, 1, LANES)
-        # high nibbles' dots are 16x: their weight scale / 16
-        sixteenths = T.broadcast(T.if_then_else(part == 0, T.float32(1), T.float32(1 / 16)), LANES)
-        return x_scale * (T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns]) * sixteenths)
+        return x_scale * T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns])
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
@@ -121,7 +120,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                 for r in T.unroll(count):
                     for v in T.unroll(width):
                         dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = T.broadcast(
-                            -offset(part(kbo, step, q, count)) * x_sums[row0 + r0 + r, kb(kbo, step, q, count)], LANES)
+                            x_sums[row0 + r0 + r, kb(kbo, step, q, count)], LANES)
             for kr in T.unroll(unit_rows):
                 for v in T.unroll(width):
                     for q in T.unroll(together(count)):
@@ -136,8 +135,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                     for v in T.unroll(width):
                         sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
                             "float32x16", dots[q * count + r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
-                                sx, scale, row0 + r0 + r, kb(kbo, step, q, count), jo, s * width + v,
-                                part(kbo, step, q, count))
+                                sx, scale, row0 + r0 + r, kb(kbo, step, q, count), jo, s * width + v)
         for r in T.unroll(count):
             for v in T.unroll(width):
                 acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)]
