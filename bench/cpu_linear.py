@@ -148,11 +148,11 @@ def _kernels(n_out: int, n_in: int):
     from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
     from kiln.codegen.int8_gemm import int8_gemm_kernel
     from kiln.codegen.int8_gemv import int8_gemv_kernel
-    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.layouts import apply_layout, q4_scale_layout
     from kiln.codegen.linear import WeightFormat, packed_linear_kernel
     from kiln.codegen.vnni_linear import has_quad_dot, vnni_linear_kernel
     from kiln.ir.quant import SCHEMES
-    from kiln.targets.cpu import host_cpu_target
+    from kiln.targets.cpu import CPUTarget, host_cpu_target
     target, nb = host_cpu_target(), 64
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((n_out, n_in)) * 0.02).astype(np.float32)
@@ -182,8 +182,9 @@ def _kernels(n_out: int, n_in: int):
         yield (f"{quant} int8 GEMV (decode steps)", "pair_dot", paired, "float32", built(int8_gemv_kernel(
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
         if has_quad_dot(target):            # AVX-512 VNNI: the CPU target's kernel for every step
-            quads = [apply_layout(f"packed{nb}x4", parts["q"]),
-                     apply_layout(f"panels{nb}" if quant == "q4" else "nk", parts["scale"])]
+            layout = CPUTarget(int8_dot="vnni").linear_layout(*parts["q"].shape, operands=quant, act_block=32)
+            quads = [apply_layout(layout, parts["q"]), apply_layout(q4_scale_layout(layout, 32) if quant == "q4"
+                                                                    else "nk", parts["scale"])]
             yield (f"{quant} VNNI", "quad_dot", quads, "float32", built(vnni_linear_kernel(
                 n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
 
