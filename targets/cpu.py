@@ -101,11 +101,13 @@ class CPUTarget(Target):
             return "nk"
         if operands == "bf16":
             return packed_layout(nb, 2) if self.bf16_dot and nb % 16 == 0 and n_in % 2 == 0 else packed_layout(nb)
-        if operands == "q8" and self.int8_dot == "vnni" and nb % 16 == 0 and n_in % 4 == 0:
-            return packed_layout(nb, 4)                  # vpdpbusd's byte quads
-        if operands == "q4" and self.int8_dot == "vnni" and nb % 16 == 0 and act_block % 4 == 0 and n_in % act_block == 0:
-            # byte quads of q4 bytes, a byte's nibbles from two activation blocks (codegen/vnni_linear.py)
-            return packed_layout(nb, 4, act_block)
+        if operands in ("q8", "q4") and self.int8_dot == "vnni" and act_block > 0:
+            from kiln.codegen.linear import WeightFormat
+            from kiln.codegen.vnni_linear import supports
+            inputs = n_in * (2 if operands == "q4" else 1)           # a q4 weight is stored as bytes of two
+            if supports(n_out, inputs, nb, WeightFormat(operands, act_block=act_block)):
+                # vpdpbusd's byte quads; a q4 byte's nibbles from two activation blocks
+                return packed_layout(nb, 4, act_block if operands == "q4" else 0)
         if operands == "q8" and n_in % 2 == 0:
             return packed_layout(nb, 2)                  # vpmaddwd's pairs (a q4 byte is one already)
         return packed_layout(nb)
