@@ -150,6 +150,8 @@ def main() -> None:
             peer_tg = llama_bench(llama_cpp, gguf, 0, args.new_tokens, args.threads, 1)
             kiln_tg = decode_rate(generate, 1, args.new_tokens, 1)
             rounds.append((read, peer_tg, kiln_tg))
+            print(f"{mode} decode round {len(rounds)}: read {read:.1f} GB/s, llama.cpp {peer_tg:.1f}, kiln {kiln_tg:.1f} "
+                  f"tok/s ({kiln_tg / peer_tg:.2f}x)", file=sys.stderr, flush=True)
         best_read = max(r[0] for r in rounds)
         bandwidth = max(bandwidth, best_read)
         peer = {"tg": statistics.median(p for _, p, _ in rounds)}
