@@ -76,7 +76,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
     scale_shape = (panels, n_in // fmt.group_size, nb) if q4 else (n_out,)      # q4: layout panelsNB
-    quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % 2)) if q4 else None)
+    quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % parts)) if q4 else None)
     sum_blocks = x_block_sums(n_in, block, times=lambda b: -offset(b % parts))    # each block's dots start there
 
     def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
@@ -86,7 +86,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         mask = T.Cast("uint8", 15 << 4 * part)                                      # part: low, high nibbles
         return T.reinterpret("int8x64", stored & T.broadcast(mask, QUAD * LANES))
 
-    def offset(part):                      # evaluated while parsing: what the unsigned operand adds, / x
+    def offset(part):                      # evaluated while parsing: the unsigned operand's excess over a level
         return 8 << 4 * part if q4 else 128
 
     def together(count):                   # evaluated while parsing: blocks a step takes at once
