@@ -2,7 +2,8 @@
 
 A table that is also the LM head's weight (tied embeddings) is stored once, in the head's layout
 ('nk', 'packedNB', 'packedNBxF' or, q4 bytes of inputs S apart, 'packedNBx4nS': codegen/layouts.py),
-and the gather computes each row's address inside it: row r, stored column c of Wp[vocab/NB, columns, NB] is Wp[r // NB, c, r % NB].
+and the gather computes each row's address inside it: row r, stored column c of
+Wp[vocab/NB, columns, NB] is Wp[r // NB, c, r % NB] (a q4 input's byte and nibble: layouts.nibble_of).
 Its q4 group scales likewise take the head's layout ('nk' or 'panelsNB').
 """
 from __future__ import annotations
