@@ -1,7 +1,7 @@
 """Decode tokens/s of CUDA artifacts against the HBM roofline and HF transformers, on one GPU.
 
     python bench/decode_gpu.py ARTIFACT [ARTIFACT ...] [--batches 1 8 64] [--prompt-len 128]
-                               [--new-tokens 128] [--repeats 3] [--no-hf]
+                               [--new-tokens 128] [--repeats 3] [--no-hf] [--no-hf-compiled]
 
 For each artifact (a model shape in one dtype / quantisation) and batch size it prints:
   - kiln's decode tok/s (greedy, fixed prompt and output lengths, medians of --repeats runs),
@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-hf-compiled", action="store_true", help="HF eager only (torch.compile takes minutes)")
     args = ap.parse_args()
 
     import torch
@@ -143,8 +144,14 @@ def main() -> None:
     bandwidth = hbm_bandwidth(torch)
     print(f"\n{torch.cuda.get_device_name()}: measured HBM bandwidth {bandwidth / 1e12:.2f} TB/s "
           f"(device-to-device copy, read + write)")
-    rows, hf_rows = [], {}
+    hf_rows = {}
     context = args.prompt_len + args.new_tokens // 2
+    # rows print as they are measured, so a run cut short still reports what it finished
+    print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, median of {args.repeats}; roofline at "
+          f"mean context {context}")
+    print("| shape | mode | batch | kiln tok/s (graphs) | of roofline | kiln tok/s (no graphs) | ms/step graphs / not "
+          "| host launches / kernels per step | roofline tok/s | HF eager | HF compiled+static | kiln / HF eager |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for path in args.artifacts:
         llm = LLM(path, kv_memory="auto", max_num_seqs=max(args.batches),
                   size_kv_for=max(args.batches) * (args.prompt_len + args.new_tokens))
@@ -163,21 +170,17 @@ def main() -> None:
                 hf_cfg = hf_config(Path(path))
                 if hf_cfg:
                     hf_rows[key] = tuple(hf_decode(torch, transformers, hf_cfg, hf_dtype, prompts, args.new_tokens,
-                                                   args.repeats, compiled) for compiled in (False, True))
-            eager, compiled = hf_rows.get(key, (None, None))
+                                                   args.repeats, compiled)
+                                         for compiled in ((False,) if args.no_hf_compiled else (False, True)))
+            eager, compiled = (*hf_rows.get(key, ()), None, None)[:2]
             fmt = lambda r: f"{r:.0f}" if r else "n/a"   # noqa: E731
             host = launches.get("decode_graph", launches["mixed"])["host_launches"]
             kernels = launches.get("decode", launches["mixed"])["kernels"]
-            rows.append(f"| {shape} | {mode} | {batch} | {graph_rate:.0f} | {graph_rate / ceiling:.0%} | "
-                        f"{plain_rate:.0f} | {graph_ms:.2f} / {plain_ms:.2f} | {host} / {kernels} | {ceiling:.0f} | "
-                        f"{fmt(eager)} | {fmt(compiled)} | " + (f"{graph_rate / eager:.2f}x |" if eager else "n/a |"))
+            print(f"| {shape} | {mode} | {batch} | {graph_rate:.0f} | {graph_rate / ceiling:.0%} | "
+                  f"{plain_rate:.0f} | {graph_ms:.2f} / {plain_ms:.2f} | {host} / {kernels} | {ceiling:.0f} | "
+                  f"{fmt(eager)} | {fmt(compiled)} | " + (f"{graph_rate / eager:.2f}x |" if eager else "n/a |"),
+                  flush=True)
         del llm
-    print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, median of {args.repeats}; roofline at "
-          f"mean context {context}")
-    print("| shape | mode | batch | kiln tok/s (graphs) | of roofline | kiln tok/s (no graphs) | ms/step graphs / not "
-          "| host launches / kernels per step | roofline tok/s | HF eager | HF compiled+static | kiln / HF eager |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -41,20 +41,29 @@ SERVE_WHEELS = ["fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", 
 SKIP = ("tvm/lib/libtvm_compiler.so", "tvm/3rdparty/", "tvm/include/", "tvm_ffi/3rdparty/", "tvm_ffi/include/")
 
 RUN_SH = """#!/bin/bash
-# On the GPU machine, from the repository root:  bash KIT/run.sh KIT
+# On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
+# Each stage has its own time limit, so a stage that hangs or fails still leaves the others' output.
 set -o pipefail
-KIT=${1:?kit folder}
+KIT=${1:?kit folder}; BUDGET=${2:-480}; START=$SECONDS
+left() { echo $(( BUDGET - (SECONDS - START) )); }
 export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
+mkdir -p $OUT
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >$OUT/pip.log 2>&1 || {
+  # setuptools too old for an editable install: lay the packages out as kiln.* by links
+  mkdir -p /tmp/kiln-links/kiln && ln -sf $PWD/kiln/* /tmp/kiln-links/kiln/ &&
+  for p in frontend ir passes codegen runtime serve targets; do ln -sfn $PWD/$p /tmp/kiln-links/kiln/$p; done &&
+  export PYTHONPATH=/tmp/kiln-links:$PYTHONPATH; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
+python3 -c "import tvm, torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# the families' GPU tests need their own bundle (make_bundle.py --families; it does not fit in this kit)
+KILN_GPU_BUNDLE=$PWD/$KIT/bundle timeout $(( $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \\
+  --ignore=tests/gpu/test_cuda_families.py 2>&1 | tee $OUT/tests_gpu.log
 for a in $KIT/*/*/manifest.json; do
   d=$(dirname $a); case $d in */bundle/*) continue;; esac
-  python3 -m kiln.cli fill-weights $d --seed 0 --force || exit 1
+  timeout 120 python3 -m kiln.cli fill-weights $d --seed 0 --force || exit 1
 done
-# the families' GPU tests need their own bundle (make_bundle.py --families; it does not fit in this kit)
-KILN_GPU_BUNDLE=$PWD/$KIT/bundle python3 -m pytest -q tests/gpu --ignore=tests/gpu/test_cuda_families.py \
-  2>&1 | tee $OUT/tests_gpu.log
-python3 bench/decode_gpu.py $(ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/) 2>&1 | tee $OUT/decode_gpu.md
+timeout $(( $(left) - 10 )) python3 bench/decode_gpu.py $(ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/) \\
+  ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
 """
 
 

@@ -1,4 +1,4 @@
-"""Where one step of a compiled CPU artifact spends its time, kernel by kernel.
+"""Where one step of a compiled artifact spends its time, kernel by kernel.
 
     python bench/step_profile.py ARTIFACT [--step prefill|decode] [--tokens 128] [--seqs 1]
                                  [--threads 2] [--repeats 5] [--top 15]
@@ -7,6 +7,8 @@ A prefill step brings --tokens new tokens for each of --seqs sequences; a decode
 after --tokens of context. The VM's instrument hook times every call it makes (kernels, and the VM's
 own builtins), summed per kernel name over a step; the table shows each kernel's median time per
 step, its share of the step and its calls. Times include the hook's Python overhead, a few µs a call.
+On a CUDA artifact the hook would time launches, not kernels: there PyTorch's profiler (CUPTI) reads
+each kernel's time on the GPU, CUDA graphs off so every kernel of the step is launched and named.
 """
 from __future__ import annotations
 
@@ -44,11 +46,15 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)       # before TVM starts its pool
+    import tvm
     from kiln.runtime.model import CompiledModel
     model = CompiledModel(args.artifact)
+    model.graph_batches = ()
     inputs = step_inputs_for(model, args.step, args.tokens, args.seqs)
     kind = model.step_kind(inputs)
     model.forward(inputs)
+    if model.device.dlpack_device_type() != tvm.cpu(0).dlpack_device_type():
+        return gpu_profile(model, inputs, kind, args)
 
     calls: dict[str, list[float]] = defaultdict(list)
     started: list[float] = []
@@ -81,6 +87,34 @@ def main() -> None:
         print(f"| {name} | {count} | {seconds * 1e3:.2f} | {seconds / step:.1%} |")
     rest = sum(s for s, _, _ in rows[args.top:])
     print(f"| (the other {max(len(rows) - args.top, 0)} kernels) | | {rest * 1e3:.2f} | {rest / step:.1%} |")
+
+
+def gpu_profile(model, inputs, kind: str, args) -> None:
+    """Kernel times on the GPU over --repeats steps (CUPTI sees TVM's launches as well as PyTorch's)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    steps = []
+    for _ in range(args.repeats):                            # wall time, without the profiler
+        t0 = time.perf_counter()
+        model.forward(inputs)                                # logits copied back: the step has ended
+        steps.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.repeats):
+            model.forward(inputs)
+        torch.cuda.synchronize()
+    rows = sorted(((e.device_time_total / args.repeats / 1e6, e.count // args.repeats, e.key)
+                   for e in prof.key_averages() if e.device_time_total > 0), reverse=True)
+    step = statistics.median(steps)
+    busy = sum(s for s, _, _ in rows)
+    print(f"{args.artifact}: {args.step} step ({kind} entry), {args.tokens} tokens × {args.seqs} sequences on "
+          f"{torch.cuda.get_device_name()}: {step * 1e3:.2f} ms per step wall (median of {args.repeats}), "
+          f"kernels {busy * 1e3:.2f} ms, {sum(n for _, n, _ in rows)} launches")
+    print("| kernel | calls | ms per step | share of kernel time |")
+    print("|---|---|---|---|")
+    for seconds, count, name in rows[:args.top]:
+        print(f"| {name[:90]} | {count} | {seconds * 1e3:.3f} | {seconds / busy:.1%} |")
+    rest = sum(s for s, _, _ in rows[args.top:])
+    print(f"| (the other {max(len(rows) - args.top, 0)} kernels) | | {rest * 1e3:.3f} | {rest / busy:.1%} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,13 @@
 """IR -> TVM IRModule: one lowering per op family, weight layouts chosen by the target."""
-from .lower import LoweredModel, lower_graph
+from __future__ import annotations
 
 __all__ = ["LoweredModel", "lower_graph"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: the passes read TVM-free tables from this package (attention_kernels),
+    # and must run where TVM has only its runtime, which cannot import relax.
+    if name in __all__:
+        from . import lower
+        return getattr(lower, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

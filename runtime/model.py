@@ -43,14 +43,19 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
+CUDART = "libcudart.so.13"
+
+
 def _cudart_candidates() -> list[str]:
-    """Where libcudart may live: the loader's path first, then CUDA installs and NVIDIA's pip wheels."""
+    """Where the libcudart TVM's CUDA runtime links (the pinned wheel's: CUDA 13) may live: the
+    loader's path first, then CUDA installs and NVIDIA's pip wheels. Another major version would
+    load and leave TVM's library unresolved."""
     roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
     found = [f for r in roots if r for pattern in ("lib*", "targets/*/lib")
-             for f in sorted(glob.glob(f"{r}/{pattern}/libcudart.so*"))]
+             for f in sorted(glob.glob(f"{r}/{pattern}/{CUDART}*"))]
     for site in sys.path:
-        found += sorted(glob.glob(f"{site}/nvidia/*/lib/libcudart.so*"))
-    return ["libcudart.so.13", "libcudart.so.12", *found]
+        found += sorted(glob.glob(f"{site}/nvidia/*/lib/{CUDART}*"))
+    return [CUDART, *found]
 
 
 def enable_cuda_runtime() -> None:

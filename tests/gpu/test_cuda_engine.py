@@ -117,9 +117,11 @@ def test_device_sampling_matches_the_numpy_sampler_on_the_same_logits(gpu_bundle
     from kiln.runtime.sampler import SamplerState, SamplingParams, sample, top_logprobs
     model = CompiledModel(gpu_bundle / "cuda-float16")
     assert model.sampler is not None
-    model.allocate_kv(32 * model.bytes_per_page)
-    prompts = [prompt(9 + 4 * i, 200 + i) for i in range(8)]
-    step = make_step_inputs([(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)], model.page_size)
+    prompts = [prompt(9 + 4 * i, 200 + i) for i in range(8)]            # 9 to 37 tokens
+    pages = -(-len(prompts[-1]) // model.page_size)
+    model.allocate_kv(8 * pages * model.bytes_per_page)
+    step = make_step_inputs([(p, 0, list(range(pages * i, pages * i + pages))) for i, p in enumerate(prompts)],
+                            model.page_size)
     logits = model.run(step)
     host = logits.numpy()
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),

@@ -109,7 +109,10 @@ def test_greedy_generation_fp32(gpu_bundle, hf):
     assert req.outputs[0].token_ids == hf_greedy(hf, ids, 32)
 
 
-@pytest.mark.parametrize("variant,bound", [("q8", 0.999), ("q4", 0.98), ("fp8", 0.998)])
+# The scheme's error, the CPU tests' bounds (tests/test_quant_embedding.py: the embedding and LM head
+# are quantised too). The interpreter on the same graph gives the same cosines (q4 0.978, fp8 0.9977
+# on these prompts); the kernels' own error is test_prefill_and_decode_match_the_interpreter's.
+@pytest.mark.parametrize("variant,bound", [("q8", 0.999), ("q4", 0.97), ("fp8", 0.997)])
 def test_quantisation_error_on_gpu(gpu_bundle, hf, variant, bound):
     model = open_model(gpu_bundle, variant)
     cosines = []
