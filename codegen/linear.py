@@ -1,13 +1,13 @@
 """Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
-GPUs: a TE matmul that dlight schedules. CPUs: kiln's packed-weight kernel, weights stored
-[out/nb, in', nb] so a task accumulates nb outputs in vector registers; in steps that bring
-chunks (every entry but decode, on targets with `chunk_gemm`) the register-blocked GEMM of
-codegen/gemm.py over the same layout. Where the CPU has a dot product for the operands, weights
-are stored with its inputs side by side and one kernel serves every step: int8 activations
-(codegen/vnni_linear.py, int8_gemm.py, int8_gemv.py), bf16 (codegen/bf16_linear.py). Quantised weights are
-decoded inside the reduction (q4) or scaled in the epilogue (q8, fp8): no dequantised copy of a
-weight ever exists.
+GPUs: a TE matmul that dlight schedules, in decode steps as its low-batch GEMV (`decode_kernel`).
+CPUs: kiln's packed-weight kernel, weights stored [out/nb, in', nb] so a task accumulates nb
+outputs in vector registers; in steps that bring chunks (every entry but decode, on targets with
+`chunk_gemm`) the register-blocked GEMM of codegen/gemm.py over the same layout. Where the CPU has
+a dot product for the operands, weights are stored with its inputs side by side and one kernel
+serves every step: int8 activations (codegen/vnni_linear.py, int8_gemm.py, int8_gemv.py), bf16
+(codegen/bf16_linear.py). Quantised weights are decoded inside the reduction (q4) or scaled in the
+epilogue (q8, fp8): no dequantised copy of a weight ever exists.
 """
 from __future__ import annotations
 
@@ -69,14 +69,19 @@ def epilogue(acc, scale, bias, residual, dtype):
     return value
 
 
-def _nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat):
-    """y[m, n] = sum_k x[m, k] * W[n, k], accumulated in float32, then the epilogue."""
+def _nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged: bool = False):
+    """y[m, n] = sum_k x[m, k] * W[n, k], accumulated in float32, then the epilogue. `staged`: q4
+    weights are decoded in a stage of their own, "dequantize", which dlight's GEMV rules compute
+    into registers tile by tile (the same float32 values: nothing rounds differently)."""
     if fmt.act_block:
         acc = _int8_activation_matmul(x, w, scale, fmt)
     else:
+        weight = lambda n, k: fmt.value(lambda j, kk: w[j, kk], scale, n, k)      # noqa: E731
+        if staged and fmt.kind == "q4":
+            weight = te.compute((w.shape[0], x.shape[1]), weight, name="dequantize")
         k = te.reduce_axis((0, x.shape[1]), "k")
         acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
-            x[m, k].astype("float32") * fmt.value(lambda j, kk: w[j, kk], scale, n, k), axis=k), name="matmul")
+            x[m, k].astype("float32") * weight(n, k), axis=k), name="matmul")
     return te.compute(acc.shape, epilogue(acc, fmt.epilogue_scale(scale), bias, residual, out_dtype),
                       name="linear")
 
@@ -155,6 +160,25 @@ def schedule_packed(func: tirx.PrimFunc, n_in: int, nb: int) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
+DECODE_ROWS = 4       # GPU decode GEMV: sequences a thread block multiplies per read of its weight tile
+
+
+def decode_kernel(target, kernel, args: list[relax.Expr]) -> tuple[tirx.PrimFunc, bool]:
+    """A GPU decode step's linear as a kernel of its own, and whether it is scheduled: by dlight's
+    low-batch GEMV rule where that takes it, else left to the default pipeline. Left to it, the
+    kernel every step shares is scheduled as a GEMM over a symbolic row count: 64-column tiles of
+    32 padded rows, so a batch-1 step of a 2048-wide output runs 32 thread blocks, each walking the
+    whole reduction (measured on an H200: a 2048x8192 bf16 decode linear at 54 GB/s). Kept out of
+    fusion either way: grouped with the elementwise ops between the GEMVs, a linear the rule does
+    not take (the 1-wide shared-expert gate of Qwen2-MoE) makes a function dlight's GEMV rule
+    fails on."""
+    from tvm.s_tir import dlight as dl
+    tensors = [te.placeholder(tuple(a.ty.shape), a.ty.dtype, name=f"in{i}") for i, a in enumerate(args)]
+    func = te.create_prim_func([*tensors, kernel(*tensors)])
+    sch = dl.gpu.LowBatchGEMV(DECODE_ROWS).apply(func, target.tvm_target(), False)
+    return (sch.mod["main"], True) if sch is not None else (func, False)
+
+
 def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bias: relax.Expr | None,
                 residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
                 fmt: WeightFormat = WeightFormat()) -> relax.Expr:
@@ -166,9 +190,10 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     args = [rows(x, n_in), w] + [optional[k] for k in present]
     nb = packed_block(layout)
 
-    def packed(kern, family: str, scheduled: bool = False):     # a packed-weight kernel, named by its shape
+    def packed(kern, family: str, scheduled: bool = False):     # a kernel of its own, named by its shape
         suffix = "".join(f"_{k}" for k in present if k != "scale")
-        gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}_packed{nb}_{n_out}x{n_in}{suffix}", scheduled=scheduled)
+        packing = f"_packed{nb}" if nb is not None else ""
+        gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}{packing}_{n_out}x{n_in}{suffix}", scheduled=scheduled)
         return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
 
     if nb is not None and fmt.kind == "float" and interleave(layout) == 2:
@@ -202,10 +227,14 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         y = packed(packed_gemm_kernel(n_out, n_in, nb, dtype, fmt, w.ty.dtype, bias is not None, residual is not None,
                                       vector_lanes(ctx.target.tvm_target())), "gemm", scheduled=True)
     elif nb is None:
-        def kernel(a, b, *rest):
+        def kernel(a, b, *rest, staged=False):
             given = dict(zip(present, rest))
-            return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt)
-        y = ctx.bb.emit_te(kernel, *args, primfunc_name_hint="linear")
+            return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt, staged)
+        if ctx.step == "decode" and ctx.target.device != "cpu":
+            func, gemv = decode_kernel(ctx.target, lambda *t: kernel(*t, staged=True), args)
+            y = packed(func, "gemv" if gemv else "linear", scheduled=gemv)
+        else:
+            y = ctx.bb.emit_te(kernel, *args, primfunc_name_hint="linear")
     else:
         y = packed(packed_linear_kernel(tirx.Var("m", "int64"), n_out, n_in, nb, dtype, bias is not None,
                                         residual is not None, fmt, w.ty.dtype), "linear")
