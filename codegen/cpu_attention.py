@@ -20,7 +20,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from .rope_load import RotaryLoad, load_head_element
+from .rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle
 
 KEYS = 16                          # CPU: keys per block, one float32 vector of scores per query row
 
@@ -61,6 +61,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
     # V sums run as vector FMAs along the keys (K stored transposed) and along head_dim.
     rows = max(1, 16 // group) * group                  # query rows per block: whole groups
     queries = rows // group
+    rotated_freqs = freqs if rope else 0                # the angles a query block computes ahead
 
     @T.macro
     def attend_blocked(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
@@ -78,16 +79,23 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 vb = T.sblock_alloc_buffer((KEYS, head_dim), "float32")
                 sc = T.sblock_alloc_buffer((rows, KEYS), "float32")         # scores, then weights
                 stat = T.sblock_alloc_buffer((rows, 4), "float32")          # max, sum, new max, correction
+                trig = T.sblock_alloc_buffer((queries, 2, freqs), "float32")  # cos, sin of each query's angles
                 q_start = q_indptr[b]
                 n_q = q_indptr[b + 1] - q_start
                 p_start = page_indptr[b]
                 kv_len = context_length(page_indptr, last_page_len, b)
                 for qb in range((n_q + queries - 1) // queries):
                     n_here = T.min(queries, n_q - qb * queries)
+                    # a query's angles once for the heads of its group, not once per element
+                    for qq, f in T.grid(queries, rotated_freqs):
+                        if qq < n_here:
+                            trig[qq, 0, f] = T.cos(rope_angle(positions, inv_freq, q_start + qb * queries + qq, f))
+                            trig[qq, 1, f] = T.sin(rope_angle(positions, inv_freq, q_start + qb * queries + qq, f))
                     for r, d in T.grid(rows, head_dim):
                         qv[r, d] = T.if_then_else(r // group < n_here, load_head_element(
                             qkv, positions, inv_freq, q_start + T.min(qb * queries + r // group, n_q - 1),
-                            (kvh * group + r % group) * head_dim, d, dtype, rope), T.float32(0)) * T.float32(scale)
+                            (kvh * group + r % group) * head_dim, d, dtype, rope,
+                            computed_trig(trig, r // group)), T.float32(0)) * T.float32(scale)
                         acc[r, d] = T.float32(0)
                     for r in range(rows):
                         stat[r, 0] = T.float32(lowest)
@@ -101,13 +109,15 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                     k_block0 = k_start // KEYS * KEYS
                     for kb in range((last_seen - k_block0 + KEYS - 1) // KEYS):
                         j0 = k_block0 + kb * KEYS
-                        for jj, d in T.grid(KEYS, head_dim):
+                        for jj in range(KEYS):
                             j = T.max(T.min(j0 + jj, last_seen - 1), k_start)   # outside: a copy, masked below
                             page = page_values[p_start + j // page_size]
-                            kt[d, jj] = T.Cast("float32", pages[page, 0, kvh, j % page_size, d]) * row_scale(
-                                scales, page, 0, kvh, j % page_size)
-                            vb[jj, d] = T.Cast("float32", pages[page, 1, kvh, j % page_size, d]) * row_scale(
-                                scales, page, 1, kvh, j % page_size)
+                            for d in T.vectorized(head_dim):
+                                vb[jj, d] = T.Cast("float32", pages[page, 1, kvh, j % page_size, d]) * row_scale(
+                                    scales, page, 1, kvh, j % page_size)
+                            for d in T.vectorized(head_dim):
+                                kt[d, jj] = T.Cast("float32", pages[page, 0, kvh, j % page_size, d]) * row_scale(
+                                    scales, page, 0, kvh, j % page_size)
                         for r in range(n_here * group):                      # a decode step: one query
                             seen = first_seen + r // group
                             for jj in T.vectorized(KEYS):

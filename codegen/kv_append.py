@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 from kiln.ir.quant import KVScheme
 
-from .rope_load import RotaryLoad, load_head_element
+from .rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle
 
 
 def row_encoder(scheme: KVScheme | None, dtype: str):
@@ -45,6 +45,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
     encode = row_encoder(scheme, dtype)
     width = (q_heads + 2 * kv_heads) * head_dim
     freqs = (rope.rotary_dim if rope else head_dim) // 2
+    rotated_freqs = freqs if rope else 0                 # the angles a task computes ahead
 
     @T.macro
     def append(pages, scales, qkv, positions, inv_freq, slots, tokens):
@@ -57,14 +58,18 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
                          *([] if scales is None else [scales[0:pages.shape[0], 0:2, h, 0:page_size]]))
                 row = T.sblock_alloc_buffer((2, head_dim), "float32")
                 amax = T.sblock_alloc_buffer((2,), "float32")
+                trig = T.sblock_alloc_buffer((2, freqs), "float32")     # cos, sin of the token's angles
                 if slots[t] >= 0:
                     page = slots[t] // page_size
                     slot_row = slots[t] % page_size
                     amax[0] = T.float32(0)
                     amax[1] = T.float32(0)
+                    for f in range(rotated_freqs):                       # once per angle, not per element
+                        trig[0, f] = T.cos(rope_angle(positions, inv_freq, t, f))
+                        trig[1, f] = T.sin(rope_angle(positions, inv_freq, t, f))
                     for d in range(head_dim):
                         row[0, d] = load_head_element(qkv, positions, inv_freq, t, (q_heads + h) * head_dim, d,
-                                                      dtype, rope)
+                                                      dtype, rope, computed_trig(trig))
                         row[1, d] = T.Cast("float32", qkv[t, (q_heads + kv_heads + h) * head_dim + d])
                         amax[0] = T.max(amax[0], T.fabs(row[0, d]))
                         amax[1] = T.max(amax[1], T.fabs(row[1, d]))

@@ -20,17 +20,33 @@ class RotaryLoad:
     mscale: float = 1.0
 
 
-def load_head_element(x, positions, inv_freq, t, base, d, dtype: str, rope: RotaryLoad | None):
+def rope_angle(positions, inv_freq, t, f):
+    """The angle of frequency f at row t's position, float32 (evaluated while a kernel is parsed)."""
+    return T.Cast("float32", positions[t]) * inv_freq[f]
+
+
+def computed_trig(table, *row):
+    """trig for load_head_element: the (cos, sin) a kernel stored at table[*row, 0 / 1, f]."""
+    return lambda f: (table[(*row, 0, f)], table[(*row, 1, f)])
+
+
+def load_head_element(x, positions, inv_freq, t, base, d, dtype: str, rope: RotaryLoad | None, trig=None):
     """float32 value of element d of the head at columns [base, base + head_dim) of row t of x,
-    rotated as `rope` says (None: as stored)."""
+    rotated as `rope` says (None: as stored). `trig(f)`: the (cos, sin) of row t's angle of
+    frequency f where the kernel computed them ahead, once for every head (rope_angle): else each
+    element computes its own."""
     value = T.Cast("float32", x[t, base + d])
     if rope is None:
         return value
     half = rope.rotary_dim // 2
-    angle = T.Cast("float32", positions[t]) * inv_freq[d % half]
+    if trig is None:
+        angle = rope_angle(positions, inv_freq, t, d % half)
+        cos, sin = T.cos(angle), T.sin(angle)
+    else:
+        cos, sin = trig(d % half)
     partner = T.if_then_else(d < half, -T.Cast("float32", x[t, base + d + half]),
                              T.Cast("float32", x[t, base + d - half]))
-    turned = value * T.cos(angle) + partner * T.sin(angle)
+    turned = value * cos + partner * sin
     if rope.mscale != 1.0:
         turned = turned * T.float32(rope.mscale)
     rotated = T.Cast("float32", T.Cast(dtype, turned))
