@@ -81,12 +81,7 @@ def main() -> None:
     print(f"{args.artifact}: {args.step} step ({kind} entry), {args.tokens} tokens × {args.seqs} sequences, "
           f"{args.threads} threads: {step * 1e3:.2f} ms per step (median of {args.repeats}), "
           f"{sum(n for _, n, _ in rows)} calls")
-    print("| kernel | calls | ms per step | share |")
-    print("|---|---|---|---|")
-    for seconds, count, name in rows[:args.top]:
-        print(f"| {name} | {count} | {seconds * 1e3:.2f} | {seconds / step:.1%} |")
-    rest = sum(s for s, _, _ in rows[args.top:])
-    print(f"| (the other {max(len(rows) - args.top, 0)} kernels) | | {rest * 1e3:.2f} | {rest / step:.1%} |")
+    print_kernel_table(rows, args.top, step, "share", 2)
 
 
 def gpu_profile(model, inputs, kind: str, args) -> None:
@@ -109,12 +104,17 @@ def gpu_profile(model, inputs, kind: str, args) -> None:
     print(f"{args.artifact}: {args.step} step ({kind} entry), {args.tokens} tokens × {args.seqs} sequences on "
           f"{torch.cuda.get_device_name()}: {step * 1e3:.2f} ms per step wall (median of {args.repeats}), "
           f"kernels {busy * 1e3:.2f} ms, {sum(n for _, n, _ in rows)} launches")
-    print("| kernel | calls | ms per step | share of kernel time |")
+    print_kernel_table(rows, args.top, busy, "share of kernel time", 3)
+
+
+def print_kernel_table(rows, top: int, total: float, share: str, digits: int) -> None:
+    """rows: (seconds per step, calls, kernel), slowest first; each kernel's share of `total` seconds."""
+    print(f"| kernel | calls | ms per step | {share} |")
     print("|---|---|---|---|")
-    for seconds, count, name in rows[:args.top]:
-        print(f"| {name[:90]} | {count} | {seconds * 1e3:.3f} | {seconds / busy:.1%} |")
-    rest = sum(s for s, _, _ in rows[args.top:])
-    print(f"| (the other {max(len(rows) - args.top, 0)} kernels) | | {rest * 1e3:.3f} | {rest / busy:.1%} |")
+    for seconds, count, name in rows[:top]:
+        print(f"| {name[:90]} | {count} | {seconds * 1e3:.{digits}f} | {seconds / total:.1%} |")
+    rest = sum(s for s, _, _ in rows[top:])
+    print(f"| (the other {max(len(rows) - top, 0)} kernels) | | {rest * 1e3:.{digits}f} | {rest / total:.1%} |")
 
 
 if __name__ == "__main__":
