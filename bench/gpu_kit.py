@@ -48,11 +48,7 @@ KIT=${1:?kit folder}; BUDGET=${2:-480}; START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >$OUT/pip.log 2>&1 || {
-  # setuptools too old for an editable install: lay the packages out as kiln.* by links
-  mkdir -p /tmp/kiln-links/kiln && ln -sf $PWD/kiln/* /tmp/kiln-links/kiln/ &&
-  for p in frontend ir passes codegen runtime serve targets; do ln -sfn $PWD/$p /tmp/kiln-links/kiln/$p; done &&
-  export PYTHONPATH=/tmp/kiln-links:$PYTHONPATH; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 python3 -c "import tvm, torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # the families' GPU tests need their own bundle (make_bundle.py --families; it does not fit in this kit)
