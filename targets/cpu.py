@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import tvm
 
@@ -47,9 +48,38 @@ def host_cpu_features() -> list[str]:
 
 def missing_cpu_features(built_on: list[str]) -> list[str]:
     """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
-    that this machine's CPU lacks: kernels built there could stop with SIGILL here."""
+    that this machine's CPU lacks: kernels built there could stop with SIGILL here. A TVM without
+    its compiler has no LLVM to ask: then the flags Linux lists in /proc/cpuinfo answer."""
+    if tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures", allow_missing=True) is None:
+        return missing_in_cpuinfo(built_on, cpuinfo_features())
     here = set(host_cpu_features())
     return [name for name in built_on if name not in here]
+
+
+def missing_in_cpuinfo(built_on: list[str], flags: set[str]) -> list[str]:
+    """The LLVM feature names in `built_on` that /proc/cpuinfo's `flags` (cpuinfo_features) lack."""
+    return [name for name in built_on if _plain(_CPUINFO_NAMES.get(name, name)) not in flags]
+
+
+# LLVM's feature names that /proc/cpuinfo spells otherwise (beyond "_", "-" and ".")
+_CPUINFO_NAMES = {"bmi": "bmi1", "sse3": "pni", "neon": "asimd", "dotprod": "asimddp"}
+
+
+def _plain(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "").replace(".", "")
+
+
+def cpuinfo_features(path: str = "/proc/cpuinfo") -> set[str]:
+    """The first processor's flags (x86) or features (Arm) in /proc/cpuinfo, spelt plainly."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise KilnError(f"cannot read this CPU's features from {path} ({e}) and TVM has no LLVM to ask") from None
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return {_plain(flag) for flag in value.split()}
+    raise KilnError(f"{path} lists no CPU flags and TVM has no LLVM to ask")
 
 
 def _int8_dot() -> str:

@@ -161,3 +161,19 @@ def test_the_cpu_target_uses_exactly_the_instruction_sets_cpuid_reports():
     absent = [name for name, present in reported.items() if not present and name.startswith(("avx", "amx"))]
     assert host_cpu_features() and all(has([name], here) for name in host_cpu_features())
     assert not any(has([name], here) for name in absent), absent
+
+
+def test_proc_cpuinfo_answers_as_llvm_does():
+    """Where TVM has only its runtime (no LLVM to ask), /proc/cpuinfo's flags decide which of an
+    artifact's instruction sets this CPU lacks: here they agree with LLVM's CPUID reading on every
+    instruction set kiln records, present or absent."""
+    import os
+    import tvm
+    from kiln.targets.cpu import _ISA_PREFIXES, cpuinfo_features, missing_in_cpuinfo
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo on this system")
+    reported = {name: on for name, on in tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()
+                if name.startswith(_ISA_PREFIXES)}
+    absent = sorted(name for name, on in reported.items() if not on)
+    assert len(reported) > len(absent) > 0
+    assert missing_in_cpuinfo(sorted(reported), cpuinfo_features()) == absent
