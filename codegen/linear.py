@@ -1,6 +1,6 @@
 """Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
-GPUs: a TE matmul that dlight schedules, in decode steps as its low-batch GEMV (`decode_kernel`).
+GPUs: a TE matmul that dlight schedules, in CUDA decode steps as its low-batch GEMV (`decode_kernel`).
 CPUs: kiln's packed-weight kernel, weights stored [out/nb, in', nb] so a task accumulates nb
 outputs in vector registers; in steps that bring chunks (every entry but decode, on targets with
 `chunk_gemm`) the register-blocked GEMM of codegen/gemm.py over the same layout. Where the CPU has
@@ -230,7 +230,9 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         def kernel(a, b, *rest, staged=False):
             given = dict(zip(present, rest))
             return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt, staged)
-        if ctx.step == "decode" and ctx.target.device != "cpu":
+        # CUDA only: measured there; on ROCm TVM's LLVM codegen emits the rule's lane shuffles with
+        # a 64-bit lane index, which LLVM's verifier rejects (kernels with a residual)
+        if ctx.step == "decode" and ctx.target.device == "cuda":
             func, gemv = decode_kernel(ctx.target, lambda *t: kernel(*t, staged=True), args)
             y = packed(func, "gemv" if gemv else "linear", scheduled=gemv)
         else:

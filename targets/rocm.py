@@ -123,6 +123,7 @@ class ROCmTarget(GPUTarget):
     name: str = "rocm"
     arch: str | None = "gfx942"
     device: str = "rocm"
+    device_sampling: bool = False    # the sampler's float64 exp has no AMDGPU lowering in LLVM here: logits go to the host
 
     ARCHS = ARCHS
 
