@@ -91,7 +91,8 @@ class MetalTarget(GPUTarget):
     name: str = "metal"
     arch: str | None = "m1"
     device: str = "metal"
-    device_sampling: bool = False    # the sampler computes in float64, which Metal has not: logits go to the host
+    # the device sampler computes in float64, which Metal has not: logits go to the host
+    device_sampling: bool = False
     note: str = ("kernels are Metal Shading Language source, compiled by the Metal framework when the "
                  "library is loaded on the Mac; host code is arm64 macOS")
 

@@ -123,7 +123,8 @@ class ROCmTarget(GPUTarget):
     name: str = "rocm"
     arch: str | None = "gfx942"
     device: str = "rocm"
-    device_sampling: bool = False    # the sampler's float64 exp has no AMDGPU lowering in LLVM here: logits go to the host
+    # the device sampler's float64 exp has no AMDGPU lowering in this LLVM: logits go to the host
+    device_sampling: bool = False
 
     ARCHS = ARCHS
 
