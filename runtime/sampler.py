@@ -211,7 +211,8 @@ def process_logits(logits: np.ndarray, state: SamplerState) -> np.ndarray:
     tokens, bias, rep, sub = penalty_entries(state, x.shape[0])
     if len(tokens):
         y = x[tokens].astype(np.float64) + bias
-        x[tokens] = np.where(y > 0, y / rep, y * rep) - sub
+        with np.errstate(over="ignore"):        # beyond float32's range a value becomes ±inf, as on the device
+            x[tokens] = np.where(y > 0, y / rep, y * rep) - sub
     return x
 
 
