@@ -169,10 +169,10 @@ def main() -> None:
             if not args.no_hf and key not in hf_rows:
                 hf_cfg = hf_config(Path(path))
                 if hf_cfg:
-                    hf_rows[key] = tuple(hf_decode(torch, transformers, hf_cfg, hf_dtype, prompts, args.new_tokens,
-                                                   args.repeats, compiled)
-                                         for compiled in ((False,) if args.no_hf_compiled else (False, True)))
-            eager, compiled = (*hf_rows.get(key, ()), None, None)[:2]
+                    hf_rows[key] = tuple(None if compiled and args.no_hf_compiled else
+                                         hf_decode(torch, transformers, hf_cfg, hf_dtype, prompts, args.new_tokens,
+                                                   args.repeats, compiled) for compiled in (False, True))
+            eager, compiled = hf_rows.get(key, (None, None))
             fmt = lambda r: f"{r:.0f}" if r else "n/a"   # noqa: E731
             host = launches.get("decode_graph", launches["mixed"])["host_launches"]
             kernels = launches.get("decode", launches["mixed"])["kernels"]

@@ -190,7 +190,7 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     args = [rows(x, n_in), w] + [optional[k] for k in present]
     nb = packed_block(layout)
 
-    def packed(kern, family: str, scheduled: bool = False):     # a kernel of its own, named by its shape
+    def packed(kern, family: str, scheduled: bool = False):     # a kernel of its own (packed or not), by shape
         suffix = "".join(f"_{k}" for k in present if k != "scale")
         packing = f"_packed{nb}" if nb is not None else ""
         gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}{packing}_{n_out}x{n_in}{suffix}", scheduled=scheduled)

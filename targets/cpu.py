@@ -27,9 +27,12 @@ def host_cpu_target() -> tvm.target.Target:
     return cpu_target(tvm.target.codegen.llvm_get_system_cpu(), _reported_features())
 
 
+LLVM_HOST_FEATURES = "tvm.codegen.llvm.GetHostCPUFeatures"     # TVM's compiler library registers it
+
+
 def _reported_features() -> dict[str, bool]:
     """LLVM's feature map of this machine's CPU (CPUID): name -> present."""
-    return dict(tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items())
+    return dict(tvm.get_global_func(LLVM_HOST_FEATURES)().items())
 
 
 def cpu_target(cpu: str, reported: dict[str, bool]) -> tvm.target.Target:
@@ -50,7 +53,7 @@ def missing_cpu_features(built_on: list[str]) -> list[str]:
     """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
     that this machine's CPU lacks: kernels built there could stop with SIGILL here. A TVM without
     its compiler has no LLVM to ask: then the flags Linux lists in /proc/cpuinfo answer."""
-    if tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures", allow_missing=True) is None:
+    if tvm.get_global_func(LLVM_HOST_FEATURES, allow_missing=True) is None:
         return missing_in_cpuinfo(built_on, cpuinfo_features())
     here = set(host_cpu_features())
     return [name for name in built_on if name not in here]

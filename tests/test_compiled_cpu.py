@@ -169,10 +169,10 @@ def test_proc_cpuinfo_answers_as_llvm_does():
     instruction set kiln records, present or absent."""
     import os
     import tvm
-    from kiln.targets.cpu import _ISA_PREFIXES, cpuinfo_features, missing_in_cpuinfo
+    from kiln.targets.cpu import _ISA_PREFIXES, LLVM_HOST_FEATURES, cpuinfo_features, missing_in_cpuinfo
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo on this system")
-    reported = {name: on for name, on in tvm.get_global_func("tvm.codegen.llvm.GetHostCPUFeatures")().items()
+    reported = {name: on for name, on in tvm.get_global_func(LLVM_HOST_FEATURES)().items()
                 if name.startswith(_ISA_PREFIXES)}
     absent = sorted(name for name, on in reported.items() if not on)
     assert len(reported) > len(absent) > 0
