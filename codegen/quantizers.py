@@ -164,6 +164,10 @@ def by_rows(quantize):
 
 
 def fast_quantizers() -> dict:
-    """Scheme name -> the quantiser compile runs in place of ir/quant.py's reference."""
+    """Scheme name -> the quantiser compile runs in place of ir/quant.py's reference. A TVM without
+    its compiler (`kiln attach-weights` on a GPU machine) cannot build the q4 kernel: q4 runs the
+    reference there, slower and in more memory, to the same bytes."""
+    from kiln.targets.cpu import has_llvm
     assert SCHEMES["q4"].grouped and not SCHEMES["q8"].grouped and not SCHEMES["fp8"].grouped
-    return {"q4": quantize_q4, "q8": by_rows(SCHEMES["q8"].quantize), "fp8": by_rows(SCHEMES["fp8"].quantize)}
+    return {"q4": quantize_q4 if has_llvm() else SCHEMES["q4"].quantize, "q8": by_rows(SCHEMES["q8"].quantize),
+            "fp8": by_rows(SCHEMES["fp8"].quantize)}

@@ -136,6 +136,25 @@ def fill_weights(artifact, seed, force):
          f"(seed {seed}) in {seconds:.1f}s ({size / 2**30 / max(seconds, 1e-3):.1f} GiB/s)")
 
 
+@main.command("attach-weights")
+@click.argument("artifact")
+@click.argument("model_dir")
+@click.option("--force", is_flag=True, help="Replace weights `kiln fill-weights` drew (never a checkpoint's).")
+def attach_weights(artifact, model_dir, force):
+    """Write MODEL_DIR's weights into ARTIFACT, compiled from a model of the same config with --no-weights.
+
+    The weights are converted as compile converts them (fused, quantised, laid out), where the
+    checkpoint is: a machine with TVM's runtime alone will do. Weights from a checkpoint are never
+    replaced."""
+    from kiln.artifact import WEIGHTS
+    from kiln.attach_weights import attach_weights as attach
+    from kiln.compiler import Phases
+    phases = Phases(_err)
+    m = phases.run("weights", attach, artifact, model_dir, force, phases.progress)
+    _err(f"wrote {artifact}: {len(m['weights'])} tensors, {m['files'][WEIGHTS]['bytes'] / 2**20:.1f} MiB of "
+         f"{model_dir}'s weights in {phases.seconds['weights']:.1f}s")
+
+
 @main.command()
 @click.argument("artifact")
 @click.option("--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")

@@ -237,15 +237,15 @@ def _is_generated_file(path: Path) -> bool:
         return False
 
 
-def check_replaceable(artifact_dir: Path, manifest: dict, force: bool) -> None:
+def check_replaceable(artifact_dir: Path, manifest: dict, force: bool, command: str = "fill-weights") -> None:
     """Refuse to write weights where that would replace any not drawn here, or drawn ones unasked."""
     source, path = weights_source(manifest), artifact_dir / WEIGHTS
     if source == "checkpoint":
-        raise KilnError(f"{artifact_dir} holds weights from a checkpoint; fill-weights never replaces them "
+        raise KilnError(f"{artifact_dir} holds weights from a checkpoint; {command} never replaces them "
                         "(it fills artifacts compiled with --no-weights)")
     if source == "generated" and not force:
         seed = manifest["files"].get(WEIGHTS, {}).get("generated", {}).get("seed")
-        raise KilnError(f"{artifact_dir} already has generated weights (seed {seed}); give --force to redraw them")
+        raise KilnError(f"{artifact_dir} already has generated weights (seed {seed}); give --force to replace them")
     if path.exists() and not _is_generated_file(path):
         raise KilnError(f"{path} was not written by kiln fill-weights and the manifest does not record it; "
                         "kiln will not overwrite it: move it away first")
@@ -277,30 +277,32 @@ def fill_weights(artifact_dir: str | Path, seed: int = 0, force: bool = False,
             progress(f"{i + 1}/{len(weights)} {spec.name} ({before[i] / 2**30:.1f}/{before[-1] / 2**30:.1f} GiB)",
                      before[i] / before[-1])
 
-    partial = artifact_dir / f"{WEIGHTS}.partial-{secrets.token_hex(4)}"
     hasher = new_hasher()
     try:
-        write_safetensors(partial, drawer.specs, lambda spec: drawer.take(index[spec.name]), hasher=hasher,
-                          progress=step, metadata={"format": "kiln", "generator": GENERATOR, "seed": str(seed)})
-        os.replace(partial, artifact_dir / WEIGHTS)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+        write_in_place(artifact_dir / WEIGHTS, lambda partial: write_safetensors(
+            partial, drawer.specs, lambda spec: drawer.take(index[spec.name]), hasher=hasher, progress=step,
+            metadata={"format": "kiln", "generator": GENERATOR, "seed": str(seed)}))
     finally:
         pool.shutdown(cancel_futures=True)
-    size = (artifact_dir / WEIGHTS).stat().st_size
-    files = {**manifest["files"], WEIGHTS: {"blake3": hasher.hexdigest(), "bytes": size, "generated": {"seed": seed}}}
-    manifest = {**manifest, SOURCE_KEY: "generated", "files": dict(sorted(files.items()))}
-    _replace_manifest(artifact_dir, manifest)
-    return manifest
+    return record_weights(artifact_dir, manifest, "generated", hasher.hexdigest(), generated={"seed": seed})
 
 
-def _replace_manifest(artifact_dir: Path, manifest: dict) -> None:
-    """Write manifest.json beside itself and rename it into place (never half-written)."""
-    partial = artifact_dir / f"{MANIFEST}.partial-{secrets.token_hex(4)}"
+def write_in_place(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial)` a file beside `path`, then rename it to `path`: never a half-written file there."""
+    partial = path.with_name(f"{path.name}.partial-{secrets.token_hex(4)}")
     try:
-        partial.write_text(json.dumps(manifest, indent=1))
-        os.replace(partial, artifact_dir / MANIFEST)
+        write(partial)
+        os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+def record_weights(artifact_dir: Path, manifest: dict, source: str, digest: str, **entry) -> dict:
+    """Record the weights file just written (its digest, size and `entry`'s fields) and where its weights
+    came from in the manifest, replaced in place; return the new manifest."""
+    size = (artifact_dir / WEIGHTS).stat().st_size
+    files = {**manifest["files"], WEIGHTS: {"blake3": digest, "bytes": size, **entry}}
+    manifest = {**manifest, SOURCE_KEY: source, "files": dict(sorted(files.items()))}
+    write_in_place(artifact_dir / MANIFEST, lambda partial: partial.write_text(json.dumps(manifest, indent=1)))
+    return manifest

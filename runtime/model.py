@@ -86,8 +86,9 @@ class CompiledModel:
         self.dir = Path(artifact_dir)
         self.manifest = m = read_manifest(self.dir, verify=False)
         if m.get("weights_source") == "absent":
-            raise KilnError(f"{self.dir} was compiled with --no-weights and has none: draw seeded random ones "
-                            f"with `kiln fill-weights {self.dir} --seed N`")
+            raise KilnError(f"{self.dir} was compiled with --no-weights and has none: write a checkpoint's with "
+                            f"`kiln attach-weights {self.dir} MODEL_DIR`, or draw seeded random ones with "
+                            f"`kiln fill-weights {self.dir} --seed N`")
         verified = start_verify(self.dir, m) if verify else (lambda: None)
         device = m["target"]["device"]
         if device not in DEVICES:

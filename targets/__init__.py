@@ -21,3 +21,12 @@ def target_defaults(name: str):
     if name not in TARGET_NAMES:
         raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
     return importlib.import_module(f"{__name__}.{name}").TARGET_CLASS()
+
+
+def planned_target(name: str, arch: str | None, activation_block: int):
+    """The target as compile planned an artifact's passes (its manifest's target, arch and activation
+    block), made without asking this machine's CPU or GPU anything: for `kiln attach-weights`."""
+    if name not in TARGET_NAMES:
+        raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
+    return importlib.import_module(f"{__name__}.{name}").TARGET_CLASS.as_planned(arch, activation_block)
+

@@ -38,6 +38,11 @@ class Target:
     # multiply in integer dot products (codegen/int8_gemm.py); 0: float activations
     activation_block: int = 0
 
+    @classmethod
+    def as_planned(cls, arch: str | None, activation_block: int):
+        """This target with a manifest's arch and activation block (targets/__init__.py: planned_target)."""
+        return cls(arch=arch, activation_block=activation_block)
+
     def tvm_target(self):
         raise NotImplementedError
 

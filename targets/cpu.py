@@ -30,6 +30,11 @@ def host_cpu_target() -> tvm.target.Target:
 LLVM_HOST_FEATURES = "tvm.codegen.llvm.GetHostCPUFeatures"     # TVM's compiler library registers it
 
 
+def has_llvm() -> bool:
+    """Whether this TVM has its compiler library (LLVM): a runtime-only TVM has not."""
+    return tvm.get_global_func(LLVM_HOST_FEATURES, allow_missing=True) is not None
+
+
 def _reported_features() -> dict[str, bool]:
     """LLVM's feature map of this machine's CPU (CPUID): name -> present."""
     return dict(tvm.get_global_func(LLVM_HOST_FEATURES)().items())
@@ -53,7 +58,7 @@ def missing_cpu_features(built_on: list[str]) -> list[str]:
     """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
     that this machine's CPU lacks: kernels built there could stop with SIGILL here. A TVM without
     its compiler has no LLVM to ask: then the flags Linux lists in /proc/cpuinfo answer."""
-    if tvm.get_global_func(LLVM_HOST_FEATURES, allow_missing=True) is None:
+    if not has_llvm():
         return missing_in_cpuinfo(built_on, cpuinfo_features())
     here = set(host_cpu_features())
     return [name for name in built_on if name not in here]
@@ -119,6 +124,12 @@ class CPUTarget(Target):
     def __post_init__(self):
         if self.activation_block < 0:
             self.activation_block = 32 if self.int8_dot else 0
+
+    @classmethod
+    def as_planned(cls, arch: str | None, activation_block: int):
+        # the passes read only the activation block; what this CPU's dot products are does not matter
+        # (the weights' layouts are the manifest's), so LLVM is not asked
+        return cls(int8_dot="", bf16_dot=False, activation_block=activation_block)
 
     def weight_quants(self):
         return ("q8", "q4", "fp8")      # fp8 is decoded in software here: for accuracy checks, not speed

@@ -1,0 +1,115 @@
+"""`kiln attach-weights`: a checkpoint's weights written into an artifact compiled with --no-weights.
+
+- The weights file has the bytes compile writes (the digest of the same compile with its weights):
+  float32 through the CLI; and, on copies of compiled artifacts with their weights taken out, q4 in
+  groups of 128 with int8 activations and a fusion pass disabled, q8 with float embedding and LM
+  head, MoE q4, and MLA with an expanded-prefill threshold or an int8 latent cache.
+- The attached artifact generates what transformers generates.
+- With no TVM compiler (a GPU machine's runtime-only TVM) it needs no LLVM and writes the same bytes.
+- A model of another config is refused with the differing fields named, before anything is written;
+  a checkpoint's weights are never replaced, generated ones only with --force.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from kiln.artifact import MANIFEST, WEIGHTS, read_manifest
+from kiln.attach_weights import attach_weights
+from kiln.cli import main
+from kiln.errors import KilnError
+from kiln.generated_weights import fill_weights
+
+COMPILED = {        # id -> (family, compile options)
+    "llama-q4-g128-int8act-no-gate-up-fusion": ("llama", dict(quant="q4", group_size=128,
+                                                              disable_passes=frozenset({"fuse_gate_up"}))),
+    "qwen2-q8-float-embedding-and-head": ("qwen2", dict(quant="q8", quant_embedding=False, quant_lm_head=False)),
+    "mixtral-q4": ("mixtral", dict(quant="q4", int8_activations=False)),
+    "deepseek_v2-mla-expanded-from-2": ("deepseek_v2", dict(dtype="float32", mla_expanded_from=2)),
+    "deepseek_v2-mla-int8-kv": ("deepseek_v2", dict(dtype="float32", kv_dtype="int8")),
+}
+
+
+def weights_digest(artifact) -> str:
+    return read_manifest(artifact, verify=False)["files"][WEIGHTS]["blake3"]
+
+
+def without_weights(artifact, tmp_path):
+    """A copy of `artifact` as `compile --no-weights` leaves it (tests/test_generated_weights.py checks
+    that such a manifest differs from the full one in its files and weights_source alone)."""
+    copy = shutil.copytree(artifact, tmp_path / "bare")
+    (copy / WEIGHTS).unlink()
+    manifest = json.loads((copy / MANIFEST).read_text())
+    del manifest["files"][WEIGHTS]
+    (copy / MANIFEST).write_text(json.dumps({**manifest, "weights_source": "absent"}))
+    return copy
+
+
+def test_cli_attaches_the_bytes_compile_writes_and_generation_equals_transformers(make_model, llama_cpu, tmp_path):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    from reference import hf_greedy_uncached, random_prompt
+    with_weights, hf = llama_cpu
+    model, bare = make_model("llama"), tmp_path / "bare"
+    runner = CliRunner()
+    result = runner.invoke(main, ["compile", str(model), "--no-weights", "-o", str(bare)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["attach-weights", str(bare), str(model)])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(bare)                       # every checksum verified
+    assert manifest["weights_source"] == "checkpoint" and weights_digest(bare) == weights_digest(with_weights)
+    ids = random_prompt(20, 3)
+    [out] = LLM(bare, kv_memory="8MiB").generate([ids], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                        ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy_uncached(hf, ids, 8)
+
+
+@pytest.mark.parametrize("case", COMPILED)
+def test_attached_weights_are_the_bytes_compile_wrote(make_model, compiled_family, tmp_path, case):
+    family, options = COMPILED[case]
+    artifact = compiled_family(family, **options)
+    bare = without_weights(artifact, tmp_path)
+    attach_weights(bare, make_model(family))
+    assert weights_digest(bare) == weights_digest(artifact)
+    read_manifest(bare)
+
+
+def test_attaching_needs_no_llvm(make_model, compiled_family, tmp_path, monkeypatch):
+    """As on a runtime-only TVM: nothing may ask LLVM about the CPU, and q4 runs the reference quantiser."""
+    import kiln.targets.cpu as cpu
+    family, options = COMPILED["llama-q4-g128-int8act-no-gate-up-fusion"]
+    artifact = compiled_family(family, **options)
+    bare = without_weights(artifact, tmp_path)
+
+    def no_llvm(*_):
+        raise AssertionError("LLVM was asked")
+    monkeypatch.setattr(cpu, "has_llvm", lambda: False)
+    for probe in ("_reported_features", "host_cpu_target", "_int8_dot", "_bf16_dot"):
+        monkeypatch.setattr(cpu, probe, no_llvm)
+    attach_weights(bare, make_model(family))
+    assert weights_digest(bare) == weights_digest(artifact)
+
+
+def test_a_model_of_another_config_is_refused_before_anything_is_written(make_model, llama_cpu, tmp_path):
+    bare = without_weights(llama_cpu[0], tmp_path)
+    before = sorted(p.name for p in bare.iterdir())
+    with pytest.raises(KilnError, match=r"is not the model .* compiled from: its config differs in architecture, .*qkv_bias"):
+        attach_weights(bare, make_model("qwen2"))
+    assert sorted(p.name for p in bare.iterdir()) == before
+    assert read_manifest(bare, verify=False)["weights_source"] == "absent"
+
+
+def test_checkpoint_weights_are_never_replaced_and_generated_ones_only_with_force(make_model, llama_cpu, tmp_path):
+    model = make_model("llama")
+    with pytest.raises(KilnError, match="holds weights from a checkpoint; attach-weights never replaces them"):
+        attach_weights(llama_cpu[0], model, force=True)
+    bare = without_weights(llama_cpu[0], tmp_path)
+    fill_weights(bare, seed=1)
+    with pytest.raises(KilnError, match="already has generated weights .*--force"):
+        attach_weights(bare, model)
+    attach_weights(bare, model, force=True)
+    assert weights_digest(bare) == weights_digest(llama_cpu[0])
+    assert read_manifest(bare)["weights_source"] == "checkpoint"
