@@ -1,0 +1,95 @@
+"""Build, on this machine, what a bigger CPU machine (the GPU machine's host) needs to measure how
+kiln's CPU kernels scale with threads beside llama.cpp (bench/threads_cpu.py).
+
+    python bench/cpu_kit.py [--out build/cpu-kit] [--preset llama-3.2-1b] [--modes bf16 q8 q4]
+                            [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
+
+That machine has PyTorch and transformers but no TVM compiler, no llama.cpp and no internet, and
+takes at most 64 MiB per transfer:
+  site/         TVM's runtime (bench/gpu_kit.py), for the device's Python 3.12
+  cpu/<mode>/   the preset's CPU artifacts, compiled for this machine's CPU with --no-weights
+                (an artifact checks at load that the CPU it runs on has every instruction set used)
+  llama.cpp/    llama.cpp's built binaries and libraries (with the system libraries they need
+                beyond glibc), its GGUF converter and gguf-py, as ../shared/PEERS.md builds them
+  run.sh        installs kiln, draws the weights and runs bench/threads_cpu.py; results go to $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from big_model import MODES, built_llama_cpp  # noqa: E402
+from gpu_kit import RUNTIME_WHEELS, folder_bytes, pip_download, unpack  # noqa: E402
+
+SYSTEM_LIBS = ("libgomp.so.1", "libssl.so.3", "libcrypto.so.3")     # llama.cpp's, beyond glibc and libstdc++
+
+RUN_SH = """#!/bin/bash
+# On the bigger machine, from the repository root:  bash KIT/run.sh KIT [SECONDS] [THREADS] [MODES]
+set -o pipefail
+KIT=${1:?kit folder}; BUDGET=${2:-400}; THREADS=${3:-1,2,4,8,16}; MODES=${4:-$(ls $KIT/cpu | paste -sd,)}
+export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+export LD_LIBRARY_PATH=$PWD/$KIT/llama.cpp/build/bin:${LD_LIBRARY_PATH:-}
+mkdir -p $OUT
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
+(lscpu; free -g) > $OUT/cpu.txt
+for m in ${MODES//,/ }; do timeout 120 python3 -m kiln.cli fill-weights $KIT/cpu/$m --seed 0 --force || exit 1; done
+timeout $BUDGET python3 bench/threads_cpu.py --artifacts $KIT/cpu --llama-cpp $KIT/llama.cpp --threads $THREADS \\
+  --modes $MODES --workdir /tmp/threads-work 2>&1 | tee $OUT/threads_cpu.md
+"""
+
+
+def copy_llama_cpp(source: Path, dest: Path) -> None:
+    """The built binaries and libraries, the converter and gguf-py: what bench/big_model.py runs."""
+    bin_dir = dest / "build" / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    # each library once, under the name the binaries load (libllama.so.0, not its links): a
+    # device call may not carry links
+    for f in (source / "build" / "bin").iterdir():
+        if re.search(r"\.so\.\d+\.", f.name) or (f.is_symlink() and f.name.endswith(".so")):
+            continue
+        shutil.copy2(f.resolve(), bin_dir / f.name)
+    for lib in SYSTEM_LIBS:
+        shutil.copy2(Path("/lib/x86_64-linux-gnu") / lib, bin_dir / lib)
+    for part in ("conversion", "gguf-py"):
+        shutil.copytree(source / part, dest / part, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    shutil.copy2(source / "convert_hf_to_gguf.py", dest / "convert_hf_to_gguf.py")
+
+
+def main() -> None:
+    from kiln.tiny import preset_model
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("build/cpu-kit"))
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--modes", nargs="+", default=["bf16", "q8", "q4"], choices=list(MODES))
+    ap.add_argument("--llama-cpp", default=None)
+    args = ap.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    site = out / "site"
+    if not (site / "tvm").exists():
+        for wheel in pip_download(RUNTIME_WHEELS, out / ".wheels"):
+            unpack(wheel, site)
+        shutil.rmtree(out / ".wheels")
+    if not (out / "llama.cpp" / "build" / "bin" / "llama-bench").exists():
+        copy_llama_cpp(built_llama_cpp(args.llama_cpp), out / "llama.cpp")
+    model = preset_model(args.preset, Path("build/bench") / args.preset / "model")
+    for mode in args.modes:
+        if not (out / "cpu" / mode / "manifest.json").exists():
+            dtype, quant = MODES[mode]
+            subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(model), "--target", "cpu",
+                            "--dtype", dtype, *(["--quant", quant] if quant else []), "--no-weights", "-o", str(out / "cpu" / mode), "--force"],
+                           check=True)
+    (out / "run.sh").write_text(RUN_SH)
+    print(f"{out}: {folder_bytes(out) / 2**20:.1f} MiB")
+    for part in sorted(p for p in out.iterdir() if p.is_dir()):
+        print(f"  {part.name:<14} {folder_bytes(part) / 2**20:7.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
