@@ -2,13 +2,14 @@
 kiln's CPU kernels scale with threads beside llama.cpp (bench/threads_cpu.py).
 
     python bench/cpu_kit.py [--out build/cpu-kit] [--preset llama-3.2-1b] [--modes bf16 q8 q4]
-                            [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
+                            [--arch CPU] [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
 
 That machine has PyTorch and transformers but no TVM compiler, no llama.cpp and no internet, and
 takes at most 64 MiB per transfer:
   site/         TVM's runtime (bench/gpu_kit.py), for the device's Python 3.12
-  cpu/<mode>/   the preset's CPU artifacts, compiled for this machine's CPU with --no-weights
-                (an artifact checks at load that the CPU it runs on has every instruction set used)
+  cpu/<mode>/   the preset's CPU artifacts, compiled with --no-weights for --arch (LLVM's name of
+                that machine's CPU model, e.g. emeraldrapids; default: this machine's CPU). An
+                artifact checks at load that the CPU it runs on has every instruction set it uses
   llama.cpp/    llama.cpp's built binaries and libraries (with the system libraries they need
                 beyond glibc), its GGUF converter and gguf-py, as ../shared/PEERS.md builds them
   run.sh        installs kiln, draws the weights and runs bench/threads_cpu.py; results go to $OUT
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("build/cpu-kit"))
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--modes", nargs="+", default=["bf16", "q8", "q4"], choices=list(MODES))
+    ap.add_argument("--arch", default=None, help="the CPU model to compile for, by LLVM's name")
     ap.add_argument("--llama-cpp", default=None)
     args = ap.parse_args()
     out: Path = args.out
@@ -83,6 +85,7 @@ def main() -> None:
         if not (out / "cpu" / mode / "manifest.json").exists():
             dtype, quant = MODES[mode]
             subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(model), "--target", "cpu",
+                            *(["--arch", args.arch] if args.arch else []),
                             "--dtype", dtype, *(["--quant", quant] if quant else []), "--no-weights", "-o", str(out / "cpu" / mode), "--force"],
                            check=True)
     (out / "run.sh").write_text(RUN_SH)

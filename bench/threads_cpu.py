@@ -132,13 +132,13 @@ def main() -> None:
 
     print(f"\n{args.preset}, tok/s: prefill {args.prompt_len} tokens (median of {args.repeats}), decode "
           f"{args.new_tokens} tokens at batch 1 and 8; roofline: the read rate at that thread count over the bytes a "
-          f"decode step reads; x1: kiln's rate over its own at {counts[0]} thread(s)")
+          f"decode step reads; (xN): kiln's rate over its own at {min(counts)} thread(s)")
     for mode in modes:
-        print(f"\n{mode}\n\n| threads | read GB/s | kiln pp (x1) | llama.cpp pp | kiln / llama.cpp | kiln tg (x1) "
-              "| llama.cpp tg | kiln / llama.cpp | kiln / roofline | kiln b8 (x1) | llama.cpp b8 | kiln / llama.cpp |")
+        print(f"\n{mode}\n\n| threads | read GB/s | kiln pp (xN) | llama.cpp pp | kiln / llama.cpp | kiln tg (xN) "
+              "| llama.cpp tg | kiln / llama.cpp | kiln / roofline | kiln b8 (xN) | llama.cpp b8 | kiln / llama.cpp |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        base = rows[mode][0][3]
-        for threads, read, roofline, kiln, peer in rows[mode]:
+        base = min(rows[mode])[3]
+        for threads, read, roofline, kiln, peer in sorted(rows[mode]):
             cells = [str(threads), f"{read:.1f}"]
             for key in ("pp", "tg", "b8"):
                 cells += [f"{kiln[key]:.1f} ({kiln[key] / base[key]:.1f})"]

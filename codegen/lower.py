@@ -17,6 +17,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
+from kiln.artifact import StoredWeight
 from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.moe_ops import MOE_EXPERT_OPS
@@ -28,15 +29,6 @@ from .attention import emit_paged_attention, emit_paged_attention_fused, step_ke
 from .embed import emit_embed
 from .layouts import q4_scale_layout, stored_shape
 from .linear import WeightFormat, emit_linear
-
-
-@dataclass
-class StoredWeight:
-    name: str          # name in the artifact's weights file
-    param: str         # the IR param it is made from
-    layout: str        # codegen.layouts name
-    shape: tuple[int, ...]
-    dtype: str
 
 
 ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill"}      # step kind -> Relax function

@@ -20,11 +20,26 @@ import os
 import secrets
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from kiln import __version__
 from kiln.errors import KilnError
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """One tensor of an artifact's weights file, as its manifest lists it."""
+    name: str          # name in the weights file
+    param: str         # the IR param it is made from
+    layout: str        # codegen.layouts name
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_manifest(cls, entry: dict) -> StoredWeight:
+        return cls(entry["name"], entry["param"], entry["layout"], tuple(entry["shape"]), entry["dtype"])
+
 
 INTERFACE_VERSION = 2       # 2: the manifest's kv lists a KVSpec per layer
 MANIFEST = "manifest.json"

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from kiln.artifact import WEIGHTS, read_manifest
+from kiln.artifact import WEIGHTS, StoredWeight, read_manifest
 from kiln.errors import KilnError
 from kiln.generated_weights import check_replaceable, record_weights, write_in_place
 
@@ -57,7 +57,6 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
     same config) and record them in its manifest; return the new manifest. The file is written
     beside its place and renamed there, then the manifest likewise (as `kiln fill-weights` does)."""
     from kiln.compiler import write_weights
-    from kiln.codegen.lower import StoredWeight
     from kiln.frontend import load_hf_model
     artifact_dir = Path(artifact_dir)
     manifest = read_manifest(artifact_dir, verify=False)
@@ -68,8 +67,7 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
         raise KilnError(f"{model_dir} is not the model {artifact_dir} was compiled from: its config differs in "
                         f"{', '.join(differ)}")
     graph = planned_graph(model, manifest)
-    stored = [StoredWeight(w["name"], w["param"], w["layout"], tuple(w["shape"]), w["dtype"])
-              for w in manifest["weights"]]
+    stored = [StoredWeight.from_manifest(w) for w in manifest["weights"]]
     missing = [w.param for w in stored if w.param not in graph.params]
     if missing:
         raise KilnError(f"the passes planned from {artifact_dir}'s manifest give no param {', '.join(missing[:5])}: "

@@ -42,7 +42,8 @@ def main(debug):
 @click.argument("model_dir")
 @click.option("--target", default="cpu", show_default=True, help="cpu, cuda, rocm or metal.")
 @click.option("--arch", default=None, help="GPU architecture: sm_80 (default)/sm_90 for cuda, "
-              "gfx942 (default)/gfx90a for rocm, m1 (default)/m2 for metal.")
+              "gfx942 (default)/gfx90a for rocm, m1 (default)/m2 for metal; for cpu a CPU model by LLVM's "
+              "name (sapphirerapids, znver4, x86-64-v4, …; default: this machine's CPU).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
 @click.option("--quant", type=click.Choice(["f32", "f16", "bf16", "q8", "q4", "fp8"]), default=None,

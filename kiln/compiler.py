@@ -158,14 +158,13 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
     tokenizer_files = model.write_tokenizer(out_dir)
 
     c = model.config
-    from kiln.targets.cpu import host_cpu_features     # what a CPU artifact may need of the CPU it runs on
     embedding, embedding_shared = _embedding_storage(graph)
     attention = _attention_layers(graph, tgt)
     return write_manifest(out_dir, digests={WEIGHTS: weights_digest} if weights else {}, manifest={
         "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
         "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
                    "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {}),
-                   **({"cpu_features": host_cpu_features()} if tgt.device == "cpu" else {})},
+                   **({"cpu_features": tgt.cpu_features()} if tgt.device == "cpu" else {})},
         "dtype": dtype,
         "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": embedding,
                          "embedding_shared_with_lm_head": embedding_shared,

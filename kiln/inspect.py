@@ -72,7 +72,8 @@ def summary(artifact_dir) -> str:
     c = m["model"]["config"]
     t = m["target"]
     total = sum(f["bytes"] for f in m["files"].values())
-    where = "runs on this kind of machine" if t.get("runs_here") else f"built here, runs on a {t['device']} GPU"
+    where = ("runs on this kind of machine" if t.get("runs_here") else t.get("note") if t["device"] == "cpu"
+             else f"built here, runs on a {t['device']} GPU")
     lines = [
         f"artifact   {artifact_dir}",
         f"kiln       {m['kiln_version']} (interface {m['interface_version']})",

@@ -104,7 +104,7 @@ class CompiledModel:
             missing = missing_cpu_features(m["target"].get("cpu_features", []))
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
-                                f"compile it on this machine")
+                                f"compile it on this machine, or for this CPU with --arch")
         # one page pool for every layer: page p is page p of each layer's tensor (ir/kv_spec.py)
         self.kv_specs = [KVSpec.from_json(layer) for layer in m["kv"]["layers"]]
         self.page_size = m["kv"]["page_size"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
@@ -25,6 +25,24 @@ def host_cpu_target() -> tvm.target.Target:
     from kiln.codegen.exp_lowering import register_exp_lowering
     register_exp_lowering()
     return cpu_target(tvm.target.codegen.llvm_get_system_cpu(), _reported_features())
+
+
+def named_cpu_target(cpu: str) -> tvm.target.Target:
+    """LLVM's target for the CPU model LLVM calls `cpu` (sapphirerapids, znver4, x86-64-v4, …), with
+    every instruction set that model has: for building on one machine what runs on another."""
+    from kiln.codegen.exp_lowering import register_exp_lowering
+    register_exp_lowering()
+    return cpu_target(cpu, dict.fromkeys(named_cpu_features(cpu), True))
+
+
+def named_cpu_features(cpu: str) -> list[str]:
+    """The instruction sets of LLVM's CPU model `cpu`, sorted; an unknown name is refused."""
+    plain = tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu"})
+    known = [str(name) for name in tvm.target.codegen.llvm_get_cpu_archlist(plain)]
+    if cpu not in known:
+        raise KilnError(f"target cpu: LLVM knows no CPU named {cpu!r} (--arch takes one of: {', '.join(known)})")
+    model = tvm.target.Target({"kind": "llvm", "mtriple": str(plain.attrs["mtriple"]), "mcpu": cpu})
+    return sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(model) if str(f).startswith(_ISA_PREFIXES))
 
 
 LLVM_HOST_FEATURES = "tvm.codegen.llvm.GetHostCPUFeatures"     # TVM's compiler library registers it
@@ -90,21 +108,20 @@ def cpuinfo_features(path: str = "/proc/cpuinfo") -> set[str]:
     raise KilnError(f"{path} lists no CPU flags and TVM has no LLVM to ask")
 
 
-def _int8_dot() -> str:
-    """The integer dot kiln's int8-activation kernels use on this CPU: "vnni" (AVX-512 VNNI,
+def _int8_dot(target: tvm.target.Target) -> str:
+    """The integer dot kiln's int8-activation kernels use on `target`'s CPU: "vnni" (AVX-512 VNNI,
     codegen/vnni_linear.py), "avx2" (vpmaddwd, codegen/int8_gemm.py and int8_gemv.py), or "" (none:
     linears keep float activations)."""
     from kiln.codegen.int8_gemm import has_pair_dot
     from kiln.codegen.vnni_linear import has_quad_dot
-    target = host_cpu_target()
     return "vnni" if has_quad_dot(target) else "avx2" if has_pair_dot(target) else ""
 
 
-def _bf16_dot() -> bool:
-    """Whether this CPU multiplies bf16 pairs (AVX-512 BF16): bf16 linears then run
+def _bf16_dot(target: tvm.target.Target) -> bool:
+    """Whether `target`'s CPU multiplies bf16 pairs (AVX-512 BF16): bf16 linears then run
     codegen/bf16_linear.py."""
     from kiln.codegen.bf16_micro import has_bf16_dot
-    return has_bf16_dot(host_cpu_target())
+    return has_bf16_dot(target)
 
 
 @dataclass
@@ -117,25 +134,35 @@ class CPUTarget(Target):
     chunk_gemm: bool = True
     decode_gemm_from: int = 8          # where the GEMM overtakes the GEMV: docs/BENCHMARKS.md
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
-    int8_dot: str = field(default_factory=lambda: _int8_dot())
-    bf16_dot: bool = field(default_factory=lambda: _bf16_dot())
+    # arch: the CPU model to build for, by LLVM's name (None: this machine's CPU, as CPUID reports it)
+    int8_dot: str | None = None        # None: the CPU's, asked of LLVM (_int8_dot)
+    bf16_dot: bool | None = None
     activation_block: int = -1         # llama.cpp's Q8_0 block where there is an int8 dot, else 0
 
     def __post_init__(self):
+        if self.int8_dot is None:
+            self.int8_dot = _int8_dot(self.tvm_target())
+        if self.bf16_dot is None:
+            self.bf16_dot = _bf16_dot(self.tvm_target())
         if self.activation_block < 0:
             self.activation_block = 32 if self.int8_dot else 0
 
     @classmethod
     def as_planned(cls, arch: str | None, activation_block: int):
-        # the passes read only the activation block; what this CPU's dot products are does not matter
+        # the passes read only the activation block; what the CPU's dot products are does not matter
         # (the weights' layouts are the manifest's), so LLVM is not asked
-        return cls(int8_dot="", bf16_dot=False, activation_block=activation_block)
+        return cls(arch=arch, int8_dot="", bf16_dot=False, activation_block=activation_block)
+
+    def cpu_features(self) -> list[str]:
+        """The instruction sets the kernels may use: an artifact records them, and a CPU that lacks
+        one refuses to load it (missing_cpu_features)."""
+        return named_cpu_features(self.arch) if self.arch else host_cpu_features()
 
     def weight_quants(self):
         return ("q8", "q4", "fp8")      # fp8 is decoded in software here: for accuracy checks, not speed
 
     def tvm_target(self) -> tvm.target.Target:
-        return host_cpu_target()
+        return named_cpu_target(self.arch) if self.arch else host_cpu_target()
 
     def linear_layout(self, n_out, n_in, operands=None, act_block=0):
         # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers; for
@@ -178,6 +205,8 @@ TARGET_CLASS = CPUTarget
 
 
 def make_target(arch: str | None) -> CPUTarget:
-    if arch:
-        raise KilnError("target cpu takes no --arch (it compiles for this machine's CPU)")
-    return CPUTarget()
+    if not arch:
+        return CPUTarget()
+    lacking = missing_cpu_features(named_cpu_features(arch))       # an unknown name is refused here
+    return CPUTarget(arch=arch, runs_here=not lacking,
+                     note=f"built for {arch}: this machine's CPU lacks {', '.join(lacking)}" if lacking else "")

@@ -5,7 +5,8 @@
   groups of 128 with int8 activations and a fusion pass disabled, q8 with float embedding and LM
   head, MoE q4, and MLA with an expanded-prefill threshold or an int8 latent cache.
 - The attached artifact generates what transformers generates.
-- With no TVM compiler (a GPU machine's runtime-only TVM) it needs no LLVM and writes the same bytes.
+- With no TVM compiler (a GPU machine's runtime-only TVM) it imports no Relax, asks no
+  LLVM, and writes the same bytes.
 - A model of another config is refused with the differing fields named, before anything is written;
   a checkpoint's weights are never replaced, generated ones only with --force.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -113,3 +116,21 @@ def test_checkpoint_weights_are_never_replaced_and_generated_ones_only_with_forc
     attach_weights(bare, model, force=True)
     assert weights_digest(bare) == weights_digest(llama_cpu[0])
     assert read_manifest(bare)["weights_source"] == "checkpoint"
+
+
+def test_attaching_imports_no_tvm_compiler_module(make_model, compiled_family, tmp_path):
+    """A runtime-only TVM (a GPU machine's) cannot import Relax and has no LLVM: attaching needs neither."""
+    family, options = COMPILED["mixtral-q4"]
+    artifact = compiled_family(family, **options)
+    bare = without_weights(artifact, tmp_path)
+    script = ("import sys, tvm\n"
+              "for name in [n for n in sys.modules if n.split('.')[:2] in (['tvm', 'relax'], ['tvm', 'dlight'])]:\n"
+              "    sys.modules[name] = None       # a later import of them fails, as without the compiler\n"
+              "del tvm.relax\n"
+              "import kiln.targets.cpu\n"
+              "kiln.targets.cpu.has_llvm = lambda: False\n"
+              "from kiln.attach_weights import attach_weights\n"
+              f"attach_weights({str(bare)!r}, {str(make_model(family))!r})\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert weights_digest(bare) == weights_digest(artifact)

@@ -143,6 +143,52 @@ def test_an_artifact_built_for_a_cpu_with_more_instruction_sets_is_refused(llama
     assert "amx-kiln-test" in str(e.value) and "compile it on this machine" in str(e.value)
 
 
+def test_built_for_an_older_cpu_model_it_runs_here_and_generates_as_transformers(make_model, llama, tmp_path):
+    """--arch x86-64-v3 (AVX2, no AVX-512): the manifest records that model's instruction sets, the
+    q8 linears take AVX2's integer dot (vpmaddwd) rather than VNNI's, and greedy generation is
+    transformers'."""
+    from click.testing import CliRunner
+    from kiln.artifact import read_manifest
+    from kiln.cli import main
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.targets.cpu import CPUTarget, missing_cpu_features, named_cpu_features
+    if missing_cpu_features(named_cpu_features("x86-64-v3")):
+        pytest.skip("this CPU has not every x86-64-v3 instruction set")
+    assert CPUTarget(arch="x86-64-v3").int8_dot == "avx2"
+    out = tmp_path / "v3"
+    result = CliRunner().invoke(main, ["compile", str(make_model("llama")), "--arch", "x86-64-v3", "--quant", "q8",
+                                       "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    target = read_manifest(out)["target"]
+    assert target["cpu_features"] == named_cpu_features("x86-64-v3") and "avx2" in target["cpu_features"]
+    assert not any(f.startswith("avx512") for f in target["cpu_features"]) and target["runs_here"]
+    ids = prompt(20, 4)
+    [got] = LLM(out, kv_memory="8MiB").generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                                use_tqdm=False)
+    assert got.outputs[0].token_ids == hf_greedy(llama[1], ids, 8)
+
+
+def test_built_for_a_cpu_model_this_one_is_not_it_is_refused_here_with_its_instruction_sets_named(make_model,
+                                                                                                 tmp_path):
+    from kiln.compiler import compile_model
+    from kiln.errors import KilnError
+    from kiln.inspect import summary
+    from kiln.runtime.model import CompiledModel
+    from kiln.targets.cpu import make_target, missing_cpu_features, named_cpu_features
+    with pytest.raises(KilnError, match="LLVM knows no CPU named 'zen-kiln-test' .*sapphirerapids"):
+        make_target("zen-kiln-test")
+    lacking = missing_cpu_features(named_cpu_features("sapphirerapids"))
+    if not lacking:
+        pytest.skip("this CPU has every Sapphire Rapids instruction set")
+    out = tmp_path / "spr"
+    manifest = compile_model(make_model("llama"), out, target="cpu", arch="sapphirerapids", show=None)
+    assert not manifest["target"]["runs_here"] and "amx-tile" in manifest["target"]["cpu_features"]
+    assert f"this machine's CPU lacks {', '.join(lacking)}" in summary(out)
+    with pytest.raises(KilnError, match=f"compiled for a CPU with {', '.join(lacking)}, which this CPU lacks"):
+        CompiledModel(out)
+
+
 def test_the_cpu_target_uses_exactly_the_instruction_sets_cpuid_reports():
     """kiln compiles for LLVM's name of the CPU with each instruction set switched on or off as
     CPUID reports it, so a VM that hides one the CPU model implies gets no kernel that needs it."""

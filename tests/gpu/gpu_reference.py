@@ -11,12 +11,10 @@ def float32_artifact_and_reference(folder: Path, kv_pages: int):
     from kiln.ir import weight_loader
     from kiln.passes import run_pipeline
     from kiln.runtime.model import CompiledModel
-    from paging import make_kv_pages
+    from paging import kv_pages_for
     model = CompiledModel(folder / "cuda-float32")
     model.allocate_kv(kv_pages * model.bytes_per_page)
     hf_model = load_hf_model(folder / "model")
     graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cuda")
     weights = weight_loader(graph, lambda name: hf_model.weight(name, "float32"))
-    c = hf_model.config
-    kv = make_kv_pages(c.num_layers, kv_pages + 1, c.num_kv_heads, model.page_size, c.head_dim)
-    return model, graph, weights, kv
+    return model, graph, weights, kv_pages_for(graph.kv_specs, kv_pages + 1)     # MLA's latent rows too
