@@ -10,8 +10,8 @@ takes at most 64 MiB per transfer:
   cpu/<mode>/   the preset's CPU artifacts, compiled with --no-weights for --arch (LLVM's name of
                 that machine's CPU model, e.g. emeraldrapids; default: this machine's CPU). An
                 artifact checks at load that the CPU it runs on has every instruction set it uses
-  llama.cpp/    llama.cpp's built binaries and libraries (with the system libraries they need
-                beyond glibc), its GGUF converter and gguf-py, as ../shared/PEERS.md builds them
+  llama.cpp/    llama.cpp's built binaries and libraries (with OpenMP's), its GGUF converter and
+                gguf-py, as ../shared/PEERS.md builds them
   run.sh        installs kiln, draws the weights and runs bench/threads_cpu.py; results go to $OUT
 """
 from __future__ import annotations
@@ -25,9 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from big_model import MODES, built_llama_cpp  # noqa: E402
-from gpu_kit import RUNTIME_WHEELS, folder_bytes, pip_download, unpack  # noqa: E402
+from gpu_kit import RUNTIME_WHEELS, make_site, print_sizes  # noqa: E402
 
-SYSTEM_LIBS = ("libgomp.so.1", "libssl.so.3", "libcrypto.so.3")     # llama.cpp's, beyond glibc and libstdc++
+# llama.cpp's system libraries that a machine without a compiler may lack (OpenSSL 3, which it also
+# loads, is part of the GPU machine's Ubuntu 24.04: run.sh checks with ldd and runs kiln alone if not)
+SYSTEM_LIBS = ("libgomp.so.1",)
 
 RUN_SH = """#!/bin/bash
 # On the bigger machine, from the repository root:  bash KIT/run.sh KIT [SECONDS] [THREADS] [MODES]
@@ -39,7 +41,9 @@ mkdir -p $OUT
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
 (lscpu; free -g) > $OUT/cpu.txt
 for m in ${MODES//,/ }; do timeout 120 python3 -m kiln.cli fill-weights $KIT/cpu/$m --seed 0 --force || exit 1; done
-timeout $BUDGET python3 bench/threads_cpu.py --artifacts $KIT/cpu --llama-cpp $KIT/llama.cpp --threads $THREADS \\
+PEER=$KIT/llama.cpp
+if ldd $PEER/build/bin/llama-bench | grep "not found"; then PEER=none; fi     # kiln alone
+timeout $BUDGET python3 bench/threads_cpu.py --artifacts $KIT/cpu --llama-cpp $PEER --threads $THREADS \\
   --modes $MODES --workdir /tmp/threads-work 2>&1 | tee $OUT/threads_cpu.md
 """
 
@@ -73,11 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    site = out / "site"
-    if not (site / "tvm").exists():
-        for wheel in pip_download(RUNTIME_WHEELS, out / ".wheels"):
-            unpack(wheel, site)
-        shutil.rmtree(out / ".wheels")
+    make_site(out, RUNTIME_WHEELS)
     if not (out / "llama.cpp" / "build" / "bin" / "llama-bench").exists():
         copy_llama_cpp(built_llama_cpp(args.llama_cpp), out / "llama.cpp")
     model = preset_model(args.preset, Path("build/bench") / args.preset / "model")
@@ -85,13 +85,11 @@ def main() -> None:
         if not (out / "cpu" / mode / "manifest.json").exists():
             dtype, quant = MODES[mode]
             subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(model), "--target", "cpu",
-                            *(["--arch", args.arch] if args.arch else []),
-                            "--dtype", dtype, *(["--quant", quant] if quant else []), "--no-weights", "-o", str(out / "cpu" / mode), "--force"],
-                           check=True)
+                            *(["--arch", args.arch] if args.arch else []), "--dtype", dtype,
+                            *(["--quant", quant] if quant else []), "--no-weights", "-o", str(out / "cpu" / mode),
+                            "--force"], check=True)
     (out / "run.sh").write_text(RUN_SH)
-    print(f"{out}: {folder_bytes(out) / 2**20:.1f} MiB")
-    for part in sorted(p for p in out.iterdir() if p.is_dir()):
-        print(f"  {part.name:<14} {folder_bytes(part) / 2**20:7.1f} MiB")
+    print_sizes(out)
 
 
 if __name__ == "__main__":

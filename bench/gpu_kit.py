@@ -70,6 +70,21 @@ def pip_download(names: list[str], dest: Path) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
+def make_site(out: Path, wheels: list[str]) -> None:
+    """out/site: the device Python's wheels unpacked, less what SKIP names (made once)."""
+    if not (out / "site" / "tvm").exists():
+        for wheel in pip_download(wheels, out / ".wheels"):
+            unpack(wheel, out / "site")
+        shutil.rmtree(out / ".wheels")
+
+
+def print_sizes(out: Path) -> None:
+    """The kit's size and each part's: a device call carries at most 64 MiB."""
+    print(f"{out}: {folder_bytes(out) / 2**20:.1f} MiB")
+    for part in sorted(p for p in out.iterdir() if p.is_dir()):
+        print(f"  {part.name:<14} {folder_bytes(part) / 2**20:7.1f} MiB")
+
+
 def unpack(wheel: Path, site: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         for member in z.namelist():
@@ -100,11 +115,7 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
-    site = out / "site"
-    if not (site / "tvm").exists():
-        for wheel in pip_download(RUNTIME_WHEELS + (SERVE_WHEELS if args.serve else []), out / ".wheels"):
-            unpack(wheel, site)
-        shutil.rmtree(out / ".wheels")
+    make_site(out, RUNTIME_WHEELS + (SERVE_WHEELS if args.serve else []))
     if not (out / "bundle" / "cuda-q4").exists():
         subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch],
                        check=True)
@@ -118,9 +129,7 @@ def main() -> None:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
     (out / "run.sh").write_text(RUN_SH)
-    print(f"{out}: {folder_bytes(out) / 2**20:.1f} MiB")
-    for part in sorted(p for p in out.iterdir() if p.is_dir()):
-        print(f"  {part.name:<14} {folder_bytes(part) / 2**20:7.1f} MiB")
+    print_sizes(out)
 
 
 if __name__ == "__main__":

@@ -72,8 +72,7 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
     if missing:
         raise KilnError(f"the passes planned from {artifact_dir}'s manifest give no param {', '.join(missing[:5])}: "
                         "the artifact was compiled by another kiln or its manifest was changed")
-    digests = []
-    write_in_place(artifact_dir / WEIGHTS, lambda partial: digests.append(
-        write_weights(model, graph, stored, manifest["dtype"], partial, progress)))
+    digest = write_in_place(artifact_dir / WEIGHTS,
+                            lambda partial: write_weights(model, graph, stored, manifest["dtype"], partial, progress))
     manifest = {**manifest, "model": {**manifest["model"], "source": str(Path(model_dir).resolve())}}
-    return record_weights(artifact_dir, manifest, "checkpoint", digests[0])
+    return record_weights(artifact_dir, manifest, "checkpoint", digest)

@@ -37,7 +37,7 @@ import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ WEIGHT_STD = 0.02
 SCALE_JITTER = (0.75, 1.25)
 PROGRESS_BYTES = 256 << 20              # weights smaller than this are written without progress reports
 
+T = TypeVar("T")
 Filler = Callable[[np.random.Generator, np.ndarray], None]      # fills one flat chunk of a tensor
 
 
@@ -287,12 +288,14 @@ def fill_weights(artifact_dir: str | Path, seed: int = 0, force: bool = False,
     return record_weights(artifact_dir, manifest, "generated", hasher.hexdigest(), generated={"seed": seed})
 
 
-def write_in_place(path: Path, write: Callable[[Path], object]) -> None:
-    """`write(partial)` a file beside `path`, then rename it to `path`: never a half-written file there."""
+def write_in_place(path: Path, write: Callable[[Path], T]) -> T:
+    """`write(partial)` a file beside `path`, then rename it to `path`: never a half-written file
+    there. Returns what `write` returns."""
     partial = path.with_name(f"{path.name}.partial-{secrets.token_hex(4)}")
     try:
-        write(partial)
+        result = write(partial)
         os.replace(partial, path)
+        return result
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -9,24 +9,23 @@ from kiln.errors import KilnError
 TARGET_NAMES = ("cpu", "cuda", "rocm", "metal")
 
 
-def get_target(name: str, arch: str | None = None):
+def _module(name: str):
     if name not in TARGET_NAMES:
         raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
-    return importlib.import_module(f"{__name__}.{name}").make_target(arch)
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def get_target(name: str, arch: str | None = None):
+    return _module(name).make_target(arch)
 
 
 def target_defaults(name: str):
     """The target `name` with its default settings, without the side effects of `get_target` (CUDA's
     loader, tool checks): what passes read to plan a pipeline for it."""
-    if name not in TARGET_NAMES:
-        raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
-    return importlib.import_module(f"{__name__}.{name}").TARGET_CLASS()
+    return _module(name).TARGET_CLASS()
 
 
 def planned_target(name: str, arch: str | None, activation_block: int):
     """The target as compile planned an artifact's passes (its manifest's target, arch and activation
     block), made without asking this machine's CPU or GPU anything: for `kiln attach-weights`."""
-    if name not in TARGET_NAMES:
-        raise KilnError(f"unknown target {name!r} (known: {', '.join(TARGET_NAMES)})")
-    return importlib.import_module(f"{__name__}.{name}").TARGET_CLASS.as_planned(arch, activation_block)
-
+    return _module(name).TARGET_CLASS.as_planned(arch, activation_block)
