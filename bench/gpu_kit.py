@@ -2,6 +2,7 @@
 
     python bench/gpu_kit.py [--out build/gpu-kit] [--shapes llama-3.2-1b llama-3.1-8b]
                             [--modes bfloat16 q8 q4 fp8] [--arch sm_90] [--serve]
+    python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, and takes
 at most 64 MiB per transfer, so nothing big travels:
@@ -15,6 +16,9 @@ at most 64 MiB per transfer, so nothing big travels:
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
   run.sh                installs kiln, fills the weights, runs tests/gpu and the benchmarks;
                         results go to $OUT
+With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
+family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
+its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
 Its size is printed at the end: a device call carries the repository and this folder (`carry`),
 64 MiB in all, so build the shapes in separate kits if one is too big.
 """
@@ -51,7 +55,7 @@ mkdir -p $OUT
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 python3 -c "import tvm, torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-# the families' GPU tests need their own bundle (make_bundle.py --families; it does not fit in this kit)
+# the families' GPU tests have a kit of their own (gpu_kit.py --families): with this one it passes 64 MiB
 KILN_GPU_BUNDLE=$PWD/$KIT/bundle timeout $(( $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \\
   --ignore=tests/gpu/test_cuda_families.py 2>&1 | tee $OUT/tests_gpu.log
 for a in $KIT/*/*/manifest.json; do
@@ -60,6 +64,20 @@ for a in $KIT/*/*/manifest.json; do
 done
 timeout $(( $(left) - 10 )) python3 bench/decode_gpu.py $(ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/) \\
   ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
+"""
+
+FAMILIES_SH = """#!/bin/bash
+# On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
+set -o pipefail
+KIT=${1:?kit folder}; BUDGET=${2:-240}
+export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p $OUT
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
+timeout $(( BUDGET / 2 )) python3 tests/gpu/make_bundle.py $KIT/bundle --attach-families 2>&1 | tail -5 \\
+  | tee $OUT/attach.log || exit 1
+KILN_GPU_BUNDLE=$PWD/$KIT/bundle timeout $(( BUDGET / 2 )) python3 -m pytest -q -rs -p no:cacheprovider \\
+  tests/gpu/test_cuda_families.py 2>&1 | tee $OUT/families.log
 """
 
 
@@ -105,17 +123,26 @@ def folder_bytes(path: Path) -> int:
 def main() -> None:
     from kiln.tiny import PRESETS, make_config_only_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("build/gpu-kit"))
+    ap.add_argument("--out", type=Path, default=None, help="default: build/gpu-kit (--families: build/gpu-kit-families)")
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"],
                     choices=[p for p in PRESETS if p != "tiny"])
     ap.add_argument("--modes", nargs="+", default=["bfloat16", "q8", "q4", "fp8"], choices=list(MODES))
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--serve", action="store_true", help="add the HTTP server's packages to site/")
+    ap.add_argument("--families", action="store_true", help="a kit for tests/gpu/test_cuda_families.py alone")
     args = ap.parse_args()
-    out: Path = args.out
+    out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
 
     make_site(out, RUNTIME_WHEELS + (SERVE_WHEELS if args.serve else []))
+    if args.families:
+        from kiln.tiny import FAMILIES
+        families = ",".join(sorted(set(FAMILIES) - {"llama"}))      # llama: the other GPU tests
+        if not (out / "bundle" / "families").exists():
+            subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch,
+                            "--variants", "", "--families", families, "--families-without-weights"], check=True)
+        (out / "run.sh").write_text(FAMILIES_SH)
+        return print_sizes(out)
     if not (out / "bundle" / "cuda-q4").exists():
         subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch],
                        check=True)

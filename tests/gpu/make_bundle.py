@@ -39,7 +39,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.attach_families:
         return attach_families(Path(args.out))
-    build(Path(args.out), args.arch, args.model, args.variants.split(","))
+    variants = [v for v in args.variants.split(",") if v]
+    if variants:
+        build(Path(args.out), args.arch, args.model, variants)
     for family in filter(None, args.families.split(",")):
         from kiln.tiny import make_tiny_model
         folder = Path(args.out) / "families" / family
