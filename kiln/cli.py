@@ -78,7 +78,7 @@ def main(debug):
                    "where the target has the kernel (cpu with AVX2), else float.")
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
-                   "`kiln fill-weights` draws seeded random ones there).")
+                   "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
             force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, weights):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
@@ -103,7 +103,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
                       int8_activations=None if activations is None else activations == "int8")
     _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
          f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
-         + ("" if weights else "; no weights (kiln fill-weights draws them)"))
+         + ("" if weights else "; no weights (kiln attach-weights or fill-weights writes them)"))
 
 
 @main.command()
