@@ -123,7 +123,8 @@ def folder_bytes(path: Path) -> int:
 def main() -> None:
     from kiln.tiny import PRESETS, make_config_only_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=None, help="default: build/gpu-kit (--families: build/gpu-kit-families)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: build/gpu-kit (--families: build/gpu-kit-families)")
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"],
                     choices=[p for p in PRESETS if p != "tiny"])
     ap.add_argument("--modes", nargs="+", default=["bfloat16", "q8", "q4", "fp8"], choices=list(MODES))
