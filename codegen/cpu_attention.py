@@ -1,11 +1,15 @@
 """kiln's CPU paged attention kernel: ragged causal attention over KV pages.
 
-One task per (sequence, KV head) serves the whole group of query heads that share that KV head,
+A task of a (sequence, KV head) serves the whole group of query heads that share that KV head,
 so each K/V row is read from the pages once per group (GQA) rather than once per query head; with
 group 1 it is plain MHA, with one KV head MQA. Each query walks only its own sequence's keys (cost
 O(context), or O(window) for a layer with a sliding window), with an online softmax in float32.
 On the CPU a task takes its queries in blocks of rows (query × head) against blocks of 16 keys at
 fixed positions, in vector FMAs along the keys and along head_dim; on GPUs one key at a time.
+On the CPU a sequence's query blocks are also dealt to several tasks per KV head, block i to task
+i mod splits (interleaved, so later blocks' longer causal contexts are shared out), so that one
+sequence's prefill gives every core work even where the model has few KV heads; each query's
+arithmetic is the same whichever task computes it.
 Queries are read from the fused projection qkv [T, (Hq + 2 Hkv) D] (q at column 0), rotated as
 they are read when `rope` is set (codegen/rope_load.py).
 Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
@@ -23,6 +27,7 @@ from tvm.script import tirx as T
 from .rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle
 
 KEYS = 16                          # CPU: keys per block, one float32 vector of scores per query row
+TASKS_PER_SEQUENCE = 32            # CPU: at least this many tasks per sequence (KV heads × query splits)
 
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
@@ -61,15 +66,17 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
     # V sums run as vector FMAs along the keys (K stored transposed) and along head_dim.
     rows = max(1, 16 // group) * group                  # query rows per block: whole groups
     queries = rows // group
+    splits = -(-TASKS_PER_SEQUENCE // kv_heads)         # tasks per (sequence, KV head)
     rotated_freqs = freqs if rope else 0                # the angles a query block computes ahead
 
     @T.macro
     def attend_blocked(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales,
                        output, batch):
-        for task in T.parallel(batch * kv_heads):
+        for task in T.parallel(batch * kv_heads * splits):
             with T.sblock("attention"):
-                b = T.axis.spatial(batch, task // kv_heads)
-                kvh = T.axis.spatial(kv_heads, task % kv_heads)
+                b = T.axis.spatial(batch, task // (kv_heads * splits))
+                kvh = T.axis.spatial(kv_heads, task // splits % kv_heads)
+                split = T.axis.spatial(T.int64(splits), task % splits)       # int64, as the task
                 T.reads(*task_reads(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values,
                                     last_page_len, scales, b, kvh))
                 T.writes(output[0:qkv.shape[0], kvh * group:kvh * group + group, 0:head_dim])
@@ -84,7 +91,8 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                 n_q = q_indptr[b + 1] - q_start
                 p_start = page_indptr[b]
                 kv_len = context_length(page_indptr, last_page_len, b)
-                for qb in range((n_q + queries - 1) // queries):
+                for qs in range(((n_q + queries - 1) // queries + splits - 1 - T.Cast("int32", split)) // splits):
+                    qb = T.Cast("int32", split) + qs * splits              # this task's query blocks
                     n_here = T.min(queries, n_q - qb * queries)
                     # a query's angles once for the heads of its group, not once per element
                     for qq, f in T.grid(queries, rotated_freqs):
