@@ -22,7 +22,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from kiln import __version__
 from kiln.errors import KilnError
@@ -41,6 +41,7 @@ class StoredWeight:
         return cls(entry["name"], entry["param"], entry["layout"], tuple(entry["shape"]), entry["dtype"])
 
 
+T = TypeVar("T")          # what write_in_place returns
 INTERFACE_VERSION = 2       # 2: the manifest's kv lists a KVSpec per layer
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -204,6 +205,19 @@ def new_artifact_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def write_in_place(path: Path, write: Callable[[Path], T]) -> T:
+    """`write(partial)` a file beside `path`, then rename it to `path`: never a half-written file
+    there. Returns what `write` returns."""
+    partial = _sibling(path, "partial")
+    try:
+        result = write(partial)
+        os.replace(partial, path)
+        return result
+    except BaseException:
+        partial.unlink(missing_ok=True)
         raise
 
 

@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from kiln.artifact import WEIGHTS, StoredWeight, read_manifest
+from kiln.artifact import WEIGHTS, StoredWeight, read_manifest, write_in_place
 from kiln.errors import KilnError
-from kiln.generated_weights import check_replaceable, record_weights, write_in_place
+from kiln.generated_weights import check_replaceable, record_weights
 
 
 def _config_differences(ours: dict, recorded: dict) -> list[str]:
@@ -45,9 +45,8 @@ def planned_graph(model, manifest: dict):
                    else None,
                    int8_activations=quant["activation_block"] > 0 if quant["weights"] != "none" else None)
     ran = {p["name"] for p in manifest["passes"]}
-    skipped = {name for name, _ in pipeline_for(target, **options)} - ran
-    graph = model.build_graph(manifest["dtype"], manifest["kv"]["page_size"])
-    graph, _ = run_pipeline(graph, target, disable=skipped, **options)
+    passes = [(name, rewrite) for name, rewrite in pipeline_for(target, **options) if name in ran]
+    graph, _ = run_pipeline(model.build_graph(manifest["dtype"], manifest["kv"]["page_size"]), target, passes=passes)
     return graph
 
 

@@ -33,15 +33,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable
 
 import numpy as np
 
-from kiln.artifact import MANIFEST, WEIGHTS, new_hasher, read_manifest
+from kiln.artifact import MANIFEST, WEIGHTS, new_hasher, read_manifest, write_in_place
 from kiln.errors import KilnError
 from kiln.ir.quant import SCHEMES
 from kiln.ir.types import numpy_dtype
@@ -55,7 +54,6 @@ WEIGHT_STD = 0.02
 SCALE_JITTER = (0.75, 1.25)
 PROGRESS_BYTES = 256 << 20              # weights smaller than this are written without progress reports
 
-T = TypeVar("T")
 Filler = Callable[[np.random.Generator, np.ndarray], None]      # fills one flat chunk of a tensor
 
 
@@ -286,19 +284,6 @@ def fill_weights(artifact_dir: str | Path, seed: int = 0, force: bool = False,
     finally:
         pool.shutdown(cancel_futures=True)
     return record_weights(artifact_dir, manifest, "generated", hasher.hexdigest(), generated={"seed": seed})
-
-
-def write_in_place(path: Path, write: Callable[[Path], T]) -> T:
-    """`write(partial)` a file beside `path`, then rename it to `path`: never a half-written file
-    there. Returns what `write` returns."""
-    partial = path.with_name(f"{path.name}.partial-{secrets.token_hex(4)}")
-    try:
-        result = write(partial)
-        os.replace(partial, path)
-        return result
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def record_weights(artifact_dir: Path, manifest: dict, source: str, digest: str, **entry) -> dict:

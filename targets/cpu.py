@@ -140,10 +140,10 @@ class CPUTarget(Target):
     activation_block: int = -1         # llama.cpp's Q8_0 block where there is an int8 dot, else 0
 
     def __post_init__(self):
-        if self.int8_dot is None:
-            self.int8_dot = _int8_dot(self.tvm_target())
-        if self.bf16_dot is None:
-            self.bf16_dot = _bf16_dot(self.tvm_target())
+        if self.int8_dot is None or self.bf16_dot is None:
+            target = self.tvm_target()
+            self.int8_dot = _int8_dot(target) if self.int8_dot is None else self.int8_dot
+            self.bf16_dot = _bf16_dot(target) if self.bf16_dot is None else self.bf16_dot
         if self.activation_block < 0:
             self.activation_block = 32 if self.int8_dot else 0
 
