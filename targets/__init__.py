@@ -6,6 +6,10 @@ import importlib
 
 from kiln.errors import KilnError
 
+from .script_frames import remember_files_without_modules
+
+remember_files_without_modules()        # before any TVMScript is parsed: see script_frames.py
+
 TARGET_NAMES = ("cpu", "cuda", "rocm", "metal")
 
 
