@@ -7,9 +7,10 @@ machines, one on a 2-vCPU VM), so kiln always sets the count.
 TVM keeps one worker pool per calling thread, sized from $TVM_NUM_THREADS when that thread first
 runs a parallel kernel, and `runtime.config_threadpool` can only resize a pool within the size it
 was made with. So the count goes into the environment (every pool made later, e.g. in the
-server's engine thread, gets it) and into the calling thread's pool. The setting is for the whole
-process: a later LLM without `threads` keeps the count an earlier one set. A thread whose pool
-already exists cannot grow past that pool's size (TVM's limit).
+server's engine thread, gets it) and into the calling thread's pool; fewer threads than cores
+are not bound to cores (set_threads). The setting is for the whole process: a later LLM without
+`threads` keeps the count an earlier one set. A thread whose pool already exists cannot grow past
+that pool's size (TVM's limit).
 """
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def set_threads(threads: int | None = None) -> int:
     """Make TVM's kernels use resolve_threads(threads) threads from now on; return the count."""
     n = resolve_threads(threads)
     os.environ["TVM_NUM_THREADS"] = str(n)
+    if n < available_cores():
+        # TVM binds a pool's threads, the calling one too, to the first n cores: every process
+        # using fewer threads than cores would crowd the same ones (and the children it starts
+        # inherit the binding), so placement is left to the OS (unless TVM_BIND_THREADS says)
+        os.environ.setdefault("TVM_BIND_THREADS", "0")
     import tvm
     configure = tvm.get_global_func("runtime.config_threadpool", allow_missing=True)
     if configure is not None:

@@ -26,13 +26,9 @@ def assert_clean_error(proc, *words):
 
 
 @pytest.fixture(scope="module")
-def artifact(make_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "artifact"
-    proc = kiln("compile", make_model("llama"), "--target", "cpu", "-o", out)
-    assert proc.returncode == 0, proc.stderr
-    for phase in ("import", "passes", "codegen", "build", "weights"):
-        assert phase in proc.stderr
-    return out
+def artifact(llama_cpu):
+    """The tiny Llama's CPU artifact (`kiln compile`'s own output is checked in test_compile_output.py)."""
+    return llama_cpu[0]
 
 
 def test_missing_model_directory(tmp_path):
@@ -127,6 +123,18 @@ def test_tvm_takes_the_thread_count():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(len(os.sched_getaffinity(0)))] * 3
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a machine with two cores or more")
+def test_fewer_threads_than_cores_leave_the_process_every_core():
+    """TVM binds the calling thread to the first core when its pool shrinks to one thread: two such
+    processes (test workers, servers) would share that core, and every child they start would too."""
+    code = ("import os; from kiln.runtime.threads import set_threads; set_threads(); set_threads(1); "
+            "print(sorted(os.sched_getaffinity(0)))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "TVM_BIND_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(sorted(os.sched_getaffinity(0)))
 
 
 def test_run_streams_text_and_prints_throughput(artifact):
