@@ -6,7 +6,7 @@ MODEL  ?=
 DEMO   := build/demo
 PROMPT ?= The quick brown fox
 
-.PHONY: demo test setup clean rocm-deps metal-deps
+.PHONY: demo test test-fast setup clean rocm-deps metal-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PY_SYS) -m venv $(VENV)
@@ -15,8 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
 	    "transformers>=4.45" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
 	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
-	    "httpx>=0.27" "pytest>=8" "hypothesis>=6.100" "openai>=1.40" "schemathesis>=3.30" "setuptools>=68" \
-	    "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0"
+	    "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "openai>=1.40" \
+	    "schemathesis>=3.30" "setuptools>=68" "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -32,8 +32,14 @@ endif
 	$(VENV)/bin/kiln inspect $(DEMO)/artifact
 	$(VENV)/bin/kiln run $(DEMO)/artifact --prompt "$(PROMPT)" --max-tokens 64
 
+# Every core runs tests (pytest-xdist); artifacts are built once per run and shared through
+# build/test-cache (tests/artifact_cache.py); the 25 slowest steps are listed at the end.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 tests
+
+# The inner loop: the pure-Python and interpreter tests, no TVM build (the tests marked `build` left out).
+test-fast: setup
+	$(PY) -m pytest -q -n auto --no-build tests
 
 # Optional build tools for `--target rocm` / `--target metal` (Debian packages, ~30 MB download, root);
 # without them those targets fail with the missing tool's name and their tests skip.

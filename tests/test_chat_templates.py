@@ -41,6 +41,7 @@ def _compile(model_dir, out):
     return compile_model(model_dir, out, target="cpu", show=None)
 
 
+@pytest.mark.build
 def test_chat_template_jinja_saved_by_transformers(make_model, tmp_path):
     src = make_model("llama")
     model = _model_dir(src, tmp_path / "model", tokenizer_files=())
@@ -58,6 +59,7 @@ def test_chat_template_jinja_saved_by_transformers(make_model, tmp_path):
     assert tok.apply_chat_template(MESSAGES, add_generation_prompt=True) == expected
 
 
+@pytest.mark.build
 def test_chat_template_json(make_model, tmp_path):
     model = _model_dir(make_model("llama"), tmp_path / "model")
     _drop_template(model)
@@ -95,6 +97,7 @@ def test_no_template_is_a_kiln_error(make_model, tmp_path):
     assert isinstance(e.value, KilnError)
 
 
+@pytest.mark.build
 def test_kiln_run_without_prompt_on_a_model_without_template(make_model, tmp_path):
     model = _model_dir(make_model("llama"), tmp_path / "model")
     _drop_template(model)
@@ -123,6 +126,7 @@ def _train_sentencepiece(out_dir) -> None:
         "add_bos_token": True, "chat_template": TEMPLATE}))
 
 
+@pytest.mark.build
 def test_sentencepiece_only_checkpoint_gets_a_tokenizer_json(make_model, tmp_path):
     model = _model_dir(make_model("llama"), tmp_path / "model", tokenizer_files=())
     _train_sentencepiece(model)

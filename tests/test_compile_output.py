@@ -31,12 +31,9 @@ def _leftovers(parent) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def built(make_model, tmp_path_factory):
+def built(llama_cpu):
     """A compiled artifact to copy as 'an existing artifact'."""
-    from kiln.compiler import compile_model
-    out = tmp_path_factory.mktemp("built") / "artifact"
-    compile_model(make_model("llama"), out, target="cpu", show=None)
-    return out
+    return llama_cpu[0]
 
 
 def test_a_folder_with_user_files_is_never_touched(make_model, tmp_path):
@@ -69,6 +66,8 @@ def test_an_existing_artifact_needs_force(make_model, built, tmp_path):
     (out / "stale.txt").write_text("left by the old artifact")
     proc = kiln("compile", make_model("llama"), "-o", out, "--force")
     assert proc.returncode == 0, proc.stderr
+    for phase in ("import", "passes", "codegen", "build", "weights"):     # each phase is shown as it runs
+        assert phase in proc.stderr
     assert not (out / "stale.txt").exists()                        # a new directory, not an overlay
     assert set(json.loads((out / "manifest.json").read_text())["files"]) == set(json.loads(before)["files"])
     assert _leftovers(tmp_path) == []
@@ -76,6 +75,7 @@ def test_an_existing_artifact_needs_force(make_model, built, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.build
 def test_an_empty_directory_is_used(make_model, tmp_path):
     from kiln.compiler import compile_model
     (tmp_path / "out").mkdir()

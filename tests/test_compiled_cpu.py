@@ -10,6 +10,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from reference import hf_greedy, hf_last_logits, random_prompt as prompt  # noqa: E402
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 TOL = 1e-4
 NUM_PAGES = 32
 
@@ -169,6 +171,7 @@ def test_built_for_an_older_cpu_model_it_runs_here_and_generates_as_transformers
     assert got.outputs[0].token_ids == hf_greedy(llama[1], ids, 8)
 
 
+@pytest.mark.build
 def test_built_for_a_cpu_model_this_one_is_not_it_is_refused_here_with_its_instruction_sets_named(make_model,
                                                                                                  tmp_path):
     from kiln.compiler import compile_model

@@ -10,14 +10,7 @@ from paging import make_step_inputs
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-
-def compile_and_open(model_dir, out, dtype="float32"):
-    from kiln.compiler import compile_model
-    from kiln.runtime.model import CompiledModel
-    compile_model(model_dir, out, target="cpu", dtype=dtype, show=None)
-    model = CompiledModel(out)
-    model.allocate_kv(16 * model.bytes_per_page)
-    return model
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
 
 def hf_logits(model_dir, ids):
@@ -47,13 +40,13 @@ def test_family_prefill_and_decode(make_model, compiled_family, family):
         np.testing.assert_allclose(got[0], ref[t], atol=1e-4, rtol=0)
 
 
-def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, tmp_path):
+def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, compiled_family):
     """A bfloat16 artifact: close to transformers (float32), and to the interpreter on the same
     bfloat16 graph in a prefill and the decode steps after it. Its linears are the bf16 dot kernel
     (codegen/bf16_linear.py) in every entry on a CPU with AVX-512 BF16, else the float32 GEMM and GEMV."""
     from kiln.targets.cpu import CPUTarget
     model_dir = make_model("llama")
-    model = compile_and_open(model_dir, tmp_path / "bf16", dtype="bfloat16")
+    model = open_artifact(compiled_family("llama", dtype="bfloat16"))
     assert model.manifest["dtype"] == "bfloat16"
     linears = [k for k in model.manifest["kernels"] if k.startswith(("bf16dot", "gemm", "linear"))]
     family = ("bf16dot",) if CPUTarget().bf16_dot else ("gemm", "linear")
@@ -83,15 +76,13 @@ def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, tmp_pat
         assert np.abs(logits - want).max() / np.abs(want).max() < 2e-2
 
 
-def test_bfloat16_greedy_requests_batched_equal_each_alone(make_model, tmp_path):
+def test_bfloat16_greedy_requests_batched_equal_each_alone(compiled_family):
     """Every row of a bf16 linear sums its own products in one order whatever the step brings
     (micro-tiles of rows or one row), so 6 greedy requests batched give each one's tokens alone."""
-    from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
     from reference import random_prompt
-    compile_model(make_model("qwen2"), tmp_path / "a", target="cpu", dtype="bfloat16", show=None)
-    llm = LLM(tmp_path / "a", kv_memory="8MiB", max_batched_tokens=24)
+    llm = LLM(compiled_family("qwen2", dtype="bfloat16"), kv_memory="8MiB", max_batched_tokens=24)
     prompts = [random_prompt(5 + 3 * i, 40 + i) for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

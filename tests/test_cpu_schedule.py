@@ -22,6 +22,7 @@ def _swiglu_module(tokens: int, width: int):
     return bb.get()
 
 
+@pytest.mark.build
 def test_a_fused_elementwise_kernel_runs_parallel_and_vectorised_and_equals_numpy():
     from tvm import relax
     from kiln.codegen.cpu_schedule import schedule_cpu_kernels

@@ -1,20 +1,22 @@
-"""A cuda artifact is built on this machine (no GPU): its library holds compiled kernels for every kernel listed."""
+"""A cuda artifact is built on this machine (no GPU): its library holds compiled kernels for every kernel listed.
+
+The artifacts come from tests/artifact_cache.py, which builds all of them in one process.
+"""
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from artifact_cache import cuda_artifact
+
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_cuda_artifact_is_built_with_its_kernels(make_model, tmp_path):
-    out = tmp_path / "cuda"
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(make_model("llama")), "--target", "cuda",
-                           "--arch", "sm_80", "-o", str(out)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
+def test_cuda_artifact_is_built_with_its_kernels():
+    out = cuda_artifact("llama-sm_80")          # kiln compile TINY_LLAMA --target cuda --arch sm_80
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"] == {**manifest["target"], "name": "cuda", "arch": "sm_80", "device": "cuda"}
     assert manifest["dtype"] == "float16"
@@ -41,13 +43,9 @@ def test_cuda_artifact_is_built_with_its_kernels(make_model, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
+def test_cuda_fp8_artifact_is_built_for_hopper():
     """fp8 weights build for sm_90: the e4m3 weights are stored as such and the kernels are compiled."""
-    out = tmp_path / "cuda-fp8"
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(make_model("llama")), "--target", "cuda",
-                           "--arch", "sm_90", "--quant", "fp8", "-o", str(out)], capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr
+    out = cuda_artifact("llama-fp8-sm_90")      # kiln compile TINY_LLAMA --target cuda --arch sm_90 --quant fp8
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quantization"]["weights"] == "fp8"
     assert manifest["quantization"]["embedding"] == "fp8"
@@ -68,17 +66,14 @@ def test_cuda_fp8_artifact_is_built_for_hopper(make_model, tmp_path):
                                                            "moe_down", "moe_combine", "sigmoid")),
                                             ("deepseek_v3", ("tvm_mla_append", "tvm_mla_attention", "head_linear",
                                                              "moe_router_sigmoid_group_top2"))])
-def test_new_families_build_for_cuda(make_model, tmp_path, family, kernels):
+def test_new_families_build_for_cuda(family, kernels):
     """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA; Gemma 3's sliding layers run
     kiln's GPU fallback kernel (TVM's mask causally only) and its global layer TVM's kernels; DeepSeek's
     latent cache takes TVM's MLA append and attention kernels, its experts kiln's own."""
-    out = tmp_path / family                     # in a fresh process: TVM loads CUDA's runtime at import
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(make_model(family)), "--target", "cuda",
-                           "--arch", "sm_80", "-o", str(out)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
+    out = cuda_artifact(f"{family}-sm_80")      # kiln compile TINY_FAMILY --target cuda --arch sm_80
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["config"]["model_type"] == {"gemma3": "gemma3_text"}.get(family, family)
     assert all(any(name in k for k in manifest["kernels"]) for name in kernels), manifest["kernels"]
     library = (out / "model.cuda.so").read_bytes()
     assert all(f"{k}_kernel".encode() in library for k in manifest["kernels"])
-    assert (tmp_path / family / "model.cuda.so").stat().st_size > 0
+    assert (out / "model.cuda.so").stat().st_size > 0

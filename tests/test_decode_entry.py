@@ -15,6 +15,8 @@ import pytest
 from paging import make_kv_pages, make_step_inputs
 from reference import random_prompt
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 TVM_KERNELS = {"mixed": ("tvm_prefill",), "decode": ("tvm_decode",)}
 
 
@@ -24,11 +26,9 @@ def tvm_kernel_target():
 
 
 @pytest.fixture(scope="module")
-def artifact(make_model, tmp_path_factory):
-    from kiln.compiler import compile_model
-    out = tmp_path_factory.mktemp("decode-entry") / "artifact"
-    compile_model(make_model("llama"), out, target=tvm_kernel_target(), show=None)
-    return out
+def artifact(make_model):
+    from artifact_cache import cpu_artifact
+    return cpu_artifact(make_model("llama"), target=tvm_kernel_target())
 
 
 def open_model(artifact):

@@ -17,6 +17,8 @@ tvm = pytest.importorskip("tvm")
 from kiln.runtime.sampler import (SamplerState, SamplingParams, draw, process_logits,  # noqa: E402
                                   sample, top_logprobs)
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 VOCAB = 3000
 
 

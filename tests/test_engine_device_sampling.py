@@ -8,15 +8,15 @@ from dataclasses import replace
 import pytest
 from reference import random_prompt
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 
 @pytest.fixture(scope="module")
-def artifacts(make_model, llama_cpu, tmp_path_factory):
+def artifacts(make_model, llama_cpu):
     """(device-sampling artifact, host-sampling artifact) of the same tiny Llama."""
-    from kiln.compiler import compile_model
+    from artifact_cache import cpu_artifact
     from kiln.targets import target_defaults
-    out = tmp_path_factory.mktemp("device-sampling") / "artifact"
-    compile_model(make_model("llama"), out, target=replace(target_defaults("cpu"), device_sampling=True), show=None)
-    return out, llama_cpu[0]
+    return cpu_artifact(make_model("llama"), target=replace(target_defaults("cpu"), device_sampling=True)), llama_cpu[0]
 
 
 def requests():

@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from reference import hf_greedy, random_prompt as prompt  # noqa: E402
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 
 @pytest.fixture(scope="module")
 def llama(llama_cpu):

@@ -9,6 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 N_OUT, N_IN, NB = 128, 256, 64
 ROW_COUNTS = (1, 5, 13, 50, 97)
 CASES = [  # (op, dtype, bias, residual)

@@ -39,22 +39,13 @@ def _copy(artifact, tmp_path, name="copy"):
 
 
 @pytest.fixture(scope="module")
-def no_weights(make_model, tmp_path_factory):
-    """mode -> the tiny Llama compiled for the CPU with --no-weights (float32 through the CLI). Read only."""
-    from click.testing import CliRunner
-    from kiln.cli import main
-    from kiln.compiler import compile_model
-    model, root = make_model("llama"), tmp_path_factory.mktemp("no-weights")
-    built = {}
-    for mode, options in MODES.items():
-        built[mode] = root / mode
-        if mode == "float32":
-            result = CliRunner().invoke(main, ["compile", str(model), "--target", "cpu", "--no-weights",
-                                               "-o", str(built[mode])])
-            assert result.exit_code == 0, result.output
-        else:
-            compile_model(model, built[mode], target="cpu", show=None, weights=False, **options)
-    return built
+def no_weights(make_model):
+    """mode -> the tiny Llama compiled for the CPU with --no-weights (float32 through the CLI, which
+    must exit 0). Read only."""
+    from artifact_cache import cli_artifact, cpu_artifact
+    model = make_model("llama")
+    return {mode: cli_artifact(model, "--no-weights") if mode == "float32" else
+            cpu_artifact(model, weights=False, **options) for mode, options in MODES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +279,7 @@ def test_drawing_needs_neither_tvm_nor_torch(no_weights, tmp_path):
     assert _manifest(art)["files"][WEIGHTS]["generated"] == {"seed": 2}
 
 
+@pytest.mark.build
 def test_a_config_only_model_compiles_without_weights_and_runs_once_filled(tmp_path):
     """What bench/gpu_kit.py does for the 1B/8B shapes: no checkpoint at all, an artifact compiled
     from the config alone, weights drawn afterwards; its tensors are those of a real compile."""

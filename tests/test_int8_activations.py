@@ -100,7 +100,7 @@ def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(m
 
 
 @pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98)])
-def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_model, tmp_path, quant, cosine):
+def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_model, compiled_family, quant, cosine):
     """The default CPU compile of a q8/q4 model: its manifest and `kiln inspect` name the activation
     block and its linears are the int8 GEMM (the decode entry's the int8 GEMV), or on AVX-512 VNNI
     the VNNI kernel in every entry; its last-token logits stay as close to transformers'
@@ -111,7 +111,7 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     (tests/test_gemm.py)."""
     import transformers
     from kiln.codegen.int8_gemm import has_pair_dot
-    from kiln.compiler import compile_model
+    from kiln.artifact import read_manifest
     from kiln.inspect import summary
     from kiln.runtime.llm import LLM
     from kiln.runtime.model import CompiledModel
@@ -122,9 +122,10 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
         pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
     model_dir = make_model("qwen2")                  # biases, fused QKV and gate/up: every linear variant
     # the embedding stays float, as in tests/test_quant.py, whose bounds these are
-    manifest = compile_model(model_dir, tmp_path / "a", target="cpu", quant=quant, show=None, quant_embedding=False)
+    artifact = compiled_family("qwen2", quant=quant, quant_embedding=False)
+    manifest = read_manifest(artifact)
     assert manifest["quantization"]["activation_block"] == 32
-    assert "activations int8 in blocks of 32" in summary(tmp_path / "a")
+    assert "activations int8 in blocks of 32" in summary(artifact)
     linears = [k for k in manifest["kernels"] if k.startswith(("int8_gem", "vnni", "gemm", "linear"))]
     if CPUTarget().int8_dot == "vnni":                                # one kernel for every step
         assert linears and all(k.startswith(f"vnni_{quant}") for k in linears)
@@ -132,11 +133,11 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
         assert linears and all(k.startswith((f"int8_gemm_{quant}", f"int8_gemv_{quant}")) for k in linears)
         assert any(k.startswith("int8_gemv_") for k in linears)     # the decode entry's
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    compiled = CompiledModel(tmp_path / "a")
+    compiled = CompiledModel(artifact)
     compiled.allocate_kv(16 * compiled.bytes_per_page)
     assert min(last_logit_cosines(hf, compiled)) >= cosine
     del compiled
-    llm = LLM(tmp_path / "a", kv_memory="8MiB", max_batched_tokens=24)
+    llm = LLM(artifact, kv_memory="8MiB", max_batched_tokens=24)
     prompts = [random_prompt(5 + 3 * i, 40 + i) for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -193,6 +194,7 @@ def test_group_scales_stored_by_panel_known_values():
     assert group_scales(s, "nk") is s
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("op, layout, scale_layout", [
     ("embed_q8", "packed16x2", "nk"), ("embed_q8", "packed16x4", "nk"), ("embed_q4", "packed16x4", "nk"),
     ("embed_q4", "packed16x4n8", "panels16"), ("embed", "packed16x2", "nk")])

@@ -120,6 +120,7 @@ def test_expanded_form_refuses_decode_steps():
         b.op("step_choice", x, y, b.input("q_indptr", ("seqs1",), "int32"), min_tokens=1)
 
 
+@pytest.mark.build
 def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tmp_path):
     from kiln.compiler import compile_model
     from kiln.errors import KilnError

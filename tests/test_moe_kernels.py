@@ -9,6 +9,8 @@ import pytest
 from kiln.ir import GraphBuilder, interpret, verify, weight_loader
 from kiln.passes.quantize import Quantize
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 HIDDEN, FFN, EXPERTS = 64, 32, 8
 ROUTERS = {
     "softmax_topk": dict(top_k=2, normalize=True),

@@ -156,15 +156,19 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
     assert len(printed) == 1 and printed[0].startswith("// ----- IR after fuse_gate_up")
 
 
-def test_fusion_reduces_kernel_launches_per_step(make_model, tmp_path):
-    from kiln.compiler import compile_model
-    fused = compile_model(make_model("llama"), tmp_path / "fused", show=None)
+@pytest.mark.build
+def test_fusion_reduces_kernel_launches_per_step(make_model):
+    from artifact_cache import cpu_artifact
+    from kiln.artifact import read_manifest
+
+    def compiled(**options):
+        return read_manifest(cpu_artifact(make_model("llama"), **options))
+    fused = compiled()
     # every optimising pass (fuse_append_attend and specialize_mla stay: the kernels implement the
     # fused and absorbed forms only)
     every = {"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention", "specialize_attention"}
-    plain = compile_model(make_model("llama"), tmp_path / "plain", show=None, disable_passes=every)
-    no_rope = compile_model(make_model("llama"), tmp_path / "no-rope", show=None,
-                            disable_passes={"fuse_rope_attention"})
+    plain = compiled(disable_passes=every)
+    no_rope = compiled(disable_passes={"fuse_rope_attention"})
     layers = fused["model"]["config"]["num_layers"]
     launches = {k: m["launches_per_step"]["total"] for k, m in (("fused", fused), ("plain", plain),
                                                                    ("no_rope", no_rope))}

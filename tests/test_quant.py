@@ -11,47 +11,50 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from reference import last_logit_cosines, random_prompt  # noqa: E402
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
-def build(make_model, tmp_path_factory, quant, group_size=32, kv_dtype=None, family="qwen2"):
-    from kiln.compiler import compile_model
+
+def build(make_model, quant, group_size=32, kv_dtype=None, family="qwen2"):
+    from artifact_cache import cpu_artifact
+    from kiln.artifact import read_manifest
     from kiln.runtime.model import CompiledModel
     model_dir = make_model(family)                 # qwen2: biases, fused QKV and gate/up: every linear variant
-    out = tmp_path_factory.mktemp(quant or kv_dtype) / "artifact"
     # The embedding stays float here so that the bounds below measure the weight quantisers alone;
     # tests/test_quant_embedding.py covers the quantised embedding (the default).
     # Float activations: compiled against interpreted logits at 1e-4 needs every activation level
     # the same, and a one-ulp difference upstream can flip one (tests/test_int8_activations.py).
-    manifest = compile_model(model_dir, out, target="cpu", quant=quant, group_size=group_size, show=None,
-                             kv_dtype=kv_dtype, quant_embedding=False, int8_activations=False)
+    out = cpu_artifact(model_dir, quant=quant, group_size=group_size, kv_dtype=kv_dtype, quant_embedding=False,
+                       int8_activations=False)
+    manifest = read_manifest(out)
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return model_dir, manifest, model
 
 
 @pytest.fixture(scope="module")
-def q8(make_model, tmp_path_factory):
-    return build(make_model, tmp_path_factory, "q8")
+def q8(make_model):
+    return build(make_model, "q8")
 
 
 @pytest.fixture(scope="module", params=[32, 128])
-def q4(request, make_model, tmp_path_factory):
-    return build(make_model, tmp_path_factory, "q4", request.param)
+def q4(request, make_model):
+    return build(make_model, "q4", request.param)
 
 
 @pytest.fixture(scope="module")
-def fp8(make_model, tmp_path_factory):
-    return build(make_model, tmp_path_factory, "fp8")
+def fp8(make_model):
+    return build(make_model, "fp8")
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
-def kv_quant(request, make_model, tmp_path_factory):
-    return build(make_model, tmp_path_factory, None, kv_dtype=request.param)
+def kv_quant(request, make_model):
+    return build(make_model, None, kv_dtype=request.param)
 
 
 @pytest.fixture(scope="module", params=["q8", "q4"])
-def windowed(request, make_model, tmp_path_factory):
+def windowed(request, make_model):
     """Qwen2 with a full layer and a sliding-window layer, quantised weights and an int8 KV cache."""
-    return build(make_model, tmp_path_factory, request.param, kv_dtype="int8", family="qwen2_window")
+    return build(make_model, request.param, kv_dtype="int8", family="qwen2_window")
 
 
 def test_q8_artifact_stores_int8_weights(q8):

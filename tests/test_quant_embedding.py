@@ -164,6 +164,7 @@ def stored(graph, target):
     return {w.name: w for w in lower_graph(graph, target).weights}
 
 
+@pytest.mark.build
 def test_a_tied_table_is_stored_once_quantised_or_float():
     from kiln.targets.cpu import CPUTarget
     from kiln.targets.cuda import CUDATarget
@@ -196,6 +197,7 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
             f"embed.weight@{head}", "proj.weight@packed8"]
 
 
+@pytest.mark.build
 def test_no_quant_lm_head_stores_the_float_head_and_the_quantised_embedding():
     from kiln.targets.cpu import CPUTarget
     graph = QuantizeEmbedding("q8")(Quantize("q8", lm_head=False)(lm_graph(tied=True)))
@@ -218,16 +220,17 @@ def weight_bytes(weights) -> int:
 @pytest.fixture(scope="module", params=[("llama32", "q8"), ("llama32", "q4"), ("llama", "q8"), ("llama", "q4"),
                                         ("llama", "fp8")],
                 ids=lambda p: f"{'tied' if p[0] == 'llama32' else 'untied'}-{p[1]}")
-def artifact(request, make_model, tmp_path_factory):
-    from kiln.compiler import compile_model
+def artifact(request, make_model):
+    from artifact_cache import cpu_artifact
+    from kiln.artifact import read_manifest
     from kiln.runtime.model import CompiledModel
     family, quant = request.param
     model_dir = make_model(family)
-    out = tmp_path_factory.mktemp(f"{family}-{quant}") / "artifact"
     # Float activations: with int8 ones (tests/test_int8_activations.py) these tiny random models
     # with an int8 table move their logits by ~0.7% when the table's scales move by 3e-7 (activation
     # levels flip), so one-ulp kernel differences upstream would decide the comparison below.
-    manifest = compile_model(model_dir, out, target="cpu", quant=quant, show=None, int8_activations=False)
+    out = cpu_artifact(model_dir, quant=quant, int8_activations=False)
+    manifest = read_manifest(out)
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return family == "llama32", quant, model_dir, out, manifest, model
@@ -255,6 +258,7 @@ def test_compiled_quantised_embedding_matches_the_interpreter(artifact):
         assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
 
 
+@pytest.mark.build
 @needs_transformers
 def test_compiled_artifact_stores_the_table_once_and_is_smaller(artifact):
     from safetensors import safe_open
@@ -288,6 +292,7 @@ def test_compiled_artifact_stores_the_table_once_and_is_smaller(artifact):
     assert saved == float_table - (0 if tied else quantised_table)
 
 
+@pytest.mark.build
 @needs_transformers
 def test_no_quant_embedding_keeps_the_table_float(make_model, tmp_path):
     from click.testing import CliRunner

@@ -16,6 +16,8 @@ import pytest
 from kiln.errors import KilnError
 from kiln.targets import metal, rocm
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 EM_AMDGPU, ABI_HSA_V5 = 224, 3
 
 

@@ -25,6 +25,8 @@ pytest.importorskip("torch")
 
 from serving import KEY, running_server
 
+pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
+
 NUM_REQUESTS = int(os.environ.get("KILN_FUZZ_REQUESTS", "2000"))
 
 

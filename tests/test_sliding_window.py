@@ -14,16 +14,12 @@ from reference import hf_greedy_uncached, random_prompt  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def windowed(make_model, tmp_path_factory):
+def windowed(make_model, compiled_family):
     """family -> (artifact, HF model) for the two windowed tiny families, compiled for the CPU."""
-    from kiln.compiler import compile_model
     built = {}
     for family in ("mistral_window", "qwen2_window"):
-        model_dir = make_model(family)
-        artifact = tmp_path_factory.mktemp(family) / "artifact"
-        compile_model(model_dir, artifact, target="cpu", show=None)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-        built[family] = artifact, hf
+        hf = transformers.AutoModelForCausalLM.from_pretrained(make_model(family), attn_implementation="eager")
+        built[family] = compiled_family(family), hf.eval()
     return built
 
 
@@ -93,6 +89,7 @@ def test_a_target_without_windowed_kernels_refuses_at_compile_time(make_model, t
     assert not (tmp_path / "cuda").exists()
 
 
+@pytest.mark.build
 def test_a_tokens_logits_do_not_depend_on_how_its_prompt_was_chunked(make_model, tmp_path):
     """The CPU attention kernel sums each query's keys in blocks at fixed positions (multiples of 16
     keys), whatever the step: a prompt prefilled whole, in chunks that cut blocks and windows, or its

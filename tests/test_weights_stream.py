@@ -75,6 +75,7 @@ def bf16_checkpoint(make_model, tmp_path_factory):
     return out
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("checkpoint", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_streamed_weights_hold_the_old_writers_bytes(make_model, bf16_checkpoint, tmp_path, mode, checkpoint):
@@ -111,6 +112,7 @@ def test_read_ahead_gives_what_plain_reads_give(make_model):
         assert np.array_equal(checkpoint.get(name), want[name]), name
 
 
+@pytest.mark.build
 def test_streamed_file_is_aligned_for_tvm(make_model, tmp_path):
     from kiln.compiler import write_weights
     from kiln.safetensors_io import ALIGNMENT, read_header
@@ -135,6 +137,7 @@ def _q4_inputs():
     return [normal, heavy, edge]
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_q4_kernel_gives_the_reference_bytes(group_size):
     from kiln.codegen.quantizers import quantize_q4
@@ -149,6 +152,7 @@ def test_q4_kernel_gives_the_reference_bytes(group_size):
             assert np.array_equal(fast[part].view(np.uint8), ref[part].view(np.uint8)), (w.shape, part)
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("scheme", ["q4", "q8", "fp8"])
 def test_compile_quantizers_in_row_chunks(monkeypatch, scheme):
     """Tensors larger than one block go through in blocks of rows: the reference's bytes."""
@@ -268,6 +272,7 @@ def test_an_artifact_from_before_still_loads(llama_cpu, tmp_path):
     assert got == want
 
 
+@pytest.mark.build
 def test_an_interrupted_weights_stream_leaves_nothing(make_model, tmp_path, monkeypatch):
     """Ctrl-C half way through the weights: no OUT, no partial directory beside it."""
     import kiln.safetensors_io
