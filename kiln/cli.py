@@ -223,11 +223,13 @@ def bench():
 @click.option("--input-len", default=128, show_default=True, type=int)
 @click.option("--output-len", default=128, show_default=True, type=int)
 @click.option("--dataset", type=click.Choice(["random", "sharegpt-like"]), default="random", show_default=True)
+@click.option("--prefix-len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Words of one prefix that every prompt starts with (a shared system prompt).")
 @click.option("--api-key", default=None)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", default=None, help="Also write the report as JSON to this file.")
-def bench_serve(url, model, num_prompts, request_rate, max_concurrency, input_len, output_len, dataset, api_key, seed,
-                json_path):
+def bench_serve(url, model, num_prompts, request_rate, max_concurrency, input_len, output_len, dataset, prefix_len,
+                api_key, seed, json_path):
     """Load an OpenAI-compatible server and report throughput and latency (as `vllm bench serve`)."""
     import asyncio
     import json
@@ -235,7 +237,7 @@ def bench_serve(url, model, num_prompts, request_rate, max_concurrency, input_le
     rate = float(request_rate)
     if rate <= 0 or num_prompts < 1 or (max_concurrency is not None and max_concurrency < 1):
         raise KilnError("--request-rate, --num-prompts and --max-concurrency must be positive")
-    requests = make_requests(num_prompts, input_len, output_len, dataset, seed)
+    requests = make_requests(num_prompts, input_len, output_len, dataset, seed, prefix_len)
     report = asyncio.run(run_benchmark(url.rstrip("/"), model, requests, rate, max_concurrency, api_key, seed))
     click.echo(format_report(report))
     if json_path:

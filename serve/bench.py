@@ -37,11 +37,14 @@ class RequestResult:
     error: str = ""
 
 
-def make_requests(n: int, input_len: int, output_len: int, dataset: str, seed: int) -> list[tuple[str, int]]:
+def make_requests(n: int, input_len: int, output_len: int, dataset: str, seed: int,
+                  prefix_len: int = 0) -> list[tuple[str, int]]:
     """(prompt text, max_tokens) pairs. 'random': about input_len words each (about one token per word
     and space), output_len tokens; 'sharegpt-like': lengths drawn from long-tailed (lognormal)
-    distributions with those means, as chat logs have, capped at 4x."""
+    distributions with those means, as chat logs have, capped at 4x. With prefix_len, every prompt
+    starts with the same prefix_len words (a shared system prompt: what prefix caching serves)."""
     rng = random.Random(seed)
+    prefix = "".join(rng.choice(WORDS) + " " for _ in range(prefix_len))
     out = []
     for _ in range(n):
         if dataset == "sharegpt-like":
@@ -49,7 +52,7 @@ def make_requests(n: int, input_len: int, output_len: int, dataset: str, seed: i
             n_out = min(4 * output_len, max(4, int(rng.lognormvariate(0, 0.8) * output_len / 1.38)))
         else:
             n_in, n_out = input_len, output_len
-        out.append((" ".join(rng.choice(WORDS) for _ in range(max(1, n_in - 1))), n_out))
+        out.append((prefix + " ".join(rng.choice(WORDS) for _ in range(max(1, n_in - 1))), n_out))
     return out
 
 

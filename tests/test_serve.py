@@ -401,6 +401,16 @@ def test_bench_serve_reports_against_the_server(server, tmp_path):
     assert 0 < report["ttft_ms"]["median"] <= report["e2el_ms"]["median"]
 
 
+def test_bench_prompts_can_share_a_prefix():
+    """--prefix-len: every prompt starts with the same words (what prefix caching serves), then its own."""
+    from kiln.serve.bench import make_requests
+    shared = make_requests(4, 20, 8, "random", seed=3, prefix_len=50)
+    prefix = shared[0][0].split()[:50]
+    assert all(p.split()[:50] == prefix and len(p.split()) == 50 + 19 and n == 8 for p, n in shared)
+    assert len({" ".join(p.split()[50:]) for p, _ in shared}) == 4
+    assert make_requests(4, 20, 8, "random", seed=3) == make_requests(4, 20, 8, "random", seed=3, prefix_len=0)
+
+
 def test_sigterm_drains_running_requests_then_exits(artifact, tmp_path):
     """SIGTERM: the stream already running still ends with [DONE], then the server shuts down."""
     import signal
