@@ -23,8 +23,11 @@ import httpx
 from kiln.serve.bench import format_report, make_requests, run_benchmark
 
 
-def start(cmd: list[str], url: str, env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start(cmd: list[str], url: str, env: dict, log: Path | None = None) -> subprocess.Popen:
+    """The server `cmd` once `url` answers /v1/models; its output goes to `log` (a file: a pipe could
+    fill and block), whose end a failure to come up quotes."""
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while time.time() < deadline:
         try:
@@ -33,7 +36,8 @@ def start(cmd: list[str], url: str, env: dict) -> subprocess.Popen:
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}")
+            tail = log.read_text()[-3000:] if log else ""
+            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}\n{tail}")
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"{cmd[:3]} did not come up")
