@@ -31,8 +31,12 @@ def start(cmd: list[str], url: str, env: dict, log: Path | None = None) -> subpr
     deadline = time.time() + 600
     while time.time() < deadline:
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            models = httpx.get(f"{url}/v1/models", timeout=2)
+            if models.status_code == 200:
                 return proc
+            if "failed to load" in models.text:              # kiln serve's 503 after a failed load
+                proc.terminate()
+                raise RuntimeError(f"{cmd[:3]}: {models.text[:3000]}")
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:

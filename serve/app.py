@@ -13,6 +13,7 @@ import contextlib
 import json
 import sys
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +107,10 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
             async def load_in_background():
                 try:
                     await asyncio.to_thread(load)
-                except Exception as e:        # /health reports it; requests get 503
+                except Exception as e:        # /health reports it; requests get 503; the log keeps where
                     state["load_error"] = str(e)
+                    traceback.print_exc()
+                    print(f"kiln serve: {config.model_name} failed to load: {e}", file=sys.stderr, flush=True)
             task = asyncio.get_running_loop().create_task(load_in_background())
         yield
         state["draining"] = True

@@ -31,9 +31,12 @@ def running_server(artifact, log_path: Path, *args: str):
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{url}/health", timeout=2)
+                if health.status_code == 200:
                     break
-            except httpx.HTTPError:
+                if health.json().get("status") == "error":          # the model failed to load
+                    raise RuntimeError(f"kiln serve: {health.text}\n{open(log_path).read()[-3000:]}")
+            except (httpx.HTTPError, ValueError):
                 pass
             if proc.poll() is not None:
                 raise RuntimeError(f"kiln serve exited: {open(log_path).read()[-3000:]}")
