@@ -4,18 +4,26 @@
                             [--modes bfloat16 q8 q4 fp8] [--arch sm_90] [--serve]
     python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
 
-The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, and takes
-at most 64 MiB per transfer, so nothing big travels:
+The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
+internet, and takes at most 64 MiB per transfer, so nothing big travels:
   site/                 TVM's runtime only (the wheel without its 260 MB compiler library, which
                         TVM then skips: tvm/base.py), tvm-ffi and blake3 built for the device's
-                        Python 3.12, and with --serve the HTTP server's packages; put it first on
-                        PYTHONPATH there
-  bundle/               tests/gpu's tiny model and its CUDA artifacts (tests/gpu/make_bundle.py)
+                        Python 3.12; put it first on PYTHONPATH there
+  wheels/               with --serve: what `kiln serve` needs beyond the runtime (pyproject.toml's
+                        fastapi, uvicorn, prometheus-client, httpx) and the openai client its test
+                        drives it with, with every dependency pip's resolver picks for the device's
+                        Python (requirements.txt names them); run.sh installs them with pip from
+                        there alone, so what the device has and fits stays, as for a user
+  bundle/               tests/gpu's tiny model and its CUDA artifacts without weights (tests/gpu/
+                        make_bundle.py --without-weights): run.sh attaches them from the model first
   <shape>/model/        the shape's config and tokenizer, no weights (kiln.tiny.make_config_only_model)
   <shape>/<mode>/       its CUDA artifact compiled with --no-weights; `kiln fill-weights` draws seeded
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
-  run.sh                installs kiln, fills the weights, runs tests/gpu and the benchmarks;
-                        results go to $OUT
+  run.sh                installs kiln, then runs its stages, each under its own time limit: tests
+                        (tests/gpu), weights (`kiln fill-weights`), decode (bench/decode_gpu.py),
+                        and with --serve first serve_tests (tests/gpu/test_cuda_serve.py) and,
+                        after the weights, serve (bench/serve_gpu.py on the first shape's bfloat16
+                        artifact); $STAGES picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -25,6 +33,7 @@ Its size is printed at the end: a device call carries the repository and this fo
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -39,32 +48,59 @@ DEVICE_PYTHON = ["--python-version", "3.12", "--implementation", "cp", "--only-b
                                                "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
                                                "manylinux2014_x86_64")]]
 RUNTIME_WHEELS = ["apache-tvm==0.27.0.post1", "apache-tvm-ffi==0.1.14.post1", "blake3"]
-SERVE_WHEELS = ["fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annotated-types",
-                "typing-inspection", "h11", "anyio", "sniffio", "prometheus-client"]
+# what `kiln serve` adds to the runtime (pyproject.toml's pins), and the client tests/gpu drives it with
+SERVE_PACKAGES = {"dependencies": ("fastapi", "uvicorn", "prometheus-client", "httpx"),
+                  "test": ("openai",)}
 # what the runtime never needs from the wheels: TVM's compiler library, C++ headers and sources
 SKIP = ("tvm/lib/libtvm_compiler.so", "tvm/3rdparty/", "tvm/include/", "tvm_ffi/3rdparty/", "tvm_ffi/include/")
 
 RUN_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
-# Each stage has its own time limit, so a stage that hangs or fails still leaves the others' output.
+# The stages $STAGES names run in turn, each under its own time limit, so a stage that hangs or fails
+# still leaves the others' output in $OUT.
 set -o pipefail
 KIT=${1:?kit folder}; BUDGET=${2:-480}; START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
+# within SECONDS CMD...: timeout ends CMD's whole process group (a server it started too)
+within() { local s=$1; shift; (( s >= 5 )) || { echo "no time left for $*"; return 124; }; timeout $s "$@"; }
+artifacts() { ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/; }
 export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
+if [ -d $KIT/wheels ]; then     # as a user installs them: what is here and fits stays, the rest from wheels/
+  python3 -m pip install --no-index --find-links $KIT/wheels -r $KIT/wheels/requirements.txt 2>&1 \\
+    | tee -a $OUT/pip.log || exit 1
+  python3 -c "import fastapi, openai, kiln.serve.server; print('serve imports, fastapi', fastapi.__version__)" 2>&1 \\
+    | tee -a $OUT/pip.log
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 python3 -c "import tvm, torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-# the families' GPU tests have a kit of their own (gpu_kit.py --families): with this one it passes 64 MiB
-KILN_GPU_BUNDLE=$PWD/$KIT/bundle timeout $(( $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \\
-  --ignore=tests/gpu/test_cuda_families.py 2>&1 | tee $OUT/tests_gpu.log
-for a in $KIT/*/*/manifest.json; do
-  d=$(dirname $a); case $d in */bundle/*) continue;; esac
-  timeout 120 python3 -m kiln.cli fill-weights $d --seed 0 --force || exit 1
-done
-timeout $(( $(left) - 10 )) python3 bench/decode_gpu.py $(ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/) \\
-  ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
+within 120 python3 tests/gpu/make_bundle.py $KIT/bundle --attach 2>&1 | tee $OUT/attach.log
+
+# tests/gpu but the server's (serve_tests) and the families' (their own kit, gpu_kit.py --families: with
+# this one it would pass 64 MiB)
+stage_tests() {
+  KILN_GPU_BUNDLE=$PWD/$KIT/bundle within $(( $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \\
+    --ignore=tests/gpu/test_cuda_families.py --ignore=tests/gpu/test_cuda_serve.py 2>&1 | tee $OUT/tests_gpu.log
+}
+stage_serve_tests() {
+  KILN_GPU_BUNDLE=$PWD/$KIT/bundle within 150 python3 -m pytest -q -rs -p no:cacheprovider \\
+    tests/gpu/test_cuda_serve.py 2>&1 | tee $OUT/tests_serve.log
+}
+stage_weights() {
+  for d in $(artifacts); do within 120 python3 -m kiln.cli fill-weights $d --seed 0 --force || return 1; done
+}
+stage_serve() {        # kiln serve under load on the first shape's bfloat16 artifact
+  within ${SERVE_SECONDS:-240} python3 bench/serve_gpu.py $(artifacts | grep /bfloat16/ | head -1) \\
+    ${SERVE_ARGS:---concurrency 1,8,32 --num-prompts 32} 2>&1 | tee $OUT/serve_gpu.md
+}
+stage_decode() {
+  within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
+    ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
+}
+for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
+STAGES = {False: "tests weights decode", True: "serve_tests weights serve tests decode"}     # by --serve
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -74,18 +110,39 @@ export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/
 mkdir -p $OUT
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
-timeout $(( BUDGET / 2 )) python3 tests/gpu/make_bundle.py $KIT/bundle --attach-families 2>&1 | tail -5 \\
+timeout $(( BUDGET / 2 )) python3 tests/gpu/make_bundle.py $KIT/bundle --attach 2>&1 | tail -5 \\
   | tee $OUT/attach.log || exit 1
 KILN_GPU_BUNDLE=$PWD/$KIT/bundle timeout $(( BUDGET / 2 )) python3 -m pytest -q -rs -p no:cacheprovider \\
   tests/gpu/test_cuda_families.py 2>&1 | tee $OUT/families.log
 """
 
 
-def pip_download(names: list[str], dest: Path) -> list[Path]:
+def pip_download(names: list[str], dest: Path, deps: bool = False) -> list[Path]:
+    """Wheels for the device's Python: the named ones alone, or with every dependency pip's resolver picks."""
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *DEVICE_PYTHON, "-d", str(dest),
-                    *names], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", *([] if deps else ["--no-deps"]), *DEVICE_PYTHON,
+                    "-d", str(dest), *names], check=True)
     return sorted(dest.glob("*.whl"))
+
+
+def serve_requirements() -> list[str]:
+    """SERVE_PACKAGES as pyproject.toml pins them."""
+    import tomllib
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    lists = {"dependencies": project["dependencies"], **project["optional-dependencies"]}
+    return [req for group, names in SERVE_PACKAGES.items() for req in lists[group]
+            if re.match(r"[A-Za-z0-9._-]+", req).group(0).lower() in names]
+
+
+def make_wheels(out: Path, requirements: list[str]) -> None:
+    """out/wheels: the requirements' wheels with their dependencies, and requirements.txt naming them
+    (downloaded again only when the requirements change)."""
+    wheels, listed = out / "wheels", "\n".join(requirements) + "\n"
+    if (wheels / "requirements.txt").exists() and (wheels / "requirements.txt").read_text() == listed:
+        return
+    shutil.rmtree(wheels, ignore_errors=True)
+    pip_download(requirements, wheels, deps=True)
+    (wheels / "requirements.txt").write_text(listed)
 
 
 def make_site(out: Path, wheels: list[str]) -> None:
@@ -129,13 +186,18 @@ def main() -> None:
                     choices=[p for p in PRESETS if p != "tiny"])
     ap.add_argument("--modes", nargs="+", default=["bfloat16", "q8", "q4", "fp8"], choices=list(MODES))
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--serve", action="store_true", help="add the HTTP server's packages to site/")
+    ap.add_argument("--serve", action="store_true",
+                    help="add the HTTP server's wheels, its test and its benchmark (bench/serve_gpu.py)")
     ap.add_argument("--families", action="store_true", help="a kit for tests/gpu/test_cuda_families.py alone")
     args = ap.parse_args()
     out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
 
-    make_site(out, RUNTIME_WHEELS + (SERVE_WHEELS if args.serve else []))
+    if args.serve and "bfloat16" not in args.modes:
+        ap.error("--serve measures the first shape's bfloat16 artifact: name bfloat16 in --modes")
+    make_site(out, RUNTIME_WHEELS)
+    if args.serve:
+        make_wheels(out, serve_requirements())
     if args.families:
         from kiln.tiny import FAMILIES
         families = ",".join(sorted(set(FAMILIES) - {"llama"}))      # llama: the other GPU tests
@@ -145,8 +207,8 @@ def main() -> None:
         (out / "run.sh").write_text(FAMILIES_SH)
         return print_sizes(out)
     if not (out / "bundle" / "cuda-q4").exists():
-        subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch],
-                       check=True)
+        subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch,
+                        "--without-weights"], check=True)
     for shape in args.shapes:
         family, overrides = PRESETS[shape]
         model = out / shape / "model"
@@ -156,7 +218,7 @@ def main() -> None:
         for mode in args.modes:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
-    (out / "run.sh").write_text(RUN_SH)
+    (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[args.serve]))
     print_sizes(out)
 
 
