@@ -13,7 +13,6 @@ import contextlib
 import json
 import sys
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +106,8 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
             async def load_in_background():
                 try:
                     await asyncio.to_thread(load)
-                except Exception as e:        # /health reports it; requests get 503; the log keeps where
+                except Exception as e:        # /health reports it, requests get 503, and the log says it
                     state["load_error"] = str(e)
-                    traceback.print_exc()
                     print(f"kiln serve: {config.model_name} failed to load: {e}", file=sys.stderr, flush=True)
             task = asyncio.get_running_loop().create_task(load_in_background())
         yield
