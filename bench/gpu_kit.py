@@ -21,9 +21,9 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
   run.sh                installs kiln, then runs its stages, each under its own time limit: tests
                         (tests/gpu), weights (`kiln fill-weights`), decode (bench/decode_gpu.py),
-                        and with --serve first serve_tests (tests/gpu/test_cuda_serve.py) and,
-                        after the weights, serve (bench/serve_gpu.py on the first shape's bfloat16
-                        artifact); $STAGES picks others; results go to $OUT
+                        and with --serve serve_tests (tests/gpu/test_cuda_serve.py) after the
+                        tests and, after the weights, serve (bench/serve_gpu.py on the first
+                        shape's bfloat16 artifact); $STAGES picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -100,7 +100,7 @@ stage_decode() {
 }
 for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
-STAGES = {False: "tests weights decode", True: "serve_tests weights serve tests decode"}     # by --serve
+STAGES = {False: "tests weights decode", True: "tests serve_tests weights serve decode"}     # by --serve
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
