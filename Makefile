@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	    "transformers>=4.45" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
 	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
 	    "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "openai>=1.40" \
-	    "schemathesis>=3.30" "setuptools>=68" "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0"
+	    "schemathesis>=3.30" "setuptools>=68" "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0" \
+	    "nvidia-cuda-nvdisasm>=13"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

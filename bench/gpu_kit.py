@@ -3,6 +3,7 @@
     python bench/gpu_kit.py [--out build/gpu-kit] [--shapes llama-3.2-1b llama-3.1-8b]
                             [--modes bfloat16 q8 q4 fp8] [--arch sm_90] [--serve]
     python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
+    python bench/gpu_kit.py --gemm --out build/gpu-kit-gemm --modes bfloat16 q4
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
 internet, and takes at most 64 MiB per transfer, so nothing big travels:
@@ -19,11 +20,15 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
   <shape>/model/        the shape's config and tokenizer, no weights (kiln.tiny.make_config_only_model)
   <shape>/<mode>/       its CUDA artifact compiled with --no-weights; `kiln fill-weights` draws seeded
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
+  gemm/                 with --gemm: kiln's tensor-core GEMM tiles for the Llama shapes and
+                        tests/gpu/test_mma_gemm.py's, built by bench/gemm_gpu.py build
   run.sh                installs kiln, then runs its stages, each under its own time limit: tests
                         (tests/gpu), weights (`kiln fill-weights`), decode (bench/decode_gpu.py),
                         and with --serve serve_tests (tests/gpu/test_cuda_serve.py) after the
                         tests and, after the weights, serve (bench/serve_gpu.py on the first
-                        shape's bfloat16 artifact); $STAGES picks others; results go to $OUT
+                        shape's bfloat16 artifact); with --gemm gemm (bench/gemm_gpu.py run, which
+                        writes $OUT/mma_tuning.json) after the tests and prefill (bench/prefill_gpu.py
+                        on each bfloat16 artifact) last; $STAGES picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -80,6 +85,7 @@ within 120 python3 tests/gpu/make_bundle.py $KIT/bundle --attach 2>&1 | tee $OUT
 # tests/gpu but the server's (serve_tests) and the families' (their own kit, gpu_kit.py --families: with
 # this one it would pass 64 MiB)
 stage_tests() {
+  [ -d $KIT/gemm ] && export KILN_GEMM_KERNELS=$PWD/$KIT/gemm      # tests/gpu/test_mma_gemm.py's kernels
   KILN_GPU_BUNDLE=$PWD/$KIT/bundle within $(( $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \\
     --ignore=tests/gpu/test_cuda_families.py --ignore=tests/gpu/test_cuda_serve.py 2>&1 | tee $OUT/tests_gpu.log
 }
@@ -94,13 +100,23 @@ stage_serve() {        # kiln serve under load on the first shape's bfloat16 art
   within ${SERVE_SECONDS:-240} python3 bench/serve_gpu.py $(artifacts | grep /bfloat16/ | head -1) \\
     ${SERVE_ARGS:---concurrency 1,8,32 --num-prompts 32} 2>&1 | tee $OUT/serve_gpu.md
 }
+stage_gemm() {         # kiln's tensor-core tiles beside cuBLAS; the fastest per shape as codegen's table
+  within ${GEMM_SECONDS:-200} python3 bench/gemm_gpu.py run $KIT/gemm --write-table $OUT/mma_tuning.json \
+    ${GEMM_ARGS:-} 2>&1 | tee $OUT/gemm_gpu.md
+}
+stage_prefill() {      # TTFT of 512 / 2048 / 8192-token prompts beside HF eager, each bfloat16 artifact
+  for d in $(artifacts | grep /bfloat16/); do
+    within ${PREFILL_SECONDS:-100} python3 bench/prefill_gpu.py $d ${PREFILL_ARGS:-} 2>&1 | tee -a $OUT/prefill_gpu.md
+  done
+}
 stage_decode() {
   within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
     ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
 }
 for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
-STAGES = {False: "tests weights decode", True: "tests serve_tests weights serve decode"}     # by --serve
+STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve decode",
+          "gemm": "tests gemm weights decode prefill"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -189,6 +205,8 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true",
                     help="add the HTTP server's wheels, its test and its benchmark (bench/serve_gpu.py)")
     ap.add_argument("--families", action="store_true", help="a kit for tests/gpu/test_cuda_families.py alone")
+    ap.add_argument("--gemm", action="store_true",
+                    help="add the tensor-core GEMM kernels (bench/gemm_gpu.py build) and the gemm and prefill stages")
     args = ap.parse_args()
     out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +224,9 @@ def main() -> None:
                             "--variants", "", "--families", families, "--families-without-weights"], check=True)
         (out / "run.sh").write_text(FAMILIES_SH)
         return print_sizes(out)
+    if args.gemm and not (out / "gemm" / "kernels.json").exists():
+        subprocess.run([sys.executable, "bench/gemm_gpu.py", "build", str(out / "gemm"), "--arch", args.arch],
+                       check=True)
     if not (out / "bundle" / "cuda-q4").exists():
         subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch,
                         "--without-weights"], check=True)
@@ -218,7 +239,8 @@ def main() -> None:
         for mode in args.modes:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
-    (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[args.serve]))
+    kind = "gemm" if args.gemm else "serve" if args.serve else "plain"
+    (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[kind]))
     print_sizes(out)
 
 

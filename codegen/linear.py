@@ -1,6 +1,8 @@
 """Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
-GPUs: a TE matmul that dlight schedules, in CUDA decode steps as its low-batch GEMV (`decode_kernel`).
+GPUs: on CUDA sm_80+, bf16 and fp16 linears run kiln's tensor-core GEMM (codegen/mma_gemm.py; q8,
+fp8 and q4 weights converted in its main loop) in every step but small decode steps; otherwise a TE matmul that dlight
+schedules, in CUDA decode steps as its low-batch GEMV (`decode_kernel`).
 CPUs: kiln's packed-weight kernel, weights stored [out/nb, in', nb] so a task accumulates nb
 outputs in vector registers; in steps that bring chunks (every entry but decode, on targets with
 `chunk_gemm`) the register-blocked GEMM of codegen/gemm.py over the same layout. Where the CPU has
@@ -179,6 +181,19 @@ def decode_kernel(target, kernel, args: list[relax.Expr]) -> tuple[tirx.PrimFunc
     return (sch.mod["main"], True) if sch is not None else (func, False)
 
 
+def mma_tiles(target, dtype: str, weight_dtype: str, fmt: WeightFormat, n_out: int, n_in: int):
+    """The tensor-core tiles (codegen/mma_tuning.py) a CUDA linear runs by rows, or None where it
+    runs TVM's schedules: bf16 or fp16 activations on sm_80+, weights in their dtype or q8, fp8, q4
+    (float activations: int8 ones are the CPU's scheme)."""
+    if target.device != "cuda" or fmt.act_block or not target.tensor_cores:
+        return None
+    from .mma_gemm import supports
+    from .mma_tuning import tiles_for
+    tiles = tiles_for(target.arch, dtype, n_out, n_in) if dtype in ("bfloat16", "float16") else None
+    ok = tiles and supports(target.arch, dtype, weight_dtype, n_out, n_in, tiles, fmt.kind, fmt.group_size)
+    return tiles if ok else None
+
+
 def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bias: relax.Expr | None,
                 residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
                 fmt: WeightFormat = WeightFormat()) -> relax.Expr:
@@ -230,11 +245,22 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         def kernel(a, b, *rest, staged=False):
             given = dict(zip(present, rest))
             return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt, staged)
+        tiles = mma_tiles(ctx.target, dtype, w.ty.dtype, fmt, n_out, n_in)
         # CUDA only: measured there; on ROCm TVM's LLVM codegen emits the rule's lane shuffles with
         # a 64-bit lane index, which LLVM's verifier rejects (kernels with a residual)
-        if ctx.step == "decode" and ctx.target.device == "cuda":
+        if tiles and (ctx.step != "decode" or ctx.wide_decode):
+            from .mma_gemm import mma_linear_kernel
+            func, _ = mma_linear_kernel(n_out, n_in, dtype, bias is not None, residual is not None, tiles,
+                                        fmt.kind, fmt.group_size)
+            y = packed(func, "mma", scheduled=True)
+        elif ctx.step == "decode" and ctx.target.device == "cuda":
             func, gemv = decode_kernel(ctx.target, lambda *t: kernel(*t, staged=True), args)
             y = packed(func, "gemv" if gemv else "linear", scheduled=gemv)
+        elif ctx.target.device == "cuda":
+            # a kernel of its own, as in decode steps: between the opaque tensor-core kernels the
+            # default fusion would group a linear dlight cannot take with its elementwise neighbours
+            y = packed(te.create_prim_func([*(tensors := [te.placeholder(tuple(a.ty.shape), a.ty.dtype, name=f"in{i}")
+                                                         for i, a in enumerate(args)]), kernel(*tensors)]), "linear")
         else:
             y = ctx.bb.emit_te(kernel, *args, primfunc_name_hint="linear")
     else:

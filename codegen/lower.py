@@ -28,10 +28,13 @@ from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
 from .layouts import q4_scale_layout, stored_shape
-from .linear import WeightFormat, emit_linear
+from .linear import WeightFormat, emit_linear, mma_tiles
 
 
-ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill"}      # step kind -> Relax function
+ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill",     # step kind -> Relax function
+               "decode_wide": "decode_wide"}
+# "decode_wide": decode steps of many sequences (target.decode_mma_from and up), the decode entry's
+# attention with tensor-core linears; kernels choose by `_Context.wide_decode`, graphs by step "decode"
 
 
 @dataclass
@@ -47,6 +50,8 @@ class _Context:
     kind, symbolic dims, weights, and the kernels (shared by every entry)."""
 
     def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict, micro_kernels: set):
+        self.wide_decode = step == "decode_wide"
+        step = "decode" if self.wide_decode else step
         self.graph, self.target, self.bb, self.step = graph, target, bb, step
         self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
@@ -192,13 +197,20 @@ def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
 def entry_steps(graph: Graph, target) -> list[str]:
     """Step kinds that get their own function: "mixed" always; "decode" where a layer's decode kernel
     is not its mixed-step kernel, or the target runs packed linears as GEMMs in steps with chunks;
+    "decode" and "decode_wide" where some linear runs on tensor cores in wide decode steps;
     "prefill" where the graph has alternative forms."""
     kernels = [(step_kernel(target, graph, n, "mixed"), step_kernel(target, graph, n, "decode"))
                for n in graph.nodes if n.op in ATTENTION_OPS]
     packed = target.chunk_gemm and any(n.op in LINEAR_OPS and _layout_for(n, 1, graph, target) != "nk"
                                        for n in graph.nodes)
     decode = packed or any(mixed != decode for mixed, decode in kernels)
-    return ["mixed"] + (["decode"] if decode else []) + (["prefill"] if prefill_min_tokens(graph) else [])
+    types = graph.value_types()
+    wide = bool(target.decode_mma_from) and any(
+        mma_tiles(target, n.type.dtype, graph.params[n.inputs[1]].type.dtype, WeightFormat.of(n, "linear"),
+                  n.type.shape[-1], types[n.inputs[0]].shape[-1])
+        for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] in graph.params)
+    return (["mixed"] + (["decode"] if decode or wide else []) + (["decode_wide"] if wide else [])
+            + (["prefill"] if prefill_min_tokens(graph) else []))
 
 
 def _emit_entry(ctx: _Context, name: str) -> None:
@@ -206,7 +218,7 @@ def _emit_entry(ctx: _Context, name: str) -> None:
     for input_name, ty in graph.inputs.items():
         ctx.inputs[input_name] = relax.Var(input_name, relax.TensorType(ctx.shape(ty.shape), ty.dtype))
     weight_vars = [ctx.weight(param, layout) for param, layout in _weight_layouts(graph, ctx.target)]
-    nodes, outputs = for_step(graph, ctx.step)
+    nodes, outputs = for_step(graph, ctx.step)      # "decode_wide" runs the decode step's nodes
     with bb.function(name, list(ctx.inputs.values()) + weight_vars):
         with bb.dataflow():
             env: dict = dict(ctx.inputs)
@@ -222,7 +234,7 @@ def _emit_entry(ctx: _Context, name: str) -> None:
 
 def lower_graph(graph: Graph, target) -> LoweredModel:
     entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph, target)}
-    ops = {n.op for step in entries for n in for_step(graph, step)[0]}
+    ops = {n.op for step in entries for n in for_step(graph, "decode" if step == "decode_wide" else step)[0]}
     missing = sorted(ops - set(LOWERINGS))
     if missing:
         raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")
@@ -240,20 +252,25 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     if target.graph_batches:
         # the decode-step function again (a copy with fresh variables), marked for capture
         decode = module[entries.get("decode", "forward")]
-        module[GRAPH_ENTRY] = _graph_attrs(copy_with_new_vars(decode), max(target.graph_batches))
+        module[GRAPH_ENTRY] = _graph_attrs(copy_with_new_vars(decode), max(target.graph_batches), GRAPH_ENTRY)
         entries[GRAPH_ENTRY] = GRAPH_ENTRY
+        if "decode_wide" in entries:
+            wide = copy_with_new_vars(module["decode_wide"])
+            module[WIDE_GRAPH_ENTRY] = _graph_attrs(wide, max(target.graph_batches), WIDE_GRAPH_ENTRY)
+            entries[WIDE_GRAPH_ENTRY] = WIDE_GRAPH_ENTRY
     return LoweredModel(module, list(graph.inputs), [w for w, _ in ctx.weights.values()], entries)
 
 
 GRAPH_ENTRY = "decode_graph"      # decode steps of up to max(target.graph_batches) sequences, as a CUDA graph
+WIDE_GRAPH_ENTRY = "decode_wide_graph"     # the same from target.decode_mma_from sequences, tensor-core linears
 
 
-def _graph_attrs(func: relax.Function, max_batch: int) -> relax.Function:
+def _graph_attrs(func: relax.Function, max_batch: int, name: str) -> relax.Function:
     """Mark a decode function for TVM's RewriteCUDAGraph: every parameter stays at one address
     (num_input 0: the runtime passes persistent buffers, padded to a batch bucket), so the kernels
     between its inputs and its output are captured, one graph per bucket; intermediate storage is
     planned for the largest bucket. In a decode step tokens, sequences and logit rows are one
     count; `seqs1` is that count plus one."""
     bounds = {"tokens": max_batch, "seqs": max_batch, "rows": max_batch, "seqs1": max_batch + 1}
-    return func.with_attrs({"global_symbol": GRAPH_ENTRY, "num_input": 0, "tir_var_upper_bound": bounds,
+    return func.with_attrs({"global_symbol": name, "num_input": 0, "tir_var_upper_bound": bounds,
                             "relax.rewrite_cuda_graph.capture_symbolic_vars": list(bounds)})

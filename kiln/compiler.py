@@ -89,6 +89,16 @@ def _launch_counts(launches: dict) -> dict:
                         for step, (kernels, host) in launches.items()}}
 
 
+LINEAR_FAMILIES = {"mma": "tensor cores", "gemv": "GEMV"}     # kernel-name prefixes of codegen/linear.py
+
+
+def _linear_kernels(launches: dict) -> dict:
+    """Per entry, which kind of kernel its GPU linears run (only where some has a kernel of its own)."""
+    kinds = {step: sorted({LINEAR_FAMILIES[k.split("_")[0]] for k in kernels if k.split("_")[0] in LINEAR_FAMILIES})
+             for step, (kernels, _) in launches.items()}
+    return {step: names for step, names in kinds.items() if names}
+
+
 def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> dict:
     """Compile `model_dir` into an artifact at `out_dir`; `options` are `_compile_into`'s.
 
@@ -179,6 +189,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         **({"prefill_min_tokens": prefill_min_tokens(graph)} if "prefill" in lowered.entries else {}),
         **({"decode_gemm_from": tgt.decode_gemm_from}
            if tgt.chunk_gemm and tgt.decode_gemm_from and "decode" in lowered.entries else {}),
+        **({"decode_mma_from": tgt.decode_mma_from} if "decode_wide" in lowered.entries else {}),
         "inputs": lowered.inputs,
         "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
                     for w in lowered.weights],
@@ -191,6 +202,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "graph_batches": list(tgt.graph_batches),
         "sampling": "device" if tgt.device_sampling else "host",
         "launches_per_step": _launch_counts(launches),
+        "linear_kernels": _linear_kernels(launches),
         "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                     "nodes_after": r.nodes_after} for r in pass_records],
         "compile_seconds": phases.seconds,

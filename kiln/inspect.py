@@ -16,6 +16,17 @@ def _attention_kernels(m: dict) -> str:
                      f"{', '.join(names)}" for step, names in kernels.items())
 
 
+def _step_rows(m: dict, entry: str) -> str:
+    """An entry as the steps it runs: 'decode steps (up to 15 sequences)', 'decode steps from 16
+    sequences' (their CUDA graphs run the same kernels)."""
+    wide_from = m.get("decode_mma_from")
+    if entry == "decode_wide":
+        return f"decode steps from {wide_from} sequences"
+    if entry == "decode" and wide_from:
+        return f"decode steps (up to {wide_from - 1} sequences)"
+    return f"{entry} steps"
+
+
 def _kv_layers(m: dict) -> list[str]:
     """Each run of layers with the same KV spec and attention kernels, one line per run."""
     kernels = m["attention_layers"]
@@ -95,6 +106,9 @@ def summary(artifact_dir) -> str:
         + _attention_kernels(m),
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
                          if m.get("sampling") == "device" else "on the host (NumPy), from the step's logits"),
+        *(["linears    " + "; ".join(f"{_step_rows(m, step)}: {', '.join(kinds)}"
+                                     for step, kinds in m["linear_kernels"].items() if not step.endswith("graph"))]
+          if m.get("linear_kernels") else []),
         f"kernels    {len(m['kernels'])}: {', '.join(m['kernels'])}",
         f"launches   {m['launches_per_step']['total']} kernel launches per forward step: "
         + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items())

@@ -32,6 +32,8 @@ from .step import context_rows, graph_step_capacities, no_context_rows, pad_deco
 from .step_buffers import StepBuffers
 
 GRAPH_ENTRY = "decode_graph"
+WIDE_GRAPH_ENTRY = "decode_wide_graph"       # decode steps from decode_mma_from sequences, tensor-core linears
+GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
 DEVICES = ("cpu", "cuda", "rocm", "metal")
 
 
@@ -119,6 +121,7 @@ class CompiledModel:
         self.graph_batches = tuple(m.get("graph_batches", ())) if GRAPH_ENTRY in self.entries else ()
         self.prefill_min_tokens = m.get("prefill_min_tokens") if "prefill" in self.entries else None
         self.decode_gemm_from = m.get("decode_gemm_from", 0)
+        self.decode_mma_from = m.get("decode_mma_from", 0) if "decode_wide" in self.entries else 0
         self.step_buffers = StepBuffers(self.device)
         # artifacts built with sampling on the device: the engine samples there (runtime/device_sampler.py)
         self.sampler = DeviceSampler(self.vm, self.device) if m.get("sampling") == "device" else None
@@ -226,7 +229,7 @@ class CompiledModel:
             context = context_rows(inputs, self.page_size) if kind == "prefill" else no_context_rows(seqs)
             inputs = {**inputs, **context}
         buffers, lengths = self.step_buffers, {}
-        if kind == GRAPH_ENTRY:
+        if kind in GRAPH_ENTRIES:
             seqs = len(inputs["tokens"])
             inputs = pad_decode_step(inputs, min(b for b in self.graph_batches if b >= seqs), self.scratch_page,
                                      self.page_size)
@@ -235,19 +238,23 @@ class CompiledModel:
         args = [self.kv_tensors[n] if n in self.kv_tensors else buffers.put(n, inputs[n], lengths.get(n))
                 for n in self.input_names]
         out = self.entries[kind](*args, *self.weights)
-        return out._create_view((seqs, out.shape[1]), out.dtype) if kind == GRAPH_ENTRY else out
+        return out._create_view((seqs, out.shape[1]), out.dtype) if kind in GRAPH_ENTRIES else out
 
     def step_kind(self, inputs: dict[str, np.ndarray]) -> str:
         """The entry a step runs: where the artifact has them, "decode_graph" or "decode" when every
         sequence brings one new token (the graph up to its largest batch bucket; "mixed", whose
-        linears are GEMMs, from decode_gemm_from sequences), "prefill" when every sequence brings at
+        linears are GEMMs, from decode_gemm_from sequences; "decode_wide_graph" or "decode_wide",
+        whose linears run on tensor cores, from decode_mma_from sequences), "prefill" when every sequence brings at
         least prefill_min_tokens (ir/step_forms.py), else "mixed"."""
         seqs = len(inputs["q_indptr"]) - 1
         if len(inputs["tokens"]) != seqs:
             prefill = self.prefill_min_tokens is not None and is_prefill_step(inputs["q_indptr"],
                                                                             self.prefill_min_tokens)
             return "prefill" if prefill else "mixed"
+        wide = bool(self.decode_mma_from) and seqs >= self.decode_mma_from
         if self.graph_batches and seqs <= max(self.graph_batches):
-            return GRAPH_ENTRY
+            return WIDE_GRAPH_ENTRY if wide and WIDE_GRAPH_ENTRY in self.entries else GRAPH_ENTRY
+        if wide:
+            return "decode_wide"
         gemm = self.decode_gemm_from and seqs >= self.decode_gemm_from
         return "decode" if "decode" in self.entries and not gemm else "mixed"

@@ -34,6 +34,10 @@ class Target:
     # with chunk_gemm: decode steps of at least this many sequences run the mixed entry (its GEMMs
     # beat the GEMV from there); 0: every decode step runs the decode entry
     decode_gemm_from: int = 0
+    # linears on tensor cores (codegen/mma_gemm.py), and decode steps of at least this many
+    # sequences run them (the "decode_wide" entry); 0: decode steps keep the GEMV
+    tensor_cores: bool = False
+    decode_mma_from: int = 0
     # > 0: q8/q4 linears quantise their input rows to int8 in blocks of this many inputs and
     # multiply in integer dot products (codegen/int8_gemm.py); 0: float activations
     activation_block: int = 0

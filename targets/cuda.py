@@ -47,6 +47,8 @@ class CUDATarget(GPUTarget):
     arch: str | None = "sm_80"
     device: str = "cuda"
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    tensor_cores: bool = True           # every arch in ARCHS has mma.sync for bf16 and fp16
+    decode_mma_from: int = 16           # not yet measured: bench/gemm_gpu.py's table will say
     ARCHS = ARCHS
 
     def tvm_target(self):

@@ -21,7 +21,7 @@ def test_cuda_artifact_is_built_with_its_kernels():
     assert manifest["target"] == {**manifest["target"], "name": "cuda", "arch": "sm_80", "device": "cuda"}
     assert manifest["dtype"] == "float16"
     library = (out / "model.cuda.so").read_bytes()
-    for name in ("paged_attention", "paged_decode_attention", "kv_append", "rms_norm", "rope", "linear", "silu"):
+    for name in ("paged_attention", "paged_decode_attention", "kv_append", "rms_norm", "rope", "mma", "gemv", "silu"):
         assert any(name in k for k in manifest["kernels"]), (name, manifest["kernels"])
     for name in manifest["kernels"]:
         assert f"{name}_kernel".encode() in library, f"{name} has no compiled kernel in the library"
@@ -30,7 +30,15 @@ def test_cuda_artifact_is_built_with_its_kernels():
     # decode-only steps have their own entry, with TVM's decode kernel in place of the prefill one, and
     # a second one whose kernels TVM's RewriteCUDAGraph captured: all but the LM head (which writes the
     # step's output) replay as one CUDA graph
-    assert manifest["entries"] == {"mixed": "forward", "decode": "decode", "decode_graph": "decode_graph"}
+    # ... and wide decode steps a third, whose linears run on tensor cores as the mixed steps' do
+    # (codegen/mma_gemm.py), also captured
+    assert manifest["entries"] == {"mixed": "forward", "decode": "decode", "decode_graph": "decode_graph",
+                                   "decode_wide": "decode_wide", "decode_wide_graph": "decode_wide_graph"}
+    assert manifest["decode_mma_from"] == 16
+    assert manifest["linear_kernels"] == {"mixed": ["tensor cores"], "decode": ["GEMV"], "decode_graph": ["GEMV"],
+                                          "decode_wide": ["tensor cores"], "decode_wide_graph": ["tensor cores"]}
+    assert {k for k in manifest["kernels"] if k.startswith("mma_")} == {
+        "mma_512x256", "mma_256x256_residual", "mma_1024x256", "mma_256x512_residual", "mma_384x256"}
     assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
     launches = manifest["launches_per_step"]["entries"]
     assert launches["decode"]["kernels"] == launches["decode"]["host_launches"]

@@ -1,0 +1,231 @@
+"""kiln's tensor-core GEMM tiles beside torch.matmul (cuBLAS), and the tuning table from the winners.
+
+    python bench/gemm_gpu.py build OUT [--arch sm_90] [--tests-only]      (here: TVM's compiler)
+    python bench/gemm_gpu.py run OUT [--m 16 64 256 1024 4096] [--write-table FILE]   (the GPU machine)
+
+`build` compiles, for every Llama-3.1-8B and Llama-3.2-1B linear (bf16, no bias), one kernel per
+candidate tile of codegen/mma_tuning.py and one with the compiler's present choice by rows
+("default"), plus the small kernels tests/gpu/test_mma_gemm.py checks (bias, residual, bf16 and
+fp16), into OUT/gemm_kernels.so with OUT/kernels.json. `run` needs only TVM's runtime and torch:
+each kernel and torch.matmul on the same device, weights rotated through copies that exceed the L2
+cache, median of CUDA-event timings. It prints TFLOP/s, the share of cuBLAS and, for M <= 64, the
+weight bytes' share of the copy rate; --write-table writes the fastest tile per shape and rows
+bucket in codegen/mma_tuning.json's format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (N, K) of each linear: fused q/k/v, o, fused gate/up, down (and the 1B's)
+SHAPES = {"llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+          "llama-3.2-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]}
+TEST_SHAPES = [(256, 512), (512, 256)]          # small shapes every candidate tile divides
+TEST_ROWS = (1, 7, 16, 17, 64, 100, 1000)
+QUANTISED = (("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128))     # weight formats the tests check
+
+
+def kernel_specs(tests_only: bool) -> list[dict]:
+    """Every kernel `build` makes: name, shape, dtype, epilogue, tiles by rows."""
+    from kiln.codegen.mma_tuning import CANDIDATES
+    specs = []
+
+    def add(n, k, dtype, bias, residual, label, tiles, weight="float", group=0):
+        suffix = ("_bias" if bias else "") + ("_residual" if residual else "")
+        form = "" if weight == "float" else f"_{weight}{group or ''}"
+        specs.append({"name": f"gemm_{dtype}{form}_{n}x{k}_{label}{suffix}", "n": n, "k": k, "dtype": dtype,
+                      "bias": bias, "residual": residual, "tile": label, "weight": weight, "group": group,
+                      "tiles": [[rows, tile.name] for rows, tile in tiles]})
+    shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
+    for n, k in shapes:
+        for tile in CANDIDATES:
+            if n % tile.bn == 0 and k % tile.bk == 0:
+                add(n, k, "bfloat16", False, False, tile.name, [(0, tile)])
+    narrow = next(t for t in CANDIDATES if t.bk == 32)
+    for n, k in TEST_SHAPES:
+        for dtype in ("bfloat16", "float16"):
+            for bias, residual in ((False, False), (True, True)):
+                for tile in CANDIDATES:
+                    add(n, k, dtype, bias, residual, tile.name, [(0, tile)])
+            for weight, group in QUANTISED:
+                for tile in (CANDIDATES[0], narrow, CANDIDATES[-4]):
+                    add(n, k, dtype, True, True, tile.name, [(0, tile)], weight, group)
+    return specs
+
+
+def default_specs(arch: str, tests_only: bool) -> list[dict]:
+    """The compiler's present choice by rows for each shape (what an artifact built now runs)."""
+    from kiln.codegen.mma_tuning import tiles_for
+    out = []
+    shapes = [(n, k, "bfloat16", False, False) for group in SHAPES.values() for n, k in group] if not tests_only else []
+    shapes += [(n, k, d, True, True) for n, k in TEST_SHAPES for d in ("bfloat16", "float16")]
+    for n, k, dtype, bias, residual in shapes:
+        tiles = tiles_for(arch, dtype, n, k)
+        suffix = ("_bias" if bias else "") + ("_residual" if residual else "")
+        out.append({"name": f"gemm_{dtype}_{n}x{k}_default{suffix}", "n": n, "k": k, "dtype": dtype, "bias": bias,
+                    "residual": residual, "tile": "default", "weight": "float", "group": 0,
+                    "tiles": [[r, t.name] for r, t in tiles]})
+    return out
+
+
+def build(out: Path, arch: str, tests_only: bool) -> None:
+    from kiln.targets.cuda import make_target
+    target = make_target(arch)
+    import tvm
+    from kiln.codegen.mma_gemm import mma_linear_kernel
+    from kiln.codegen.mma_tuning import parse_tile
+    specs = kernel_specs(tests_only) + default_specs(arch, tests_only)
+    funcs = {}
+    for spec in specs:
+        tiles = [(rows, parse_tile(name)) for rows, name in spec["tiles"]]
+        assert all(spec["n"] % t.bn == 0 and spec["k"] % t.bk == 0 for _, t in tiles), spec
+        func, _ = mma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles,
+                                    spec["weight"], spec["group"])
+        funcs[spec["name"]] = func.with_attr("global_symbol", spec["name"])
+    with target.tvm_target():
+        library = tvm.tirx.build(tvm.IRModule(funcs), target=target.tvm_target())
+    out.mkdir(parents=True, exist_ok=True)
+    library.export_library(str(out / "gemm_kernels.so"))
+    (out / "kernels.json").write_text(json.dumps({"arch": arch, "kernels": specs}, indent=1))
+    print(f"{len(specs)} kernels for {arch} in {out / 'gemm_kernels.so'}")
+
+
+def reference(x, w, bias, residual, scale=None):
+    """The epilogue of codegen/linear.py in torch: float32 sum, (* scale), + bias, round, + residual,
+    round. `w`: float32 values (q4: level x group scale), `scale`: q8/fp8's per-output scale."""
+    y = x.float() @ w.float().T
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return y if residual is None else (y.float() + residual.float()).to(x.dtype)
+
+
+def copy_rate(torch) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of 5."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() / statistics.median(times[1:])
+
+
+def timed(torch, call, reps: int) -> float:
+    """Median seconds of `call(i)` over reps (i selects the weight copy), after a warm-up."""
+    for i in range(3):
+        call(i)
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None:
+    import torch
+    import tvm
+    from kiln.runtime.model import enable_cuda_runtime
+    enable_cuda_runtime()
+    meta = json.loads((out / "kernels.json").read_text())
+    library = tvm.runtime.load_module(str(out / "gemm_kernels.so"))
+    rate = copy_rate(torch)
+    print(f"# {torch.cuda.get_device_name()}, copy rate {rate / 1e12:.2f} TB/s, kernels for {meta['arch']}\n")
+    print("| N×K | M | kernel | µs | TFLOP/s | cuBLAS µs | cuBLAS TFLOP/s | of cuBLAS | weight GB/s | of copy rate "
+          "| max rel. err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+    specs = [s for s in meta["kernels"] if not s["bias"] and s["dtype"] == "bfloat16" and s["weight"] == "float"
+             and (s["n"], s["k"]) not in
+             [tuple(t) for t in TEST_SHAPES]]
+    shapes = sorted({(s["n"], s["k"]) for s in specs}, key=lambda s: -s[0] * s[1])
+    for n, k in shapes:
+        copies = max(2, -(-(256 << 20) // (n * k * 2)))        # weights that overflow L2 together
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            want = reference(x, ws[0], None, None).float()
+            cublas = timed(torch, lambda i: torch.matmul(x, ws[i % copies].T, out=y), reps)
+            flops = 2 * m * n * k
+            for spec in [s for s in specs if (s["n"], s["k"]) == (n, k)]:
+                func = library[spec["name"]]
+                func(x, ws[0], y)
+                torch.cuda.synchronize()
+                err = ((y.float() - want).abs().max() / want.abs().max()).item()
+                seconds = timed(torch, lambda i: func(x, ws[i % copies], y), reps)
+                row = {"n": n, "k": k, "m": m, "kernel": spec["tile"], "seconds": seconds, "cublas_seconds": cublas,
+                       "error": err}
+                results.append(row)
+                share = f"{n * k * 2 / seconds / rate:.0%}" if m <= 64 else ""
+                print(f"| {n}×{k} | {m} | {spec['tile']} | {seconds * 1e6:.1f} | {flops / seconds / 1e12:.1f} | "
+                      f"{cublas * 1e6:.1f} | {flops / cublas / 1e12:.1f} | {cublas / seconds:.0%} | "
+                      f"{n * k * 2 / seconds / 1e9:.0f} | {share} | {err:.1e} |", flush=True)
+        del ws
+    (Path(out) / "results.json").write_text(json.dumps(results, indent=1))
+    if write_table:
+        write_tuning_table(results, meta["arch"], write_table)
+
+
+def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
+    """The fastest correct tile per (shape, rows bucket) of codegen/mma_tuning.py, as its table."""
+    from kiln.codegen.mma_tuning import ROW_BUCKETS
+    table = json.loads(path.read_text()) if path.exists() else {}
+    for n, k in sorted({(r["n"], r["k"]) for r in results}):
+        entry = []
+        for bucket in ROW_BUCKETS:
+            rows = [r for r in results if (r["n"], r["k"]) == (n, k) and r["kernel"] != "default"
+                    and r["error"] < 2e-2]
+            measured = sorted({r["m"] for r in rows}, key=lambda m: (abs(m - bucket), m))
+            if not measured:
+                continue
+            at = [r for r in rows if r["m"] == measured[0]]
+            best = min(at, key=lambda r: r["seconds"])["kernel"]
+            if entry and entry[-1][1] == best:
+                entry[-1][0] = bucket
+            else:
+                entry.append([bucket, best])
+        if entry:
+            entry[-1][0] = 0
+            for dtype in ("bfloat16", "float16"):        # same bytes and tensor-core rate
+                table[f"{arch} {dtype} {n}x{k}"] = entry
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"\nwrote {len(table)} entries to {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("out", type=Path)
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--tests-only", action="store_true", help="only tests/gpu/test_mma_gemm.py's kernels")
+    r = sub.add_parser("run")
+    r.add_argument("out", type=Path)
+    r.add_argument("--m", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    r.add_argument("--reps", type=int, default=20)
+    r.add_argument("--write-table", type=Path, default=None)
+    args = ap.parse_args()
+    if args.command == "build":
+        build(args.out, args.arch, args.tests_only)
+    else:
+        run(args.out, args.m, args.write_table, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Tensor-core linears on CUDA: y = x @ W.T (+ bias) (+ residual) for bf16 and fp16 activations,
+with weights in their dtype or quantised (q8, fp8, q4: a mixed-input GEMM), by step shape.
+
+One PrimFunc per linear shape. Its host side picks a tile by the step's row count (the tuning
+table's rows for the shape, codegen/mma_tuning.py) and launches the tile's kernel; each kernel is
+CUDA source (codegen/mma_source.py) that TIR calls, so TVM builds it into the artifact with the
+rest, it runs on TVM's stream and the decode CUDA graphs capture it like any other kernel. Where a
+step has few rows the caller may put another kernel first (`below`): the GPU decode GEMV.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .mma_source import CTYPES, TileConfig, kernel_source
+
+ARCHS_WITH_MMA = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+
+
+# the stored weight each format's kernel reads: dtype and shape (codegen/linear.py's WeightFormat kinds)
+STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
+
+
+def stored_dtype(weight: str, dtype: str) -> str:
+    return STORED.get(weight, dtype)
+
+
+def supports(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: int, tiles,
+             weight: str = "float", group_size: int = 0) -> bool:
+    """Whether the tensor-core kernel takes this linear: bf16/fp16 activations on sm_80+ with weights
+    of their dtype, or int8 / e4m3 levels with a scale per output, or q4 nibbles in groups of a
+    multiple of 16 inputs; every output tile whole and the inputs a whole number of input tiles."""
+    return (arch in ARCHS_WITH_MMA and dtype in CTYPES and weight_dtype == stored_dtype(weight, dtype)
+            and (weight != "q4" or group_size % 16 == 0 and n_in % group_size == 0)
+            and all(n_out % t.bn == 0 and n_in % t.bk == 0 for _, t in tiles))
+
+
+def _launch(name: str, tile: TileConfig, n_out: int, pointers: list[str], indent: str, weight: str) -> list[str]:
+    return [f"{indent}bx = T.launch_thread(\"blockIdx.x\", {n_out // tile.bn})",
+            f"{indent}by = T.launch_thread(\"blockIdx.y\", T.Cast(\"int32\", (m + {tile.bm - 1}) // {tile.bm}))",
+            f"{indent}tx = T.launch_thread(\"threadIdx.x\", {tile.threads})",
+            f"{indent}shared = T.alloc_buffer(({tile.shared_bytes(weight)},), \"uint8\", scope=\"shared.dyn\")",
+            f"{indent}T.evaluate(T.cuda.func_call(\"{name}\", {', '.join(pointers)}, T.Cast(\"int32\", m), "
+            "shared.data, "
+            f"source_code=SOURCES[\"{name}\"]))"]
+
+
+def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool,
+                      tiles: list[tuple[int, TileConfig]], weight: str = "float",
+                      group_size: int = 0) -> tuple[tirx.PrimFunc, list[str]]:
+    """The PrimFunc (x, w, [scale], [bias], [residual], y) and its kernels' names. `tiles`: (up to
+    rows, tile) in ascending rows, the last one for every larger step (its rows are ignored);
+    `weight`: the stored format (float, q8, fp8, q4 with `group_size`)."""
+    suffix = ("_bias" if bias else "") + ("_residual" if residual else "")
+    form = "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
+    names, sources = [], {}
+    for _, tile in tiles:
+        name = f"kiln_mma_{CTYPES[dtype][1]}{form}_{n_out}x{n_in}_{tile.name}{suffix}"
+        sources[name] = kernel_source(name, dtype, tile, n_out, n_in, bias, residual, weight, group_size)
+        names.append(name)
+    stored_in = n_in // 2 if weight == "q4" else n_in
+    params = ["var_x: T.handle", f"w: T.Buffer(({n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
+    if weight in ("q8", "fp8"):
+        params.append(f"scale: T.Buffer(({n_out},), \"float32\")")
+    elif weight == "q4":
+        params.append(f"scale: T.Buffer(({n_in // group_size}, {n_out}), \"float16\")")
+    params += [f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []
+    params += ["var_residual: T.handle"] if residual else []
+    params += ["var_y: T.handle"]
+    lines = [f"def main({', '.join(params)}):",
+             "    T.func_attr({\"tirx.noalias\": True})",
+             "    m = T.int64()",
+             f"    x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
+             f"    y = T.match_buffer(var_y, (m, {n_out}), \"{dtype}\")"]
+    if residual:
+        lines.append(f"    residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")")
+    pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
+        + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
+    for index, ((rows, tile), name) in enumerate(zip(tiles, names)):
+        last = index == len(tiles) - 1
+        keyword = "else:" if last else f"{'elif' if index else 'if'} m <= {rows}:"
+        branch = [] if last and index == 0 else [f"    {keyword}"]
+        lines += branch + _launch(name, tile, n_out, pointers, "        " if branch else "    ", weight)
+    text = "@T.prim_func\n" + "\n".join(lines) + "\n"
+    func = tvm.script.from_source(text, extra_vars={"T": T, "SOURCES": sources})
+    return func, names
+
+
+def with_kernel_below(small: tirx.PrimFunc, large: tirx.PrimFunc, rows: int) -> tirx.PrimFunc:
+    """One PrimFunc that runs `small` for steps of fewer than `rows` rows and `large` from there.
+    Both take the same tensors in the same order; `large` is a tensor-core kernel of this file
+    (its statements use only its tensors' pointers and their row count)."""
+    def row_count(func):
+        return func.buffer_map[func.params[0]].shape[0]
+    mapping = {row_count(large): row_count(small)}
+    for a, b in zip(large.params, small.params):
+        mapping[large.buffer_map[a].data] = small.buffer_map[b].data
+    large_body = tirx.stmt_functor.substitute(large.body, mapping)
+    condition = row_count(small) < rows
+    root = small.body
+    if isinstance(root, tirx.SBlockRealize):       # a scheduled kernel's root block keeps its buffers
+        block = root.block
+        body = tirx.IfThenElse(condition, block.body, large_body)
+        new_block = tirx.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                                block.alloc_buffers, block.match_buffers, block.annotations)
+        new_body = tirx.SBlockRealize(root.iter_values, root.predicate, new_block)
+    else:
+        new_body = tirx.IfThenElse(condition, root, large_body)
+    return small.with_body(new_body)

@@ -1,0 +1,64 @@
+"""Which tensor-core tiles a linear runs, by step rows: the offline tuning table, else defaults.
+
+`mma_tuning.json` maps "arch dtype NxK" to [[up to rows, tile name], ...] (the last entry for every
+larger step). `bench/gemm_gpu.py --write-table` writes it from one run on the GPU machine: each
+candidate below is built here, timed there, and the fastest per (shape, rows bucket) kept.
+Shapes the table lacks take the first candidates whose tiles divide the shape.
+"""
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+from .mma_source import TileConfig
+
+TABLE = Path(__file__).with_name("mma_tuning.json")
+
+# rows buckets the table distinguishes (a step with more rows than the last takes the last entry)
+ROW_BUCKETS = (16, 64, 256, 1024)
+
+
+def parse_tile(name: str) -> TileConfig:
+    """'128x128x32w2x4s3' -> TileConfig(128, 128, 32, 2, 4, 3)."""
+    shape, rest = name.split("w")
+    warps, stages = rest.split("s")
+    bm, bn, bk = (int(v) for v in shape.split("x"))
+    wm, wn = (int(v) for v in warps.split("x"))
+    return TileConfig(bm, bn, bk, wm, wn, int(stages))
+
+
+# every tile a tuning run measures, small-row tiles first (each fits 99 KiB of shared memory)
+CANDIDATES = tuple(parse_tile(n) for n in (
+    "16x64x64w1x4s4", "32x64x64w1x4s4", "32x128x64w1x4s4", "64x64x64w2x2s4", "64x128x32w2x2s4",
+    "64x128x64w2x2s3", "128x64x32w2x2s4", "128x128x32w2x4s3", "128x128x32w2x4s4", "128x256x32w2x4s3",
+    "16x32x32w1x2s2"))
+
+# without a table entry: (up to rows, preferred tiles); the first that divides the shape is taken
+DEFAULTS = ((64, ("32x64x64w1x4s4", "16x32x32w1x2s2")),
+            (0, ("128x128x32w2x4s3", "64x64x64w2x2s4", "16x32x32w1x2s2")))
+
+
+@cache
+def _table() -> dict:
+    return json.loads(TABLE.read_text()) if TABLE.exists() else {}
+
+
+def _fits(tile: TileConfig, n_out: int, n_in: int) -> bool:
+    return n_out % tile.bn == 0 and n_in % tile.bk == 0
+
+
+def tiles_for(arch: str, dtype: str, n_out: int, n_in: int) -> list[tuple[int, TileConfig]] | None:
+    """(up to rows, tile) in ascending rows for one linear, or None where no tile divides it."""
+    entry = _table().get(f"{arch} {dtype} {n_out}x{n_in}")
+    if entry:
+        return [(rows, parse_tile(name)) for rows, name in entry]
+    chosen = []
+    for rows, names in DEFAULTS:
+        tile = next((t for t in map(parse_tile, names) if _fits(t, n_out, n_in)), None)
+        if tile is None:
+            return None
+        if not chosen or chosen[-1][1] != tile:
+            chosen.append((rows, tile))
+    chosen[-1] = (0, chosen[-1][1])
+    return chosen

@@ -1,0 +1,95 @@
+"""kiln's tensor-core GEMM (codegen/mma_gemm.py) on the GPU against torch's float32 product.
+
+Every candidate tile of codegen/mma_tuning.py, and the compiler's choice by rows, in bf16 and fp16,
+plain and with bias and residual; q8, fp8 and q4 (groups of 32 and 128) weights on three tiles; at
+the row counts that cross the tiles' edges (1, 7, 16, 17, 64, 100, 1000). The kernels come from
+KILN_GEMM_KERNELS (`bench/gemm_gpu.py build DIR --tests-only` on a build machine) or are built here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gemm_gpu import TEST_ROWS, default_specs, kernel_specs, reference  # noqa: E402
+
+# one rounding of the output is 2^-8 (bf16) or 2^-11 (fp16) of its size; the sums' order differs
+# from torch's, which moves a value across a rounding edge now and then
+TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}
+# the kernels a build holds for every arch (the default's tiles differ by arch, not its name)
+CASES = sorted({(s["tile"], s["weight"], s["group"], s["bias"])
+                for s in kernel_specs(tests_only=True) + default_specs("sm_90", tests_only=True)})
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    import tvm
+    from kiln.runtime.model import enable_cuda_runtime
+    enable_cuda_runtime()
+    arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+    folder = Path(os.environ["KILN_GEMM_KERNELS"]) if os.environ.get("KILN_GEMM_KERNELS") else None
+    if folder is None:
+        folder = tmp_path_factory.mktemp("gemm")
+        subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_gpu.py"), "build", str(folder), "--arch", arch,
+                        "--tests-only"], check=True)
+    meta = json.loads((folder / "kernels.json").read_text())
+    return tvm.runtime.load_module(str(folder / "gemm_kernels.so")), meta["kernels"]
+
+
+def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
+    """(the kernel's weight tensors, W's float32 values, per-output scale or None) for a format."""
+    if weight == "float":
+        return None
+    if weight == "q8":
+        levels = torch.randint(-127, 128, (n, k), device="cuda", generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, device="cuda", generator=gen) * 0.01 + 1e-3
+        return [levels, scale], levels.float(), scale
+    if weight == "fp8":
+        values = (torch.randn(n, k, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
+        scale = torch.rand(n, device="cuda", generator=gen) * 0.01 + 1e-3
+        return [values, scale], values.float(), scale
+    nibbles = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.uint8)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)          # input k in byte k / 2, odd k high
+    scale = (torch.rand(k // group, n, device="cuda", generator=gen) * 0.01 + 1e-3).half()
+    values = (nibbles.float() - 8) * scale.float().repeat_interleave(group, dim=0).T
+    return [packed, scale], values, None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tile,weight,group,epilogue", CASES)
+def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, epilogue):
+    import torch
+    library, specs = kernels
+    torch_dtype = getattr(torch, dtype)
+    chosen = [s for s in specs if (s["dtype"], s["bias"], s["tile"], s["weight"], s["group"])
+              == (dtype, epilogue, tile, weight, group)]
+    assert chosen, f"the kernel library lacks {dtype} {weight}{group or ''} {tile} (bench/gemm_gpu.py build)"
+    for spec in chosen:
+        n, k = spec["n"], spec["k"]
+        func = library[spec["name"]]
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        stored = stored_weight(torch, weight, group, n, k, gen)
+        if stored is None:
+            w = torch.randn(n, k, device="cuda", generator=gen).to(torch_dtype) * 0.05
+            weights, values, scale = [w], w, None
+        else:
+            weights, values, scale = stored
+        bias = torch.randn(n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
+        for m in TEST_ROWS:
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch_dtype)
+            residual = torch.randn(m, n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
+            func(x, *weights, *[t for t in (bias, residual) if t is not None], y)
+            torch.cuda.synchronize()
+            want = reference(x, values, bias, residual, scale).float()
+            got = y.float()
+            assert torch.isfinite(got).all(), f"{spec['name']} left rows unwritten at M={m}"
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < TOLERANCE[dtype], f"{spec['name']} at M={m}: max error {err:.2e} of the largest output"

@@ -1,0 +1,70 @@
+"""Every tensor-core tile builds for sm_80, sm_89 and sm_90 with tensor-core instructions in its
+machine code, wide asynchronous copies, ldmatrix, and no register spills; the tuning table names
+only tiles that are built here. (Running them needs a GPU: tests/gpu/test_mma_gemm.py.)"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.build,
+              pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")]
+
+
+def nvdisasm() -> str | None:
+    try:
+        import nvidia
+        found = [p / "cu13" / "bin" / "nvdisasm" for p in map(Path, nvidia.__path__)]
+    except ImportError:
+        found = []
+    return next((str(p) for p in found if p.exists()), shutil.which("nvdisasm"))
+
+
+def test_tuning_table_names_built_tiles():
+    from kiln.codegen.mma_tuning import CANDIDATES, _table, parse_tile
+    for key, entry in _table().items():
+        assert [rows for rows, _ in entry][-1] == 0, f"{key}: the last tile must take every larger step"
+        for _, name in entry:
+            assert parse_tile(name) in CANDIDATES, f"{key}: {name} is not a candidate this test builds"
+
+
+def test_default_choices_are_candidates_for_the_llama_shapes():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from gemm_gpu import SHAPES
+    from kiln.codegen.mma_tuning import CANDIDATES, tiles_for
+    for n, k in [s for group in SHAPES.values() for s in group]:
+        tiles = tiles_for("sm_90", "bfloat16", n, k)
+        assert tiles and all(t in CANDIDATES for _, t in tiles), (n, k, tiles)
+        assert tiles[-1][0] == 0 and [r for r, _ in tiles[:-1]] == sorted(r for r, _ in tiles[:-1])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90"])
+def test_every_tile_builds_with_tensor_core_instructions(arch, tmp_path):
+    script = Path(__file__).with_name("build_mma.py")
+    out = subprocess.run([sys.executable, str(script), arch, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    source = tmp_path / "kernels.cu"
+    cubin = tmp_path / "kernels.cubin"
+    ptxas = subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", str(source), "-o", str(cubin)],
+                           capture_output=True, text=True)
+    assert ptxas.returncode == 0, ptxas.stderr[-3000:]
+    kernels = out.stdout.split()
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas.stderr)
+    assert len(spills) == len(kernels) and all(s == ("0", "0") for s in spills), ptxas.stderr
+    tool = nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    sass = subprocess.run([tool, str(cubin)], capture_output=True, text=True, check=True).stdout
+    parts = re.split(r"^\.text\.(\S+):$", sass, flags=re.M)[1:]
+    functions = dict(zip(parts[::2], parts[1::2]))
+    assert sorted(functions) == sorted(kernels)
+    for name, body in functions.items():
+        # fp16 inputs are HMMA's default: no type suffix
+        mma = r"HMMA\.16816\.F32 " if name.startswith("t_float16") else r"HMMA\.16816\.F32\.BF16 "
+        assert re.search(mma, body), f"{name}: no tensor-core instruction"
+        assert "LDGSTS.E.BYPASS.128" in body, f"{name}: no 16-byte asynchronous copy"
+        assert "LDSM.16.M88.4" in body, f"{name}: no ldmatrix"
