@@ -28,6 +28,7 @@ SHAPES = {"llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 143
 TEST_SHAPES = [(256, 512), (512, 256)]          # small shapes every candidate tile divides
 TEST_ROWS = (1, 7, 16, 17, 64, 100, 1000)
 QUANTISED = (("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128))     # weight formats the tests check
+EXPERTS = 4
 
 
 def kernel_specs(tests_only: bool) -> list[dict]:
@@ -55,6 +56,19 @@ def kernel_specs(tests_only: bool) -> list[dict]:
             for weight, group in QUANTISED:
                 for tile in (CANDIDATES[0], narrow, CANDIDATES[-4]):
                     add(n, k, dtype, True, True, tile.name, [(0, tile)], weight, group)
+    # a mixture of experts' grouped GEMMs (EXPERTS experts, rows sorted by expert): gathered rows
+    # without and weighted rows with each weight format, on a small-row tile and a large one
+    for dtype in ("bfloat16", "float16"):
+        for weight, group in (("float", 0),) + QUANTISED:
+            for tile in (CANDIDATES[0], CANDIDATES[-4]):
+                for gather in (True, False):
+                    n, k = TEST_SHAPES[0]
+                    form = "" if weight == "float" else f"_{weight}{group or ''}"
+                    rows = "gather" if gather else "weighted"
+                    specs.append({"name": f"experts_{dtype}{form}_{n}x{k}_{tile.name}_{rows}",
+                                  "n": n, "k": k, "dtype": dtype, "bias": False, "residual": False, "tile": tile.name,
+                                  "weight": weight, "group": group, "tiles": [[0, tile.name]], "experts": EXPERTS,
+                                  "gather": gather, "weighted": not gather})
     return specs
 
 
@@ -77,15 +91,19 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
     from kiln.targets.cuda import make_target
     target = make_target(arch)
     import tvm
-    from kiln.codegen.mma_gemm import mma_linear_kernel
+    from kiln.codegen.mma_gemm import mma_experts_kernel, mma_linear_kernel
     from kiln.codegen.mma_tuning import parse_tile
     specs = kernel_specs(tests_only) + default_specs(arch, tests_only)
     funcs = {}
     for spec in specs:
         tiles = [(rows, parse_tile(name)) for rows, name in spec["tiles"]]
         assert all(spec["n"] % t.bn == 0 and spec["k"] % t.bk == 0 for _, t in tiles), spec
-        func, _ = mma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles,
-                                    spec["weight"], spec["group"])
+        if spec.get("experts"):
+            func = mma_experts_kernel(spec["experts"], spec["n"], spec["k"], spec["dtype"], tiles, spec["weight"],
+                                      spec["group"], spec["gather"], spec["weighted"])
+        else:
+            func, _ = mma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles,
+                                        spec["weight"], spec["group"])
         funcs[spec["name"]] = func.with_attr("global_symbol", spec["name"])
     with target.tvm_target():
         library = tvm.tirx.build(tvm.IRModule(funcs), target=target.tvm_target())
@@ -151,7 +169,7 @@ def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     specs = [s for s in meta["kernels"] if not s["bias"] and s["dtype"] == "bfloat16" and s["weight"] == "float"
-             and (s["n"], s["k"]) not in
+             and not s.get("experts") and (s["n"], s["k"]) not in
              [tuple(t) for t in TEST_SHAPES]]
     shapes = sorted({(s["n"], s["k"]) for s in specs}, key=lambda s: -s[0] * s[1])
     for n, k in shapes:

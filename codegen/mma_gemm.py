@@ -13,7 +13,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .mma_source import CTYPES, TileConfig, kernel_source
+from .mma_source import CTYPES, TileConfig, experts_kernel_source, kernel_source
 
 ARCHS_WITH_MMA = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 
@@ -77,34 +77,51 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
         lines.append(f"    residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")")
     pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
         + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
-    for index, ((rows, tile), name) in enumerate(zip(tiles, names)):
-        last = index == len(tiles) - 1
-        keyword = "else:" if last else f"{'elif' if index else 'if'} m <= {rows}:"
-        branch = [] if last and index == 0 else [f"    {keyword}"]
-        lines += branch + _launch(name, tile, n_out, pointers, "        " if branch else "    ", weight)
+    lines += _dispatch(tiles, names, n_out, pointers, weight)
     text = "@T.prim_func\n" + "\n".join(lines) + "\n"
     func = tvm.script.from_source(text, extra_vars={"T": T, "SOURCES": sources})
     return func, names
 
 
-def with_kernel_below(small: tirx.PrimFunc, large: tirx.PrimFunc, rows: int) -> tirx.PrimFunc:
-    """One PrimFunc that runs `small` for steps of fewer than `rows` rows and `large` from there.
-    Both take the same tensors in the same order; `large` is a tensor-core kernel of this file
-    (its statements use only its tensors' pointers and their row count)."""
-    def row_count(func):
-        return func.buffer_map[func.params[0]].shape[0]
-    mapping = {row_count(large): row_count(small)}
-    for a, b in zip(large.params, small.params):
-        mapping[large.buffer_map[a].data] = small.buffer_map[b].data
-    large_body = tirx.stmt_functor.substitute(large.body, mapping)
-    condition = row_count(small) < rows
-    root = small.body
-    if isinstance(root, tirx.SBlockRealize):       # a scheduled kernel's root block keeps its buffers
-        block = root.block
-        body = tirx.IfThenElse(condition, block.body, large_body)
-        new_block = tirx.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
-                                block.alloc_buffers, block.match_buffers, block.annotations)
-        new_body = tirx.SBlockRealize(root.iter_values, root.predicate, new_block)
-    else:
-        new_body = tirx.IfThenElse(condition, root, large_body)
-    return small.with_body(new_body)
+def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: list[tuple[int, TileConfig]],
+                       weight: str, group_size: int, gather: bool, weighted: bool) -> tirx.PrimFunc:
+    """A mixture of experts' grouped GEMM on tensor cores (codegen/moe.py: the rows sorted by expert):
+    (x, [row_token], row_expert, w, [scale], [row_weight], y), y [rows, n_out]."""
+    form = "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
+    suffix = ("_gather" if gather else "") + ("_weighted" if weighted else "")
+    sources, names = {}, []
+    for _, tile in tiles:
+        name = f"kiln_mma_experts_{CTYPES[dtype][1]}{form}_e{experts}_{n_out}x{n_in}_{tile.name}{suffix}"
+        sources[name] = experts_kernel_source(name, dtype, tile, n_out, n_in, weight, group_size, gather, weighted)
+        names.append(name)
+    stored_in = n_in // 2 if weight == "q4" else n_in
+    params = ["var_x: T.handle"] + (["var_row_token: T.handle"] if gather else []) + ["var_row_expert: T.handle",
+              f"w: T.Buffer(({experts}, {n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
+    if weight in ("q8", "fp8"):
+        params.append(f"scale: T.Buffer(({experts}, {n_out}), \"float32\")")
+    elif weight == "q4":
+        params.append(f"scale: T.Buffer(({experts}, {n_in // group_size}, {n_out}), \"float16\")")
+    params += (["var_row_weight: T.handle"] if weighted else []) + ["var_y: T.handle"]
+    lines = [f"def main({', '.join(params)}):",
+             "    T.func_attr({\"tirx.noalias\": True})",
+             "    m = T.int64()",
+             f"    x = T.match_buffer(var_x, ({'T.int64()' if gather else 'm'}, {n_in}), \"{dtype}\")",
+             "    row_expert = T.match_buffer(var_row_expert, (m,), \"int32\")",
+             f"    y = T.match_buffer(var_y, (m, {n_out}), \"{dtype}\")"]
+    lines += ["    row_token = T.match_buffer(var_row_token, (m,), \"int32\")"] if gather else []
+    lines += ["    row_weight = T.match_buffer(var_row_weight, (m,), \"float32\")"] if weighted else []
+    pointers = ["x.data"] + (["row_token.data"] if gather else []) + ["row_expert.data", "w.data"] \
+        + (["scale.data"] if weight != "float" else []) + (["row_weight.data"] if weighted else []) + ["y.data"]
+    lines += _dispatch(tiles, names, n_out, pointers, weight)
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines) + "\n", extra_vars={"T": T, "SOURCES": sources})
+
+
+def _dispatch(tiles, names, n_out: int, pointers: list[str], weight: str) -> list[str]:
+    """The host side: the first tile whose rows bound covers the step's rows m, the last for the rest."""
+    lines = []
+    for index, ((rows, tile), name) in enumerate(zip(tiles, names)):
+        last = index == len(tiles) - 1
+        keyword = "else:" if last else f"{'elif' if index else 'if'} m <= {rows}:"
+        branch = [] if last and index == 0 else [f"    {keyword}"]
+        lines += branch + _launch(name, tile, n_out, pointers, "        " if branch else "    ", weight)
+    return lines

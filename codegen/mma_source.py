@@ -130,7 +130,8 @@ __device__ __forceinline__ void load_bytes(unsigned char* tile, const unsigned c
 }
 
 // two stored weights (inputs k, k + 1 of one output) as the activations' type, packed for mma.sync;
-// every conversion is exact: levels are small integers, e4m3 values have 4 significant bits
+// every conversion is exact: levels are small integers, e4m3 values have 4 significant bits within
+// both types' range
 template <typename T> __device__ __forceinline__ unsigned pack(float lo, float hi);
 template <> __device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -140,8 +141,19 @@ template <> __device__ __forceinline__ unsigned pack<__half>(float lo, float hi)
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&v);
 }
-__device__ __forceinline__ float e4m3(unsigned b) {      // sign, exponent bias 7, subnormals by the same shift
-  return __uint_as_float(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
+// e4m3 pair (bits 0-7, 8-15): each byte's exponent and mantissa moved under T's (exponent bias 15 for
+// half, 127 for bf16, against e4m3's 7), then one packed multiply by 2^8 or 2^120 restores the value,
+// subnormals included
+template <typename T> __device__ __forceinline__ unsigned fp8_pair(unsigned u);
+template <> __device__ __forceinline__ unsigned fp8_pair<__half>(unsigned u) {
+  unsigned r = ((u & 0x7Fu) << 7) | ((u & 0x80u) << 8) | ((u & 0x7F00u) << 15) | ((u & 0x8000u) << 16);
+  __half2 v = __hmul2(*reinterpret_cast<__half2*>(&r), __half2half2(__float2half_rn(256.f)));
+  return *reinterpret_cast<unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned fp8_pair<__nv_bfloat16>(unsigned u) {
+  unsigned r = ((u & 0x7Fu) << 4) | ((u & 0x80u) << 8) | ((u & 0x7F00u) << 12) | ((u & 0x8000u) << 16);
+  __nv_bfloat162 v = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&r), __bfloat162bfloat162(__float2bfloat16_rn(0x1p120f)));
+  return *reinterpret_cast<unsigned*>(&v);
 }
 // small integers u0, u1 < 128 (bits 0-7 and 16-23 of u) minus `bias`, packed as T: OR-ing them into the
 // mantissa of 1024 (half) or 128 (bf16) makes 1024 + u exactly, and one packed subtraction the rest
@@ -173,7 +185,7 @@ template <typename T, int WFMT> __device__ __forceinline__ unsigned weight_pair(
   } else if constexpr (WFMT == 1) {
     return q8_pair<T>(*reinterpret_cast<const unsigned short*>(p));
   } else {
-    return pack<T>(e4m3(p[0]), e4m3(p[1]));
+    return fp8_pair<T>(*reinterpret_cast<const unsigned short*>(p));
   }
 }
 
@@ -185,27 +197,39 @@ template <int BK> __device__ __forceinline__ int swizzled(int row, int chunk) {
 }
 
 // rows [row0, row0 + ROWS) x inputs [k0, k0 + BK) of a row-major [*, K] matrix into a swizzled tile;
-// rows at or past `rows` are zero-filled
+// rows at or past `rows` are zero-filled, and with `row_expert` the rows of other experts than
+// `expert`; with `row_token` row r reads source row row_token[r]
 template <int ROWS, int BK, int THREADS, typename T>
-__device__ __forceinline__ void load_tile(T* tile, const T* src, int row0, int rows, int K, int k0) {
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int row0, int rows, int K, int k0,
+                                          const int* row_token = nullptr, const int* row_expert = nullptr,
+                                          int expert = 0) {
   constexpr int CHUNKS = BK / 8;
 #pragma unroll
   for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
     int row = i / CHUNKS, chunk = i % CHUNKS;
-    bool inside = row0 + row < rows;
-    const T* from = src + (size_t)(inside ? row0 + row : 0) * K + k0 + chunk * 8;
+    bool inside = row0 + row < rows && (row_expert == nullptr || row_expert[row0 + row] == expert);
+    int source = !inside ? 0 : row_token ? row_token[row0 + row] : row0 + row;
+    const T* from = src + (size_t)source * K + k0 + chunk * 8;
     copy16(shared_address(tile + swizzled<BK>(row, chunk)), from, inside ? 16 : 0);
   }
 }
 
 // WFMT 0: w is T [N, K]; 1: int8 levels [N, K] and 2: e4m3 [N, K], each times scale[n] (float32) in the
 // epilogue; 3: q4 nibbles [N, K / 2] (input k in byte k / 2, high nibble when k is odd, level = nibble
-// - 8), each group of G inputs summed apart and then times scale[k / G, n] (half)
-template <typename T, int WFMT, int G, int BM, int BN, int BK, int WM, int WN, int STAGES, bool BIAS, bool RESIDUAL>
+// - 8), each group of G inputs summed apart and then times scale[k / G, n] (half).
+// EXPERTS (a mixture of experts' grouped GEMM, rows sorted by expert): row r multiplies expert
+// row_expert[r]'s weights ([E, N, K'] and scales [E, ...]); a block whose rows span several experts
+// runs one pass per expert with the other rows zeroed, each pass's sums scaled by its expert's
+// scales. With row_token row r reads x[row_token[r]]; with row_weight its output, rounded, is
+// multiplied by row_weight[r] and rounded again.
+template <typename T, int WFMT, int G, int BM, int BN, int BK, int WM, int WN, int STAGES, bool BIAS, bool RESIDUAL,
+          bool EXPERTS = false>
 __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __restrict__ w_any,
                                      const void* __restrict__ scale_any, const T* __restrict__ bias,
                                      const T* __restrict__ residual, T* __restrict__ y, int M, int N, int K,
-                                     unsigned char* shared) {
+                                     unsigned char* shared, const int* __restrict__ row_token = nullptr,
+                                     const int* __restrict__ row_expert = nullptr,
+                                     const float* __restrict__ row_weight = nullptr) {
   constexpr int THREADS = 32 * WM * WN;
   constexpr int MT = BM / WM / 16;             // 16-row fragments per warp
   constexpr int NT = BN / WN / 8;              // 8-column fragments per warp
@@ -214,9 +238,9 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
   constexpr int W_STRIDE = WFMT == 0 ? W_ROW : W_ROW + 16;    // quantised rows padded against bank conflicts
   T* a_tiles = reinterpret_cast<T*>(shared);
   unsigned char* b_tiles = shared + STAGES * BM * BK * sizeof(T);
-  const T* w = static_cast<const T*>(w_any);
-  const unsigned char* w_bytes = static_cast<const unsigned char*>(w_any);
   const size_t w_pitch = (size_t)K * W_BITS / 8;
+  // a pass's sums are scaled apart: q4 by group, an expert's q8 / fp8 by expert
+  constexpr bool GROUPED = WFMT == 3 || (EXPERTS && WFMT != 0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = (warp / WN) * (BM / WM), warp_col = (warp % WN) * (BN / WN);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
@@ -230,17 +254,27 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = group[i][j][e] = 0.f;
 
-  auto load = [&](int slot, int tile) {
-    load_tile<BM, BK, THREADS>(a_tiles + slot * BM * BK, x, m0, M, K, tile * BK);
-    if constexpr (WFMT == 0)
-      load_tile<BN, BK, THREADS>(reinterpret_cast<T*>(b_tiles) + slot * BN * BK, w, n0, N, K, tile * BK);
-    else
-      load_bytes<BN, W_ROW, W_STRIDE, THREADS>(b_tiles + slot * BN * W_STRIDE, w_bytes, n0, w_pitch,
-                                               (size_t)tile * W_ROW);
-  };
+  int expert = EXPERTS ? row_expert[m0] : 0;
+  const int last_row = min(m0 + BM, M) - 1;
+  for (;;) {                                   // one pass per expert among the block's rows
+  const unsigned char* w_bytes = static_cast<const unsigned char*>(w_any) + (size_t)expert * N * w_pitch;
+  const T* w = reinterpret_cast<const T*>(w_bytes);
+  const void* scale_of = static_cast<const unsigned char*>(scale_any) +
+      (WFMT == 3 ? (size_t)expert * (K / G) * N * 2 : (size_t)expert * N * 4);
+// a pipeline stage: tile `tile` of x's rows and of the weights into slot `slot`
+#define KILN_MMA_LOAD(slot, tile)                                                                              \
+  do {                                                                                                         \
+    load_tile<BM, BK, THREADS>(a_tiles + (slot) * BM * BK, x, m0, M, K, (tile) * BK, row_token,                \
+                               EXPERTS ? row_expert : nullptr, expert);                                        \
+    if constexpr (WFMT == 0)                                                                                   \
+      load_tile<BN, BK, THREADS>(reinterpret_cast<T*>(b_tiles) + (slot) * BN * BK, w, n0, N, K, (tile) * BK);   \
+    else                                                                                                       \
+      load_bytes<BN, W_ROW, W_STRIDE, THREADS>(b_tiles + (slot) * BN * W_STRIDE, w_bytes, n0, w_pitch,         \
+                                               (size_t)(tile) * W_ROW);                                        \
+  } while (0)
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < tiles) load(s, s);
+    if (s < tiles) KILN_MMA_LOAD(s, s);
     commit();                                  // one group per stage, empty or not: wait counts groups
   }
 
@@ -248,7 +282,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
     wait<STAGES - 2>();                        // tile t has landed
     __syncthreads();                           // ... for every thread, and tile t - 1 is consumed
     const int next = t + STAGES - 1;
-    if (next < tiles) load(next % STAGES, next);
+    if (next < tiles) KILN_MMA_LOAD(next % STAGES, next);
     commit();
     const T* a_tile = a_tiles + (t % STAGES) * BM * BK;
     const unsigned char* b_tile = b_tiles + (t % STAGES) * BN * W_STRIDE;
@@ -279,11 +313,11 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < NT; ++j) mma<T>(WFMT == 3 ? group[i][j] : acc[i][j], a[i], b[j]);
+        for (int j = 0; j < NT; ++j) mma<T>(GROUPED ? group[i][j] : acc[i][j], a[i], b[j]);
       if constexpr (WFMT == 3) {
         const int k_end = t * BK + (kk + 1) * 16;
         if (k_end % G == 0) {                  // the group ends: its sums times its scales
-          const __half* scale = static_cast<const __half*>(scale_any) + (size_t)(k_end / G - 1) * N;
+          const __half* scale = static_cast<const __half*>(scale_of) + (size_t)(k_end / G - 1) * N;
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
             const int col = n0 + warp_col + j * 8 + (lane % 4) * 2;
@@ -301,6 +335,28 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
     }
   }
   wait<0>();
+  if constexpr (EXPERTS && (WFMT == 1 || WFMT == 2)) {     // the expert's sums times its scales
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int col = n0 + warp_col + j * 8 + (lane % 4) * 2;
+      const float s0 = static_cast<const float*>(scale_of)[col], s1 = static_cast<const float*>(scale_of)[col + 1];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[i][j][e] += group[i][j][e] * (e % 2 ? s1 : s0);
+          group[i][j][e] = 0.f;
+        }
+    }
+  }
+  if constexpr (!EXPERTS) break;
+  int next = 0x7fffffff;                       // the next expert among the block's rows (sorted)
+  for (int r = m0; r <= last_row; ++r)
+    if (row_expert[r] > expert && row_expert[r] < next) next = row_expert[r];
+  if (next == 0x7fffffff) break;
+  expert = next;
+  __syncthreads();                             // every warp is done with the slots the next pass fills
+  }
 
   // fragment element e of (i, j): row + 8 * (e / 2), column + e % 2
 #pragma unroll
@@ -316,9 +372,10 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float v = acc[i][j][half * 2 + e];
-            if constexpr (WFMT == 1 || WFMT == 2) v *= static_cast<const float*>(scale_any)[col + e];
+            if constexpr (!EXPERTS && (WFMT == 1 || WFMT == 2)) v *= static_cast<const float*>(scale_any)[col + e];
             if (BIAS) v += to_float(bias[col + e]);
             out[e] = from_float<T>(v);
+            if (row_weight) out[e] = from_float<T>(to_float(out[e]) * row_weight[row]);
             if (RESIDUAL) out[e] = from_float<T>(to_float(out[e]) + to_float(residual[(size_t)row * N + col + e]));
           }
           *reinterpret_cast<unsigned*>(y + (size_t)row * N + col) = *reinterpret_cast<unsigned*>(out);
@@ -347,5 +404,25 @@ def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int
             "static_cast<unsigned char*>(shared)"]
     template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
                 f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}>")
+    return (HELPERS + f"\n__device__ __forceinline__ void {name}({', '.join(params)}) {{\n"
+            f"  {template}({', '.join(args)});\n}}\n")
+
+
+def experts_kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int, weight: str,
+                          group_size: int, gather: bool, weighted: bool) -> str:
+    """The device function `name`(x, [row_token], row_expert, w, [scale], [row_weight], y, M, shared)
+    of a mixture of experts' grouped GEMM (codegen/moe.py): rows sorted by expert."""
+    tile.check()
+    ctype = CTYPES[dtype][0]
+    scaled = weight != "float"
+    params = ["const void* x"] + (["const void* row_token"] if gather else []) + ["const void* row_expert", "const void* w"] \
+        + (["const void* scale"] if scaled else []) + (["const void* row_weight"] if weighted else []) \
+        + ["void* y", "int M", "void* shared"]
+    args = [f"static_cast<const {ctype}*>(x)", "w", "scale" if scaled else "nullptr", "nullptr", "nullptr",
+            f"static_cast<{ctype}*>(y)", "M", str(n_out), str(n_in), "static_cast<unsigned char*>(shared)",
+            "static_cast<const int*>(row_token)" if gather else "nullptr", "static_cast<const int*>(row_expert)",
+            "static_cast<const float*>(row_weight)" if weighted else "nullptr"]
+    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
+                f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, false, false, true>")
     return (HELPERS + f"\n__device__ __forceinline__ void {name}({', '.join(params)}) {{\n"
             f"  {template}({', '.join(args)});\n}}\n")

@@ -11,7 +11,8 @@ and writes its dense routing row. moe_experts is four steps:
   4. combine   out[t] = sum of y[token_rows[t, :]] in float32, rounded once
 Steps 2 and 3 are grouped GEMMs: only the chosen experts' weights are read (a decode step of one
 token reads k experts), and rows of one expert are adjacent, so on the CPU a tile of rows reads
-each block of its expert's packed weight panel once (codegen/linear.py schedule_packed). Rows
+each block of its expert's packed weight panel once (codegen/linear.py schedule_packed), and on
+CUDA a thread block multiplies its rows on tensor cores once per expert among them. Rows
 past the routed ones (a token routed to fewer than k experts) repeat the last row's expert with
 weight 0, so they read no other expert's weights and add nothing.
 """
@@ -25,7 +26,7 @@ from tvm.script import tirx as T
 from kiln.codegen.layouts import packed_block
 
 from .elementwise import gated
-from .linear import WeightFormat, schedule_packed
+from .linear import WeightFormat, mma_tiles, schedule_packed
 
 LOWEST = -3.0e38
 
@@ -278,7 +279,8 @@ def combine_kernel(hidden: int, top_k: int, dtype: str, gpu: bool):
 
 def _gemm_kernel(ctx, name: str, args: list, n_out: int, n_in: int, layout: str, dtype: str, fmt: WeightFormat,
                  gather: bool, weighted: bool):
-    """Emit one grouped GEMM: kiln's packed CPU kernel, or a TE kernel that dlight schedules.
+    """Emit one grouped GEMM: kiln's packed CPU kernel, the tensor-core kernel on CUDA
+    (codegen/mma_gemm.py), or a TE kernel that dlight schedules.
     args: x, [row_token,] row_expert, w, [scale,] [row_weight]."""
     nb = packed_block(layout)
 
@@ -291,6 +293,14 @@ def _gemm_kernel(ctx, name: str, args: list, n_out: int, n_in: int, layout: str,
         row_weight = next(it) if weighted else None
         return _grouped_gemm(x, rows, w, scale, row_weight, n_out, n_in, nb, dtype, fmt, gather)
     n_rows = args[2 if gather else 1].ty.shape[0]
+    weight_arg = args[3 if gather else 2]
+    experts = int(weight_arg.ty.shape[0])
+    tiles = mma_tiles(ctx.target, dtype, weight_arg.ty.dtype, fmt, n_out, n_in) if nb is None else None
+    if tiles:
+        from .mma_gemm import mma_experts_kernel
+        func = mma_experts_kernel(experts, n_out, n_in, dtype, tiles, fmt.kind, fmt.group_size, gather, weighted)
+        gv = ctx.add_kernel(func, f"{name}_mma{fmt.suffix}_e{experts}_{n_out}x{n_in}_{dtype}", scheduled=True)
+        return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((n_rows, n_out), dtype)))
     if nb is None:
         return ctx.bb.emit_te(build, *args, primfunc_name_hint=name)
     # the kernel's own placeholders: x [tokens (gathered) or rows, n_in], the row vectors [rows],
@@ -302,7 +312,6 @@ def _gemm_kernel(ctx, name: str, args: list, n_out: int, n_in: int, layout: str,
     shapes += [(rows,)] * weighted
     placeholders = [te.placeholder(shape, a.ty.dtype, name=f"in{i}") for i, (shape, a) in enumerate(zip(shapes, args))]
     func = schedule_packed(te.create_prim_func([*placeholders, build(*placeholders)]), n_in, nb)
-    experts = int(args[1 + index_args].ty.shape[0])
     gv = ctx.add_kernel(func, f"{name}{fmt.suffix}_e{experts}_packed{nb}_{n_out}x{n_in}_{dtype}")
     return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((n_rows, n_out), dtype)))
 

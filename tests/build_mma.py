@@ -27,6 +27,14 @@ def main(arch: str, out: Path) -> None:
         name = f"t_{dtype}_{weight}{group or ''}_{tile.name}" + ("_epilogue" if epilogue else "")
         func, _ = mma_linear_kernel(512, 512, dtype, epilogue, epilogue, [(0, tile)], weight, group)
         funcs[name] = func.with_attr("global_symbol", name)
+    # a mixture of experts' grouped GEMMs: gathered rows, weighted rows, each weight format
+    from kiln.codegen.mma_gemm import mma_experts_kernel
+    for dtype, weight, group, gather in (("bfloat16", "float", 0, True), ("float16", "float", 0, False),
+                                         ("float16", "q8", 0, True), ("bfloat16", "fp8", 0, False),
+                                         ("float16", "q4", 32, True), ("bfloat16", "q4", 128, False)):
+        name = f"t_{dtype}_{weight}{group or ''}_experts" + ("_gather" if gather else "_weighted")
+        func = mma_experts_kernel(8, 512, 512, dtype, [(0, CANDIDATES[0])], weight, group, gather, not gather)
+        funcs[name] = func.with_attr("global_symbol", name)
     with target.tvm_target():
         library = tvm.tirx.build(tvm.IRModule(funcs), target=target.tvm_target())
     (out / "kernels.cu").write_text(library.imports[0].inspect_source())

@@ -93,3 +93,51 @@ def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, e
             assert torch.isfinite(got).all(), f"{spec['name']} left rows unwritten at M={m}"
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err < TOLERANCE[dtype], f"{spec['name']} at M={m}: max error {err:.2e} of the largest output"
+
+
+EXPERT_CASES = sorted({(s["tile"], s["weight"], s["group"], s["gather"])
+                       for s in kernel_specs(tests_only=True) if s.get("experts")})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tile,weight,group,gather", EXPERT_CASES)
+def test_experts_kernel_matches_each_rows_expert(kernels, dtype, tile, weight, group, gather):
+    """A mixture of experts' grouped GEMM: rows sorted by expert (some experts absent, one block's
+    rows spanning several), gathered rows read x[row_token], weighted rows are scaled after rounding."""
+    import torch
+    library, specs = kernels
+    torch_dtype = getattr(torch, dtype)
+    spec = next(s for s in specs if s.get("experts") and (s["dtype"], s["tile"], s["weight"], s["group"], s["gather"])
+                == (dtype, tile, weight, group, gather))
+    n, k, experts = spec["n"], spec["k"], spec["experts"]
+    func = library[spec["name"]]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    per_expert = [stored_weight(torch, weight, group, n, k, gen) for _ in range(experts)]
+    if weight == "float":
+        ws = [torch.randn(n, k, device="cuda", generator=gen).to(torch_dtype) * 0.05 for _ in range(experts)]
+        weights, values, scales = [torch.stack(ws)], ws, [None] * experts
+    else:
+        weights = [torch.stack([p[0][i] for p in per_expert]) for i in range(2)]
+        values, scales = [p[1] for p in per_expert], [p[2] for p in per_expert]
+    for m in TEST_ROWS:
+        row_expert = torch.sort(torch.randint(0, experts - 1, (m,), device="cuda", generator=gen)).values.int()
+        tokens = max(1, m // 2)
+        row_token = torch.randint(0, tokens, (m,), device="cuda", generator=gen).int()
+        row_weight = torch.rand(m, device="cuda", generator=gen)
+        x = torch.randn(tokens if gather else m, k, device="cuda", generator=gen).to(torch_dtype)
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
+        args = [x] + ([row_token] if gather else []) + [row_expert, *weights] + ([] if gather else [row_weight]) + [y]
+        func(*args)
+        torch.cuda.synchronize()
+        rows = x[row_token.long()] if gather else x
+        want = torch.empty(m, n, device="cuda")
+        for e in range(experts):
+            mine = row_expert == e
+            out = reference(rows[mine], values[e], None, None, scales[e])
+            if not gather:
+                out = (out.float() * row_weight[mine, None]).to(torch_dtype)
+            want[mine] = out.float()
+        got = y.float()
+        assert torch.isfinite(got).all(), f"{spec['name']} left rows unwritten at M={m}"
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < TOLERANCE[dtype], f"{spec['name']} at M={m}: max error {err:.2e} of the largest output"
