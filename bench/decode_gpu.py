@@ -97,7 +97,8 @@ def hf_decode(torch, transformers, config: dict, dtype, prompts, new_tokens: int
     """HF decode tok/s (generate with and without the decode tokens, the difference), or None."""
     try:
         cfg = transformers.AutoConfig.for_model(**config)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).cuda().eval()
+        with torch.device("cuda"):          # initialised where it runs: an 8B model on the CPU takes minutes
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
         kwargs = {}
         if compiled:
             model.generation_config.cache_implementation = "static"

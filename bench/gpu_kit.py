@@ -3,7 +3,8 @@
     python bench/gpu_kit.py [--out build/gpu-kit] [--shapes llama-3.2-1b llama-3.1-8b]
                             [--modes bfloat16 q8 q4 fp8] [--arch sm_90] [--serve]
     python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
-    python bench/gpu_kit.py --gemm --out build/gpu-kit-gemm --modes bfloat16 q4
+    python bench/gpu_kit.py --gemm [--out build/gpu-kit-gemm] --shapes llama-3.2-1b llama-3.1-8b
+                            mixtral-8x7b-4l --modes bfloat16 q4
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
 internet, and takes at most 64 MiB per transfer, so nothing big travels:
@@ -28,7 +29,7 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         tests and, after the weights, serve (bench/serve_gpu.py on the first
                         shape's bfloat16 artifact); with --gemm gemm (bench/gemm_gpu.py run, which
                         writes $OUT/mma_tuning.json) after the tests and prefill (bench/prefill_gpu.py
-                        on each bfloat16 artifact) last; $STAGES picks others; results go to $OUT
+                        on each bfloat16 artifact) before the decode; $STAGES picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -101,12 +102,12 @@ stage_serve() {        # kiln serve under load on the first shape's bfloat16 art
     ${SERVE_ARGS:---concurrency 1,8,32 --num-prompts 32} 2>&1 | tee $OUT/serve_gpu.md
 }
 stage_gemm() {         # kiln's tensor-core tiles beside cuBLAS; the fastest per shape as codegen's table
-  within ${GEMM_SECONDS:-200} python3 bench/gemm_gpu.py run $KIT/gemm --write-table $OUT/mma_tuning.json \
+  within ${GEMM_SECONDS:-150} python3 bench/gemm_gpu.py run $KIT/gemm --write-table $OUT/mma_tuning.json \
     ${GEMM_ARGS:-} 2>&1 | tee $OUT/gemm_gpu.md
 }
 stage_prefill() {      # TTFT of 512 / 2048 / 8192-token prompts beside HF eager, each bfloat16 artifact
   for d in $(artifacts | grep /bfloat16/); do
-    within ${PREFILL_SECONDS:-100} python3 bench/prefill_gpu.py $d ${PREFILL_ARGS:-} 2>&1 | tee -a $OUT/prefill_gpu.md
+    within ${PREFILL_SECONDS:-70} python3 bench/prefill_gpu.py $d ${PREFILL_ARGS:-} 2>&1 | tee -a $OUT/prefill_gpu.md
   done
 }
 stage_decode() {
@@ -116,7 +117,7 @@ stage_decode() {
 for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
 STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve decode",
-          "gemm": "tests gemm weights decode prefill"}
+          "gemm": "tests gemm weights prefill decode"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -208,7 +209,8 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true",
                     help="add the tensor-core GEMM kernels (bench/gemm_gpu.py build) and the gemm and prefill stages")
     args = ap.parse_args()
-    out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit")
+    out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit-gemm" if args.gemm
+                                 else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
 
     if args.serve and "bfloat16" not in args.modes:

@@ -35,11 +35,20 @@ def kiln_ttft(llm, length: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def hf_ttft(torch, transformers, config: dict, dtype, length: int, repeats: int) -> float | None:
+def hf_model(torch, transformers, config: dict, dtype):
+    """HF's model of the artifact's config, random weights, SDPA attention, built on the GPU."""
     try:
         cfg = transformers.AutoConfig.for_model(**config, attn_implementation="sdpa")
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).cuda().eval()
-        ids = torch.randint(10, cfg.vocab_size - 10, (1, length), device="cuda")
+        with torch.device("cuda"):
+            return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    except Exception as e:
+        print(f"  HF failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def hf_ttft(torch, model, length: int, repeats: int) -> float | None:
+    try:
+        ids = torch.randint(10, model.config.vocab_size - 10, (1, length), device="cuda")
         times = []
         with torch.no_grad():
             for i in range(repeats + 1):
@@ -49,13 +58,10 @@ def hf_ttft(torch, transformers, config: dict, dtype, length: int, repeats: int)
                 torch.cuda.synchronize()
                 if i:
                     times.append(time.perf_counter() - t0)
-        del model
         return statistics.median(times)
     except Exception as e:
         print(f"  HF failed at {length}: {type(e).__name__}: {str(e)[:200]}")
         return None
-    finally:
-        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -75,21 +81,31 @@ def main() -> None:
     if lengths != args.lengths:
         print(f"(prompts of {manifest['max_context']} tokens or more skipped: the artifact's context)")
     llm = LLM(str(args.artifact), size_kv_for=max(lengths) + 16, max_batched_tokens=args.chunk)
-    params = sum(int(np.prod(w["shape"])) for w in manifest["weights"] if not w["param"].startswith(
-        "model.embed_tokens"))
+    # every weight but the embedding is read once per token: the linears' FLOPs (not for a mixture,
+    # whose tokens each use k of its experts)
+    moe = any("experts" in w["param"] for w in manifest["weights"])
+    params = 0 if moe else sum(int(np.prod(w["shape"])) for w in manifest["weights"]
+                               if not w["param"].startswith("model.embed_tokens"))
     config = None if args.no_hf else hf_config(args.artifact)
     dtype = getattr(torch, manifest["dtype"])
     print(f"# {args.artifact}: {torch.cuda.get_device_name()}, {manifest['dtype']}, "
           f"weights {manifest['quantization']['weights']}, prefill chunks of {args.chunk} tokens\n")
-    print("| prompt | kiln TTFT ms | kiln tok/s | kiln linear TFLOP/s | HF eager (SDPA) ms | kiln / HF speed |")
+    kiln_times = {}
+    for length in lengths:                 # said as measured: a stage cut short keeps what it has
+        kiln_times[length] = kiln_ttft(llm, length, args.repeats)
+        print(f"kiln TTFT at {length} tokens: {kiln_times[length] * 1e3:.1f} ms", flush=True)
+    del llm                    # its KV pages and weights leave room for HF's model
+    hf_times = {}
+    if config is not None:
+        import transformers
+        model = hf_model(torch, transformers, config, dtype)
+        hf_times = {n: hf_ttft(torch, model, n, args.repeats) for n in lengths} if model is not None else {}
+    print("\n| prompt | kiln TTFT ms | kiln tok/s | kiln linear TFLOP/s | HF eager (SDPA) ms | kiln / HF speed |")
     print("|---|---|---|---|---|---|")
     for length in lengths:
-        kiln = kiln_ttft(llm, length, args.repeats)
-        hf = None
-        if config is not None:
-            import transformers
-            hf = hf_ttft(torch, transformers, config, dtype, length, args.repeats)
-        print(f"| {length} | {kiln * 1e3:.1f} | {length / kiln:.0f} | {2 * params * length / kiln / 1e12:.1f} | "
+        kiln, hf = kiln_times[length], hf_times.get(length)
+        flops = f"{2 * params * length / kiln / 1e12:.1f}" if params else ""
+        print(f"| {length} | {kiln * 1e3:.1f} | {length / kiln:.0f} | {flops} | "
               f"{'' if hf is None else f'{hf * 1e3:.1f}'} | {'' if hf is None else f'{hf / kiln:.2f}×'} |",
               flush=True)
 

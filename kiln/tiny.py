@@ -161,8 +161,13 @@ PRESETS = {
     "mixtral-small": ("mixtral", dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
                                       num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
                                       max_position_embeddings=32768, rope_theta=1000000.0)),
+    # Mixtral 8x7B's layer shape (8 experts of 4096 x 14336, top 2) in 4 of its 32 layers: a GPU's
+    # MoE benchmark that fits one device (issue 29)
+    "mixtral-8x7b-4l": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                                        max_position_embeddings=32768, rope_theta=1000000.0)),
 }
-STREAMED = {"llama-3.1-8b", "gemma-2-2b", "qwen3-1.7b", "deepseek-v2-lite-4l", "mixtral-small"}
+STREAMED = {"llama-3.1-8b", "gemma-2-2b", "qwen3-1.7b", "deepseek-v2-lite-4l", "mixtral-small", "mixtral-8x7b-4l"}
 
 LOGIT_STD = 4.0   # target std of the logits of a normalised hidden state
 

@@ -147,6 +147,31 @@ def test_padded_graph_steps_match_unpadded_steps(artifact):
             lens[i] += 1
 
 
+def test_wide_decode_steps_take_the_wide_entries(artifact):
+    """From decode_mma_from sequences decode steps run the wide entries (on CUDA their linears are
+    tensor-core GEMMs): padded through the graph buffers up to the largest bucket, unpadded beyond;
+    here the mixed entry stands in for them, and each real sequence gets the logits it gets alone."""
+    from kiln.runtime.model import WIDE_GRAPH_ENTRY
+    plain, padded = open_model(artifact), graph_emulating(artifact, (2, 4))
+    padded.entries[WIDE_GRAPH_ENTRY] = padded.entries["decode_wide"] = padded.entries["mixed"]
+    padded.decode_mma_from = 3
+    padded.allocate_kv(32 * padded.bytes_per_page)
+    prompts = [random_prompt(n, 50 + n) for n in (7, 19, 33, 12, 5)]
+    pages = [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9], [10, 11]]
+    first = make_step_inputs([(p, 0, pg) for p, pg in zip(prompts, pages)], plain.page_size)
+    np.testing.assert_allclose(padded.forward(first), plain.forward(first), rtol=1e-5, atol=1e-5)
+    lens = [len(p) for p in prompts]
+    for step, live in enumerate([2, 3, 4, 5, 1]):
+        inputs = make_step_inputs([([7 + step], lens[i], pages[i]) for i in range(live)], plain.page_size)
+        want_kind = "decode_graph" if live < 3 else WIDE_GRAPH_ENTRY if live <= 4 else "decode_wide"
+        assert padded.step_kind(inputs) == want_kind
+        got, want = padded.forward(inputs), plain.forward(inputs)
+        assert got.shape == want.shape == (live, plain.vocab_size)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        for i in range(live):
+            lens[i] += 1
+
+
 def test_pad_decode_step_points_padding_at_the_scratch_page():
     from kiln.runtime.step import pad_decode_step
     step = make_step_inputs([([5], 20, [3, 9]), ([6], 3, [4])], 16)

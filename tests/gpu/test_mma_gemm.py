@@ -43,6 +43,16 @@ def kernels(tmp_path_factory):
     return tvm.runtime.load_module(str(folder / "gemm_kernels.so")), meta["kernels"]
 
 
+def arg(torch, t):
+    """A kernel argument: torch tensors pass by DLPack, but float8 ones may not (older exporters), so
+    those go as TVM views of their bytes."""
+    if t.dtype != torch.float8_e4m3fn:
+        return t
+    import tvm
+    raw = tvm.runtime.tensor(t.view(torch.uint8).cpu().numpy(), tvm.cuda(0))
+    return raw._create_view(tuple(t.shape), "float8_e4m3fn")
+
+
 def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
     """(the kernel's weight tensors, W's float32 values, per-output scale or None) for a format."""
     if weight == "float":
@@ -86,7 +96,7 @@ def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, e
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch_dtype)
             residual = torch.randn(m, n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
             y = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
-            func(x, *weights, *[t for t in (bias, residual) if t is not None], y)
+            func(x, *[arg(torch, t) for t in weights], *[t for t in (bias, residual) if t is not None], y)
             torch.cuda.synchronize()
             want = reference(x, values, bias, residual, scale).float()
             got = y.float()
@@ -126,7 +136,8 @@ def test_experts_kernel_matches_each_rows_expert(kernels, dtype, tile, weight, g
         row_weight = torch.rand(m, device="cuda", generator=gen)
         x = torch.randn(tokens if gather else m, k, device="cuda", generator=gen).to(torch_dtype)
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
-        args = [x] + ([row_token] if gather else []) + [row_expert, *weights] + ([] if gather else [row_weight]) + [y]
+        args = [x] + ([row_token] if gather else []) + [row_expert, *[arg(torch, t) for t in weights]] \
+            + ([] if gather else [row_weight]) + [y]
         func(*args)
         torch.cuda.synchronize()
         rows = x[row_token.long()] if gather else x
