@@ -70,14 +70,8 @@ def weight_row_stride(weight: str, bk: int) -> int:
     bits = WEIGHT_CODES[weight][1]
     return bk * bits // 8 + (0 if weight == "float" else 16)
 
-HELPERS = r"""
-#ifndef KILN_MMA_GEMM
-#define KILN_MMA_GEMM
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-namespace kiln_mma {
-
+# the PTX the kernel issues: shared-memory addresses, asynchronous copies, ldmatrix, mma.sync
+PTX_PRIMITIVES = r"""
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -109,7 +103,11 @@ template <> __device__ __forceinline__ void mma<__half>(float* c, const unsigned
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+"""
 
+# the kernel over those primitives and CUDA's half / bf16 intrinsics (tests/mma_emulator.h runs it
+# on the CPU with the primitives emulated as PTX specifies them)
+KERNEL_TEMPLATES = r"""
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 template <typename T> __device__ __forceinline__ T from_float(float v);
@@ -382,10 +380,10 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
         }
       }
 }
-
-}  // namespace kiln_mma
-#endif
 """
+
+HELPERS = ("\n#ifndef KILN_MMA_GEMM\n#define KILN_MMA_GEMM\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n\n"
+           "namespace kiln_mma {\n\n" + PTX_PRIMITIVES + "\n" + KERNEL_TEMPLATES + "\n\n}  // namespace kiln_mma\n#endif\n")
 
 
 def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int, bias: bool,
@@ -404,7 +402,12 @@ def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int
             "static_cast<unsigned char*>(shared)"]
     template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
                 f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}>")
-    return (HELPERS + f"\n__device__ __forceinline__ void {name}({', '.join(params)}) {{\n"
+    return HELPERS + _wrapper(name, params, template, args)
+
+
+def _wrapper(name: str, params: list[str], template: str, args: list[str]) -> str:
+    """The kernel's own device function: the template's instance with this linear's parameters."""
+    return (f"\n__device__ __forceinline__ void {name}({', '.join(params)}) {{\n"
             f"  {template}({', '.join(args)});\n}}\n")
 
 
@@ -424,5 +427,4 @@ def experts_kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n
             "static_cast<const float*>(row_weight)" if weighted else "nullptr"]
     template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
                 f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, false, false, true>")
-    return (HELPERS + f"\n__device__ __forceinline__ void {name}({', '.join(params)}) {{\n"
-            f"  {template}({', '.join(args)});\n}}\n")
+    return HELPERS + _wrapper(name, params, template, args)
