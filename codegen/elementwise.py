@@ -63,16 +63,27 @@ def emit_slice(ctx, node, x):
 
 
 def emit_gated(ctx, node, x):
-    """swiglu / geglu: act(gate) * up over the two halves; TVM fuses them into one kernel."""
-    return gated(ctx, x, "silu" if node.op == "swiglu" else "gelu_tanh", node.type.dtype)
+    """swiglu / geglu: act(gate) * up over the two halves; TVM fuses them into one kernel. Where the
+    gate/up linear's kernel applied it already (codegen/lower.py: gate_of) nothing is left to do;
+    where its weights are stored 'gated' but its kernel did not, gate and up columns alternate."""
+    form = ctx.gated.get(node.inputs[0])
+    if form == "fused":
+        return x
+    return gated(ctx, x, "silu" if node.op == "swiglu" else "gelu_tanh", node.type.dtype, form == "interleaved")
 
 
-def gated(ctx, x, activation: str, dtype: str):
-    """act(x[..., :n]) * x[..., n:] for x [..., 2n] (activation silu or gelu_tanh)."""
+def gated(ctx, x, activation: str, dtype: str, interleaved: bool = False):
+    """act(x[..., :n]) * x[..., n:] for x [..., 2n] (activation silu or gelu_tanh); `interleaved`:
+    act(x[..., 0::2]) * x[..., 1::2]."""
     axis = len(x.ty.shape) - 1
-    halves = ctx.bb.emit(relax.op.split(x, 2, axis=axis))
-    gate = ctx.bb.emit(relax.TupleGetItem(halves, 0))
-    up = ctx.bb.emit(relax.TupleGetItem(halves, 1))
+    if interleaved:
+        width = int(x.ty.shape[axis])
+        gate, up = (ctx.bb.emit(relax.op.strided_slice(x, axes=[axis], begin=[first], end=[width], strides=[2]))
+                    for first in (0, 1))
+    else:
+        halves = ctx.bb.emit(relax.op.split(x, 2, axis=axis))
+        gate = ctx.bb.emit(relax.TupleGetItem(halves, 0))
+        up = ctx.bb.emit(relax.TupleGetItem(halves, 1))
     if activation == "silu":
         act = ctx.bb.emit(relax.op.nn.silu(gate))
     else:

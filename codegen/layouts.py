@@ -105,13 +105,23 @@ def stored_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*experts, n // nb, k // f, f * nb)
 
 
+GATED, GATED_COLUMNS = "gated", "gatedcols"
+
+
 def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
     """'nk': unchanged. 'packedNB': W[n, k] -> Wp[n // NB, k, NB], NB output columns contiguous
     (experts [E, n, k] -> [E, n // NB, k, NB], each expert packed on its own). 'packedNBxF': F
     inputs of a column side by side, Wp[n // NB, k // F, F NB] with W[j, k] at
     [j // NB, k // F, F (j % NB) + k % F]: the int16 pairs of vpmaddwd after one sign extension
     (F = 2), the byte quads of vpdpbusd (F = 4). 'nS' first re-pairs the nibbles of q4 bytes (two
-    neighbouring inputs a byte, the even one low) S inputs apart."""
+    neighbouring inputs a byte, the even one low) S inputs apart. 'gated' / 'gatedcols': a gated
+    MLP's gate and up halves interleaved, by row of the weight / by column of its scales."""
+    if layout in (GATED, GATED_COLUMNS):
+        # a gated MLP's gate/up rows [.., 2F, K] (or their scales' columns [.., 2F]) interleaved:
+        # gate 0, up 0, gate 1, ..., so one thread's two neighbouring outputs are a pair (codegen/mma_gemm.py)
+        axis = arr.ndim - (2 if layout == GATED else 1)
+        halves = arr.reshape(*arr.shape[:axis], 2, arr.shape[axis] // 2, *arr.shape[axis + 1:])
+        return np.ascontiguousarray(np.swapaxes(halves, axis, axis + 1)).reshape(arr.shape)
     if panels_block(layout):
         groups, n = arr.shape
         return np.ascontiguousarray(arr.reshape(groups, n // panels_block(layout), -1).swapaxes(0, 1))

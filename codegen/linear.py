@@ -196,8 +196,10 @@ def mma_tiles(target, dtype: str, weight_dtype: str, fmt: WeightFormat, n_out: i
 
 def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bias: relax.Expr | None,
                 residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
-                fmt: WeightFormat = WeightFormat()) -> relax.Expr:
-    """Emit y = x @ W.T (+ b) (+ residual) for x [..., n_in], flattened to rows."""
+                fmt: WeightFormat = WeightFormat(), activation: str | None = None) -> relax.Expr:
+    """Emit y = x @ W.T (+ b) (+ residual) for x [..., n_in], flattened to rows. `activation`: W is
+    a gated MLP's gate/up stored 'gated'; the tensor-core kernel then returns act(gate) * up
+    ([..., n_out / 2]), every other kernel the interleaved columns."""
     def rows(v, width):
         return ctx.bb.emit(relax.op.reshape(v, (-1, width))) if len(v.ty.shape) != 2 else v
     optional = {"scale": scale, "bias": bias, "residual": rows(residual, n_out) if residual is not None else None}
@@ -205,11 +207,12 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
     args = [rows(x, n_in), w] + [optional[k] for k in present]
     nb = packed_block(layout)
 
-    def packed(kern, family: str, scheduled: bool = False):     # a kernel of its own (packed or not), by shape
-        suffix = "".join(f"_{k}" for k in present if k != "scale")
+    def packed(kern, family: str, scheduled: bool = False, width: int = n_out, gate: str = ""):
+        """A kernel of its own (packed or not), by shape."""
+        suffix = "".join(f"_{k}" for k in present if k != "scale") + (f"_{gate}" if gate else "")
         packing = f"_packed{nb}" if nb is not None else ""
         gv = ctx.add_kernel(kern, f"{family}{fmt.suffix}{packing}_{n_out}x{n_in}{suffix}", scheduled=scheduled)
-        return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], n_out), dtype)))
+        return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType((args[0].ty.shape[0], width), dtype)))
 
     if nb is not None and fmt.kind == "float" and interleave(layout) == 2:
         # bf16 weights in input pairs (AVX-512 BF16): one kernel for every step
@@ -251,8 +254,9 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         if tiles and (ctx.step != "decode" or ctx.wide_decode):
             from .mma_gemm import mma_linear_kernel
             func, _ = mma_linear_kernel(n_out, n_in, dtype, bias is not None, residual is not None, tiles,
-                                        fmt.kind, fmt.group_size)
-            y = packed(func, "mma", scheduled=True)
+                                        fmt.kind, fmt.group_size, activation)
+            y = packed(func, "mma", scheduled=True, width=n_out // 2 if activation else n_out,
+                       gate=activation or "")
         elif ctx.step == "decode" and ctx.target.device == "cuda":
             func, gemv = decode_kernel(ctx.target, lambda *t: kernel(*t, staged=True), args)
             y = packed(func, "gemv" if gemv else "linear", scheduled=gemv)
@@ -267,5 +271,5 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         y = packed(packed_linear_kernel(tirx.Var("m", "int64"), n_out, n_in, nb, dtype, bias is not None,
                                         residual is not None, fmt, w.ty.dtype), "linear")
     if len(x.ty.shape) != 2:
-        y = ctx.bb.emit(relax.op.reshape(y, list(x.ty.shape[:-1]) + [n_out]))
+        y = ctx.bb.emit(relax.op.reshape(y, list(x.ty.shape[:-1]) + [y.ty.shape[-1]]))
     return y

@@ -27,7 +27,7 @@ from kiln.ir.step_forms import for_step, prefill_min_tokens
 from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
-from .layouts import q4_scale_layout, stored_shape
+from .layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
 from .linear import WeightFormat, emit_linear, mma_tiles
 
 
@@ -58,6 +58,9 @@ class _Context:
         self.inputs: dict[str, relax.Var] = {}
         self.weights: dict[tuple[str, str], tuple[StoredWeight, relax.Var]] = {}
         self.kernels = kernels
+        # a gated MLP's gate/up linear stored 'gated' -> "fused" (its kernel applied the activation)
+        # or "interleaved" (its gate and up columns alternate)
+        self.gated: dict[str, str] = {}
         self.micro_kernels = micro_kernels     # (rows, vectors) of the bf16 micro-kernels kernels call
 
     def shape(self, dims) -> list:
@@ -107,7 +110,31 @@ def _emit_linear(ctx, node, x, w, *rest):
     n_in = ctx.types[node.inputs[0]].shape[-1]
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
     fmt = WeightFormat.of(node, "linear")
-    return emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt)
+    gate = gate_of(node, ctx.graph, ctx.target)
+    y = emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt,
+                    GATE_ACTIVATIONS.get(gate))
+    if gate:
+        ctx.gated[node.output] = "fused" if int(y.ty.shape[-1]) == n_out // 2 else "interleaved"
+    return y
+
+
+GATE_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh"}
+
+
+def gate_of(node, graph: Graph, target) -> str | None:
+    """The gated op (swiglu, geglu) that alone reads a linear's output, where the target's
+    tensor-core kernel applies it in its epilogue: the linear's weights are then stored 'gated'."""
+    if node.op not in LINEAR_OPS or target.device != "cuda" or not target.tensor_cores:
+        return None
+    if len(node.inputs) != (2 if node.op == "linear" else 3) or node.output in graph.outputs:
+        return None                                     # a bias or residual: the plain kernel
+    users = [n for n in graph.nodes if node.output in n.inputs]
+    if len(users) != 1 or users[0].op not in GATE_ACTIVATIONS:
+        return None
+    types = graph.value_types()
+    tiles = mma_tiles(target, node.type.dtype, graph.params[node.inputs[1]].type.dtype, WeightFormat.of(node, "linear"),
+                      node.type.shape[-1], types[node.inputs[0]].shape[-1]) if node.inputs[1] in graph.params else None
+    return users[0].op if tiles else None
 
 
 def _emit_embed(ctx, node, ids, table, scale=None):
@@ -167,6 +194,8 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     embedding table that is also a linear weight (tied to the LM head) takes that layout too, and
     its scales the head's, so each is stored once; other tables stay 'nk' (rows contiguous)."""
     name = node.inputs[pos]
+    if pos in (1, 2) and gate_of(node, graph, target):
+        return GATED if pos == 1 else GATED_COLUMNS              # gate and up interleaved
     if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
         return target.linear_layout(*graph.params[name].type.shape[1:])      # each expert packed as a linear
     if node.op in LINEAR_OPS and pos == 1:

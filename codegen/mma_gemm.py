@@ -48,16 +48,17 @@ def _launch(name: str, tile: TileConfig, n_out: int, pointers: list[str], indent
 
 def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool,
                       tiles: list[tuple[int, TileConfig]], weight: str = "float",
-                      group_size: int = 0) -> tuple[tirx.PrimFunc, list[str]]:
+                      group_size: int = 0, activation: str | None = None) -> tuple[tirx.PrimFunc, list[str]]:
     """The PrimFunc (x, w, [scale], [bias], [residual], y) and its kernels' names. `tiles`: (up to
     rows, tile) in ascending rows, the last one for every larger step (its rows are ignored);
-    `weight`: the stored format (float, q8, fp8, q4 with `group_size`)."""
-    suffix = ("_bias" if bias else "") + ("_residual" if residual else "")
+    `weight`: the stored format (float, q8, fp8, q4 with `group_size`); `activation` (silu,
+    gelu_tanh): a gated MLP's gate/up linear, weights stored 'gated', y [rows, n_out / 2]."""
+    suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
     form = "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
     names, sources = [], {}
     for _, tile in tiles:
         name = f"kiln_mma_{CTYPES[dtype][1]}{form}_{n_out}x{n_in}_{tile.name}{suffix}"
-        sources[name] = kernel_source(name, dtype, tile, n_out, n_in, bias, residual, weight, group_size)
+        sources[name] = kernel_source(name, dtype, tile, n_out, n_in, bias, residual, weight, group_size, activation)
         names.append(name)
     stored_in = n_in // 2 if weight == "q4" else n_in
     params = ["var_x: T.handle", f"w: T.Buffer(({n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
@@ -72,7 +73,7 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
              "    T.func_attr({\"tirx.noalias\": True})",
              "    m = T.int64()",
              f"    x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
-             f"    y = T.match_buffer(var_y, (m, {n_out}), \"{dtype}\")"]
+             f"    y = T.match_buffer(var_y, (m, {n_out // 2 if activation else n_out}), \"{dtype}\")"]
     if residual:
         lines.append(f"    residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")")
     pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
@@ -117,11 +118,12 @@ def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: l
 
 
 def _dispatch(tiles, names, n_out: int, pointers: list[str], weight: str) -> list[str]:
-    """The host side: the first tile whose rows bound covers the step's rows m, the last for the rest."""
-    lines = []
+    """The host side: nothing for no rows (a grid of no blocks is a launch error), else the first
+    tile whose rows bound covers the step's rows m, the last for the rest."""
+    lines = ["    if m > 0:"]
     for index, ((rows, tile), name) in enumerate(zip(tiles, names)):
         last = index == len(tiles) - 1
         keyword = "else:" if last else f"{'elif' if index else 'if'} m <= {rows}:"
-        branch = [] if last and index == 0 else [f"    {keyword}"]
-        lines += branch + _launch(name, tile, n_out, pointers, "        " if branch else "    ", weight)
+        branch = [] if last and index == 0 else [f"        {keyword}"]
+        lines += branch + _launch(name, tile, n_out, pointers, "            " if branch else "        ", weight)
     return lines

@@ -78,11 +78,11 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 
 // 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros and reads nothing
 __device__ __forceinline__ void copy16(unsigned dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int PENDING> __device__ __forceinline__ void wait() {
-  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING));
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");     // shared reads stay after it
 }
 
 __device__ __forceinline__ void ldmatrix4(unsigned* r, unsigned address) {
@@ -220,8 +220,11 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int row0, int r
 // runs one pass per expert with the other rows zeroed, each pass's sums scaled by its expert's
 // scales. With row_token row r reads x[row_token[r]]; with row_weight its output, rounded, is
 // multiplied by row_weight[r] and rounded again.
+// ACT 1 (silu) or 2 (gelu_tanh): the weights' rows are a gated MLP's gate and up interleaved
+// (codegen/layouts.py 'gated'), and output column c / 2 is act(gate) * up of columns c and c + 1, each
+// step rounded as the swiglu / geglu op rounds it; y is [M, N / 2].
 template <typename T, int WFMT, int G, int BM, int BN, int BK, int WM, int WN, int STAGES, bool BIAS, bool RESIDUAL,
-          bool EXPERTS = false>
+          bool EXPERTS = false, int ACT = 0>
 __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __restrict__ w_any,
                                      const void* __restrict__ scale_any, const T* __restrict__ bias,
                                      const T* __restrict__ residual, T* __restrict__ y, int M, int N, int K,
@@ -365,7 +368,19 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
       for (int half = 0; half < 2; ++half) {
         const int row = m0 + warp_row + i * 16 + lane / 4 + half * 8;
         const int col = n0 + warp_col + j * 8 + (lane % 4) * 2;
-        if (row < M) {
+        if (row < M && ACT != 0) {
+          T pair[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = acc[i][j][half * 2 + e];
+            if constexpr (!EXPERTS && (WFMT == 1 || WFMT == 2)) v *= static_cast<const float*>(scale_any)[col + e];
+            pair[e] = from_float<T>(v);
+          }
+          const float gate = to_float(pair[0]);
+          const float act = ACT == 1 ? gate / (1.f + expf(-gate))
+                                     : 0.5f * gate * (1.f + tanhf(0.7978845608028654f * (gate + 0.044715f * gate * gate * gate)));
+          y[(size_t)row * (N / 2) + col / 2] = from_float<T>(to_float(from_float<T>(act)) * to_float(pair[1]));
+        } else if (row < M) {
           T out[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
@@ -376,7 +391,7 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
             if (row_weight) out[e] = from_float<T>(to_float(out[e]) * row_weight[row]);
             if (RESIDUAL) out[e] = from_float<T>(to_float(out[e]) + to_float(residual[(size_t)row * N + col + e]));
           }
-          *reinterpret_cast<unsigned*>(y + (size_t)row * N + col) = *reinterpret_cast<unsigned*>(out);
+          *reinterpret_cast<unsigned*>(y + (size_t)row * N + col) = pack<T>(to_float(out[0]), to_float(out[1]));
         }
       }
 }
@@ -386,11 +401,17 @@ HELPERS = ("\n#ifndef KILN_MMA_GEMM\n#define KILN_MMA_GEMM\n#include <cuda_bf16.
            "namespace kiln_mma {\n\n" + PTX_PRIMITIVES + "\n" + KERNEL_TEMPLATES + "\n\n}  // namespace kiln_mma\n#endif\n")
 
 
+ACTIVATION_CODES = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
 def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int, bias: bool,
-                  residual: bool, weight: str = "float", group_size: int = 0) -> str:
+                  residual: bool, weight: str = "float", group_size: int = 0, activation: str | None = None) -> str:
     """The device function `name`(x, w, [scale], [bias], [residual], y, M, shared) for one linear's
-    shape; `weight` a WeightFormat kind (codegen/linear.py), `group_size` q4's."""
+    shape; `weight` a WeightFormat kind (codegen/linear.py), `group_size` q4's; `activation`: the
+    gated MLP's (its weights stored 'gated', no bias or residual, y half as wide)."""
     tile.check()
+    if activation and (bias or residual):
+        raise ValueError("a gated linear's kernel takes no bias or residual")
     ctype = CTYPES[dtype][0]
     scaled = weight != "float"
     params = ["const void* x", "const void* w"] + (["const void* scale"] if scaled else []) \
@@ -401,7 +422,8 @@ def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int
             cast("residual") if residual else "nullptr", f"static_cast<{ctype}*>(y)", "M", str(n_out), str(n_in),
             "static_cast<unsigned char*>(shared)"]
     template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
-                f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}>")
+                f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}, false, "
+                f"{ACTIVATION_CODES[activation]}>")
     return HELPERS + _wrapper(name, params, template, args)
 
 

@@ -15,23 +15,30 @@ def main(arch: str, out: Path) -> None:
     import tvm
     from kiln.codegen.mma_gemm import mma_linear_kernel
     from kiln.codegen.mma_tuning import CANDIDATES
-    # each tile in bf16; fp16 and the bias + residual epilogue on the first; each quantised weight
-    # format in both dtypes on the first tile and on the first with 32-input tiles
+    from kiln.targets.cuda import FP8_ARCHS
+    formats = (("q8", 0), ("q4", 32), ("q4", 128)) + ((("fp8", 0),) if arch in FP8_ARCHS else ())
+    # each tile in bf16; fp16, the bias + residual epilogue and a gated MLP's activations on the
+    # first; each quantised weight format in both dtypes on the first tile and on the first with
+    # 32-input tiles
     narrow = next(t for t in CANDIDATES if t.bk == 32)
     cases = [("bfloat16", tile, False, "float", 0) for tile in CANDIDATES]
     cases += [("float16", CANDIDATES[0], False, "float", 0), ("bfloat16", CANDIDATES[0], True, "float", 0)]
     cases += [(dtype, tile, True, weight, group) for dtype in ("bfloat16", "float16")
-              for weight, group in (("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128)) for tile in (CANDIDATES[0], narrow)]
+              for weight, group in formats for tile in (CANDIDATES[0], narrow)]
     funcs = {}
+    for dtype, activation in (("bfloat16", "silu"), ("float16", "gelu_tanh")):
+        name = f"t_{dtype}_float_{CANDIDATES[0].name}_{activation}"
+        func, _ = mma_linear_kernel(512, 512, dtype, False, False, [(0, CANDIDATES[0])], activation=activation)
+        funcs[name] = func.with_attr("global_symbol", name)
     for dtype, tile, epilogue, weight, group in cases:
         name = f"t_{dtype}_{weight}{group or ''}_{tile.name}" + ("_epilogue" if epilogue else "")
         func, _ = mma_linear_kernel(512, 512, dtype, epilogue, epilogue, [(0, tile)], weight, group)
         funcs[name] = func.with_attr("global_symbol", name)
     # a mixture of experts' grouped GEMMs: gathered rows, weighted rows, each weight format
     from kiln.codegen.mma_gemm import mma_experts_kernel
-    for dtype, weight, group, gather in (("bfloat16", "float", 0, True), ("float16", "float", 0, False),
-                                         ("float16", "q8", 0, True), ("bfloat16", "fp8", 0, False),
-                                         ("float16", "q4", 32, True), ("bfloat16", "q4", 128, False)):
+    experts = [("bfloat16", "float", 0, True), ("float16", "float", 0, False), ("float16", "q8", 0, True),
+               ("float16", "q4", 32, True), ("bfloat16", "q4", 128, False)]
+    for dtype, weight, group, gather in experts + ([("bfloat16", "fp8", 0, False)] if arch in FP8_ARCHS else []):
         name = f"t_{dtype}_{weight}{group or ''}_experts" + ("_gather" if gather else "_weighted")
         func = mma_experts_kernel(8, 512, 512, dtype, [(0, CANDIDATES[0])], weight, group, gather, not gather)
         funcs[name] = func.with_attr("global_symbol", name)

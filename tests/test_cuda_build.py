@@ -38,7 +38,12 @@ def test_cuda_artifact_is_built_with_its_kernels():
     assert manifest["linear_kernels"] == {"mixed": ["tensor cores"], "decode": ["GEMV"], "decode_graph": ["GEMV"],
                                           "decode_wide": ["tensor cores"], "decode_wide_graph": ["tensor cores"]}
     assert {k for k in manifest["kernels"] if k.startswith("mma_")} == {
-        "mma_512x256", "mma_256x256_residual", "mma_1024x256", "mma_256x512_residual", "mma_384x256"}
+        "mma_512x256", "mma_256x256_residual", "mma_1024x256_silu", "mma_256x512_residual", "mma_384x256"}
+    # the gate/up linear applies the SwiGLU in its epilogue: its weights are stored gate and up
+    # rows interleaved, and no separate activation kernel runs in mixed steps
+    assert {w["param"] for w in manifest["weights"] if w["layout"] == "gated"} == {
+        f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)}
+    assert not any("silu" in k for k in manifest["launches_per_step"]["by_kernel"] if not k.startswith("mma_"))
     assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
     launches = manifest["launches_per_step"]["entries"]
     assert launches["decode"]["kernels"] == launches["decode"]["host_launches"]

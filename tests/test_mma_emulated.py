@@ -28,6 +28,10 @@ CASES = [("bfloat16", "float", 0, True, t) for t in TILES] + [
 # (dtype, weight format, q4 group, gathered rows (else weighted), tile)
 EXPERT_CASES = [("bfloat16", "float", 0, True, TILES[0]), ("float16", "q8", 0, False, TILES[1]),
                 ("bfloat16", "fp8", 0, True, TILES[2]), ("float16", "q4", 32, False, TILES[0])]
+# a gated MLP's gate/up linear with its activation in the epilogue (weights stored 'gated'):
+# (dtype, weight format, q4 group, activation, tile)
+GATED_CASES = [("bfloat16", "float", 0, "silu", TILES[0]), ("float16", "q4", 32, "gelu_tanh", TILES[2]),
+               ("bfloat16", "fp8", 0, "silu", TILES[1])]
 ROWS = (1, 17, 100)
 TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}
 NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -56,6 +60,11 @@ def library(tmp_path_factory):
         args = ["x"] + (["row_token"] if gather else []) + ["row_expert", "w"] \
             + (["scale"] if weight != "float" else []) + ([] if gather else ["row_weight"]) + ["y"]
         parts.append(_entry(name, args, tile, weight))
+    for index, (dtype, weight, group, activation, tile_name) in enumerate(GATED_CASES):
+        tile, name = parse_tile(tile_name), f"gated_{index}"
+        source = kernel_source(name, dtype, tile, N, K, False, False, weight, group, activation)
+        parts.append(source[source.index(f"\n__device__ __forceinline__ void {name}("):])
+        parts.append(_entry(name, ["x", "w"] + (["scale"] if weight != "float" else []) + ["y"], tile, weight))
     folder = tmp_path_factory.mktemp("mma-emulated")
     (folder / "cases.cpp").write_text("\n".join(parts))
     shutil.copy(EMULATOR, folder)
@@ -164,3 +173,31 @@ def test_emulated_experts_kernel_matches_numpy(library, index):
                 out = (out.astype(np.float32) * row_weight[mine, None]).astype(NUMPY[dtype])
             want[mine] = out
         check(y, want, dtype, f"{EXPERT_CASES[index]} at M={m}")
+
+
+ACTIVATIONS = {"silu": lambda g: g / (1 + np.exp(-g)),
+               "gelu_tanh": lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))}
+
+
+@pytest.mark.parametrize("index", range(len(GATED_CASES)), ids=[f"{c[0]}-{c[1]}{c[2] or ''}-{c[3]}-{c[4]}"
+                                                                 for c in GATED_CASES])
+def test_emulated_gated_kernel_matches_the_gated_op(library, index):
+    """Weights stored 'gated' (gate and up rows interleaved, codegen/layouts.py); the output is
+    act(gate) * up, rounded as ir/ops.py's swiglu / geglu round it, half as wide."""
+    from kiln.codegen.layouts import GATED, GATED_COLUMNS, apply_layout
+    dtype, weight, group, activation, tile = GATED_CASES[index]
+    rng = np.random.default_rng(200 + index)
+    if weight == "float":
+        w = (rng.standard_normal((N, K)) * 0.05).astype(NUMPY[dtype])
+        weights, values, scale = [w], w.astype(np.float32), None
+    else:
+        weights, values, scale = stored(rng, weight, group, (N, K))
+    stored_weights = [apply_layout(GATED, weights[0])] + [apply_layout(GATED_COLUMNS, a) for a in weights[1:]]
+    for m in ROWS:
+        x = rng.standard_normal((m, K)).astype(NUMPY[dtype])
+        y = np.full((m, N // 2), np.nan, dtype=NUMPY[dtype])
+        getattr(library, f"run_gated_{index}")(*map(pointer, [x, *stored_weights, y]), ctypes.c_int(m))
+        full = expected(x, values, scale, None, None, dtype).astype(np.float32)       # [m, N]: gate | up
+        gate, up = full[:, :N // 2], full[:, N // 2:]
+        act = ACTIVATIONS[activation](gate).astype(NUMPY[dtype]).astype(np.float32)
+        check(y, (act * up).astype(NUMPY[dtype]), dtype, f"{GATED_CASES[index]} at M={m}")
