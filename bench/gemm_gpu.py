@@ -36,12 +36,12 @@ def kernel_specs(tests_only: bool) -> list[dict]:
     from kiln.codegen.mma_tuning import CANDIDATES
     specs = []
 
-    def add(n, k, dtype, bias, residual, label, tiles, weight="float", group=0):
-        suffix = ("_bias" if bias else "") + ("_residual" if residual else "")
+    def add(n, k, dtype, bias, residual, label, tiles, weight="float", group=0, activation=None):
+        suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
         form = "" if weight == "float" else f"_{weight}{group or ''}"
         specs.append({"name": f"gemm_{dtype}{form}_{n}x{k}_{label}{suffix}", "n": n, "k": k, "dtype": dtype,
                       "bias": bias, "residual": residual, "tile": label, "weight": weight, "group": group,
-                      "tiles": [[rows, tile.name] for rows, tile in tiles]})
+                      "activation": activation, "tiles": [[rows, tile.name] for rows, tile in tiles]})
     shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
     for n, k in shapes:
         for tile in CANDIDATES:
@@ -56,6 +56,9 @@ def kernel_specs(tests_only: bool) -> list[dict]:
             for weight, group in QUANTISED:
                 for tile in (CANDIDATES[0], narrow, CANDIDATES[-4]):
                     add(n, k, dtype, True, True, tile.name, [(0, tile)], weight, group)
+            # a gated MLP's gate/up (weights stored 'gated'), its activation in the epilogue
+            for (weight, group), activation in zip((("float", 0),) + QUANTISED, ("silu", "gelu_tanh") * 3):
+                add(n, k, dtype, False, False, narrow.name, [(0, narrow)], weight, group, activation)
     # a mixture of experts' grouped GEMMs (EXPERTS experts, rows sorted by expert): gathered rows
     # without and weighted rows with each weight format, on a small-row tile and a large one
     for dtype in ("bfloat16", "float16"):
@@ -103,7 +106,7 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
                                       spec["group"], spec["gather"], spec["weighted"])
         else:
             func, _ = mma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles,
-                                        spec["weight"], spec["group"])
+                                        spec["weight"], spec["group"], spec.get("activation"))
         funcs[spec["name"]] = func.with_attr("global_symbol", spec["name"])
     with target.tvm_target():
         library = tvm.tirx.build(tvm.IRModule(funcs), target=target.tvm_target())
@@ -169,7 +172,7 @@ def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     specs = [s for s in meta["kernels"] if not s["bias"] and s["dtype"] == "bfloat16" and s["weight"] == "float"
-             and not s.get("experts") and (s["n"], s["k"]) not in
+             and not s.get("experts") and not s.get("activation") and (s["n"], s["k"]) not in
              [tuple(t) for t in TEST_SHAPES]]
     shapes = sorted({(s["n"], s["k"]) for s in specs}, key=lambda s: -s[0] * s[1])
     for n, k in shapes:

@@ -25,7 +25,8 @@ from gemm_gpu import TEST_ROWS, default_specs, kernel_specs, reference  # noqa: 
 TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}
 # the kernels a build holds for every arch (the default's tiles differ by arch, not its name)
 CASES = sorted({(s["tile"], s["weight"], s["group"], s["bias"])
-                for s in kernel_specs(tests_only=True) + default_specs("sm_90", tests_only=True)})
+                for s in kernel_specs(tests_only=True) + default_specs("sm_90", tests_only=True)
+                if not s.get("experts") and not s.get("activation")})
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,24 @@ def arg(torch, t):
     return raw._create_view(tuple(t.shape), "float8_e4m3fn")
 
 
-def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
-    """(the kernel's weight tensors, W's float32 values, per-output scale or None) for a format."""
+def check(torch, y, want, dtype: str, what: str) -> None:
+    got = y.float()
+    assert torch.isfinite(got).all(), f"{what}: rows left unwritten"
+    err = ((got - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < TOLERANCE[dtype], f"{what}: max error {err:.2e} of the largest output"
+
+
+def weights_of(torch, weight: str, group: int, n: int, k: int, dtype, gen):
+    """(the kernel's weight tensors, W's float32 values, per-output scale or None); float weights
+    in the activations' dtype."""
     if weight == "float":
-        return None
+        w = torch.randn(n, k, device="cuda", generator=gen).to(dtype) * 0.05
+        return [w], w, None
+    return stored_weight(torch, weight, group, n, k, gen)
+
+
+def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
+    """(the kernel's weight tensors, W's float32 values, per-output scale or None) for q8, fp8, q4."""
     if weight == "q8":
         levels = torch.randint(-127, 128, (n, k), device="cuda", generator=gen, dtype=torch.int8)
         scale = torch.rand(n, device="cuda", generator=gen) * 0.01 + 1e-3
@@ -65,6 +80,7 @@ def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
         values = (torch.randn(n, k, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
         scale = torch.rand(n, device="cuda", generator=gen) * 0.01 + 1e-3
         return [values, scale], values.float(), scale
+    assert weight == "q4", weight
     nibbles = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.uint8)
     packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)          # input k in byte k / 2, odd k high
     scale = (torch.rand(k // group, n, device="cuda", generator=gen) * 0.01 + 1e-3).half()
@@ -79,18 +95,13 @@ def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, e
     library, specs = kernels
     torch_dtype = getattr(torch, dtype)
     chosen = [s for s in specs if (s["dtype"], s["bias"], s["tile"], s["weight"], s["group"])
-              == (dtype, epilogue, tile, weight, group)]
+              == (dtype, epilogue, tile, weight, group) and not s.get("experts") and not s.get("activation")]
     assert chosen, f"the kernel library lacks {dtype} {weight}{group or ''} {tile} (bench/gemm_gpu.py build)"
     for spec in chosen:
         n, k = spec["n"], spec["k"]
         func = library[spec["name"]]
         gen = torch.Generator(device="cuda").manual_seed(n + k)
-        stored = stored_weight(torch, weight, group, n, k, gen)
-        if stored is None:
-            w = torch.randn(n, k, device="cuda", generator=gen).to(torch_dtype) * 0.05
-            weights, values, scale = [w], w, None
-        else:
-            weights, values, scale = stored
+        weights, values, scale = weights_of(torch, weight, group, n, k, torch_dtype, gen)
         bias = torch.randn(n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
         for m in TEST_ROWS:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch_dtype)
@@ -99,10 +110,7 @@ def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, e
             func(x, *[arg(torch, t) for t in weights], *[t for t in (bias, residual) if t is not None], y)
             torch.cuda.synchronize()
             want = reference(x, values, bias, residual, scale).float()
-            got = y.float()
-            assert torch.isfinite(got).all(), f"{spec['name']} left rows unwritten at M={m}"
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            assert err < TOLERANCE[dtype], f"{spec['name']} at M={m}: max error {err:.2e} of the largest output"
+            check(torch, y, want, dtype, f"{spec['name']} at M={m}")
 
 
 EXPERT_CASES = sorted({(s["tile"], s["weight"], s["group"], s["gather"])
@@ -122,13 +130,9 @@ def test_experts_kernel_matches_each_rows_expert(kernels, dtype, tile, weight, g
     n, k, experts = spec["n"], spec["k"], spec["experts"]
     func = library[spec["name"]]
     gen = torch.Generator(device="cuda").manual_seed(7)
-    per_expert = [stored_weight(torch, weight, group, n, k, gen) for _ in range(experts)]
-    if weight == "float":
-        ws = [torch.randn(n, k, device="cuda", generator=gen).to(torch_dtype) * 0.05 for _ in range(experts)]
-        weights, values, scales = [torch.stack(ws)], ws, [None] * experts
-    else:
-        weights = [torch.stack([p[0][i] for p in per_expert]) for i in range(2)]
-        values, scales = [p[1] for p in per_expert], [p[2] for p in per_expert]
+    per_expert = [weights_of(torch, weight, group, n, k, torch_dtype, gen) for _ in range(experts)]
+    weights = [torch.stack([p[0][i] for p in per_expert]) for i in range(len(per_expert[0][0]))]
+    values, scales = [p[1] for p in per_expert], [p[2] for p in per_expert]
     for m in TEST_ROWS:
         row_expert = torch.sort(torch.randint(0, experts - 1, (m,), device="cuda", generator=gen)).values.int()
         tokens = max(1, m // 2)
@@ -148,7 +152,50 @@ def test_experts_kernel_matches_each_rows_expert(kernels, dtype, tile, weight, g
             if not gather:
                 out = (out.float() * row_weight[mine, None]).to(torch_dtype)
             want[mine] = out.float()
-        got = y.float()
-        assert torch.isfinite(got).all(), f"{spec['name']} left rows unwritten at M={m}"
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        assert err < TOLERANCE[dtype], f"{spec['name']} at M={m}: max error {err:.2e} of the largest output"
+        check(torch, y, want, dtype, f"{spec['name']} at M={m}")
+
+
+GATED_CASES = sorted({(s["tile"], s["weight"], s["group"], s["activation"])
+                      for s in kernel_specs(tests_only=True) if s.get("activation")})
+
+
+def activation_of(torch, name: str, gate):
+    if name == "silu":
+        return gate / (1 + torch.exp(-gate))
+    return 0.5 * gate * (1 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate ** 3)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tile,weight,group,activation", GATED_CASES)
+def test_gated_kernel_applies_the_activation(kernels, dtype, tile, weight, group, activation):
+    """gate/up weights stored 'gated' (rows interleaved); y = act(gate) * up, half as wide, each
+    step rounded as ir/ops.py's swiglu / geglu."""
+    import torch
+    from kiln.codegen.layouts import GATED, GATED_COLUMNS, apply_layout
+    library, specs = kernels
+    torch_dtype = getattr(torch, dtype)
+    spec = next(s for s in specs if (s["dtype"], s["tile"], s["weight"], s["group"], s.get("activation"))
+                == (dtype, tile, weight, group, activation))
+    n, k = spec["n"], spec["k"]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weights, values, scale = weights_of(torch, weight, group, n, k, torch_dtype, gen)
+
+    def laid_out(t, layout):           # the layout in NumPy, float8 through its bytes
+        raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        out = torch.from_numpy(apply_layout(layout, raw.cpu().numpy())).cuda()
+        return out.view(t.dtype) if t.dtype == torch.float8_e4m3fn else out
+    if torch_dtype == torch.bfloat16 and weights[0].dtype == torch.bfloat16:
+        first = weights[0].view(torch.int16)             # NumPy has no bf16: move its bits
+        gated = [laid_out(first, GATED).view(torch.bfloat16)]
+    else:
+        gated = [laid_out(weights[0], GATED)]
+    gated += [laid_out(t, GATED_COLUMNS) for t in weights[1:]]
+    for m in TEST_ROWS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch_dtype)
+        y = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch_dtype)
+        library[spec["name"]](x, *[arg(torch, t) for t in gated], y)
+        torch.cuda.synchronize()
+        full = reference(x, values, None, None, scale).float()
+        gate, up = full[:, :n // 2], full[:, n // 2:]
+        want = (activation_of(torch, activation, gate).to(torch_dtype).float() * up).to(torch_dtype).float()
+        check(torch, y, want, dtype, f"{spec['name']} at M={m}")
