@@ -1,8 +1,8 @@
 """Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
 GPUs: on CUDA sm_80+, bf16 and fp16 linears run kiln's tensor-core GEMM (codegen/mma_gemm.py; q8,
-fp8 and q4 weights converted in its main loop) in every step but small decode steps; otherwise a TE matmul that dlight
-schedules, in CUDA decode steps as its low-batch GEMV (`decode_kernel`).
+fp8 and q4 weights converted in its main loop) in every step but small decode steps; otherwise a
+TE matmul that dlight schedules, in CUDA decode steps as its low-batch GEMV (`decode_kernel`).
 CPUs: kiln's packed-weight kernel, weights stored [out/nb, in', nb] so a task accumulates nb
 outputs in vector registers; in steps that bring chunks (every entry but decode, on targets with
 `chunk_gemm`) the register-blocked GEMM of codegen/gemm.py over the same layout. Where the CPU has
@@ -175,10 +175,15 @@ def decode_kernel(target, kernel, args: list[relax.Expr]) -> tuple[tirx.PrimFunc
     not take (the 1-wide shared-expert gate of Qwen2-MoE) makes a function dlight's GEMV rule
     fails on."""
     from tvm.s_tir import dlight as dl
-    tensors = [te.placeholder(tuple(a.ty.shape), a.ty.dtype, name=f"in{i}") for i, a in enumerate(args)]
-    func = te.create_prim_func([*tensors, kernel(*tensors)])
+    func = own_kernel(kernel, args)
     sch = dl.gpu.LowBatchGEMV(DECODE_ROWS).apply(func, target.tvm_target(), False)
     return (sch.mod["main"], True) if sch is not None else (func, False)
+
+
+def own_kernel(kernel, args: list[relax.Expr]) -> tirx.PrimFunc:
+    """`kernel` (a TE function of the arguments' tensors) as a PrimFunc of its own."""
+    tensors = [te.placeholder(tuple(a.ty.shape), a.ty.dtype, name=f"in{i}") for i, a in enumerate(args)]
+    return te.create_prim_func([*tensors, kernel(*tensors)])
 
 
 def mma_tiles(target, dtype: str, weight_dtype: str, fmt: WeightFormat, n_out: int, n_in: int):
@@ -263,8 +268,7 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
         elif ctx.target.device == "cuda":
             # a kernel of its own, as in decode steps: between the opaque tensor-core kernels the
             # default fusion would group a linear dlight cannot take with its elementwise neighbours
-            y = packed(te.create_prim_func([*(tensors := [te.placeholder(tuple(a.ty.shape), a.ty.dtype, name=f"in{i}")
-                                                         for i, a in enumerate(args)]), kernel(*tensors)]), "linear")
+            y = packed(own_kernel(kernel, args), "linear")
         else:
             y = ctx.bb.emit_te(kernel, *args, primfunc_name_hint="linear")
     else:

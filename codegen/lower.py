@@ -131,10 +131,16 @@ def gate_of(node, graph: Graph, target) -> str | None:
     users = [n for n in graph.nodes if node.output in n.inputs]
     if len(users) != 1 or users[0].op not in GATE_ACTIVATIONS:
         return None
-    types = graph.value_types()
-    tiles = mma_tiles(target, node.type.dtype, graph.params[node.inputs[1]].type.dtype, WeightFormat.of(node, "linear"),
-                      node.type.shape[-1], types[node.inputs[0]].shape[-1]) if node.inputs[1] in graph.params else None
-    return users[0].op if tiles else None
+    return users[0].op if _on_tensor_cores(node, graph, target) else None
+
+
+def _on_tensor_cores(node, graph: Graph, target) -> bool:
+    """Whether a linear of stored weights runs the tensor-core kernel (codegen/linear.py: mma_tiles)."""
+    if node.op not in LINEAR_OPS or node.inputs[1] not in graph.params:
+        return False
+    n_in = graph.value_types()[node.inputs[0]].shape[-1]
+    return bool(mma_tiles(target, node.type.dtype, graph.params[node.inputs[1]].type.dtype,
+                          WeightFormat.of(node, "linear"), node.type.shape[-1], n_in))
 
 
 def _emit_embed(ctx, node, ids, table, scale=None):
@@ -233,11 +239,7 @@ def entry_steps(graph: Graph, target) -> list[str]:
     packed = target.chunk_gemm and any(n.op in LINEAR_OPS and _layout_for(n, 1, graph, target) != "nk"
                                        for n in graph.nodes)
     decode = packed or any(mixed != decode for mixed, decode in kernels)
-    types = graph.value_types()
-    wide = bool(target.decode_mma_from) and any(
-        mma_tiles(target, n.type.dtype, graph.params[n.inputs[1]].type.dtype, WeightFormat.of(n, "linear"),
-                  n.type.shape[-1], types[n.inputs[0]].shape[-1])
-        for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] in graph.params)
+    wide = bool(target.decode_mma_from) and any(_on_tensor_cores(n, graph, target) for n in graph.nodes)
     return (["mixed"] + (["decode"] if decode or wide else []) + (["decode_wide"] if wide else [])
             + (["prefill"] if prefill_min_tokens(graph) else []))
 
