@@ -65,6 +65,7 @@ def filled(no_weights, tmp_path_factory):
     return out
 
 
+@pytest.mark.build
 def test_no_weights_artifact_holds_all_but_the_weights(no_weights, with_weights):
     art = no_weights["float32"]
     m, full = _manifest(art), _manifest(with_weights)
@@ -77,6 +78,7 @@ def test_no_weights_artifact_holds_all_but_the_weights(no_weights, with_weights)
     start_verify(art, m)()
 
 
+@pytest.mark.build
 def test_runtime_refuses_an_artifact_without_weights(no_weights):
     from kiln.runtime.model import CompiledModel
     art = no_weights["q8"]
@@ -87,6 +89,7 @@ def test_runtime_refuses_an_artifact_without_weights(no_weights):
     assert f"kiln fill-weights {art} --seed N" in message
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("mode", MODES)
 def test_filled_weights_have_the_manifests_shapes_and_dtypes(filled, mode):
     from safetensors import safe_open
@@ -112,6 +115,7 @@ def test_filled_weights_have_the_manifests_shapes_and_dtypes(filled, mode):
     np.testing.assert_array_equal(stored["rope.inv_freq"], inv_freq(c["head_dim"], c["rope_theta"], c["rope_scaling"]))
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("mode", MODES)
 def test_filled_artifact_runs_to_finite_logits(filled, mode):
     from paging import make_step_inputs
@@ -186,6 +190,7 @@ def test_stored_tensors_are_sane_at_llama_8b_widths(tmp_path, dtype, quant):
         assert 0.016 * np.sqrt(k) < y.std() < 0.024 * np.sqrt(k) * 1.3
 
 
+@pytest.mark.build
 def test_the_bytes_depend_on_the_seed_alone(no_weights, tmp_path, monkeypatch):
     import kiln.generated_weights as generated
     monkeypatch.setattr(generated, "CHUNK_BYTES", 4096)         # several chunks per tensor
@@ -198,6 +203,7 @@ def test_the_bytes_depend_on_the_seed_alone(no_weights, tmp_path, monkeypatch):
     assert digests["a"] == digests["b"] != digests["c"]
 
 
+@pytest.mark.build
 def test_checkpoint_weights_are_never_replaced(with_weights, tmp_path):
     art = _copy(with_weights, tmp_path)
     before = file_digest(art / WEIGHTS)
@@ -212,6 +218,7 @@ def test_checkpoint_weights_are_never_replaced(with_weights, tmp_path):
     assert file_digest(art / WEIGHTS) == before
 
 
+@pytest.mark.build
 def test_generated_weights_are_redrawn_only_with_force(no_weights, tmp_path):
     art = _copy(no_weights["float32"], tmp_path)
     fill_weights(art, seed=0)
@@ -224,6 +231,7 @@ def test_generated_weights_are_redrawn_only_with_force(no_weights, tmp_path):
     assert sorted(p.name for p in art.iterdir()) == sorted([MANIFEST, *m["files"]])     # no partial file left
 
 
+@pytest.mark.build
 def test_a_weights_file_not_written_here_is_not_overwritten(no_weights, tmp_path):
     art = _copy(no_weights["float32"], tmp_path)
     (art / WEIGHTS).write_bytes(b"someone else's weights")
@@ -233,6 +241,7 @@ def test_a_weights_file_not_written_here_is_not_overwritten(no_weights, tmp_path
     assert (art / WEIGHTS).read_bytes() == b"someone else's weights"
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("already_filled", [False, True])
 def test_an_interrupted_fill_leaves_the_artifact_as_it_was(no_weights, tmp_path, monkeypatch, already_filled):
     import kiln.generated_weights as generated
@@ -252,6 +261,7 @@ def test_an_interrupted_fill_leaves_the_artifact_as_it_was(no_weights, tmp_path,
     assert {p.name: p.read_bytes() for p in art.iterdir()} == files
 
 
+@pytest.mark.build
 def test_inspect_says_where_the_weights_came_from(no_weights, with_weights, filled, tmp_path):
     from click.testing import CliRunner
     from kiln.cli import main
@@ -267,6 +277,7 @@ def test_inspect_says_where_the_weights_came_from(no_weights, with_weights, fill
     assert "seeded random, seed 5" in result.output and "every checksum matches" in result.output
 
 
+@pytest.mark.build
 def test_drawing_needs_neither_tvm_nor_torch(no_weights, tmp_path):
     art = _copy(no_weights["fp8"], tmp_path)
     script = ("import sys\n"

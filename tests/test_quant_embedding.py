@@ -236,6 +236,7 @@ def artifact(request, make_model):
     return family == "llama32", quant, model_dir, out, manifest, model
 
 
+@pytest.mark.build
 @needs_transformers
 def test_compiled_quantised_embedding_matches_the_interpreter(artifact):
     """A prefill then two decode steps: compiled logits against the interpreter on the same quantised graph."""
@@ -309,6 +310,7 @@ def test_no_quant_embedding_keeps_the_table_float(make_model, tmp_path):
     assert "embedding kept" in summary(out)
 
 
+@pytest.mark.build
 @needs_transformers
 def test_quantised_embedding_error_against_transformers(artifact):
     """Cosine of the last-token logits against transformers in float32. Random weights are a hard case
