@@ -194,7 +194,7 @@ def mma_tiles(target, dtype: str, weight_dtype: str, fmt: WeightFormat, n_out: i
         return None
     from .mma_gemm import supports
     from .mma_tuning import tiles_for
-    tiles = tiles_for(target.arch, dtype, n_out, n_in) if dtype in ("bfloat16", "float16") else None
+    tiles = tiles_for(target.arch, dtype, n_out, n_in)
     ok = tiles and supports(target.arch, dtype, weight_dtype, n_out, n_in, tiles, fmt.kind, fmt.group_size)
     return tiles if ok else None
 

@@ -17,7 +17,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
-from kiln.artifact import StoredWeight
+from kiln.artifact import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, StoredWeight
 from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.moe_ops import MOE_EXPERT_OPS
@@ -292,8 +292,6 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     return LoweredModel(module, list(graph.inputs), [w for w, _ in ctx.weights.values()], entries)
 
 
-GRAPH_ENTRY = "decode_graph"      # decode steps of up to max(target.graph_batches) sequences, as a CUDA graph
-WIDE_GRAPH_ENTRY = "decode_wide_graph"     # the same from target.decode_mma_from sequences, tensor-core linears
 
 
 def _graph_attrs(func: relax.Function, max_batch: int, name: str) -> relax.Function:

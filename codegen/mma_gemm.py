@@ -46,6 +46,33 @@ def _launch(name: str, tile: TileConfig, n_out: int, pointers: list[str], indent
             f"source_code=SOURCES[\"{name}\"]))"]
 
 
+def _form(weight: str, group_size: int) -> str:
+    """The weight format's part of a kernel name: '', '_q8', '_fp8', '_q4g32'."""
+    return "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
+
+
+def _weight_params(weight: str, dtype: str, n_out: int, n_in: int, group_size: int, experts: int = 0) -> list[str]:
+    """The stored weight's parameter and its scales' (q8/fp8 per output, q4 per group), with a
+    leading experts axis where `experts`."""
+    lead = f"{experts}, " if experts else ""
+    stored_in = n_in // 2 if weight == "q4" else n_in
+    params = [f"w: T.Buffer(({lead}{n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
+    if weight in ("q8", "fp8"):
+        params.append(f"scale: T.Buffer(({lead}{n_out},), \"float32\")")
+    elif weight == "q4":
+        params.append(f"scale: T.Buffer(({lead}{n_in // group_size}, {n_out}), \"float16\")")
+    return params
+
+
+def _prim_func(params: list[str], buffers: list[str], pointers: list[str], tiles, sources: dict, n_out: int,
+               weight: str) -> tirx.PrimFunc:
+    """The PrimFunc of `params`, its rows m bound by `buffers`' match_buffer lines, launching the
+    tiles' kernels (SOURCES by name, in tile order) on `pointers`."""
+    lines = [f"def main({', '.join(params)}):", "    T.func_attr({\"tirx.noalias\": True})", "    m = T.int64()"]
+    lines += [f"    {line}" for line in buffers] + _dispatch(tiles, list(sources), n_out, pointers, weight)
+    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines) + "\n", extra_vars={"T": T, "SOURCES": sources})
+
+
 def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool,
                       tiles: list[tuple[int, TileConfig]], weight: str = "float",
                       group_size: int = 0, activation: str | None = None) -> tuple[tirx.PrimFunc, list[str]]:
@@ -54,67 +81,42 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
     `weight`: the stored format (float, q8, fp8, q4 with `group_size`); `activation` (silu,
     gelu_tanh): a gated MLP's gate/up linear, weights stored 'gated', y [rows, n_out / 2]."""
     suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
-    form = "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
-    names, sources = [], {}
+    sources = {}
     for _, tile in tiles:
-        name = f"kiln_mma_{CTYPES[dtype][1]}{form}_{n_out}x{n_in}_{tile.name}{suffix}"
+        name = f"kiln_mma_{CTYPES[dtype][1]}{_form(weight, group_size)}_{n_out}x{n_in}_{tile.name}{suffix}"
         sources[name] = kernel_source(name, dtype, tile, n_out, n_in, bias, residual, weight, group_size, activation)
-        names.append(name)
-    stored_in = n_in // 2 if weight == "q4" else n_in
-    params = ["var_x: T.handle", f"w: T.Buffer(({n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
-    if weight in ("q8", "fp8"):
-        params.append(f"scale: T.Buffer(({n_out},), \"float32\")")
-    elif weight == "q4":
-        params.append(f"scale: T.Buffer(({n_in // group_size}, {n_out}), \"float16\")")
-    params += [f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []
-    params += ["var_residual: T.handle"] if residual else []
-    params += ["var_y: T.handle"]
-    lines = [f"def main({', '.join(params)}):",
-             "    T.func_attr({\"tirx.noalias\": True})",
-             "    m = T.int64()",
-             f"    x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
-             f"    y = T.match_buffer(var_y, (m, {n_out // 2 if activation else n_out}), \"{dtype}\")"]
-    if residual:
-        lines.append(f"    residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")")
+    params = ["var_x: T.handle", *_weight_params(weight, dtype, n_out, n_in, group_size)]
+    params += ([f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []) \
+        + (["var_residual: T.handle"] if residual else []) + ["var_y: T.handle"]
+    buffers = [f"x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
+               f"y = T.match_buffer(var_y, (m, {n_out // 2 if activation else n_out}), \"{dtype}\")"]
+    buffers += [f"residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")"] if residual else []
     pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
         + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
-    lines += _dispatch(tiles, names, n_out, pointers, weight)
-    text = "@T.prim_func\n" + "\n".join(lines) + "\n"
-    func = tvm.script.from_source(text, extra_vars={"T": T, "SOURCES": sources})
-    return func, names
+    return _prim_func(params, buffers, pointers, tiles, sources, n_out, weight), list(sources)
 
 
 def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: list[tuple[int, TileConfig]],
                        weight: str, group_size: int, gather: bool, weighted: bool) -> tirx.PrimFunc:
     """A mixture of experts' grouped GEMM on tensor cores (codegen/moe.py: the rows sorted by expert):
     (x, [row_token], row_expert, w, [scale], [row_weight], y), y [rows, n_out]."""
-    form = "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
     suffix = ("_gather" if gather else "") + ("_weighted" if weighted else "")
-    sources, names = {}, []
+    sources = {}
     for _, tile in tiles:
-        name = f"kiln_mma_experts_{CTYPES[dtype][1]}{form}_e{experts}_{n_out}x{n_in}_{tile.name}{suffix}"
+        name = (f"kiln_mma_experts_{CTYPES[dtype][1]}{_form(weight, group_size)}_e{experts}_{n_out}x{n_in}_"
+                f"{tile.name}{suffix}")
         sources[name] = experts_kernel_source(name, dtype, tile, n_out, n_in, weight, group_size, gather, weighted)
-        names.append(name)
-    stored_in = n_in // 2 if weight == "q4" else n_in
-    params = ["var_x: T.handle"] + (["var_row_token: T.handle"] if gather else []) + ["var_row_expert: T.handle",
-              f"w: T.Buffer(({experts}, {n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
-    if weight in ("q8", "fp8"):
-        params.append(f"scale: T.Buffer(({experts}, {n_out}), \"float32\")")
-    elif weight == "q4":
-        params.append(f"scale: T.Buffer(({experts}, {n_in // group_size}, {n_out}), \"float16\")")
+    params = ["var_x: T.handle"] + (["var_row_token: T.handle"] if gather else []) + ["var_row_expert: T.handle"]
+    params += _weight_params(weight, dtype, n_out, n_in, group_size, experts)
     params += (["var_row_weight: T.handle"] if weighted else []) + ["var_y: T.handle"]
-    lines = [f"def main({', '.join(params)}):",
-             "    T.func_attr({\"tirx.noalias\": True})",
-             "    m = T.int64()",
-             f"    x = T.match_buffer(var_x, ({'T.int64()' if gather else 'm'}, {n_in}), \"{dtype}\")",
-             "    row_expert = T.match_buffer(var_row_expert, (m,), \"int32\")",
-             f"    y = T.match_buffer(var_y, (m, {n_out}), \"{dtype}\")"]
-    lines += ["    row_token = T.match_buffer(var_row_token, (m,), \"int32\")"] if gather else []
-    lines += ["    row_weight = T.match_buffer(var_row_weight, (m,), \"float32\")"] if weighted else []
+    buffers = [f"x = T.match_buffer(var_x, ({'T.int64()' if gather else 'm'}, {n_in}), \"{dtype}\")",
+               "row_expert = T.match_buffer(var_row_expert, (m,), \"int32\")",
+               f"y = T.match_buffer(var_y, (m, {n_out}), \"{dtype}\")"]
+    buffers += ["row_token = T.match_buffer(var_row_token, (m,), \"int32\")"] if gather else []
+    buffers += ["row_weight = T.match_buffer(var_row_weight, (m,), \"float32\")"] if weighted else []
     pointers = ["x.data"] + (["row_token.data"] if gather else []) + ["row_expert.data", "w.data"] \
         + (["scale.data"] if weight != "float" else []) + (["row_weight.data"] if weighted else []) + ["y.data"]
-    lines += _dispatch(tiles, names, n_out, pointers, weight)
-    return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines) + "\n", extra_vars={"T": T, "SOURCES": sources})
+    return _prim_func(params, buffers, pointers, tiles, sources, n_out, weight)
 
 
 def _dispatch(tiles, names, n_out: int, pointers: list[str], weight: str) -> list[str]:

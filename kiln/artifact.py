@@ -45,6 +45,9 @@ T = TypeVar("T")          # what write_in_place returns
 INTERFACE_VERSION = 2       # 2: the manifest's kv lists a KVSpec per layer
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+# the CUDA graph entries a manifest may name: decode steps of up to the largest batch bucket, and
+# those from decode_mma_from sequences (tensor-core linears)
+GRAPH_ENTRY, WIDE_GRAPH_ENTRY = "decode_graph", "decode_wide_graph"
 
 
 def file_digest(path: Path, algorithm: str = "blake3") -> str:

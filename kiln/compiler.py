@@ -94,7 +94,7 @@ LINEAR_FAMILIES = {"mma": "tensor cores", "gemv": "GEMV"}     # kernel-name pref
 
 def _linear_kernels(launches: dict) -> dict:
     """Per entry, which kind of kernel its GPU linears run (only where some has a kernel of its own)."""
-    kinds = {step: sorted({LINEAR_FAMILIES[k.split("_")[0]] for k in kernels if k.split("_")[0] in LINEAR_FAMILIES})
+    kinds = {step: sorted({LINEAR_FAMILIES.get(k.split("_")[0]) for k in kernels} - {None})
              for step, (kernels, _) in launches.items()}
     return {step: names for step, names in kinds.items() if names}
 

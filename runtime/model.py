@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.artifact import WEIGHTS, read_manifest, start_verify
+from kiln.artifact import GRAPH_ENTRY, WEIGHTS, WIDE_GRAPH_ENTRY, read_manifest, start_verify
 from kiln.errors import KilnError
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.step_forms import is_prefill_step
@@ -31,8 +31,6 @@ from .device_sampler import DeviceSampler
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
 
-GRAPH_ENTRY = "decode_graph"
-WIDE_GRAPH_ENTRY = "decode_wide_graph"       # decode steps from decode_mma_from sequences, tensor-core linears
 GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
 DEVICES = ("cpu", "cuda", "rocm", "metal")
 
