@@ -5,6 +5,7 @@
     python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
     python bench/gpu_kit.py --gemm [--out build/gpu-kit-gemm] --shapes llama-3.2-1b llama-3.1-8b
                             mixtral-8x7b-4l --modes bfloat16 q4
+    python bench/gpu_kit.py --gemv [--out build/gpu-kit-gemv] --modes bfloat16 q4
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
 internet, and takes at most 64 MiB per transfer, so nothing big travels:
@@ -23,13 +24,18 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
   gemm/                 with --gemm: kiln's tensor-core GEMM tiles for the Llama shapes and
                         tests/gpu/test_mma_gemm.py's, built by bench/gemm_gpu.py build
+  gemv/                 with --gemv: kiln's decode GEMV candidates for the Llama shapes and
+                        tests/gpu/test_gemv.py's, built by bench/gemv_gpu.py build
   run.sh                installs kiln, then runs its stages, each under its own time limit: tests
                         (tests/gpu), weights (`kiln fill-weights`), decode (bench/decode_gpu.py),
                         and with --serve serve_tests (tests/gpu/test_cuda_serve.py) after the
                         tests and, after the weights, serve (bench/serve_gpu.py on the first
                         shape's bfloat16 artifact); with --gemm gemm (bench/gemm_gpu.py run, which
                         writes $OUT/mma_tuning.json) after the tests and prefill (bench/prefill_gpu.py
-                        on each bfloat16 artifact) before the decode; $STAGES picks others; results go to $OUT
+                        on each bfloat16 artifact) before the decode; with --gemv gemv (bench/gemv_gpu.py
+                        run, which writes $OUT/gemv_tuning.json) after the tests and profile
+                        (bench/step_profile.py, a batch-1 decode step) before the decode; $STAGES
+                        picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -87,6 +93,7 @@ within 120 python3 tests/gpu/make_bundle.py $KIT/bundle --attach 2>&1 | tee $OUT
 # this one it would pass 64 MiB)
 stage_tests() {
   [ -d $KIT/gemm ] && export KILN_GEMM_KERNELS=$PWD/$KIT/gemm      # tests/gpu/test_mma_gemm.py's kernels
+  [ -d $KIT/gemv ] && export KILN_GEMV_KERNELS=$PWD/$KIT/gemv      # tests/gpu/test_gemv.py's kernels
   KILN_GPU_BUNDLE=$PWD/$KIT/bundle within $(( $(left) / 2 )) python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \\
     --ignore=tests/gpu/test_cuda_families.py --ignore=tests/gpu/test_cuda_serve.py 2>&1 | tee $OUT/tests_gpu.log
 }
@@ -105,6 +112,16 @@ stage_gemm() {         # kiln's tensor-core tiles beside cuBLAS; the fastest per
   within ${GEMM_SECONDS:-150} python3 bench/gemm_gpu.py run $KIT/gemm --write-table $OUT/mma_tuning.json \
     ${GEMM_ARGS:-} 2>&1 | tee $OUT/gemm_gpu.md
 }
+stage_gemv() {         # kiln's decode GEMVs against the copy rate; the fastest per shape as codegen's table
+  within ${GEMV_SECONDS:-120} python3 bench/gemv_gpu.py run $KIT/gemv --write-table $OUT/gemv_tuning.json \
+    ${GEMV_ARGS:-} 2>&1 | tee $OUT/gemv_gpu.md
+}
+stage_profile() {      # a batch-1 decode step of each bfloat16 and q4 artifact, kernel by kernel (CUPTI)
+  for d in $(artifacts | grep -e /bfloat16/ -e /q4/); do
+    within ${PROFILE_SECONDS:-40} python3 bench/step_profile.py $d --step decode --tokens 128 --top 12 2>&1 \
+      | tee -a $OUT/step_profile.md
+  done
+}
 stage_prefill() {      # TTFT of 512 / 2048 / 8192-token prompts beside HF eager, each bfloat16 artifact
   for d in $(artifacts | grep /bfloat16/); do
     within ${PREFILL_SECONDS:-70} python3 bench/prefill_gpu.py $d ${PREFILL_ARGS:-} 2>&1 | tee -a $OUT/prefill_gpu.md
@@ -117,7 +134,7 @@ stage_decode() {
 for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
 STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve decode",
-          "gemm": "tests gemm weights prefill decode"}
+          "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -208,9 +225,11 @@ def main() -> None:
     ap.add_argument("--families", action="store_true", help="a kit for tests/gpu/test_cuda_families.py alone")
     ap.add_argument("--gemm", action="store_true",
                     help="add the tensor-core GEMM kernels (bench/gemm_gpu.py build) and the gemm and prefill stages")
+    ap.add_argument("--gemv", action="store_true",
+                    help="add the decode GEMV kernels (bench/gemv_gpu.py build) and the gemv and profile stages")
     args = ap.parse_args()
     out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit-gemm" if args.gemm
-                                 else "build/gpu-kit")
+                                 else "build/gpu-kit-gemv" if args.gemv else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
 
     if args.serve and "bfloat16" not in args.modes:
@@ -229,6 +248,9 @@ def main() -> None:
     if args.gemm and not (out / "gemm" / "kernels.json").exists():
         subprocess.run([sys.executable, "bench/gemm_gpu.py", "build", str(out / "gemm"), "--arch", args.arch],
                        check=True)
+    if args.gemv and not (out / "gemv" / "kernels.json").exists():
+        subprocess.run([sys.executable, "bench/gemv_gpu.py", "build", str(out / "gemv"), "--arch", args.arch],
+                       check=True)
     if not (out / "bundle" / "cuda-q4").exists():
         subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch,
                         "--without-weights"], check=True)
@@ -241,7 +263,7 @@ def main() -> None:
         for mode in args.modes:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
-    kind = "gemm" if args.gemm else "serve" if args.serve else "plain"
+    kind = "gemm" if args.gemm else "gemv" if args.gemv else "serve" if args.serve else "plain"
     (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[kind]))
     print_sizes(out)
 

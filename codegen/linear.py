@@ -1,8 +1,9 @@
 """Linear (x @ W.T + b [+ residual]) kernels for float, q8, fp8 and q4 weights.
 
 GPUs: on CUDA sm_80+, bf16 and fp16 linears run kiln's tensor-core GEMM (codegen/mma_gemm.py; q8,
-fp8 and q4 weights converted in its main loop) in every step but small decode steps; otherwise a
-TE matmul that dlight schedules, in CUDA decode steps as its low-batch GEMV (`decode_kernel`).
+fp8 and q4 weights converted in its main loop) in every step but small decode steps, which run
+kiln's streaming GEMV (codegen/gemv.py); what those do not take, a TE matmul that dlight
+schedules, in decode steps as its low-batch GEMV (`decode_kernel`).
 CPUs: kiln's packed-weight kernel, weights stored [out/nb, in', nb] so a task accumulates nb
 outputs in vector registers; in steps that bring chunks (every entry but decode, on targets with
 `chunk_gemm`) the register-blocked GEMM of codegen/gemm.py over the same layout. Where the CPU has
@@ -199,6 +200,14 @@ def mma_tiles(target, dtype: str, weight_dtype: str, fmt: WeightFormat, n_out: i
     return tiles if ok else None
 
 
+def streaming_gemv(dtype: str, weight_dtype: str, fmt: WeightFormat, n_out: int, n_in: int,
+                   activation: str | None = None) -> bool:
+    """Whether a CUDA decode step's linear runs kiln's streaming GEMV (codegen/gemv.py) rather than
+    dlight's: float activations (int8 ones are the CPU's scheme) and a format it reads."""
+    from .gemv_tuning import supports
+    return not fmt.act_block and supports(dtype, weight_dtype, n_out, n_in, fmt.kind, fmt.group_size, activation)
+
+
 def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bias: relax.Expr | None,
                 residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
                 fmt: WeightFormat = WeightFormat(), activation: str | None = None) -> relax.Expr:
@@ -262,9 +271,16 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
                                         fmt.kind, fmt.group_size, activation)
             y = packed(func, "mma", scheduled=True, width=n_out // 2 if activation else n_out,
                        gate=activation or "")
+        elif ctx.step == "decode" and ctx.target.device == "cuda" and streaming_gemv(dtype, w.ty.dtype, fmt, n_out, n_in,
+                                                                                   activation):
+            from .gemv import gemv_kernel
+            func, _ = gemv_kernel(n_out, n_in, dtype, bias is not None, residual is not None, fmt.kind,
+                                  fmt.group_size, activation, arch=ctx.target.arch)
+            y = packed(func, "gemv", scheduled=True, width=n_out // 2 if activation else n_out,
+                       gate=activation or "")
         elif ctx.step == "decode" and ctx.target.device == "cuda":
             func, gemv = decode_kernel(ctx.target, lambda *t: kernel(*t, staged=True), args)
-            y = packed(func, "gemv" if gemv else "linear", scheduled=gemv)
+            y = packed(func, "dlgemv" if gemv else "linear", scheduled=gemv)
         elif ctx.target.device == "cuda":
             # a kernel of its own, as in decode steps: between the opaque tensor-core kernels the
             # default fusion would group a linear dlight cannot take with its elementwise neighbours

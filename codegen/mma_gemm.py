@@ -13,17 +13,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .mma_source import CTYPES, TileConfig, experts_kernel_source, kernel_source
+from .mma_source import ARCHS_WITH_MMA, CTYPES, TileConfig, experts_kernel_source, kernel_source, stored_dtype
 
-ARCHS_WITH_MMA = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
-
-
-# the stored weight each format's kernel reads: dtype and shape (codegen/linear.py's WeightFormat kinds)
-STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
-
-
-def stored_dtype(weight: str, dtype: str) -> str:
-    return STORED.get(weight, dtype)
 
 
 def supports(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: int, tiles,
@@ -36,22 +27,31 @@ def supports(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: 
             and all(n_out % t.bn == 0 and n_in % t.bk == 0 for _, t in tiles))
 
 
+def launch_lines(name: str, blocks: int, rows_per_block: int, threads: int, shared_bytes: int,
+                 pointers: list[str], indent: str) -> list[str]:
+    """TVMScript lines launching device function `name`(pointers..., m, shared): `blocks` x (m rows
+    in blocks of `rows_per_block`, 0: one) thread blocks of `threads`, with `shared_bytes` of
+    dynamic shared memory."""
+    lines = [f"{indent}bx = T.launch_thread(\"blockIdx.x\", {blocks})"]
+    if rows_per_block:
+        lines.append(f"{indent}by = T.launch_thread(\"blockIdx.y\", "
+                     f"T.Cast(\"int32\", (m + {rows_per_block - 1}) // {rows_per_block}))")
+    return lines + [f"{indent}tx = T.launch_thread(\"threadIdx.x\", {threads})",
+                    f"{indent}shared = T.alloc_buffer(({shared_bytes},), \"uint8\", scope=\"shared.dyn\")",
+                    f"{indent}T.evaluate(T.cuda.func_call(\"{name}\", {', '.join(pointers)}, T.Cast(\"int32\", m), "
+                    f"shared.data, source_code=SOURCES[\"{name}\"]))"]
+
+
 def _launch(name: str, tile: TileConfig, n_out: int, pointers: list[str], indent: str, weight: str) -> list[str]:
-    return [f"{indent}bx = T.launch_thread(\"blockIdx.x\", {n_out // tile.bn})",
-            f"{indent}by = T.launch_thread(\"blockIdx.y\", T.Cast(\"int32\", (m + {tile.bm - 1}) // {tile.bm}))",
-            f"{indent}tx = T.launch_thread(\"threadIdx.x\", {tile.threads})",
-            f"{indent}shared = T.alloc_buffer(({tile.shared_bytes(weight)},), \"uint8\", scope=\"shared.dyn\")",
-            f"{indent}T.evaluate(T.cuda.func_call(\"{name}\", {', '.join(pointers)}, T.Cast(\"int32\", m), "
-            "shared.data, "
-            f"source_code=SOURCES[\"{name}\"]))"]
+    return launch_lines(name, n_out // tile.bn, tile.bm, tile.threads, tile.shared_bytes(weight), pointers, indent)
 
 
-def _form(weight: str, group_size: int) -> str:
+def form_suffix(weight: str, group_size: int) -> str:
     """The weight format's part of a kernel name: '', '_q8', '_fp8', '_q4g32'."""
     return "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
 
 
-def _weight_params(weight: str, dtype: str, n_out: int, n_in: int, group_size: int, experts: int = 0) -> list[str]:
+def weight_params(weight: str, dtype: str, n_out: int, n_in: int, group_size: int, experts: int = 0) -> list[str]:
     """The stored weight's parameter and its scales' (q8/fp8 per output, q4 per group), with a
     leading experts axis where `experts`."""
     lead = f"{experts}, " if experts else ""
@@ -64,12 +64,13 @@ def _weight_params(weight: str, dtype: str, n_out: int, n_in: int, group_size: i
     return params
 
 
-def _prim_func(params: list[str], buffers: list[str], pointers: list[str], tiles, sources: dict, n_out: int,
-               weight: str) -> tirx.PrimFunc:
+def prim_func(params: list[str], buffers: list[str], pointers: list[str], tiles, names: list[str], sources: dict,
+              launch) -> tirx.PrimFunc:
     """The PrimFunc of `params`, its rows m bound by `buffers`' match_buffer lines, launching the
-    tiles' kernels (SOURCES by name, in tile order) on `pointers`."""
+    tiles' kernels (names[i] runs tiles[i]; a tile may serve several rows buckets, its source once in
+    `sources`) on `pointers` with `launch`(name, tile, pointers, indent) -> lines."""
     lines = [f"def main({', '.join(params)}):", "    T.func_attr({\"tirx.noalias\": True})", "    m = T.int64()"]
-    lines += [f"    {line}" for line in buffers] + _dispatch(tiles, list(sources), n_out, pointers, weight)
+    lines += [f"    {line}" for line in buffers] + _dispatch(tiles, names, pointers, launch)
     return tvm.script.from_source("@T.prim_func\n" + "\n".join(lines) + "\n", extra_vars={"T": T, "SOURCES": sources})
 
 
@@ -81,11 +82,12 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
     `weight`: the stored format (float, q8, fp8, q4 with `group_size`); `activation` (silu,
     gelu_tanh): a gated MLP's gate/up linear, weights stored 'gated', y [rows, n_out / 2]."""
     suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
-    sources = {}
+    sources, names = {}, []
     for _, tile in tiles:
-        name = f"kiln_mma_{CTYPES[dtype][1]}{_form(weight, group_size)}_{n_out}x{n_in}_{tile.name}{suffix}"
-        sources[name] = kernel_source(name, dtype, tile, n_out, n_in, bias, residual, weight, group_size, activation)
-    params = ["var_x: T.handle", *_weight_params(weight, dtype, n_out, n_in, group_size)]
+        names.append(f"kiln_mma_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_{tile.name}{suffix}")
+        sources[names[-1]] = kernel_source(names[-1], dtype, tile, n_out, n_in, bias, residual, weight, group_size,
+                                           activation)
+    params = ["var_x: T.handle", *weight_params(weight, dtype, n_out, n_in, group_size)]
     params += ([f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []) \
         + (["var_residual: T.handle"] if residual else []) + ["var_y: T.handle"]
     buffers = [f"x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
@@ -93,7 +95,8 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
     buffers += [f"residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")"] if residual else []
     pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
         + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
-    return _prim_func(params, buffers, pointers, tiles, sources, n_out, weight), list(sources)
+    launch = lambda name, tile, ptrs, indent: _launch(name, tile, n_out, ptrs, indent, weight)      # noqa: E731
+    return prim_func(params, buffers, pointers, tiles, names, sources, launch), list(sources)
 
 
 def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: list[tuple[int, TileConfig]],
@@ -101,13 +104,14 @@ def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: l
     """A mixture of experts' grouped GEMM on tensor cores (codegen/moe.py: the rows sorted by expert):
     (x, [row_token], row_expert, w, [scale], [row_weight], y), y [rows, n_out]."""
     suffix = ("_gather" if gather else "") + ("_weighted" if weighted else "")
-    sources = {}
+    sources, names = {}, []
     for _, tile in tiles:
-        name = (f"kiln_mma_experts_{CTYPES[dtype][1]}{_form(weight, group_size)}_e{experts}_{n_out}x{n_in}_"
-                f"{tile.name}{suffix}")
-        sources[name] = experts_kernel_source(name, dtype, tile, n_out, n_in, weight, group_size, gather, weighted)
+        names.append(f"kiln_mma_experts_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_e{experts}_{n_out}x{n_in}_"
+                     f"{tile.name}{suffix}")
+        sources[names[-1]] = experts_kernel_source(names[-1], dtype, tile, n_out, n_in, weight, group_size, gather,
+                                                   weighted)
     params = ["var_x: T.handle"] + (["var_row_token: T.handle"] if gather else []) + ["var_row_expert: T.handle"]
-    params += _weight_params(weight, dtype, n_out, n_in, group_size, experts)
+    params += weight_params(weight, dtype, n_out, n_in, group_size, experts)
     params += (["var_row_weight: T.handle"] if weighted else []) + ["var_y: T.handle"]
     buffers = [f"x = T.match_buffer(var_x, ({'T.int64()' if gather else 'm'}, {n_in}), \"{dtype}\")",
                "row_expert = T.match_buffer(var_row_expert, (m,), \"int32\")",
@@ -116,10 +120,11 @@ def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: l
     buffers += ["row_weight = T.match_buffer(var_row_weight, (m,), \"float32\")"] if weighted else []
     pointers = ["x.data"] + (["row_token.data"] if gather else []) + ["row_expert.data", "w.data"] \
         + (["scale.data"] if weight != "float" else []) + (["row_weight.data"] if weighted else []) + ["y.data"]
-    return _prim_func(params, buffers, pointers, tiles, sources, n_out, weight)
+    launch = lambda name, tile, ptrs, indent: _launch(name, tile, n_out, ptrs, indent, weight)      # noqa: E731
+    return prim_func(params, buffers, pointers, tiles, names, sources, launch)
 
 
-def _dispatch(tiles, names, n_out: int, pointers: list[str], weight: str) -> list[str]:
+def _dispatch(tiles, names, pointers: list[str], launch) -> list[str]:
     """The host side: nothing for no rows (a grid of no blocks is a launch error), else the first
     tile whose rows bound covers the step's rows m, the last for the rest."""
     lines = ["    if m > 0:"]
@@ -127,5 +132,5 @@ def _dispatch(tiles, names, n_out: int, pointers: list[str], weight: str) -> lis
         last = index == len(tiles) - 1
         keyword = "else:" if last else f"{'elif' if index else 'if'} m <= {rows}:"
         branch = [] if last and index == 0 else [f"        {keyword}"]
-        lines += branch + _launch(name, tile, n_out, pointers, "            " if branch else "        ", weight)
+        lines += branch + launch(name, tile, pointers, "            " if branch else "        ")
     return lines

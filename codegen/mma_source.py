@@ -58,9 +58,16 @@ class TileConfig:
 
 
 CTYPES = {"bfloat16": ("__nv_bfloat16", "bf16"), "float16": ("__half", "f16")}
+ARCHS_WITH_MMA = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")       # mma.sync for bf16 and fp16
 
 # weights the kernel reads, by codegen/linear.py's WeightFormat kind: template code, bits per input
 WEIGHT_CODES = {"float": (0, 16), "q8": (1, 8), "fp8": (2, 8), "q4": (3, 4)}
+# the stored weight each format's kernel reads: dtype and shape (codegen/linear.py's WeightFormat kinds)
+STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
+
+
+def stored_dtype(weight: str, dtype: str) -> str:
+    return STORED.get(weight, dtype)
 
 
 def weight_row_stride(weight: str, bk: int) -> int:

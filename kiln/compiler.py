@@ -89,7 +89,8 @@ def _launch_counts(launches: dict) -> dict:
                         for step, (kernels, host) in launches.items()}}
 
 
-LINEAR_FAMILIES = {"mma": "tensor cores", "gemv": "GEMV"}     # kernel-name prefixes of codegen/linear.py
+# kernel-name prefixes of codegen/linear.py: kiln's tensor-core GEMM, kiln's streaming GEMV, dlight's GEMV
+LINEAR_FAMILIES = {"mma": "tensor cores", "gemv": "GEMV", "dlgemv": "GEMV (dlight)"}
 
 
 def _linear_kernels(launches: dict) -> dict:

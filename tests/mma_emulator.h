@@ -57,6 +57,8 @@ inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
   return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
           __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))};
 }
+inline __half __ushort_as_half(unsigned short u) { __half h; std::memcpy(&h, &u, 2); return h; }
+struct uint4 { unsigned x, y, z, w; };
 using std::min;
 
 // ---- one block's threads: barriers for the block and for each warp, shared memory ----------------
@@ -67,10 +69,24 @@ struct Block {
   std::vector<unsigned> addresses;               // ldmatrix: each lane's row address
   std::vector<unsigned> fragments;               // mma: each lane's a (4), b (2)
   std::vector<float> sums;                       // mma: each lane's c (4)
+  std::vector<float> lanes;                      // shuffles: each lane's value
 };
 thread_local Block* block;
 
 inline void __syncthreads() { block->all->arrive_and_wait(); }
+
+// __shfl_*_sync over the whole warp (mask 0xFFFFFFFF, as the kernels use them): every lane
+// offers its value, then reads its source lane's; a source outside the warp reads its own
+inline float shuffle(float v, int source) {
+  const int warp = threadIdx.x / 32;
+  block->lanes[threadIdx.x] = v;
+  block->warps[warp]->arrive_and_wait();
+  const float got = source >= 0 && source < 32 ? block->lanes[warp * 32 + source] : v;
+  block->warps[warp]->arrive_and_wait();
+  return got;
+}
+inline float __shfl_xor_sync(unsigned, float v, int mask) { return shuffle(v, int(threadIdx.x % 32) ^ mask); }
+inline float __shfl_down_sync(unsigned, float v, int delta) { return shuffle(v, int(threadIdx.x % 32) + delta); }
 
 namespace kiln_mma {
 
@@ -160,6 +176,7 @@ inline void launch(int grid_x, int grid_y, int threads, size_t shared_bytes, con
       b.addresses.resize(threads);
       b.fragments.resize(threads * 6);
       b.sums.resize(threads * 4);
+      b.lanes.resize(threads);
       std::vector<std::thread> pool;
       for (int t = 0; t < threads; ++t)
         pool.emplace_back([&, t] {

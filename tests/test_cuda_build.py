@@ -47,9 +47,11 @@ def test_cuda_artifact_is_built_with_its_kernels():
     assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
     launches = manifest["launches_per_step"]["entries"]
     assert launches["decode"]["kernels"] == launches["decode"]["host_launches"]
-    # decode steps' linears are GEMVs of their own (codegen/linear.py: decode_kernel), one per shape
+    # decode steps' linears are kiln's streaming GEMVs (codegen/gemv.py), one per shape; the gate/up
+    # one applies the SwiGLU as the tensor-core kernel does
     assert {k for k in manifest["kernels"] if k.startswith("gemv_")} == {
-        "gemv_512x256", "gemv_256x256_residual", "gemv_1024x256", "gemv_256x512_residual", "gemv_384x256"}
+        "gemv_512x256", "gemv_256x256_residual", "gemv_1024x256_silu", "gemv_256x512_residual", "gemv_384x256"}
+    assert not any(k.startswith("dlgemv_") for k in manifest["kernels"])
     assert launches["decode_graph"] == {"kernels": launches["decode"]["kernels"], "host_launches": 2}
     assert manifest["graph_batches"] == [1, 2, 4, 8, 16, 32, 64]
     assert b"vm.builtin.cuda_graph.run_or_capture" in library

@@ -37,6 +37,25 @@ def test_tuning_table_names_built_tiles():
             assert parse_tile(name) in CANDIDATES, f"{key}: {name} is not a candidate this test builds"
 
 
+def test_each_rows_bucket_launches_its_own_tile_over_its_own_grid():
+    """A table entry may name one tile for two buckets apart (the 1B's 2048x2048: A, B, A, C): each
+    bucket's branch launches the kernel of its tile, over N / BN blocks of that tile. (Kernels were
+    once paired with buckets by position among the distinct tiles: the third bucket launched C's
+    kernel over A's grid, and an H200 faulted on an illegal address.)"""
+    from kiln.codegen.mma_gemm import mma_linear_kernel
+    from kiln.codegen.mma_tuning import parse_tile
+    tiles = [(16, parse_tile("32x64x64w1x4s4")), (64, parse_tile("16x64x64w1x4s4")),
+             (256, parse_tile("32x64x64w1x4s4")), (0, parse_tile("64x128x64w2x2s3"))]
+    func, names = mma_linear_kernel(2048, 2048, "bfloat16", False, False, tiles)
+    assert len(names) == 3
+    script = func.script()
+    grids = [int(g) for g in re.findall(r'launch_thread\("blockIdx.x", (\d+)\)', script)]
+    launched = re.findall(r'func_call\("(kiln_mma_[^"]+)"', script)
+    assert len(launched) == len(tiles) == len(grids)
+    for (_, tile), name, grid in zip(tiles, launched, grids):
+        assert name.endswith(tile.name) and grid == 2048 // tile.bn, (name, grid, tile.name)
+
+
 def test_default_choices_are_candidates_for_the_llama_shapes():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from gemm_gpu import SHAPES

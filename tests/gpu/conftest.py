@@ -68,3 +68,4 @@ def gpu_family(make_model, tmp_path_factory):
         return built[family]
     return get
 
+

@@ -8,8 +8,6 @@ KILN_GEMM_KERNELS (`bench/gemm_gpu.py build DIR --tests-only` on a build machine
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from kernel_builds import kernel_folder  # noqa: E402
 from gemm_gpu import TEST_ROWS, default_specs, kernel_specs, reference  # noqa: E402
 
 # one rounding of the output is 2^-8 (bf16) or 2^-11 (fp16) of its size; the sums' order differs
@@ -35,11 +34,7 @@ def kernels(tmp_path_factory):
     from kiln.runtime.model import enable_cuda_runtime
     enable_cuda_runtime()
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
-    folder = Path(os.environ["KILN_GEMM_KERNELS"]) if os.environ.get("KILN_GEMM_KERNELS") else None
-    if folder is None:
-        folder = tmp_path_factory.mktemp("gemm")
-        subprocess.run([sys.executable, str(ROOT / "bench" / "gemm_gpu.py"), "build", str(folder), "--arch", arch,
-                        "--tests-only"], check=True)
+    folder = kernel_folder("KILN_GEMM_KERNELS", "gemm_gpu.py", arch, tmp_path_factory)
     meta = json.loads((folder / "kernels.json").read_text())
     return tvm.runtime.load_module(str(folder / "gemm_kernels.so")), meta["kernels"]
 

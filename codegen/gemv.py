@@ -1,0 +1,44 @@
+"""The CUDA decode GEMV: kiln's own streaming kernel for linears in decode steps of few rows.
+
+One PrimFunc per linear shape, as codegen/mma_gemm.py builds them: its host side picks a kernel
+by the step's rows (batch 1, up to 4, more: MB = 1, 4, 8 rows of x a pass: gemv_tuning.BATCH_BUCKETS)
+and launches it over N / R thread blocks; each kernel is CUDA source (codegen/gemv_source.py) that TIR calls, so it
+runs on TVM's stream and the decode CUDA graphs capture it.
+
+Rows a block and threads a block by shape: codegen/gemv_tuning.py.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+
+from .gemv_source import GemvConfig, gemv_source
+from .gemv_tuning import default_configs
+from .mma_gemm import form_suffix, launch_lines, prim_func, weight_params
+from .mma_source import CTYPES
+
+def gemv_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, weight: str = "float",
+                group_size: int = 0, activation: str | None = None,
+                configs: list[tuple[int, GemvConfig]] | None = None,
+                arch: str | None = None) -> tuple[tirx.PrimFunc, list[str]]:
+    """The PrimFunc (x, w, [scale], [bias], [residual], y) and its kernels' names; arguments as
+    codegen/mma_gemm.py's mma_linear_kernel, `configs` (up to rows, config) ascending (default:
+    `default_configs` for `arch`)."""
+    configs = configs or default_configs(n_out, n_in, weight, bool(activation), arch, group_size)
+    suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
+    sources, names = {}, []
+    for _, config in configs:
+        names.append(f"kiln_gemv_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_{config.name}{suffix}")
+        sources[names[-1]] = gemv_source(names[-1], dtype, config, n_out, n_in, bias, residual, weight, group_size,
+                                         activation)
+    params = ["var_x: T.handle", *weight_params(weight, dtype, n_out, n_in, group_size)]
+    params += ([f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []) \
+        + (["var_residual: T.handle"] if residual else []) + ["var_y: T.handle"]
+    buffers = [f"x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
+               f"y = T.match_buffer(var_y, (m, {n_out // 2 if activation else n_out}), \"{dtype}\")"]
+    buffers += [f"residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")"] if residual else []
+    pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
+        + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
+
+    def launch(name, config, ptrs, indent):
+        return launch_lines(name, n_out // config.rows, 0, config.threads, config.shared_bytes(), ptrs, indent)
+    return prim_func(params, buffers, pointers, configs, names, sources, launch), list(sources)
