@@ -229,23 +229,28 @@ def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
     print(f"\nwrote {len(table)} entries to {path}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def kernel_bench_main(doc: str, build_fn, run_fn, test_file: str, rows: list[int]) -> None:
+    """The `build OUT` / `run OUT` command line of a kernel bench (this one's and bench/gemv_gpu.py's)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("out", type=Path)
     b.add_argument("--arch", default="sm_90")
-    b.add_argument("--tests-only", action="store_true", help="only tests/gpu/test_mma_gemm.py's kernels")
+    b.add_argument("--tests-only", action="store_true", help=f"only {test_file}'s kernels")
     r = sub.add_parser("run")
     r.add_argument("out", type=Path)
-    r.add_argument("--m", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    r.add_argument("--m", type=int, nargs="+", default=rows)
     r.add_argument("--reps", type=int, default=20)
     r.add_argument("--write-table", type=Path, default=None)
     args = ap.parse_args()
     if args.command == "build":
-        build(args.out, args.arch, args.tests_only)
+        build_fn(args.out, args.arch, args.tests_only)
     else:
-        run(args.out, args.m, args.write_table, args.reps)
+        run_fn(args.out, args.m, args.write_table, args.reps)
+
+
+def main() -> None:
+    kernel_bench_main(__doc__, build, run, "tests/gpu/test_mma_gemm.py", [16, 64, 256, 1024, 4096])
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ CUDA-event timings; --write-table writes the fastest candidate per shape, format
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemm_gpu import SHAPES, copy_rate, reference, timed  # noqa: E402
+from gemm_gpu import SHAPES, copy_rate, kernel_bench_main, reference, timed  # noqa: E402
 
 FORMATS = (("float", 0), ("q4", 32))                  # what the bench times: bf16 and q4 weights
 # 96 outputs: one row a block; 1056 inputs: 132 bf16 chunks (33 q4 ones) a row over 64 threads, a
@@ -163,22 +162,7 @@ def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("out", type=Path)
-    b.add_argument("--arch", default="sm_90")
-    b.add_argument("--tests-only", action="store_true", help="only tests/gpu/test_gemv.py's kernels")
-    r = sub.add_parser("run")
-    r.add_argument("out", type=Path)
-    r.add_argument("--m", type=int, nargs="+", default=[1, 8])
-    r.add_argument("--reps", type=int, default=20)
-    r.add_argument("--write-table", type=Path, default=None)
-    args = ap.parse_args()
-    if args.command == "build":
-        build(args.out, args.arch, args.tests_only)
-    else:
-        run(args.out, args.m, args.write_table, args.reps)
+    kernel_bench_main(__doc__, build, run, "tests/gpu/test_gemv.py", [1, 8])
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from tvm import tirx
 
 from .gemv_source import GemvConfig, gemv_source
 from .gemv_tuning import default_configs
-from .mma_gemm import form_suffix, launch_lines, prim_func, weight_params
+from .mma_gemm import form_suffix, launch_lines, linear_signature, prim_func
 from .mma_source import CTYPES
 
 def gemv_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, weight: str = "float",
@@ -30,15 +30,8 @@ def gemv_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, w
         names.append(f"kiln_gemv_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_{config.name}{suffix}")
         sources[names[-1]] = gemv_source(names[-1], dtype, config, n_out, n_in, bias, residual, weight, group_size,
                                          activation)
-    params = ["var_x: T.handle", *weight_params(weight, dtype, n_out, n_in, group_size)]
-    params += ([f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []) \
-        + (["var_residual: T.handle"] if residual else []) + ["var_y: T.handle"]
-    buffers = [f"x = T.match_buffer(var_x, (m, {n_in}), \"{dtype}\")",
-               f"y = T.match_buffer(var_y, (m, {n_out // 2 if activation else n_out}), \"{dtype}\")"]
-    buffers += [f"residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")"] if residual else []
-    pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
-        + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
 
     def launch(name, config, ptrs, indent):
         return launch_lines(name, n_out // config.rows, 0, config.threads, config.shared_bytes(), ptrs, indent)
-    return prim_func(params, buffers, pointers, configs, names, sources, launch), list(sources)
+    return prim_func(*linear_signature(n_out, n_in, dtype, bias, residual, weight, group_size, activation),
+                     configs, names, sources, launch), list(sources)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .mma_source import ACTIVATION_CODES, CTYPES, HELPERS, WEIGHT_CODES, _wrapper
+from .mma_source import ACTIVATION_CODES, CTYPES, HELPERS, WEIGHT_CODES, linear_call, wrapper
 
 CHUNK_BYTES = 16
 
@@ -250,15 +250,8 @@ def gemv_source(name: str, dtype: str, config: GemvConfig, n_out: int, n_in: int
     if activation and (bias or residual or config.rows % 2):
         raise ValueError("a gated GEMV takes no bias or residual, and an even number of rows a block")
     ctype = CTYPES[dtype][0]
-    scaled = weight != "float"
-    params = ["const void* x", "const void* w"] + (["const void* scale"] if scaled else []) \
-        + (["const void* bias"] if bias else []) + (["const void* residual"] if residual else []) \
-        + ["void* y", "int M", "void* shared"]
-    cast = lambda p: f"static_cast<const {ctype}*>({p})"      # noqa: E731
-    args = [cast("x"), "w", "scale" if scaled else "nullptr", cast("bias") if bias else "nullptr",
-            cast("residual") if residual else "nullptr", f"static_cast<{ctype}*>(y)", "M", str(n_out), str(n_in),
-            "static_cast<float*>(shared)"]
+    params, args = linear_call(ctype, weight, bias, residual, n_out, n_in, "float")
     template = (f"kiln_gemv::gemv<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {config.rows}, "
                 f"{config.batch}, {config.threads}, {str(bias).lower()}, {str(residual).lower()}, "
                 f"{ACTIVATION_CODES[activation]}>")
-    return GEMV_HELPERS + _wrapper(name, params, template, args)
+    return GEMV_HELPERS + wrapper(name, params, template, args)

@@ -87,6 +87,15 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
         names.append(f"kiln_mma_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_{tile.name}{suffix}")
         sources[names[-1]] = kernel_source(names[-1], dtype, tile, n_out, n_in, bias, residual, weight, group_size,
                                            activation)
+    launch = lambda name, tile, ptrs, indent: _launch(name, tile, n_out, ptrs, indent, weight)      # noqa: E731
+    return prim_func(*linear_signature(n_out, n_in, dtype, bias, residual, weight, group_size, activation),
+                     tiles, names, sources, launch), list(sources)
+
+
+def linear_signature(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, weight: str, group_size: int,
+                     activation: str | None) -> tuple[list[str], list[str], list[str]]:
+    """A linear PrimFunc's parameters (x, w, [scale], [bias], [residual], y), the match_buffer lines
+    that bind its rows m, and the data pointers its kernels take."""
     params = ["var_x: T.handle", *weight_params(weight, dtype, n_out, n_in, group_size)]
     params += ([f"bias: T.Buffer(({n_out},), \"{dtype}\")"] if bias else []) \
         + (["var_residual: T.handle"] if residual else []) + ["var_y: T.handle"]
@@ -95,8 +104,7 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
     buffers += [f"residual = T.match_buffer(var_residual, (m, {n_out}), \"{dtype}\")"] if residual else []
     pointers = ["x.data", "w.data"] + (["scale.data"] if weight != "float" else []) \
         + (["bias.data"] if bias else []) + (["residual.data"] if residual else []) + ["y.data"]
-    launch = lambda name, tile, ptrs, indent: _launch(name, tile, n_out, ptrs, indent, weight)      # noqa: E731
-    return prim_func(params, buffers, pointers, tiles, names, sources, launch), list(sources)
+    return params, buffers, pointers
 
 
 def mma_experts_kernel(experts: int, n_out: int, n_in: int, dtype: str, tiles: list[tuple[int, TileConfig]],

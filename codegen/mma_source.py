@@ -420,6 +420,17 @@ def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int
     if activation and (bias or residual):
         raise ValueError("a gated linear's kernel takes no bias or residual")
     ctype = CTYPES[dtype][0]
+    params, args = linear_call(ctype, weight, bias, residual, n_out, n_in, "unsigned char")
+    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
+                f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}, false, "
+                f"{ACTIVATION_CODES[activation]}>")
+    return HELPERS + wrapper(name, params, template, args)
+
+
+def linear_call(ctype: str, weight: str, bias: bool, residual: bool, n_out: int, n_in: int,
+                shared: str) -> tuple[list[str], list[str]]:
+    """A linear's device function parameters (x, w, [scale], [bias], [residual], y, M, shared) and
+    the template arguments they become (absent ones nullptr; the shape; shared memory as `shared`*)."""
     scaled = weight != "float"
     params = ["const void* x", "const void* w"] + (["const void* scale"] if scaled else []) \
         + (["const void* bias"] if bias else []) + (["const void* residual"] if residual else []) \
@@ -427,14 +438,11 @@ def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int
     cast = lambda p: f"static_cast<const {ctype}*>({p})"      # noqa: E731
     args = [cast("x"), "w", "scale" if scaled else "nullptr", cast("bias") if bias else "nullptr",
             cast("residual") if residual else "nullptr", f"static_cast<{ctype}*>(y)", "M", str(n_out), str(n_in),
-            "static_cast<unsigned char*>(shared)"]
-    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
-                f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}, false, "
-                f"{ACTIVATION_CODES[activation]}>")
-    return HELPERS + _wrapper(name, params, template, args)
+            f"static_cast<{shared}*>(shared)"]
+    return params, args
 
 
-def _wrapper(name: str, params: list[str], template: str, args: list[str]) -> str:
+def wrapper(name: str, params: list[str], template: str, args: list[str]) -> str:
     """The kernel's own device function: the template's instance with this linear's parameters."""
     return (f"\n__device__ __forceinline__ void {name}({', '.join(params)}) {{\n"
             f"  {template}({', '.join(args)});\n}}\n")
@@ -456,4 +464,4 @@ def experts_kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n
             "static_cast<const float*>(row_weight)" if weighted else "nullptr"]
     template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
                 f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, false, false, true>")
-    return HELPERS + _wrapper(name, params, template, args)
+    return HELPERS + wrapper(name, params, template, args)

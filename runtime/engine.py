@@ -5,7 +5,9 @@ The model runner is anything with `page_size`, `vocab_size`, `max_context`, `for
 or a fake one in the scheduler tests. A runner whose `sampler` is not None samples on its device:
 `run(inputs)` leaves the logits there and only token ids and asked-for logprobs come back.
 Requests come in with `add_request` (token ids), leave when finished or through `abort`; every
-step returns a RequestOutput for each request that got tokens (or finished) in it.
+step returns a RequestOutput for each request that got tokens (or finished) in it. A runner that
+`launch`es steps and finishes them later runs under runtime/overlap.py's OverlapEngine instead,
+one step ahead of the host.
 """
 from __future__ import annotations
 
@@ -223,8 +225,14 @@ class Engine:
         return [seq, *children]
 
     def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None, now: float) -> None:
-        req, p = seq.request, seq.request.params
         seq.output_ids.append(tok)
+        self._record_token(seq, tok, logprobs, now, len(seq.output_ids))
+
+    def _record_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None, now: float,
+                      count: int) -> None:
+        """Everything a new output token (the count-th, already in output_ids) changes: the sampler's
+        counts, the text, streaming, metrics and whether the sequence stops."""
+        req, p = seq.request, seq.request.params
         seq.new_token_ids.append(tok)
         seq.state.append(tok)
         m = req.metrics
@@ -238,7 +246,7 @@ class Engine:
         if not seq.finished:                              # (a stop string may have ended it already)
             if stopped_by_token:
                 seq.finish_reason, seq.stop_reason = "stop", tok
-            elif len(seq.output_ids) >= p.max_tokens:
+            elif count >= p.max_tokens:
                 seq.finish_reason = "length"
         if seq.finished:
             if seq.detokenizer is not None and seq.stop_reason not in p.stop:

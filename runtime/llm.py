@@ -10,6 +10,7 @@ from kiln.errors import KilnError
 from .engine import Engine
 from .kv_pool import live_pages
 from .model import CompiledModel, parse_bytes
+from .overlap import OverlapEngine
 from .request import RequestOutput
 from .sampler import SamplingParams
 from .threads import set_threads
@@ -63,7 +64,9 @@ class LLM:
         budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for, max_batched_tokens)
         num_pages = self.model.allocate_kv(budget)
         self.kv_tokens = num_pages * self.model.page_size
-        self.engine = Engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,
+        # one step ahead where the runner launches steps it finishes later (runtime/overlap.py)
+        engine = OverlapEngine if hasattr(self.model, "launch") else Engine
+        self.engine = engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,
                              tokenizer=self.tokenizer, prefix_caching=prefix_caching)
 
     def describe_kv(self) -> str:

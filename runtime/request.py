@@ -81,6 +81,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.table = BlockTable()
         self.num_computed = 0                    # tokens whose K/V are in the cache
+        self.preemptions = 0                     # times its pages were taken back (runtime/scheduler.py)
         self.text = ""
         self.detokenizer = detokenizer
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None

@@ -72,6 +72,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.table)
         seq.num_computed = 0
+        seq.preemptions += 1
         seq.request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)

@@ -10,6 +10,8 @@ same way; a read through a page the pool dropped fails.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 
@@ -69,3 +71,43 @@ def reference_greedy(prompt: list[int], max_tokens: int, vocab_size: int, stop_i
         if tok in stop_ids:
             break
     return out
+
+
+class LaunchedStep:
+    """A step the lazy runner was given and has not computed: it is computed when its result is
+    first read, after the step launched before it, as a device's stream runs them."""
+
+    def __init__(self, runner: "LazyRunner", inputs, copies, rows, states, previous, feed):
+        self.runner, self.inputs, self.copies = runner, inputs, copies
+        self.rows, self.states, self.previous, self.feed = rows, states, previous, feed
+        self._result = None
+
+    def result(self):
+        if self._result is None:
+            from kiln.runtime.device_sampler import HostLogits
+            before = self.previous.result()[0] if self.previous is not None else None
+            tokens = self.inputs["tokens"].copy()
+            for index, row in self.feed:                  # the placeholders, from the step before
+                tokens[index] = before[row]
+            assert (tokens >= 0).all(), "a placeholder token the runner was not told to feed"
+            self.runner.copy_pages(self.copies)
+            logits = HostLogits(self.runner.forward({**self.inputs, "tokens": tokens}))
+            self._result = (logits.sample(self.rows, self.states), logits)
+            self.previous = None                          # computed: the chain ends here
+        return self._result
+
+
+class LazyRunner(FakeRunner):
+    """A FakeRunner whose `launch` (runtime/overlap.py) returns at once and computes nothing until
+    the step's result is read. What the sampler reads of each sequence's state is taken at the
+    launch, as a device sampler takes it (its penalty entries, and its uniform number, drawn then
+    from the sequence's generator): a sequence continued before its last token was known samples
+    without it."""
+
+    def launch(self, inputs, copies, rows, states, previous, feed) -> LaunchedStep:
+        taken = [copy.deepcopy(s) for s in states]
+        for s in states:
+            if not s.params.greedy:
+                s.rng.random()               # the draw the launched step makes, gone from the generator
+        return LaunchedStep(self, {k: v.copy() for k, v in inputs.items()}, list(copies), list(rows),
+                            taken, previous, list(feed))

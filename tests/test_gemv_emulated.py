@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from test_mma_emulated import ACTIVATIONS, NUMPY, check, expected, pointer, stored
+from test_mma_emulated import ACTIVATIONS, NUMPY, check, compile_emulated, expected, pointer, stored
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
-EMULATOR = Path(__file__).with_name("mma_emulator.h")
 N, K = 64, 512
 # (dtype, weight format, q4 group, bias + residual, activation, (rows a block, threads, batch))
 CASES = [("bfloat16", "float", 0, True, None, (4, 64, 1)), ("float16", "float", 0, False, None, (1, 32, 4)),
@@ -58,13 +55,7 @@ def gemv_library(tmp_path_factory):
         parts.append(f'extern "C" void run_{name}({params}, int M) {{\n'
                      f"  launch({N // config.rows}, 1, {config.threads}, {config.shared_bytes()}, "
                      f"[&] {{ {name}({', '.join(args)}, M, block->shared.data()); }});\n}}\n")
-    folder = tmp_path_factory.mktemp("gemv-emulated")
-    (folder / "cases.cpp").write_text("\n".join(parts))
-    shutil.copy(EMULATOR, folder)
-    compiled = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                               "-o", str(folder / "cases.so"), str(folder / "cases.cpp")], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stderr[-4000:]
-    return ctypes.CDLL(str(folder / "cases.so"))
+    return compile_emulated(parts, tmp_path_factory.mktemp("gemv-emulated"))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])

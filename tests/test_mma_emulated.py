@@ -44,7 +44,7 @@ def case_name(index: int, experts: bool) -> str:
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     """Every case's kernel and a C entry point that launches it over the emulated grid."""
-    from kiln.codegen.mma_source import KERNEL_TEMPLATES, _wrapper, experts_kernel_source, kernel_source
+    from kiln.codegen.mma_source import KERNEL_TEMPLATES, experts_kernel_source, kernel_source
     from kiln.codegen.mma_tuning import parse_tile
     parts = ['#include "mma_emulator.h"', "namespace kiln_mma {", KERNEL_TEMPLATES, "}"]
     for index, (dtype, weight, group, epilogue, tile_name) in enumerate(CASES):
@@ -65,7 +65,11 @@ def library(tmp_path_factory):
         source = kernel_source(name, dtype, tile, N, K, False, False, weight, group, activation)
         parts.append(source[source.index(f"\n__device__ __forceinline__ void {name}("):])
         parts.append(_entry(name, ["x", "w"] + (["scale"] if weight != "float" else []) + ["y"], tile, weight))
-    folder = tmp_path_factory.mktemp("mma-emulated")
+    return compile_emulated(parts, tmp_path_factory.mktemp("mma-emulated"))
+
+
+def compile_emulated(parts: list[str], folder: Path) -> ctypes.CDLL:
+    """The cases' C++ (kernels over tests/mma_emulator.h and their entry points), built with g++."""
     (folder / "cases.cpp").write_text("\n".join(parts))
     shutil.copy(EMULATOR, folder)
     compiled = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
