@@ -60,12 +60,14 @@ def step_bytes(model, batch: int, context: int) -> int:
     return total + batch * context * model.bytes_per_page // model.page_size
 
 
-def kiln_decode(llm, prompts, new_tokens: int, repeats: int, graphs: bool) -> tuple[float, float]:
-    """(decode tok/s, host-side ms per decode step) of greedy generation, medians of `repeats`."""
+def kiln_decode(llm, prompts, new_tokens: int, repeats: int, graphs: bool, overlap: bool = False) -> tuple[float, float]:
+    """(decode tok/s, host-side ms per decode step) of greedy generation, medians of `repeats`;
+    `overlap`: the one-step-ahead engine (runtime/overlap.py)."""
     from kiln.runtime.sampler import SamplingParams
     model = llm.model
     saved = model.graph_batches
     model.graph_batches = saved if graphs else ()
+    llm.set_overlap(overlap)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     rates, step_ms = [], []
@@ -78,7 +80,26 @@ def kiln_decode(llm, prompts, new_tokens: int, repeats: int, graphs: bool) -> tu
         rates.append(len(prompts) * (new_tokens - 1) / (last - first))
         step_ms.append(1e3 * (stats.seconds - seconds0) / max(1, stats.steps - steps0))
     model.graph_batches = saved
+    llm.set_overlap(False)
     return statistics.median(rates), statistics.median(step_ms)
+
+
+def overlap_columns(llm, prompts, args) -> str:
+    """The one-step-ahead engine's tok/s and ms per step (graphs on), and whether its greedy and
+    seeded tokens equal the synchronous engine's on these prompts."""
+    from kiln.runtime.sampler import SamplingParams
+    rate, ms = kiln_decode(llm, prompts, args.new_tokens, args.repeats, graphs=True, overlap=True)
+    checks = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True, logprobs=2)]
+    same = []
+    for params in checks:
+        outputs = []
+        for overlap in (False, True):
+            llm.set_overlap(overlap)
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        same.append(outputs[0] == outputs[1])
+    llm.set_overlap(False)
+    return f"{rate:.0f} | {ms:.2f} | {'yes' if all(same) else 'NO'} | "
 
 
 def hf_config(artifact: Path) -> dict | None:
@@ -136,6 +157,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-hf-compiled", action="store_true", help="HF eager only (torch.compile takes minutes)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also the one-step-ahead engine with graphs (its tok/s, and its output checked against the "
+                         "synchronous engine's)")
     args = ap.parse_args()
 
     import torch
@@ -150,9 +174,10 @@ def main() -> None:
     # rows print as they are measured, so a run cut short still reports what it finished
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, median of {args.repeats}; roofline at "
           f"mean context {context}")
+    ahead = "kiln tok/s (graphs, one step ahead) | ms/step ahead | same tokens | " if args.overlap else ""
     print("| shape | mode | batch | kiln tok/s (graphs) | of roofline | kiln tok/s (no graphs) | ms/step graphs / not "
-          "| host launches / kernels per step | roofline tok/s | HF eager | HF compiled+static | kiln / HF eager |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"| {ahead}host launches / kernels per step | roofline tok/s | HF eager | HF compiled+static | kiln / HF eager |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if args.overlap else 0), flush=True)
     for path in args.artifacts:
         llm = LLM(path, kv_memory="auto", max_num_seqs=max(args.batches),
                   size_kv_for=max(args.batches) * (args.prompt_len + args.new_tokens))
@@ -164,6 +189,7 @@ def main() -> None:
             prompts = [np.random.default_rng(b).integers(3, 1000, args.prompt_len).tolist() for b in range(batch)]
             graph_rate, graph_ms = kiln_decode(llm, prompts, args.new_tokens, args.repeats, graphs=True)
             plain_rate, plain_ms = kiln_decode(llm, prompts, args.new_tokens, args.repeats, graphs=False)
+            overlap = overlap_columns(llm, prompts, args) if args.overlap else ""
             ceiling = batch * bandwidth / step_bytes(llm.model, batch, context)
             hf_dtype = torch.bfloat16 if m["dtype"] == "bfloat16" else torch.float16
             key = (shape, str(hf_dtype), batch)
@@ -178,7 +204,7 @@ def main() -> None:
             host = launches.get("decode_graph", launches["mixed"])["host_launches"]
             kernels = launches.get("decode", launches["mixed"])["kernels"]
             print(f"| {shape} | {mode} | {batch} | {graph_rate:.0f} | {graph_rate / ceiling:.0%} | "
-                  f"{plain_rate:.0f} | {graph_ms:.2f} / {plain_ms:.2f} | {host} / {kernels} | {ceiling:.0f} | "
+                  f"{plain_rate:.0f} | {graph_ms:.2f} / {plain_ms:.2f} | {overlap}{host} / {kernels} | {ceiling:.0f} | "
                   f"{fmt(eager)} | {fmt(compiled)} | " + (f"{graph_rate / eager:.2f}x |" if eager else "n/a |"),
                   flush=True)
         del llm

@@ -51,19 +51,46 @@ class DeviceSampler:
             raise ValueError(f"{count} sampler states but {rows.shape[0]} rows")
         if not count:
             return np.zeros(0, np.int64)
-        vocab = int(logits.shape[1])
-        source, source_rows = logits, rows
-        penalized = self._penalized(logits, rows, states, vocab)
-        if penalized is not None:
-            source, source_rows = penalized, np.arange(count, dtype=np.int32)
-
         out = np.empty(count, np.int64)
+        for picked, ids in self.sample_on_device(logits, states, rows):
+            out[picked] = ids.numpy()
+        return out
+
+    def sample_on_device(self, logits, states: Sequence[SamplerState],
+                         rows: Sequence[int] | np.ndarray) -> list[tuple[list[int], object]]:
+        """As `sample`, with the ids left where they were drawn: (which states, their ids as an
+        int32 tensor on the device) for each group of rows one compiled function samples."""
+        return self.draw(logits, self.plan(states, rows, int(logits.shape[1])))
+
+    def plan(self, states: Sequence[SamplerState], rows: Sequence[int] | np.ndarray, vocab: int) -> list:
+        """Everything a draw uploads, uploaded now: before the step's forward is launched, a launch
+        does not wait for it (runtime/launch.py). Each sampled row's uniform number is drawn from
+        its state's generator now. [(function, states it samples, device arguments after the
+        logits)], the penalties' first where a row has entries."""
+        rows = np.asarray(rows, np.int32)
+        if not len(states):
+            return []
+        steps = []
+        penalties = self._penalty_args(rows, states, vocab)
+        if penalties is not None:
+            steps.append(("penalties", None, penalties))
+            rows = np.arange(len(states), dtype=np.int32)       # the draws read the processed rows
         greedy = [i for i, st in enumerate(states) if st.params.greedy]
         if greedy:
-            out[greedy] = self.fn["greedy"](source, self._put("greedy.rows", source_rows[greedy])).numpy()
+            steps.append(("greedy", greedy, [self._put("greedy.rows", rows[greedy])]))
         for kind, picked in self._sampled_groups(states, vocab).items():
-            out[picked] = self.fn[kind](source, *self._row_params(kind, source_rows, states, picked, vocab)).numpy()
-        return out
+            steps.append((kind, picked, self._row_params(kind, rows, states, picked, vocab)))
+        return steps
+
+    def draw(self, logits, plan: list) -> list[tuple[list[int], object]]:
+        """Run a plan's functions on a step's logits: (states, their ids on the device) per group."""
+        source, groups = logits, []
+        for kind, picked, args in plan:
+            if kind == "penalties":
+                source = self.fn["penalties"](logits, *args)
+            else:
+                groups.append((picked, self.fn[kind](source, *args)))
+        return groups
 
     def _row_params(self, kind: str, rows: np.ndarray, states, picked: list[int], vocab: int) -> list:
         """The device arguments after the logits for `picked` states: rows, temperature, [top_k,
@@ -89,16 +116,22 @@ class DeviceSampler:
 
     def _penalized(self, logits, rows: np.ndarray, states: Sequence[SamplerState], vocab: int):
         """The processed logits f32 [len(states), vocab] on the device, or None when no row has
-        penalty or bias entries (then the draw reads the raw logits)."""
+        penalty or bias entries."""
+        args = self._penalty_args(rows, states, vocab)
+        return None if args is None else self.fn["penalties"](logits, *args)
+
+    def _penalty_args(self, rows: np.ndarray, states: Sequence[SamplerState], vocab: int) -> list | None:
+        """apply_penalties' device arguments after the logits (its output: the processed logits f32
+        [len(states), vocab]), or None when no row has penalty or bias entries (then the draw reads
+        the raw logits)."""
         parts = [(i, penalty_entries(st, vocab)) for i, st in enumerate(states)]
         parts = [(i, e) for i, e in parts if len(e[0])]
         if not parts:
             return None
         entry_rows = np.concatenate([np.full(len(e[0]), i, np.int32) for i, e in parts])
         columns = [np.concatenate([e[c] for _, e in parts]) for c in range(4)]
-        args = [self._put(f"penalties.{i}", a)
+        return [self._put(f"penalties.{i}", a)
                 for i, a in enumerate((rows, entry_rows, columns[0].astype(np.int32), *columns[1:]))]
-        return self.fn["penalties"](logits, *args)
 
     def top_logprobs(self, logits, rows: Sequence[int], tokens: Sequence[int],
                      ks: Sequence[int]) -> list[dict[int, float]]:

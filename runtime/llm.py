@@ -54,9 +54,12 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
 class LLM:
     def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
-                 threads: int | None = None, size_kv_for: int | None = None, tokenizer: Tokenizer | None = None):
+                 threads: int | None = None, size_kv_for: int | None = None, tokenizer: Tokenizer | None = None,
+                 overlap: bool = False):
         """`size_kv_for`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
-        knows its length; otherwise `kv_memory` sets it."""
+        knows its length; otherwise `kv_memory` sets it. `overlap`: run one step ahead of the host
+        (runtime/overlap.py); off until a GPU run measures it (a CPU gains nothing: its steps run
+        where the host does)."""
         # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
@@ -64,10 +67,17 @@ class LLM:
         budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for, max_batched_tokens)
         num_pages = self.model.allocate_kv(budget)
         self.kv_tokens = num_pages * self.model.page_size
-        # one step ahead where the runner launches steps it finishes later (runtime/overlap.py)
-        engine = OverlapEngine if hasattr(self.model, "launch") else Engine
-        self.engine = engine(self.model, num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens,
-                             tokenizer=self.tokenizer, prefix_caching=prefix_caching)
+        self._engine_args = (num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens)
+        self._prefix_caching = prefix_caching
+        self.set_overlap(overlap)
+
+    def set_overlap(self, overlap: bool) -> None:
+        """A fresh engine, one step ahead of the host (OverlapEngine) or not, between requests."""
+        if getattr(self, "engine", None) is not None and self.engine.has_unfinished():
+            raise KilnError("the engine can change only when no request is running")
+        engine = OverlapEngine if overlap else Engine
+        self.engine = engine(self.model, *self._engine_args, tokenizer=self.tokenizer,
+                             prefix_caching=self._prefix_caching)
 
     def describe_kv(self) -> str:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20

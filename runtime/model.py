@@ -14,10 +14,7 @@ fixed, as the captured graph reads them where they were at capture.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +24,9 @@ from kiln.errors import KilnError
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.step_forms import is_prefill_step
 
+from .cuda_runtime import cudart_candidates
 from .device_sampler import DeviceSampler
+from .launch import Launcher
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
 
@@ -43,21 +42,6 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
-CUDART = "libcudart.so.13"
-
-
-def _cudart_candidates() -> list[str]:
-    """Where the libcudart TVM's CUDA runtime links (the pinned wheel's: CUDA 13) may live: the
-    loader's path first, then CUDA installs and NVIDIA's pip wheels. Another major version would
-    load and leave TVM's library unresolved."""
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
-    found = [f for r in roots if r for pattern in ("lib*", "targets/*/lib")
-             for f in sorted(glob.glob(f"{r}/{pattern}/{CUDART}*"))]
-    for site in sys.path:
-        found += sorted(glob.glob(f"{site}/nvidia/*/lib/{CUDART}*"))
-    return [CUDART, *found]
-
-
 def enable_cuda_runtime() -> None:
     """Load TVM's CUDA runtime module when TVM's package did not (a runtime-only TVM does not)."""
     import tvm
@@ -65,7 +49,7 @@ def enable_cuda_runtime() -> None:
         return
     from tvm.base import _LOADED_LIBS
     lib = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent / "libtvm_runtime_cuda.so"
-    for cudart in _cudart_candidates():
+    for cudart in cudart_candidates():
         try:
             ctypes.CDLL(cudart, mode=ctypes.RTLD_GLOBAL)
             break
@@ -124,6 +108,7 @@ class CompiledModel:
         # artifacts built with sampling on the device: the engine samples there (runtime/device_sampler.py)
         self.sampler = DeviceSampler(self.vm, self.device) if m.get("sampling") == "device" else None
         self.graph_buffers: StepBuffers | None = None      # fixed addresses, made by allocate_kv
+        self.launcher: Launcher | None = None               # made by the first launch
         self.weights = self._load_weights()
         verified()
         self.kv_tensors: dict = {}         # each layer's KV inputs (ir/kv_spec.py), made by allocate_kv
@@ -219,24 +204,37 @@ class CompiledModel:
 
     def run(self, inputs: dict[str, np.ndarray]):
         """Run one ragged step; return its logits rows as a tensor on the device."""
+        return self.call(*self.step_args(inputs))
+
+    def step_args(self, inputs: dict[str, np.ndarray]) -> tuple[str, list, int]:
+        """(the entry a step runs, its arguments with the step's inputs uploaded, its sequences)."""
         if not self.kv_tensors:
             raise KilnError("allocate_kv must be called before forward")
         kind = self.step_kind(inputs)
+        seqs = len(inputs["q_indptr"]) - 1
         if "kv_slots" in self.input_names:         # read by the prefill entry's forms only
-            seqs = len(inputs["q_indptr"]) - 1
             context = context_rows(inputs, self.page_size) if kind == "prefill" else no_context_rows(seqs)
             inputs = {**inputs, **context}
         buffers, lengths = self.step_buffers, {}
         if kind in GRAPH_ENTRIES:
-            seqs = len(inputs["tokens"])
             inputs = pad_decode_step(inputs, min(b for b in self.graph_batches if b >= seqs), self.scratch_page,
                                      self.page_size)
             # the whole buffer, every step: its length is part of the captured graph's key
             buffers, lengths = self.graph_buffers, {"page_values": self.graph_buffers.capacity("page_values")}
         args = [self.kv_tensors[n] if n in self.kv_tensors else buffers.put(n, inputs[n], lengths.get(n))
                 for n in self.input_names]
+        return kind, args, seqs
+
+    def call(self, kind: str, args: list, seqs: int):
+        """Run entry `kind` on `args` (from step_args); its logits rows, on the device."""
         out = self.entries[kind](*args, *self.weights)
         return out._create_view((seqs, out.shape[1]), out.dtype) if kind in GRAPH_ENTRIES else out
+
+    def launch(self, inputs, copies, rows, states, previous, feed):
+        """Start a step now and read it back later (runtime/launch.py; the one-step-ahead engine)."""
+        if self.launcher is None:
+            self.launcher = Launcher(self)
+        return self.launcher.launch(inputs, copies, rows, states, previous, feed)
 
     def step_kind(self, inputs: dict[str, np.ndarray]) -> str:
         """The entry a step runs: where the artifact has them, "decode_graph" or "decode" when every

@@ -13,7 +13,7 @@ import numpy as np
 CUDA_HOST = 3          # DLPack's kDLCUDAHost: page-locked host memory
 
 
-def _pinned_device(device):
+def pinned_device(device):
     """The pinned host device for a CUDA device, or None where TVM has none (CPU, other GPUs)."""
     import tvm
     if device.dlpack_device_type() != tvm.cuda(0).dlpack_device_type():
@@ -26,7 +26,7 @@ class StepBuffers:
 
     def __init__(self, device, capacities: dict[str, int] | None = None, fixed: bool = False):
         self.device, self.fixed = device, fixed
-        self.pinned = _pinned_device(device)
+        self.pinned = pinned_device(device)
         self.buffers: dict[str, tuple] = {}        # name -> (device buffer, staging buffer or None)
         for name, capacity in (capacities or {}).items():
             self._allocate(name, capacity, "int32")

@@ -57,3 +57,32 @@ def test_manifest_says_where_sampling_runs(artifacts):
     assert device["sampling"] == "device" and host["sampling"] == "host"
     assert {"greedy", "inverse_cdf", "penalize"} <= set(device["kernels"])
     assert not {"greedy", "inverse_cdf", "penalize"} & set(host["kernels"])
+
+
+@pytest.mark.parametrize("which", ["device", "host"])
+def test_one_step_ahead_generates_what_the_synchronous_engine_does(artifacts, which):
+    """The one-step-ahead engine (runtime/overlap.py) on a CompiledModel's launches (runtime/launch.py):
+    with device sampling, each step's placeholder tokens are copied from the step before's sampled
+    ids where they were drawn; with host sampling, filled on the host. Greedy, seeded, filtered,
+    penalised, n > 1, logprobs and prompt logprobs give the synchronous engine's outputs."""
+    from kiln.runtime.launch import Computed, OnDevice
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.overlap import OverlapEngine
+    artifact = artifacts[0] if which == "device" else artifacts[1]
+    sync, ahead = LLM(artifact, kv_memory="8MiB"), LLM(artifact, kv_memory="8MiB", overlap=True)
+    assert isinstance(ahead.engine, OverlapEngine) and not isinstance(sync.engine, OverlapEngine)
+    prompts, params = requests()
+    want = sync.generate(prompts, params, use_tqdm=False)
+    launched = []
+    launch = ahead.model.launch
+    ahead.model.launch = lambda *a: launched.append(launch(*a)) or launched[-1]
+    got = ahead.generate(prompts, params, use_tqdm=False)
+    assert {type(h) for h in launched} == {OnDevice if which == "device" else Computed}
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
+        for gc, wc in zip(g.outputs, w.outputs):
+            assert (gc.logprobs is None) == (wc.logprobs is None)
+            for gl, wl in zip(gc.logprobs or [], wc.logprobs or []):
+                assert gl.keys() == wl.keys() and all(abs(gl[t] - wl[t]) < 1e-5 for t in gl)
+        assert g.prompt_logprobs == w.prompt_logprobs

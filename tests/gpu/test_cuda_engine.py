@@ -142,3 +142,32 @@ def test_device_sampling_matches_the_numpy_sampler_on_the_same_logits(gpu_bundle
     for g, w in zip(model.sampler.top_logprobs(logits, rows, toks, [5] * 8),
                     [top_logprobs(host[r], t, 5) for r, t in zip(rows, toks)]):
         assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g)
+
+
+@pytest.mark.parametrize("variant", ["float16", "q4"])
+def test_one_step_ahead_generates_what_the_synchronous_engine_does(gpu_bundle, variant):
+    """The one-step-ahead engine on the device (runtime/overlap.py, runtime/launch.py: placeholders
+    fed from the sampled ids on the device, ids read back through pinned memory after an event) with
+    CUDA graphs: greedy, seeded, penalised and n > 1 requests together, logprobs from a graph step's
+    kept logits, give the synchronous engine's tokens."""
+    from kiln.runtime.launch import OnDevice
+    from kiln.runtime.sampler import SamplingParams
+    base = dict(max_tokens=20, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **base), SamplingParams(temperature=0.8, seed=1, logprobs=2, **base),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=2, n=2, **base),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, **base),
+              SamplingParams(temperature=0.0, min_tokens=5, max_tokens=9)]
+    prompts = [prompt(7 + 5 * i, 90 + i) for i in range(len(params))]
+    llm = llm_for(gpu_bundle, variant, ("decode", "decode_graph"), max_num_seqs=16)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    llm.set_overlap(True)
+    launched = []
+    launch = llm.model.launch
+    llm.model.launch = lambda *a: launched.append(launch(*a)) or launched[-1]
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert launched and all(isinstance(h, OnDevice) and (h.readback is not None or not h.count) for h in launched)
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for gc, wc in zip(g.outputs, w.outputs):
+            for gl, wl in zip(gc.logprobs or [], wc.logprobs or []):
+                assert gl.keys() == wl.keys() and all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)

@@ -1,0 +1,144 @@
+"""Steps launched now and read back later: a CompiledModel's side of the one-step-ahead engine
+(runtime/overlap.py).
+
+`Launcher.launch` runs a step's page copies, its entry and, where the artifact samples on the
+device, its sampling, and reads nothing back:
+- the step's inputs and its sampler's arguments are uploaded first (TVM's uploads wait for the
+  work before them on the stream: one after the forward would wait for it);
+- the placeholder tokens come from the step before's sampled ids by device-to-device copies into
+  this step's token buffer, after the inputs are uploaded;
+- the sampled ids go to pinned host memory by an asynchronous copy on TVM's stream, and a CUDA event
+  is recorded after it. `result()` waits for that event, so it waits for this step alone while the
+  next one runs;
+- logits that a captured CUDA graph overwrites at its next replay are copied first if logprobs
+  want them.
+On a CPU the copies and the read-back are plain and immediate. An artifact that samples on the host
+computes each step at its launch; its placeholders are filled on the host from the ids of the step
+before.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from kiln.artifact import GRAPH_ENTRY, WIDE_GRAPH_ENTRY
+
+from .cuda_runtime import DEVICE_TO_HOST, CudaRuntime
+from .device_sampler import DeviceLogits, HostLogits
+from .step_buffers import pinned_device
+
+ID_BYTES = 4            # the compiled samplers' ids are int32, as the token buffer is
+PINNED_SLOTS = 2        # read-back buffers in turn: a step's ids are read before the step after next launches
+
+
+class Computed:
+    """A step computed at its launch: its sampled ids and logits on the host."""
+
+    def __init__(self, tokens: np.ndarray, logits: HostLogits):
+        self._result = (tokens, logits)
+
+    def result(self):
+        return self._result
+
+
+class OnDevice:
+    """A launched step whose ids were drawn on the device and are on their way to the host."""
+
+    def __init__(self, groups: list, count: int, logits: DeviceLogits, readback=None):
+        self.groups, self.count, self.logits = groups, count, logits
+        self.readback = readback                 # (CudaRuntime, event, pinned tensor), or None: read plainly
+        self._tokens: np.ndarray | None = None
+
+    def source(self, index: int) -> tuple[object, int]:
+        """Where sampled id `index` (the index-th state's) lies: its group's tensor, its place there."""
+        for picked, ids in self.groups:
+            if index in picked:
+                return ids, picked.index(index)
+        raise IndexError(f"the step sampled no id {index}")
+
+    def result(self):
+        if self._tokens is None:
+            tokens = np.empty(self.count, np.int64)
+            if self.readback is None:
+                for picked, ids in self.groups:
+                    tokens[picked] = ids.numpy()
+            else:
+                cuda, event, pinned = self.readback
+                cuda.wait(event)
+                host = np.ctypeslib.as_array((ctypes.c_int32 * self.count).from_address(pinned.data_ptr))
+                order = [i for picked, _ in self.groups for i in picked]
+                tokens[order] = host
+            self._tokens = tokens
+        return self._tokens, self.logits
+
+
+class Launcher:
+    """Launches one model's steps (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cuda = CudaRuntime() if model.manifest["target"]["device"] == "cuda" else None
+        self.pinned: list = [None] * PINNED_SLOTS
+        self.events = [self.cuda.new_event() for _ in range(PINNED_SLOTS)] if self.cuda else []
+        self.turn = 0
+
+    def launch(self, inputs, copies, rows, states, previous, feed):
+        model = self.model
+        model.copy_pages(copies)
+        on_device = bool(feed) and isinstance(previous, OnDevice)
+        if feed and not on_device:                # the ids of the step before are on the host
+            tokens = inputs["tokens"].copy()
+            before = previous.result()[0]
+            for index, row in feed:
+                tokens[index] = before[row]
+            inputs = {**inputs, "tokens": tokens}
+        kind, args, seqs = model.step_args(inputs)
+        # every upload before the forward: an upload waits for the work before it on the stream
+        plan = model.sampler.plan(states, rows, model.vocab_size) if model.sampler is not None else None
+        if on_device:
+            self._feed(args[model.input_names.index("tokens")], previous, feed)
+        logits = model.call(kind, args, seqs)
+        if plan is None:
+            host = HostLogits(logits.numpy())
+            return Computed(host.sample(rows, states), host)
+        groups = model.sampler.draw(logits, plan)
+        if kind in (GRAPH_ENTRY, WIDE_GRAPH_ENTRY) and any(s.params.logprobs is not None for s in states):
+            import tvm                            # the graph's output buffer is overwritten at the next replay
+            kept = tvm.runtime.empty(tuple(logits.shape), logits.dtype, model.device)
+            kept.copyfrom(logits)
+            logits = kept
+        return OnDevice(groups, len(states), DeviceLogits(logits, model.sampler), self._read_back(groups, len(states)))
+
+    @staticmethod
+    def _feed(target, previous: OnDevice, feed) -> None:
+        """Token `index` of this step <- id `row` of the step before, device to device, in runs."""
+        runs: list[list] = []                     # [index, tensor, place, length]
+        for index, row in feed:
+            tensor, place = previous.source(row)
+            last = runs[-1] if runs else None
+            if last and last[1] is tensor and index == last[0] + last[3] and place == last[2] + last[3]:
+                last[3] += 1
+            else:
+                runs.append([index, tensor, place, 1])
+        for index, tensor, place, length in runs:
+            target._create_view((length,), "int32", relative_byte_offset=ID_BYTES * index).copyfrom(
+                tensor._create_view((length,), "int32", relative_byte_offset=ID_BYTES * place))
+
+    def _read_back(self, groups, count: int):
+        """Copy the ids to this turn's pinned buffer on TVM's stream and record the event after it
+        (CUDA); None where a plain read serves (a CPU)."""
+        if self.cuda is None or not count or pinned_device(self.model.device) is None:
+            return None
+        import tvm
+        slot = self.turn % PINNED_SLOTS
+        self.turn += 1
+        if self.pinned[slot] is None or int(self.pinned[slot].shape[0]) < count:
+            self.pinned[slot] = tvm.runtime.empty((max(count, 64),), "int32", pinned_device(self.model.device))
+        offset = 0
+        for picked, ids in groups:
+            self.cuda.copy_async(self.pinned[slot].data_ptr + ID_BYTES * offset, ids.data_ptr,
+                                 ID_BYTES * len(picked), DEVICE_TO_HOST)
+            offset += len(picked)
+        self.cuda.record(self.events[slot])
+        return self.cuda, self.events[slot], self.pinned[slot]
