@@ -10,9 +10,12 @@ A decode step reads every weight once, so the kernel is built to stream them:
   threads (split-K within the block: a narrow output of 512 rows still fills every SM with warps),
   each thread walking its 16-byte chunks of the R rows, so R x (K / chunk / THREADS) loads are in
   flight per thread; partial sums meet through warp shuffles and shared memory;
-- stored codes are turned into floats in registers: bf16 by a shift, q8 and q4 by OR-ing the level
-  into a float's mantissa (no integer conversion), fp8 through fp16 pairs; a q4 chunk (32 inputs) lies
-  in one group, so its scale is read once per chunk and multiplies the chunk's sum;
+- stored codes are turned into floats in registers: bf16 by a shift, q8 by OR-ing the level into a
+  float's mantissa (no integer conversion), fp8 through fp16 pairs, q4 two nibbles at a time as the
+  bf16 pair 128 + nibble (one mask-and-OR, then a shift or a mask each); a q4 chunk (32 inputs) lies
+  in one group, so its scale is read once per chunk and multiplies the chunk's sum, less 136 times
+  the activations' sum (float32 keeps that difference to about 2^-17 of the sum, far below the
+  output's rounding);
 - the M rows of x go MB at a time (MB 1 for batch 1), so each weight chunk is read once per MB rows.
 The epilogue is codegen/linear.py's: float32 sum (times the q8/fp8 scale), + bias, round, + residual,
 round; with ACT (a gated MLP's gate/up, rows interleaved gate 0, up 0, ...: codegen/layouts.py
@@ -97,7 +100,8 @@ template <typename T> __device__ __forceinline__ void activations(float* out, ui
 __device__ __forceinline__ float byte_value(unsigned b) { return __uint_as_float(0x4B000000u | b) - 8388608.f; }
 
 // the 8 weights of inputs k0 + 8 p .. k0 + 8 p + 7 of a stored 16-byte chunk, as floats: the
-// integer level for q8 and q4 (the nibble - 8), the value for float and fp8
+// integer level for q8, the value for float and fp8, and for q4 the nibble + 128 (its level + 136:
+// the chunk's sums take 136 times the activations' sum away, gemv below)
 template <typename T, int WFMT> __device__ __forceinline__ void weights(float* out, uint4 chunk, int p) {
   const unsigned words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
   if constexpr (WFMT == 0) {                    // 2 a word: 4 words a piece, one piece a chunk
@@ -121,10 +125,16 @@ template <typename T, int WFMT> __device__ __forceinline__ void weights(float* o
         out[4 * i + 2 * h + 1] = high<__half>(pair);
       }
     }
-  } else {                                      // q4: 8 a word, one word a piece
+  } else {                                      // q4: 8 a word, one word a piece, as 128 + the nibble
     const unsigned u = words[p];
 #pragma unroll
-    for (int n = 0; n < 8; ++n) out[n] = byte_value((u >> (4 * n)) & 0xFu) - 8.f;
+    for (int s = 0; s < 4; ++s) {
+      // inputs s and s + 4 (bytes 0 and 2, or 1 and 3, of the word) as the bf16 pair 128 + nibble:
+      // each nibble ORed under the mantissa of 128, a mask and an OR in one instruction
+      const unsigned pair = ((u >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
+      out[s] = __uint_as_float(pair << 16);
+      out[s + 4] = __uint_as_float(pair & 0xFFFF0000u);
+    }
   }
 }
 
@@ -164,11 +174,13 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
 #pragma unroll
       for (int r = 0; r < R; ++r) chunk[r] = load_stream(w + (size_t)(j0 + r) * row_bytes + (size_t)c * 16);
       const int k0 = c * PER_CHUNK;
-      float group[MB][R];                         // q4: the chunk's sums, before its group scale
+      float group[MB][R], xsum[MB];               // q4: the chunk's sums before its group scale, x's sum
 #pragma unroll
-      for (int b = 0; b < MB; ++b)
+      for (int b = 0; b < MB; ++b) {
+        xsum[b] = 0.f;
 #pragma unroll
         for (int r = 0; r < R; ++r) group[b][r] = 0.f;
+      }
 #pragma unroll
       for (int p = 0; p < PIECES; ++p) {
         float wv[R][8];
@@ -179,6 +191,10 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
           if (MB > 1 && m0 + b >= M) break;
           float xv[8];
           activations<T>(xv, load_cached(x + (size_t)(m0 + b) * K + k0 + 8 * p));
+          if constexpr (WFMT == 3) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xsum[b] += xv[e];
+          }
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -194,7 +210,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
         for (int r = 0; r < R; ++r) {
           const float s = __half2float(scale[r]);
 #pragma unroll
-          for (int b = 0; b < MB; ++b) acc[b][r] = fmaf(group[b][r], s, acc[b][r]);
+          for (int b = 0; b < MB; ++b) acc[b][r] = fmaf(fmaf(-136.f, xsum[b], group[b][r]), s, acc[b][r]);
         }
       }
     }
