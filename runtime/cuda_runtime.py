@@ -47,7 +47,7 @@ class CudaRuntime:
         v, size = ctypes.c_void_p, ctypes.c_size_t
         self._signatures({"cudaMemcpyAsync": (v, v, size, ctypes.c_int, v), "cudaEventRecord": (v, v),
                           "cudaEventCreateWithFlags": (ctypes.POINTER(v), ctypes.c_uint),
-                          "cudaEventSynchronize": (v,), "cudaEventDestroy": (v,)})
+                          "cudaEventSynchronize": (v,)})
 
     def _signatures(self, table: dict) -> None:
         for name, argtypes in table.items():

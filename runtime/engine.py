@@ -133,9 +133,13 @@ class Engine:
             self.model.copy_pages(copies)
         now = time.perf_counter()
         inputs = []
+        # what this step streams: every sample of a scheduled request starts empty (a sibling that
+        # finished earlier must not repeat its last token)
+        for req in {c.seq.request for c in schedule.chunks}:
+            for s in req.sequences:
+                s.new_text, s.new_token_ids = "", []
         for c in schedule.chunks:
             seq = c.seq
-            seq.new_text, seq.new_token_ids = "", []
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
             self.stats.prefill_tokens += in_prompt

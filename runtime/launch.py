@@ -10,8 +10,8 @@ device, its sampling, and reads nothing back:
 - the sampled ids go to pinned host memory by an asynchronous copy on TVM's stream, and a CUDA event
   is recorded after it. `result()` waits for that event, so it waits for this step alone while the
   next one runs;
-- logits that a captured CUDA graph overwrites at its next replay are copied first if logprobs
-  want them.
+- logits that a captured CUDA graph overwrites at its next replay are copied first when the host
+  reads them at the finish (`keep_logits`: logprobs of samples or prompt tokens).
 On a CPU the copies and the read-back are plain and immediate. An artifact that samples on the host
 computes each step at its launch; its placeholders are filled on the host from the ids of the step
 before.
@@ -49,13 +49,11 @@ class OnDevice:
         self.groups, self.count, self.logits = groups, count, logits
         self.readback = readback                 # (CudaRuntime, event, pinned tensor), or None: read plainly
         self._tokens: np.ndarray | None = None
+        self.places = {i: (ids, place) for picked, ids in groups for place, i in enumerate(picked)}
 
     def source(self, index: int) -> tuple[object, int]:
         """Where sampled id `index` (the index-th state's) lies: its group's tensor, its place there."""
-        for picked, ids in self.groups:
-            if index in picked:
-                return ids, picked.index(index)
-        raise IndexError(f"the step sampled no id {index}")
+        return self.places[index]
 
     def result(self):
         if self._tokens is None:
@@ -66,7 +64,7 @@ class OnDevice:
             else:
                 cuda, event, pinned = self.readback
                 cuda.wait(event)
-                host = np.ctypeslib.as_array((ctypes.c_int32 * self.count).from_address(pinned.data_ptr))
+                host = np.ctypeslib.as_array((ctypes.c_int32 * self.count).from_address(pinned.data_ptr()))
                 order = [i for picked, _ in self.groups for i in picked]
                 tokens[order] = host
             self._tokens = tokens
@@ -76,14 +74,19 @@ class OnDevice:
 class Launcher:
     """Launches one model's steps (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, cuda=None, host_device=None):
+        """`cuda` and `host_device` (the pinned memory the ids come back to): found from the model's
+        device unless given."""
         self.model = model
-        self.cuda = CudaRuntime() if model.manifest["target"]["device"] == "cuda" else None
+        if cuda is None and model.manifest["target"]["device"] == "cuda":
+            cuda = CudaRuntime()
+        self.host_device = host_device or (pinned_device(model.device) if cuda else None)
+        self.cuda = cuda if self.host_device is not None else None
         self.pinned: list = [None] * PINNED_SLOTS
         self.events = [self.cuda.new_event() for _ in range(PINNED_SLOTS)] if self.cuda else []
         self.turn = 0
 
-    def launch(self, inputs, copies, rows, states, previous, feed):
+    def launch(self, inputs, copies, rows, states, previous, feed, keep_logits: bool = False):
         model = self.model
         model.copy_pages(copies)
         on_device = bool(feed) and isinstance(previous, OnDevice)
@@ -103,7 +106,7 @@ class Launcher:
             host = HostLogits(logits.numpy())
             return Computed(host.sample(rows, states), host)
         groups = model.sampler.draw(logits, plan)
-        if kind in (GRAPH_ENTRY, WIDE_GRAPH_ENTRY) and any(s.params.logprobs is not None for s in states):
+        if kind in (GRAPH_ENTRY, WIDE_GRAPH_ENTRY) and keep_logits:
             import tvm                            # the graph's output buffer is overwritten at the next replay
             kept = tvm.runtime.empty(tuple(logits.shape), logits.dtype, model.device)
             kept.copyfrom(logits)
@@ -128,16 +131,16 @@ class Launcher:
     def _read_back(self, groups, count: int):
         """Copy the ids to this turn's pinned buffer on TVM's stream and record the event after it
         (CUDA); None where a plain read serves (a CPU)."""
-        if self.cuda is None or not count or pinned_device(self.model.device) is None:
+        if self.cuda is None or not count:
             return None
         import tvm
         slot = self.turn % PINNED_SLOTS
         self.turn += 1
         if self.pinned[slot] is None or int(self.pinned[slot].shape[0]) < count:
-            self.pinned[slot] = tvm.runtime.empty((max(count, 64),), "int32", pinned_device(self.model.device))
+            self.pinned[slot] = tvm.runtime.empty((max(count, 64),), "int32", self.host_device)
         offset = 0
         for picked, ids in groups:
-            self.cuda.copy_async(self.pinned[slot].data_ptr + ID_BYTES * offset, ids.data_ptr,
+            self.cuda.copy_async(self.pinned[slot].data_ptr() + ID_BYTES * offset, ids.data_ptr(),
                                  ID_BYTES * len(picked), DEVICE_TO_HOST)
             offset += len(picked)
         self.cuda.record(self.events[slot])

@@ -230,11 +230,11 @@ class CompiledModel:
         out = self.entries[kind](*args, *self.weights)
         return out._create_view((seqs, out.shape[1]), out.dtype) if kind in GRAPH_ENTRIES else out
 
-    def launch(self, inputs, copies, rows, states, previous, feed):
+    def launch(self, inputs, copies, rows, states, previous, feed, keep_logits: bool = False):
         """Start a step now and read it back later (runtime/launch.py; the one-step-ahead engine)."""
         if self.launcher is None:
             self.launcher = Launcher(self)
-        return self.launcher.launch(inputs, copies, rows, states, previous, feed)
+        return self.launcher.launch(inputs, copies, rows, states, previous, feed, keep_logits)
 
     def step_kind(self, inputs: dict[str, np.ndarray]) -> str:
         """The entry a step runs: where the artifact has them, "decode_graph" or "decode" when every

@@ -13,9 +13,10 @@ the output tokens, min_tokens masking counts them, and a sample that reaches max
 last. Such a sequence waits for its token and runs every other step. Greedy and seeded outputs are
 the synchronous engine's: every sequence draws from its own generator, in the same order.
 
-The runner's side (`launch(inputs, copies, rows, states, previous, feed)` -> a handle whose
-`result()` is (sampled ids, logits with `logprobs(rows, tokens, ks)`)): the page copies, the
-placeholders' ids and the step run in launch order, after the previous step.
+The runner's side (`launch(inputs, copies, rows, states, previous, feed, keep_logits)` -> a handle
+whose `result()` is (sampled ids, logits with `logprobs(rows, tokens, ks)`, valid then when
+keep_logits was set)): the page copies, the placeholders' ids and the step run in launch order,
+after the previous step.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class OverlapEngine(Engine):
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the one in flight: its outputs come back (one step late)."""
         t0 = time.perf_counter()
+        if self.inflight is not None:
+            self._settle_pages(self.inflight)
         launched = self._launch()
         outputs = self._finish(self.inflight) if self.inflight is not None else []
         self.inflight = launched
@@ -113,9 +116,11 @@ class OverlapEngine(Engine):
             else:
                 launched.positions.append(None)
         copies = [pair for c in schedule.chunks for pair in c.copies]
+        # logits the host reads at the finish: logprobs of samples or of prompt tokens
+        keep = bool(launched.prompt_rows) or any(s.logprobs is not None for s in launched.ready)
         launched.handle = self.model.launch(step_inputs(chunks, self.model.page_size), copies, rows,
                                             [s.state for s in launched.ready],
-                                            previous.handle if previous else None, feed)
+                                            previous.handle if previous else None, feed, keep)
         return launched
 
     @staticmethod
@@ -127,6 +132,20 @@ class OverlapEngine(Engine):
             or (state.num_output < p.min_tokens and bool(state.stop_ids))
         return not history and len(seq.output_ids) + 1 < p.max_tokens
 
+    def _settle_pages(self, launched: Launched) -> None:
+        """What the synchronous engine does to the pages after a step's forward, done for the step in
+        flight before the next is scheduled, as there: its filled pages enter the prefix cache (their
+        tokens are all known: a decode's is the sample of the step before, read back by now) and
+        pages outside every window go back. The device reuses none before the step in flight is done."""
+        for c, preemptions in launched.chunks:
+            seq = c.seq
+            if seq.finished or seq.preemptions != preemptions:     # its pages went back since the launch
+                continue
+            end = c.start + c.num_tokens
+            if end // self.pool.page_size > len(seq.table.hashes):
+                self.pool.register_full_pages(seq.table, seq.all_ids, end)
+            self.pool.drop_dead_pages(seq.table, end)
+
     # -- the step behind -----------------------------------------------------------------------
     def _finish(self, launched: Launched) -> list[RequestOutput]:
         tf = time.perf_counter()
@@ -137,16 +156,8 @@ class OverlapEngine(Engine):
         for req in {s.request for s in launched.ready + launched.unsampled}:
             for s in req.sequences:
                 s.new_text, s.new_token_ids = "", []
-        for c, preemptions in launched.chunks:
-            seq = c.seq
-            if seq.finished or seq.preemptions != preemptions:     # its pages went back since the launch
-                continue
-            end = c.start + c.num_tokens
-            if end // self.pool.page_size > len(seq.table.hashes):
-                self.pool.register_full_pages(seq.table, seq.all_ids, end)
-            self.pool.drop_dead_pages(seq.table, end)
         for req, start, first, end in launched.prompt_rows:
-            if req.request_id in self.requests:
+            if self.requests.get(req.request_id) is req:
                 self._add_prompt_logprobs(req, start, logits, first, end)
         touched = {}
         for s in launched.unsampled:
@@ -169,8 +180,17 @@ class OverlapEngine(Engine):
             if s.finished:
                 del s.output_ids[position + 1:]     # the step past its stop computed one more: dropped
             touched[s.request.request_id] = s.request
-        outputs = [req.output() for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return outputs
+
+    @staticmethod
+    def _output(req) -> RequestOutput:
+        """The request's output with only the tokens read back: a sample in flight is not the client's."""
+        out = req.output()
+        for completion in out.outputs:
+            while completion.token_ids and completion.token_ids[-1] == PLACEHOLDER:
+                completion.token_ids.pop()
+        return out

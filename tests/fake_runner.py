@@ -104,7 +104,7 @@ class LazyRunner(FakeRunner):
     from the sequence's generator): a sequence continued before its last token was known samples
     without it."""
 
-    def launch(self, inputs, copies, rows, states, previous, feed) -> LaunchedStep:
+    def launch(self, inputs, copies, rows, states, previous, feed, keep_logits=False) -> LaunchedStep:
         taken = [copy.deepcopy(s) for s in states]
         for s in states:
             if not s.params.greedy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from reference import random_prompt
 
@@ -86,3 +87,38 @@ def test_one_step_ahead_generates_what_the_synchronous_engine_does(artifacts, wh
             for gl, wl in zip(gc.logprobs or [], wc.logprobs or []):
                 assert gl.keys() == wl.keys() and all(abs(gl[t] - wl[t]) < 1e-5 for t in gl)
         assert g.prompt_logprobs == w.prompt_logprobs
+
+
+def test_ids_come_back_through_pinned_memory_in_each_states_place(artifacts):
+    """runtime/launch.py's read-back, its CUDA calls replaced by host copies: each sampling group's
+    ids are copied to this turn's buffer in turn, and the result puts every id in its state's place
+    (the CUDA path cannot run here; this runs all of it but the driver)."""
+    import ctypes
+    import tvm
+    from kiln.runtime.launch import Launcher, OnDevice
+    from kiln.runtime.llm import LLM
+
+    class HostCopies:                      # cudaMemcpyAsync and events, on the host
+        def __init__(self):
+            self.recorded = []
+
+        def copy_async(self, dst, src, nbytes, kind):
+            ctypes.memmove(dst, src, nbytes)
+
+        def new_event(self):
+            return object()
+
+        def record(self, event):
+            self.recorded.append(event)
+
+        def wait(self, event):
+            assert event in self.recorded
+
+    llm = LLM(artifacts[0], kv_memory="8MiB")
+    launcher = Launcher(llm.model, HostCopies(), tvm.cpu(0))
+    groups = [([0, 3], tvm.runtime.tensor(np.array([11, 44], np.int32))),
+              ([2], tvm.runtime.tensor(np.array([33], np.int32))), ([1], tvm.runtime.tensor(np.array([22], np.int32)))]
+    for turn in range(3):                  # the buffers are taken in turn
+        handle = OnDevice(groups, 4, None, launcher._read_back(groups, 4))
+        assert handle.readback is not None and handle.result()[0].tolist() == [11, 22, 33, 44]
+        assert handle.source(3) == (groups[0][1], 1) and handle.source(1) == (groups[2][1], 0)

@@ -164,17 +164,65 @@ def test_abort_mid_stream_keeps_the_others_exact_and_frees_every_page():
     assert results[0][1][:len(results[1][1])] == results[1][1]
 
 
-def test_outputs_stream_every_token_once_in_order():
+def streamed(engine, ps, params):
+    """Each request's samples as streamed: the new tokens of every output, in order, and whether an
+    output ever showed a token the host had not read back."""
+    reqs = [engine.add_request(p, params) for p in ps]
+    got: dict = {}
+    unread = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            for c in out.outputs:
+                got.setdefault((out.request_id, c.index), []).extend(c.new_token_ids)
+                unread |= -1 in c.token_ids
+    return [[got.get((r.request_id, i), []) for i in range(params.n)] for r in reqs], unread
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, seed=0, n=3, max_tokens=8, stop_token_ids=[25])],
+                         ids=["greedy", "n3-stops"])
+def test_outputs_stream_every_token_once_in_order(params):
+    """Streamed tokens add up to the final ones in both engines (a sample that stopped early repeats
+    nothing while its siblings go on), and no output shows a token still in flight."""
     ps = prompts(4, seed=12)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    streamed = {}
     sync, ahead, _ = engines()
-    reqs = [ahead.add_request(p, params) for p in ps]
-    while ahead.has_unfinished():
-        for out in ahead.step():
-            streamed.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
-    want = summary(sync.generate(ps, params))
-    assert [streamed[r.request_id] for r in reqs] == [w[2][0][1] for w in want]
+    finals = [[c[1] for c in w[2]] for w in summary(engines()[0].generate(ps, params))]
+    for engine in (sync, ahead):
+        got, unread = streamed(engine, ps, params)
+        assert got == finals and not unread
+
+
+def test_prefix_hits_come_as_soon_as_in_the_synchronous_engine():
+    """A request that shares a prefix with one admitted a step earlier finds its pages cached."""
+    system = list(range(1, 17))
+    cached = []
+    for engine in engines(max_batched_tokens=64)[:2]:
+        a = engine.add_request(system + [30, 31], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        engine.step()
+        engine.step()
+        b = engine.add_request(system + [40, 41], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        final = engine.run_to_completion()
+        cached.append((final[b.request_id].num_cached_tokens, final[a.request_id].outputs[0].token_ids,
+                       final[b.request_id].outputs[0].token_ids))
+    assert cached[1] == cached[0] and cached[0][0] == 16
+
+
+def test_a_window_and_a_tight_pool_finish_as_in_the_synchronous_engine():
+    """Pages outside the window go back before the next step is scheduled, as in the synchronous
+    engine: a pool sized for the window alone still serves a long prompt (once, a sequence held
+    the next step's pages on top of the dead ones and preempted itself forever)."""
+    prompt = prompts(1, seed=13, lo=32, hi=33)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sync, ahead, _ = engines(num_pages=7, max_batched_tokens=16, window=6)
+    [want] = sync.generate([prompt], params)
+    ahead.add_request(prompt, params)
+    steps = 0
+    while ahead.has_unfinished() and steps < 50:
+        outs = ahead.step()
+        steps += 1
+    assert not ahead.has_unfinished(), "the one-step-ahead engine did not finish"
+    assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
+    assert ahead.scheduler.num_preemptions == sync.scheduler.num_preemptions
 
 
 def test_stop_strings_and_text_match(tokenizer):
