@@ -212,8 +212,8 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
                 residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
                 fmt: WeightFormat = WeightFormat(), activation: str | None = None) -> relax.Expr:
     """Emit y = x @ W.T (+ b) (+ residual) for x [..., n_in], flattened to rows. `activation`: W is
-    a gated MLP's gate/up stored 'gated'; the tensor-core kernel then returns act(gate) * up
-    ([..., n_out / 2]), every other kernel the interleaved columns."""
+    a gated MLP's gate/up stored 'gated'; the tensor-core kernel and the streaming GEMV then return
+    act(gate) * up ([..., n_out / 2]), every other kernel the interleaved columns."""
     def rows(v, width):
         return ctx.bb.emit(relax.op.reshape(v, (-1, width))) if len(v.ty.shape) != 2 else v
     optional = {"scale": scale, "bias": bias, "residual": rows(residual, n_out) if residual is not None else None}
@@ -263,21 +263,20 @@ def emit_linear(ctx, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bia
             given = dict(zip(present, rest))
             return _nt_matmul(a, b, given.get("scale"), given.get("bias"), given.get("residual"), dtype, fmt, staged)
         tiles = mma_tiles(ctx.target, dtype, w.ty.dtype, fmt, n_out, n_in)
+        own = dict(scheduled=True, width=n_out // 2 if activation else n_out, gate=activation or "")
+        epilogue_args = (bias is not None, residual is not None)
         # CUDA only: measured there; on ROCm TVM's LLVM codegen emits the rule's lane shuffles with
         # a 64-bit lane index, which LLVM's verifier rejects (kernels with a residual)
         if tiles and (ctx.step != "decode" or ctx.wide_decode):
             from .mma_gemm import mma_linear_kernel
-            func, _ = mma_linear_kernel(n_out, n_in, dtype, bias is not None, residual is not None, tiles,
-                                        fmt.kind, fmt.group_size, activation)
-            y = packed(func, "mma", scheduled=True, width=n_out // 2 if activation else n_out,
-                       gate=activation or "")
+            func, _ = mma_linear_kernel(n_out, n_in, dtype, *epilogue_args, tiles, fmt.kind, fmt.group_size, activation)
+            y = packed(func, "mma", **own)
         elif ctx.step == "decode" and ctx.target.device == "cuda" and streaming_gemv(dtype, w.ty.dtype, fmt, n_out, n_in,
                                                                                    activation):
             from .gemv import gemv_kernel
-            func, _ = gemv_kernel(n_out, n_in, dtype, bias is not None, residual is not None, fmt.kind,
-                                  fmt.group_size, activation, arch=ctx.target.arch)
-            y = packed(func, "gemv", scheduled=True, width=n_out // 2 if activation else n_out,
-                       gate=activation or "")
+            func, _ = gemv_kernel(n_out, n_in, dtype, *epilogue_args, fmt.kind, fmt.group_size, activation,
+                                  arch=ctx.target.arch)
+            y = packed(func, "gemv", **own)
         elif ctx.step == "decode" and ctx.target.device == "cuda":
             func, gemv = decode_kernel(ctx.target, lambda *t: kernel(*t, staged=True), args)
             y = packed(func, "dlgemv" if gemv else "linear", scheduled=gemv)

@@ -132,21 +132,12 @@ class Engine:
         if copies:
             self.model.copy_pages(copies)
         now = time.perf_counter()
-        inputs = []
         # what this step streams: every sample of a scheduled request starts empty (a sibling that
         # finished earlier must not repeat its last token)
         for req in {c.seq.request for c in schedule.chunks}:
             for s in req.sequences:
                 s.new_text, s.new_token_ids = "", []
-        for c in schedule.chunks:
-            seq = c.seq
-            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
-            in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
-            self.stats.prefill_tokens += in_prompt
-            self.stats.decode_tokens += c.num_tokens - in_prompt
-            tokens = seq.tokens(c.start, c.start + c.num_tokens)
-            inputs.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots,
-                                   all_rows=bool(in_prompt) and seq.request.needs_prompt_logprobs))
+        inputs = [self._step_chunk(c, now) for c in schedule.chunks]
         tf = time.perf_counter()
         logits = self._run(step_inputs(inputs, self.model.page_size))
         self.stats.forward_seconds += time.perf_counter() - tf
@@ -187,6 +178,16 @@ class Engine:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
+
+    def _step_chunk(self, c, now: float) -> SeqChunk:
+        """A scheduled chunk as the step's input (its tokens, pages and slots), counted in the stats."""
+        seq = c.seq
+        seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
+        in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
+        self.stats.prefill_tokens += in_prompt
+        self.stats.decode_tokens += c.num_tokens - in_prompt
+        return SeqChunk(seq.tokens(c.start, c.start + c.num_tokens), c.start, list(seq.table.pages), c.slots,
+                        all_rows=bool(in_prompt) and seq.request.needs_prompt_logprobs)
 
     def _finish_unsampled(self, seq: Sequence, now: float) -> None:
         seq.finish_reason = "length"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .engine import Engine
 from .request import RequestOutput, Sequence
 from .scheduler import ScheduledChunk
-from .step import SeqChunk, output_offsets, step_inputs
+from .step import output_offsets, step_inputs
 
 PLACEHOLDER = -1        # an output token the runner has sampled and the host has not read yet
 
@@ -80,19 +80,12 @@ class OverlapEngine(Engine):
             return None
         now = time.perf_counter()
         previous = self.inflight
-        chunks, feed = [], []
+        chunks, feed, base = [], [], 0
         for c in schedule.chunks:
-            seq = c.seq
-            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
-            in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
-            self.stats.prefill_tokens += in_prompt
-            self.stats.decode_tokens += c.num_tokens - in_prompt
-            tokens = seq.tokens(c.start, c.start + c.num_tokens)
-            base = sum(len(x.tokens) for x in chunks)
+            chunks.append(self._step_chunk(c, now))
             # a placeholder is always the one token of a decode: the sample of the step in flight
-            feed += [(base + j, previous.row_of[seq]) for j, t in enumerate(tokens) if t == PLACEHOLDER]
-            chunks.append(SeqChunk(tokens, c.start, list(seq.table.pages), c.slots,
-                                   all_rows=bool(in_prompt) and seq.request.needs_prompt_logprobs))
+            feed += [(base + j, previous.row_of[c.seq]) for j, t in enumerate(chunks[-1].tokens) if t == PLACEHOLDER]
+            base += len(chunks[-1].tokens)
         offsets = output_offsets(chunks)
         launched = Launched(None, [(c, c.seq.preemptions) for c in schedule.chunks], [], [], [])
         rows = launched.rows
