@@ -3,8 +3,9 @@
 
 `Launcher.launch` runs a step's page copies, its entry and, where the artifact samples on the
 device, its sampling, and reads nothing back:
-- the step's inputs and its sampler's arguments are uploaded first (TVM's uploads wait for the
-  work before them on the stream: one after the forward would wait for it);
+- the step's inputs and its sampler's arguments are written to pinned memory and their copies
+  queued first, behind the step still running (runtime/step_buffers.py: no upload waits for the
+  GPU), so the forward, queued after them, reads them;
 - the placeholder tokens come from the step before's sampled ids by device-to-device copies into
   this step's token buffer, after the inputs are uploaded;
 - the sampled ids go to pinned host memory by an asynchronous copy on TVM's stream, and a CUDA event
@@ -97,7 +98,7 @@ class Launcher:
                 tokens[index] = before[row]
             inputs = {**inputs, "tokens": tokens}
         kind, args, seqs = model.step_args(inputs)
-        # every upload before the forward: an upload waits for the work before it on the stream
+        # every upload queued before the forward that reads it
         plan = model.sampler.plan(states, rows, model.vocab_size) if model.sampler is not None else None
         if on_device:
             self._feed(args[model.input_names.index("tokens")], previous, feed)

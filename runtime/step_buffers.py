@@ -5,12 +5,23 @@ front of the buffer and passes a view of that length (offset 0, so the address n
 On a GPU the array goes through a pinned host buffer (cudaMallocHost), from which the copy to the
 device is a plain DMA. A buffer grows (doubling) only when a step needs more; `fixed=True` buffers
 never move, which a captured CUDA graph relies on: it replays the addresses it was captured with.
+
+No upload waits for the GPU. TVM's copy from a numpy array synchronises the stream, so it would
+wait for the step already running (and the one-step-ahead engine, runtime/overlap.py, would
+launch nothing ahead). Instead numpy writes the pinned buffer itself and TVM's copy between
+tensors, queued on the stream behind the running step, takes it to the device. Each input has
+STAGING_SLOTS pinned buffers used in turn: a step's copy may still be queued when the host writes
+the next step's inputs. That suffices because an input is put at most once a step and the engine
+reads a step's results back before it launches the step after next.
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
 CUDA_HOST = 3          # DLPack's kDLCUDAHost: page-locked host memory
+STAGING_SLOTS = 2
 
 
 def pinned_device(device):
@@ -21,19 +32,31 @@ def pinned_device(device):
     return tvm.device(CUDA_HOST, 0) if tvm.get_global_func("device_api.cuda_host", allow_missing=True) else None
 
 
-class StepBuffers:
-    """One reusable device buffer (and pinned staging buffer) per step input name."""
+def host_array(tensor, count: int, dtype) -> np.ndarray:
+    """A numpy array over the first `count` elements of a host tensor's memory (pinned or CPU):
+    writing it is a plain store, with no call into TVM and no stream synchronisation."""
+    nbytes = count * np.dtype(dtype).itemsize
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(tensor.data_ptr()), dtype)
 
-    def __init__(self, device, capacities: dict[str, int] | None = None, fixed: bool = False):
+
+class StepBuffers:
+    """One reusable device buffer (and its pinned staging buffers) per step input name."""
+
+    def __init__(self, device, capacities: dict[str, int] | None = None, fixed: bool = False,
+                 staging_device=None):
+        """`staging_device`: where the staging buffers live; default the pinned host memory of a
+        CUDA device, none elsewhere (a CPU's buffers take the array directly)."""
         self.device, self.fixed = device, fixed
-        self.pinned = pinned_device(device)
-        self.buffers: dict[str, tuple] = {}        # name -> (device buffer, staging buffer or None)
+        self.pinned = staging_device if staging_device is not None else pinned_device(device)
+        self.buffers: dict[str, tuple] = {}        # name -> (device buffer, [staging buffers] or None)
+        self.turns: dict[str, int] = {}            # name -> puts so far, to pick its staging slot
         for name, capacity in (capacities or {}).items():
             self._allocate(name, capacity, "int32")
 
     def _allocate(self, name: str, capacity: int, dtype: str) -> None:
         import tvm
-        staging = tvm.runtime.empty((capacity,), dtype, self.pinned) if self.pinned else None
+        staging = ([tvm.runtime.empty((capacity,), dtype, self.pinned) for _ in range(STAGING_SLOTS)]
+                   if self.pinned else None)
         self.buffers[name] = (tvm.runtime.empty((capacity,), dtype, self.device), staging)
 
     def capacity(self, name: str) -> int:
@@ -51,10 +74,13 @@ class StepBuffers:
             self._allocate(name, max(need, 2 * self.capacity(name)), str(array.dtype))
         device_buffer, staging = self.buffers[name]
         if len(array):
-            source = array
-            if staging is not None:
-                staged = staging._create_view((len(array),), str(array.dtype))
-                staged.copyfrom(array)
-                source = staged
-            device_buffer._create_view((len(array),), str(array.dtype)).copyfrom(source)
+            target = device_buffer._create_view((len(array),), str(array.dtype))
+            if staging is None:
+                target.copyfrom(array)
+            else:
+                turn = self.turns.get(name, 0)
+                self.turns[name] = turn + 1
+                slot = staging[turn % STAGING_SLOTS]
+                host_array(slot, len(array), array.dtype)[:] = array
+                target.copyfrom(slot._create_view((len(array),), str(array.dtype)))
         return device_buffer._create_view((length,), str(array.dtype))

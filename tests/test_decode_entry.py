@@ -200,3 +200,26 @@ def test_step_buffers_reuse_their_memory_and_fixed_ones_never_move():
     assert view.shape == (4,) and view.numpy()[:2].tolist() == [1, 2]
     with pytest.raises(ValueError, match="fixed buffer holds 4"):
         fixed.put("tokens", np.arange(5, dtype=np.int32))
+
+
+def test_staged_uploads_write_pinned_memory_in_turn_and_never_wait_for_the_stream(monkeypatch):
+    """The GPU path of StepBuffers with host memory standing in for the pinned buffers: numpy
+    writes the staging buffer (TVM's copy from numpy would synchronise the stream), and the next
+    put of a name writes the other buffer, so a copy still queued reads what it was given."""
+    import tvm
+    from kiln.runtime.step_buffers import STAGING_SLOTS, StepBuffers, host_array
+    real_copyfrom = tvm.runtime.Tensor.copyfrom
+
+    def tensors_only(self, source):
+        assert not isinstance(source, np.ndarray), "an upload went through TVM's synchronising copy"
+        return real_copyfrom(self, source)
+    monkeypatch.setattr(tvm.runtime.Tensor, "copyfrom", tensors_only)
+    buffers = StepBuffers(tvm.cpu(0), staging_device=tvm.cpu(0))
+    steps = [np.arange(4, dtype=np.int32) + 10 * s for s in range(STAGING_SLOTS + 1)]
+    for s, array in enumerate(steps):
+        assert buffers.put("tokens", array).numpy().tolist() == array.tolist()
+        for earlier in range(max(0, s - STAGING_SLOTS + 1), s + 1):   # the slots still in use are intact
+            slot = buffers.buffers["tokens"][1][earlier % STAGING_SLOTS]
+            assert host_array(slot, 4, np.int32).tolist() == steps[earlier].tolist()
+    view = buffers.put("rows", np.array([0.5, 2.0]), length=3)
+    assert view.shape == (3,) and view.numpy()[:2].tolist() == [0.5, 2.0]
