@@ -95,6 +95,9 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
     if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step, bool(node.attrs["softcap"])):
         raise KilnError(f"attention kernel {kernel} cannot run layer {node.attrs['layer']} "
                         f"({spec.describe()}, {ctx.step} steps) on {ctx.target.name}")
+    if kernel == "kiln_gpu":
+        return _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values,
+                                   last_page_len, kv_scales)
     append = ctx.add_kernel(tvm_kernels.kv_append(kv_heads, head_dim, dtype, page_size), "kv_append")
     pages = ctx.bb.emit(relax.call_tir_inplace(append, [pages, k, v, slots], [0], pages.ty))
     out_ty = [relax.TensorType((tokens, q_heads, head_dim), dtype), relax.TensorType((tokens, q_heads), "float32")]
@@ -119,3 +122,37 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
                                                            dtype, scale), "paged_decode_attention", scheduled=True)
         out = ctx.bb.emit(relax.call_tir(attn, [q, *paged], out_ty))
     return ctx.bb.emit(relax.TupleGetItem(out, 0))
+
+
+def _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
+                        kv_scales):
+    """kiln's CUDA attention: the new rows appended (quantised by kiln's append into int8/float8
+    pages, else by TVM's), then attention; decode steps split each token's keys over blocks."""
+    from .gpu_attention import DECODE_SPLITS, append_kernel, attention_kernel
+    from .gpu_attention_source import AttentionShape
+    tokens, q_heads, head_dim = q.ty.shape[0], int(q.ty.shape[1]), int(q.ty.shape[2])
+    kv_heads, page_size, dtype = int(k.ty.shape[1]), int(pages.ty.shape[3]), node.type.dtype
+    kv_dtype = str(pages.ty.dtype)
+    shape = AttentionShape(q_heads, kv_heads, head_dim, page_size, str(dtype), kv_dtype)
+    if shape.problem():
+        raise KilnError(f"kiln's GPU attention cannot run layer {node.attrs['layer']}: {shape.problem()}")
+    if shape.kv_code:
+        append = ctx.add_kernel(append_kernel(shape), f"kv_append_{kv_scheme_for(kv_dtype).name}", scheduled=True)
+        written = ctx.bb.emit(relax.call_tir_inplace(append, [pages, kv_scales, k, v, slots], [0, 1],
+                                                     [pages.ty, kv_scales.ty]))
+        pages, scales = ctx.bb.emit(relax.TupleGetItem(written, 0)), [ctx.bb.emit(relax.TupleGetItem(written, 1))]
+    else:
+        append = ctx.add_kernel(tvm_kernels.kv_append(kv_heads, head_dim, dtype, page_size), "kv_append")
+        pages, scales = ctx.bb.emit(relax.call_tir_inplace(append, [pages, k, v, slots], [0], pages.ty)), []
+    a = node.attrs
+    splits = DECODE_SPLITS if ctx.step == "decode" else 1
+    func = attention_kernel(shape, splits, a["scale"], a["softcap"], a["window"])
+    name = "kiln_paged_attention" + ("_decode" if splits > 1 else "") + _masking(a["window"], a["softcap"])
+    attn = ctx.add_kernel(func, name + (f"_{kv_scheme_for(kv_dtype).name}" if shape.kv_code else ""),
+                          scheduled=True)
+    out = relax.TensorType((tokens, q_heads, head_dim), dtype)
+    shares = [relax.TensorType((tokens, q_heads, splits, head_dim), "float32"),
+              relax.TensorType((tokens, q_heads, splits), "float32")] if splits > 1 else []
+    args = [q, pages, *scales, q_indptr, page_indptr, page_values, last_page_len]
+    result = ctx.bb.emit(relax.call_tir(attn, args, [out, *shares] if shares else out))
+    return ctx.bb.emit(relax.TupleGetItem(result, 0)) if shares else result

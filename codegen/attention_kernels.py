@@ -11,18 +11,25 @@ step kind whose kernels differ its own entry function.
                 drops whole leading rows for every query of a sequence alike, not per query.
   tvm_decode    TVM's paged decode kernel: one query per sequence; on GPUs a block serves the q
                 heads of one KV head, so a GQA group reads each K/V page once.
+  kiln_gpu      kiln's CUDA kernel (codegen/gpu_attention.py): any step, sliding windows,
+                soft-capped scores, int8/float8 pages (with its own quantising append), any
+                head ratio; decode steps split long contexts over thread blocks.
   kiln_gpu_fallback  kiln's CPU attention kernel bound to GPU thread blocks, one per (sequence,
                 KV head), after TVM's append: correct for sliding windows and soft-capped scores,
                 which TVM's kernels lack, but one thread walks each task's keys: slow. GPU targets
-                take it only for the layers no TVM kernel runs.
+                take it only for the layers no other kernel runs (ROCm and Metal: every
+                windowed or soft-capped layer).
 No TVM import here: targets read this table before TVM is loaded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kiln.errors import KilnError
 from kiln.ir.kv_spec import KVSpec
+from kiln.ir.types import numpy_dtype
 
 STEP_KINDS = ("mixed", "decode")
 
@@ -36,11 +43,13 @@ class AttentionKernel:
     fused_qkv: bool                    # runs paged_attention_fused (rope inside)
     windows: bool                      # runs sliding-window layers
     softcap: bool = False              # soft-caps scores (Gemma 2)
+    row_bytes: int = 0                 # a stored row's bytes must be a multiple of this (its loads' width)
 
     def supports(self, op: str, spec: KVSpec, device: str, step: str, softcap: bool = False) -> bool:
+        row = spec.head_dim * np.dtype(numpy_dtype(spec.dtype)).itemsize
         return (step in self.steps and device in self.devices and (op == "paged_attention" or self.fused_qkv)
                 and (self.quantized_kv or spec.scales == "none") and (self.windows or spec.kind == "full")
-                and (self.softcap or not softcap))
+                and (self.softcap or not softcap) and (not self.row_bytes or row % self.row_bytes == 0))
 
 
 _GPUS = ("cuda", "rocm", "metal")
@@ -48,6 +57,8 @@ KERNELS = {k.name: k for k in (
     AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True, softcap=True),
     AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
     AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
+    AttentionKernel("kiln_gpu", STEP_KINDS, ("cuda",), quantized_kv=True, fused_qkv=False, windows=True, softcap=True,
+                    row_bytes=16),
     AttentionKernel("kiln_gpu_fallback", STEP_KINDS, _GPUS, quantized_kv=False, fused_qkv=False, windows=True,
                     softcap=True),
 )}

@@ -10,7 +10,7 @@ import ctypes
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -49,6 +49,12 @@ class CUDATarget(GPUTarget):
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     tensor_cores: bool = True           # every arch in ARCHS has mma.sync for bf16 and fp16
     decode_mma_from: int = 16           # not yet measured: bench/gemm_gpu.py's table will say
+    # TVM's kernels where they run the layer (full attention, unquantised pages: measured), kiln's for
+    # the rest: windows, soft-capped scores, int8/fp8 pages
+    attention_kernels: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"mixed": ("tvm_prefill", "kiln_gpu"),
+                                 "decode": ("tvm_decode", "tvm_prefill", "kiln_gpu")})
+    kv_dtypes: tuple[str, ...] = ("int8", "fp8")
     ARCHS = ARCHS
 
     def tvm_target(self):

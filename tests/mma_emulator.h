@@ -32,6 +32,7 @@ struct __nv_bfloat162 { __nv_bfloat16 x, y; };
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned float_bits(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline unsigned __float_as_uint(float f) { return float_bits(f); }
 inline float __half2float(__half h) { return float(h.v); }
 inline __half __float2half_rn(float f) { return {_Float16(f)}; }
 inline __half __int2half_rn(int i) { return {_Float16(float(i))}; }
@@ -60,6 +61,7 @@ inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
 inline __half __ushort_as_half(unsigned short u) { __half h; std::memcpy(&h, &u, 2); return h; }
 struct uint4 { unsigned x, y, z, w; };
 using std::min;
+using std::max;
 
 // ---- one block's threads: barriers for the block and for each warp, shared memory ----------------
 struct Block {
@@ -87,6 +89,7 @@ inline float shuffle(float v, int source) {
 }
 inline float __shfl_xor_sync(unsigned, float v, int mask) { return shuffle(v, int(threadIdx.x % 32) ^ mask); }
 inline float __shfl_down_sync(unsigned, float v, int delta) { return shuffle(v, int(threadIdx.x % 32) + delta); }
+inline float __shfl_sync(unsigned, float v, int source) { return shuffle(v, source); }
 
 namespace kiln_mma {
 
@@ -165,8 +168,10 @@ template <typename T> inline void mma(float* c, const unsigned* a, const unsigne
 
 }  // namespace kiln_mma
 
-// runs `kernel` over a grid of (grid_x, grid_y) blocks of `threads` threads with `shared_bytes`
-inline void launch(int grid_x, int grid_y, int threads, size_t shared_bytes, const std::function<void()>& kernel) {
+// runs `kernel` over a grid of (grid_x, grid_y, grid_z) blocks of `threads` threads with `shared_bytes`
+inline void launch_grid(int grid_x, int grid_y, int grid_z, int threads, size_t shared_bytes,
+                        const std::function<void()>& kernel) {
+  for (int bz = 0; bz < grid_z; ++bz)
   for (int by = 0; by < grid_y; ++by)
     for (int bx = 0; bx < grid_x; ++bx) {
       Block b;
@@ -183,10 +188,15 @@ inline void launch(int grid_x, int grid_y, int threads, size_t shared_bytes, con
           threadIdx.x = t;
           blockIdx.x = bx;
           blockIdx.y = by;
+          blockIdx.z = bz;
           block = &b;
           kernel();
           if (!kiln_mma::committed.empty() || !kiln_mma::open_group.empty()) std::abort();   // copies never waited for
         });
       for (auto& th : pool) th.join();
     }
+}
+
+inline void launch(int grid_x, int grid_y, int threads, size_t shared_bytes, const std::function<void()>& kernel) {
+  launch_grid(grid_x, grid_y, 1, threads, shared_bytes, kernel);
 }

@@ -58,12 +58,19 @@ def test_unknown_target(make_model, tmp_path):
     assert_clean_error(kiln("compile", make_model("llama"), "--target", "tpu", "-o", tmp_path / "a"), "tpu")
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--target", "cuda", "--kv-dtype", "int8"], ["--kv-dtype int8", "cuda", "unquantised"]),
-    (["--target", "cuda", "--arch", "sm_80", "--quant", "fp8"], ["--quant fp8", "sm_80", "q8, q4"]),
-])
-def test_quantisation_a_target_cannot_run_is_refused(make_model, tmp_path, flags, words):
-    assert_clean_error(kiln("compile", make_model("llama"), *flags, "-o", tmp_path / "a"), *words)
+def test_quantisation_a_target_cannot_run_is_refused(make_model, tmp_path):
+    flags = ["--target", "cuda", "--arch", "sm_80", "--quant", "fp8"]
+    assert_clean_error(kiln("compile", make_model("llama"), *flags, "-o", tmp_path / "a"), "--quant fp8", "sm_80",
+                       "q8, q4")
+
+
+@pytest.mark.parametrize("target", ["rocm", "metal"])
+def test_a_kv_cache_a_target_cannot_read_is_refused(target):
+    """ROCm and Metal attention reads only unquantised pages (CUDA and the CPU read int8 and fp8)."""
+    from kiln.errors import KilnError
+    from kiln.targets import target_defaults
+    with pytest.raises(KilnError, match=f"--kv-dtype int8 is not supported on target {target} .*unquantised"):
+        target_defaults(target).check_quant(None, "int8")
 
 
 def test_corrupted_weight_file(make_model, tmp_path):

@@ -75,7 +75,8 @@ def test_cuda_fp8_artifact_is_built_for_hopper():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")), ("olmo2", ("rms_norm", "rope")),
-                                            ("gemma3", ("paged_attention_fallback_window5", "paged_decode_attention",
+                                            ("gemma3", ("kiln_paged_attention_window5",
+                                                        "kiln_paged_attention_decode_window5", "paged_decode_attention",
                                                         "gelu_tanh")),
                                             ("qwen2_moe", ("moe_router_softmax_topk", "moe_plan", "moe_gate_up",
                                                            "moe_down", "moe_combine", "sigmoid")),
@@ -83,7 +84,8 @@ def test_cuda_fp8_artifact_is_built_for_hopper():
                                                              "moe_router_sigmoid_group_top2"))])
 def test_new_families_build_for_cuda(family, kernels):
     """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA; Gemma 3's sliding layers run
-    kiln's GPU fallback kernel (TVM's mask causally only) and its global layer TVM's kernels; DeepSeek's
+    kiln's GPU attention (TVM's mask causally only; its decode steps split the keys over blocks) and
+    its global layer TVM's kernels; DeepSeek's
     latent cache takes TVM's MLA append and attention kernels, its experts kiln's own."""
     out = cuda_artifact(f"{family}-sm_80")      # kiln compile TINY_FAMILY --target cuda --arch sm_80
     manifest = json.loads((out / "manifest.json").read_text())
@@ -92,3 +94,20 @@ def test_new_families_build_for_cuda(family, kernels):
     library = (out / "model.cuda.so").read_bytes()
     assert all(f"{k}_kernel".encode() in library for k in manifest["kernels"])
     assert (out / "model.cuda.so").stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_quantised_kv_cache_builds_for_cuda_with_kilns_attention():
+    """Gemma 2 with an fp8 KV cache on sm_90: every layer (windowed or not, soft-capped scores)
+    appends through kiln's quantising append and attends with kiln's GPU kernel in every step; no
+    layer is left to the fallback, and the pages are stored as e4m3 with a scale per row."""
+    out = cuda_artifact("gemma2-fp8kv-sm_90")   # kiln compile TINY_GEMMA2 --target cuda --arch sm_90 --kv-dtype fp8
+    manifest = json.loads((out / "manifest.json").read_text())
+    kernels = manifest["kernels"]
+    assert manifest["quantization"]["kv_cache"] == "fp8"
+    assert "kv_append_fp8" in kernels and not any("fallback" in k or k == "kv_append" for k in kernels), kernels
+    for name in ("kiln_paged_attention_softcap_fp8", "kiln_paged_attention_window6_softcap_fp8",
+                 "kiln_paged_attention_decode_softcap_fp8", "kiln_paged_attention_decode_window6_softcap_fp8"):
+        assert name in kernels, kernels
+    library = (out / "model.cuda.so").read_bytes()
+    assert all(f"{k}_kernel".encode() in library for k in kernels)

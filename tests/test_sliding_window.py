@@ -1,7 +1,7 @@
 """Sliding-window attention end to end on compiled CPU artifacts: greedy generation equal to
 transformers' on prompts several windows long, in a page pool that only holds the window; and a
 target without windowed kernels refusing at compile time (tests/test_cuda_build.py builds the
-windowed families with kiln's GPU fallback kernel)."""
+windowed families with kiln's GPU attention kernel)."""
 from __future__ import annotations
 
 import json

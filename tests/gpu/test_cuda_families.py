@@ -1,5 +1,5 @@
 """Every tiny family's float32 CUDA artifact on a GPU: against the reference interpreter on the same
-graph (TVM's kernels for full layers, kiln's GPU fallback for windowed and soft-capped ones), and
+graph (TVM's kernels for full layers, kiln's GPU attention for windowed and soft-capped ones; no fallback kernel), and
 greedy generation against transformers' uncached forward."""
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def test_family_matches_the_interpreter(gpu_family, family):
     from gpu_reference import float32_artifact_and_reference
     from kiln.ir import interpret
     model, graph, weights, kv = float32_artifact_and_reference(gpu_family(family), 16)
+    assert not [k for k in model.manifest["kernels"] if "fallback" in k], "a layer runs the fallback attention"
     ids, pages = random_prompt(29, 5), [1, 6]
     for tokens, start in ((ids, 0), ([7], 29), ([11], 30)):
         step = make_step_inputs([(tokens, start, pages)], model.page_size)
