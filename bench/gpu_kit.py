@@ -6,6 +6,8 @@
     python bench/gpu_kit.py --gemm [--out build/gpu-kit-gemm] --shapes llama-3.2-1b llama-3.1-8b
                             mixtral-8x7b-4l --modes bfloat16 q4
     python bench/gpu_kit.py --gemv [--out build/gpu-kit-gemv] --modes bfloat16 q4
+    python bench/gpu_kit.py --attention [--out build/gpu-kit-attention] --shapes llama-3.2-1b
+                            llama-3.1-8b gemma-2-2b gemma-2-2b-full --modes bfloat16 bfloat16-kv-int8
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
 internet, and takes at most 64 MiB per transfer, so nothing big travels:
@@ -34,8 +36,11 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         writes $OUT/mma_tuning.json) after the tests and prefill (bench/prefill_gpu.py
                         on each bfloat16 artifact) before the decode; with --gemv gemv (bench/gemv_gpu.py
                         run, which writes $OUT/gemv_tuning.json) after the tests and profile
-                        (bench/step_profile.py, a batch-1 decode step) before the decode; $STAGES
-                        picks others; results go to $OUT
+                        (bench/step_profile.py, a batch-1 decode step) before the decode; with
+                        --attention longctx (decode steps of the Llama shapes at $LONGCTX tokens of
+                        context, 1 and 8 sequences, kernel by kernel against the bytes read) and
+                        windows (the Gemma 2 shapes' decode steps at 4,096: windows and soft-capping
+                        against neither); $STAGES picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -54,7 +59,8 @@ from pathlib import Path
 
 MODES = {"float16": ["--dtype", "float16"], "bfloat16": ["--dtype", "bfloat16"],
          "q8": ["--dtype", "float16", "--quant", "q8"], "q4": ["--dtype", "float16", "--quant", "q4"],
-         "fp8": ["--dtype", "float16", "--quant", "fp8"]}
+         "fp8": ["--dtype", "float16", "--quant", "fp8"],
+         "bfloat16-kv-int8": ["--dtype", "bfloat16", "--kv-dtype", "int8"]}
 DEVICE_PYTHON = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
                  *[f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                                                "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -75,7 +81,8 @@ KIT=${1:?kit folder}; BUDGET=${2:-480}; START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 # within SECONDS CMD...: timeout ends CMD's whole process group (a server it started too)
 within() { local s=$1; shift; (( s >= 5 )) || { echo "no time left for $*"; return 124; }; timeout $s "$@"; }
-artifacts() { ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/; }
+# the kit's artifacts, those whose path matches $ONLY (an extended regex) where it is set
+artifacts() { ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/ | grep -E "${ONLY:-.}"; }
 export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
@@ -127,6 +134,24 @@ stage_prefill() {      # TTFT of 512 / 2048 / 8192-token prompts beside HF eager
     within ${PREFILL_SECONDS:-70} python3 bench/prefill_gpu.py $d ${PREFILL_ARGS:-} 2>&1 | tee -a $OUT/prefill_gpu.md
   done
 }
+stage_longctx() {      # long-context decode steps: attention's share, and the step against its bytes
+  for d in $(artifacts | grep /llama-); do
+    for ctx in ${LONGCTX:-8192 32768}; do
+      for seqs in 1 8; do
+        within ${LONGCTX_SECONDS:-45} python3 bench/step_profile.py $d --step decode --tokens $ctx --seqs $seqs \
+          --repeats 3 --top 6 2>&1 | tee -a $OUT/longctx.md
+      done
+    done
+  done
+}
+stage_windows() {      # Gemma 2's windowed, soft-capped layers (kiln's attention) against the same shape without
+  for d in $(artifacts | grep /gemma-2-2b | grep /bfloat16/); do
+    for seqs in 1 8; do
+      within ${WINDOWS_SECONDS:-45} python3 bench/step_profile.py $d --step decode --tokens 4096 --seqs $seqs \
+        --repeats 3 --top 6 2>&1 | tee -a $OUT/windows.md
+    done
+  done
+}
 stage_decode() {
   within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
     ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
@@ -134,7 +159,8 @@ stage_decode() {
 for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
 STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve decode",
-          "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode"}
+          "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode",
+          "attention": "tests weights windows longctx"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -227,9 +253,12 @@ def main() -> None:
                     help="add the tensor-core GEMM kernels (bench/gemm_gpu.py build) and the gemm and prefill stages")
     ap.add_argument("--gemv", action="store_true",
                     help="add the decode GEMV kernels (bench/gemv_gpu.py build) and the gemv and profile stages")
+    ap.add_argument("--attention", action="store_true",
+                    help="the windows and longctx stages (kiln's GPU attention beside TVM's, long contexts)")
     args = ap.parse_args()
     out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit-gemm" if args.gemm
-                                 else "build/gpu-kit-gemv" if args.gemv else "build/gpu-kit")
+                                 else "build/gpu-kit-gemv" if args.gemv else "build/gpu-kit-attention" if args.attention
+                                 else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
 
     if args.serve and "bfloat16" not in args.modes:
@@ -263,7 +292,8 @@ def main() -> None:
         for mode in args.modes:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
-    kind = "gemm" if args.gemm else "gemv" if args.gemv else "serve" if args.serve else "plain"
+    kind = ("gemm" if args.gemm else "gemv" if args.gemv else "attention" if args.attention else "serve" if args.serve
+            else "plain")
     (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[kind]))
     print_sizes(out)
 

@@ -105,6 +105,12 @@ def gpu_profile(model, inputs, kind: str, args) -> None:
           f"{torch.cuda.get_device_name()}: {step * 1e3:.2f} ms per step wall (median of {args.repeats}), "
           f"kernels {busy * 1e3:.2f} ms, {sum(n for _, n, _ in rows)} launches")
     print_kernel_table(rows, args.top, busy, "share of kernel time", 3)
+    if args.step == "decode":             # against the copy rate: the bytes the step must read, KV included
+        from decode_gpu import hbm_bandwidth, step_bytes
+        nbytes, rate = step_bytes(model, args.seqs, args.tokens), hbm_bandwidth(torch)
+        kv = args.seqs * args.tokens * model.bytes_per_token
+        print(f"reads {nbytes / 1e9:.2f} GB a step ({kv / 1e9:.2f} GB of it KV): {nbytes / busy / 1e12:.2f} TB/s over "
+              f"the kernels' time, {nbytes / rate / busy:.0%} of the copy rate ({rate / 1e12:.2f} TB/s, read + write)")
 
 
 def print_kernel_table(rows, top: int, total: float, share: str, digits: int) -> None:

@@ -143,6 +143,12 @@ PRESETS = {
                                   sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                                   final_logit_softcapping=30.0, tie_word_embeddings=True,
                                   max_position_embeddings=8192)),
+    # the same shape with windows and soft-capping removed: every layer full attention, TVM's kernels on GPUs
+    "gemma-2-2b-full": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                       layer_types=["full_attention"] * 26, query_pre_attn_scalar=256,
+                                       attn_logit_softcapping=None, final_logit_softcapping=None,
+                                       tie_word_embeddings=True, max_position_embeddings=8192)),
     "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)),
