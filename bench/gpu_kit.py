@@ -6,8 +6,10 @@
     python bench/gpu_kit.py --gemm [--out build/gpu-kit-gemm] --shapes llama-3.2-1b llama-3.1-8b
                             mixtral-8x7b-4l --modes bfloat16 q4
     python bench/gpu_kit.py --gemv [--out build/gpu-kit-gemv] --modes bfloat16 q4
-    python bench/gpu_kit.py --attention [--out build/gpu-kit-attention] --shapes llama-3.2-1b
-                            llama-3.1-8b gemma-2-2b gemma-2-2b-full --modes bfloat16 bfloat16-kv-int8
+    python bench/gpu_kit.py --attention [--out build/gpu-kit-attention] --shapes llama-3.2-1b llama-3.1-8b
+                            --modes bfloat16 bfloat16-kv-int8
+    python bench/gpu_kit.py --attention --shapes gemma-2-2b gemma-2-2b-full deepseek-v2-lite-4l
+                            mixtral-8x7b-4l --modes bfloat16       (the same folder: a kit grows)
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
 internet, and takes at most 64 MiB per transfer, so nothing big travels:
@@ -40,7 +42,8 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         --attention longctx (decode steps of the Llama shapes at $LONGCTX tokens of
                         context, 1 and 8 sequences, kernel by kernel against the bytes read) and
                         windows (the Gemma 2 shapes' decode steps at 4,096: windows and soft-capping
-                        against neither); $STAGES picks others; results go to $OUT
+                        against neither) and moe_mla (the DeepSeek and Mixtral shapes' decode and
+                        2,048-token prefill beside HF eager); $STAGES picks others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -152,6 +155,14 @@ stage_windows() {      # Gemma 2's windowed, soft-capped layers (kiln's attentio
     done
   done
 }
+stage_moe_mla() {      # the mixtures of experts and MLA shapes: decode and a 2,048-token prefill beside HF eager
+  for d in $(artifacts | grep -e /deepseek -e /mixtral); do
+    within ${MOE_MLA_SECONDS:-150} python3 bench/decode_gpu.py $d --batches 1 8 64 --new-tokens 32 --repeats 2 \
+      --no-hf-compiled 2>&1 | tee -a $OUT/moe_mla.md
+    within ${MOE_MLA_SECONDS:-150} python3 bench/prefill_gpu.py $d --lengths 2048 --repeats 2 2>&1 \
+      | tee -a $OUT/moe_mla.md
+  done
+}
 stage_decode() {
   within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
     ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
@@ -160,7 +171,7 @@ for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$st
 """
 STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve decode",
           "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode",
-          "attention": "tests weights windows longctx"}
+          "attention": "tests weights windows longctx moe_mla"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]

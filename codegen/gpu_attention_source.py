@@ -156,6 +156,12 @@ __device__ __forceinline__ int sequence_of(const int* q_indptr, int seqs, int t)
   return lo;
 }
 
+// the index of a sequence's key's stored row (k 0, v 1) of KV head kvh, its pages from first_page on
+template <int HKV, int PAGE>
+__device__ __forceinline__ size_t stored_row(const int* page_values, int first_page, int key, int kind, int kvh) {
+  return ((size_t)(page_values[first_page + key / PAGE] * 2 + kind) * HKV + kvh) * PAGE + key % PAGE;
+}
+
 // blockIdx.x: the query token; .y: the KV head; .z: the share of its keys (of SPLITS)
 template <typename T, int KV, int HQ, int HKV, int D, int PAGE, int SPLITS, bool CAPPED>
 __device__ __forceinline__ void attend(const T* __restrict__ q, const void* __restrict__ pages,
@@ -195,12 +201,6 @@ __device__ __forceinline__ void attend(const T* __restrict__ q, const void* __re
     for (int i = 0; i < SLICE; ++i) acc[h][i] = 0.f;
   }
   const unsigned char* base = static_cast<const unsigned char*>(pages);
-  auto row_of = [&](int key, int kind, float* row_scale) {    // key's stored row (k 0, v 1) and its scale
-    const int page = page_values[first_page + key / PAGE], r = key % PAGE;
-    const size_t row = ((size_t)(page * 2 + kind) * HKV + kvh) * PAGE + r;
-    *row_scale = KV == 0 ? 1.f : scales[row];
-    return base + row * D * CODE_BYTES;
-  };
 
   for (int tile = begin + warp * 32; tile < end; tile += WARPS * 32) {
     const int key = tile + lane;
@@ -209,8 +209,9 @@ __device__ __forceinline__ void attend(const T* __restrict__ q, const void* __re
 #pragma unroll
     for (int h = 0; h < G; ++h) score[h] = 0.f;
     if (valid) {
-      float k_scale;
-      const unsigned char* k_row = row_of(key, 0, &k_scale);
+      const size_t row = stored_row<HKV, PAGE>(page_values, first_page, key, 0, kvh);
+      const float k_scale = KV == 0 ? 1.f : scales[row];
+      const unsigned char* k_row = base + row * D * CODE_BYTES;
       for (int c = 0; c < D; c += PER_CHUNK) {
         float kv[PER_CHUNK];
         chunk_values<T, KV>(kv, k_row + c * CODE_BYTES);
@@ -237,9 +238,11 @@ __device__ __forceinline__ void attend(const T* __restrict__ q, const void* __re
       for (int i = 0; i < SLICE; ++i) acc[h][i] *= keep;
     }
     const int keys = min(32, end - tile);
+#pragma unroll 4
     for (int k = 0; k < keys; ++k) {
-      float v_scale;
-      const unsigned char* v_row = row_of(tile + k, 1, &v_scale);
+      const size_t row = stored_row<HKV, PAGE>(page_values, first_page, tile + k, 1, kvh);
+      const float v_scale = KV == 0 ? 1.f : scales[row];
+      const unsigned char* v_row = base + row * D * CODE_BYTES;
       float weight[G];
 #pragma unroll
       for (int h = 0; h < G; ++h) weight[h] = __shfl_sync(0xFFFFFFFFu, p[h], k) * v_scale;

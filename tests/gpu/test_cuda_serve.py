@@ -4,6 +4,7 @@ request gets a 5xx. Token ids are compared through the text of each token the se
 (the tokenizer's own text of each id: equal ids give equal lists)."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ def served(gpu_bundle, tmp_path_factory):
     log = tmp_path_factory.mktemp("cuda-serve") / "server.log"
     with running_server(gpu_bundle / "cuda-float32", log, "--kv-memory", "64MiB", "--max-num-seqs", "16",
                         "--served-model-name", MODEL) as (url, _):
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0), log
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0), log, url
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,12 @@ def test_twenty_four_streams_at_once_each_get_their_greedy_tokens(client, hf, te
     with ThreadPoolExecutor(24) as pool:
         got = list(pool.map(stream, prompts))
     assert got == [texts(hf_greedy(hf, p, 10)) for p in prompts]
+
+
+def test_fuzzing_gets_no_5xx_and_leaves_the_server_healthy(served):
+    """The fuzzing suite's adversarial requests (tests/test_serve_fuzz.py), on the CUDA artifact."""
+    from test_serve_fuzz import assert_no_5xx_under_fuzzing
+    assert_no_5xx_under_fuzzing(served[2], int(os.environ.get("KILN_FUZZ_REQUESTS", "400")))
 
 
 def test_no_request_got_a_5xx(served):
