@@ -5,6 +5,7 @@ Errors in the user's input print one line on stderr and exit with code 2;
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -21,15 +22,53 @@ def _err(line: str) -> None:
     click.echo(line, err=True)
 
 
+def _kv_memory(ctx, param, value: str) -> str:
+    from kiln.runtime.memory import check_kv_memory
+    try:
+        return check_kv_memory(value)
+    except KilnError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 class _Main(click.Group):
     def invoke(self, ctx):
+        interrupts = _Interrupts()
         try:
-            return super().invoke(ctx)
+            with interrupts:
+                return super().invoke(ctx)
         except (KilnError, ValueError, OSError) as e:
             if ctx.params.get("debug"):
                 raise
             _err(f"kiln: error: {e}")
             sys.exit(2)
+        except Exception:
+            # TVM's FFI turns a Ctrl-C inside a C++ call into a RuntimeError: it is still a Ctrl-C
+            if interrupts.seen and not ctx.params.get("debug"):
+                raise KeyboardInterrupt from None
+            raise
+
+
+class _Interrupts:
+    """Notes a SIGINT (then raises KeyboardInterrupt as Python's own handler does), so an error a
+    library made of it can be told apart from a real one."""
+
+    def __init__(self):
+        self.seen = False
+
+    def __enter__(self):
+        self.previous = signal.getsignal(signal.SIGINT)
+        if self.previous is signal.default_int_handler:      # only where Python's own handler is in place
+            signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, sig, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if signal.getsignal(signal.SIGINT) is self._handle:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
 
 
 @click.group(cls=_Main)
@@ -159,12 +198,12 @@ def attach_weights(artifact, model_dir, force):
 @main.command()
 @click.argument("artifact")
 @click.option("--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")
-@click.option("--max-tokens", default=128, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 means off.")
-@click.option("--seed", default=None, type=int)
-@click.option("--kv-memory", default="auto", show_default=True,
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 means greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 means off.")
+@click.option("--seed", default=None, type=click.IntRange(min=0))
+@click.option("--kv-memory", default="auto", show_default=True, callback=_kv_memory,
               help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
@@ -185,17 +224,21 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
 @main.command()
 @click.argument("artifact")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0: one the system picks, printed at start).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes.")
 @click.option("--served-model-name", default=None, help="The model id clients use (default: the artifact's name).")
-@click.option("--kv-memory", default="auto", show_default=True,
+@click.option("--kv-memory", default="auto", show_default=True, callback=_kv_memory,
               help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
-@click.option("--max-num-seqs", default=64, show_default=True, type=int, help="Sequences in one batch.")
-@click.option("--max-batched-tokens", default=2048, show_default=True, type=int, help="Tokens per engine step.")
+@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Sequences in one batch.")
+@click.option("--max-batched-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per engine step.")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
-@click.option("--max-waiting", default=512, show_default=True, type=int, help="Queued requests before 429s.")
-@click.option("--drain-timeout", default=30.0, show_default=True, type=float,
-              help="Seconds running requests get to finish after SIGTERM.")
+@click.option("--max-waiting", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Queued requests before 429s.")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds running requests get to finish after SIGTERM or Ctrl-C.")
 @click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
 def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
           prefix_caching, max_waiting, drain_timeout, threads):

@@ -43,15 +43,19 @@ def _generate_streaming(llm, prompt_ids, params, echo: bool):
     engine = llm.engine
     req = engine.add_request(prompt_ids, params)
     final = None
-    while final is None:
-        for out in engine.step():
-            if out.request_id != req.request_id:
-                continue
-            if echo:
-                sys.stdout.write(out.outputs[0].new_text)
-                sys.stdout.flush()
-            if out.finished:
-                final = out
+    try:
+        while final is None:
+            for out in engine.step():
+                if out.request_id != req.request_id:
+                    continue
+                if echo:
+                    sys.stdout.write(out.outputs[0].new_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    final = out
+    except KeyboardInterrupt:         # the request goes, its pages with it; the caller decides what next
+        engine.abort(req.request_id)
+        raise
     if echo:
         sys.stdout.write("\n")
     return final
@@ -72,6 +76,9 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
     out = _generate_streaming(llm, prompt_ids, params, echo=not as_json)
     t = _timings(out, load_seconds, llm.threads)
     done = out.outputs[0]
+    if done.finish_reason == "length" and len(done.token_ids) < params.max_tokens:
+        click.echo(f"kiln: stopped after {len(done.token_ids)} of --max-tokens {params.max_tokens} tokens: the prompt "
+                   f"and the output fill the model's context of {llm.model.max_context} tokens", err=True)
     if as_json:
         print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
                           "output_token_ids": done.token_ids, "text": done.text,
@@ -95,12 +102,14 @@ def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
         raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "
                              "or chat_template.json), so it cannot chat; give it a prompt with --prompt TEXT")
     click.echo(f"{llm.describe_kv()}; {describe_threads(llm.threads)}", err=True)
-    click.echo("kiln chat: type a message, an empty line or Ctrl-D to quit.", err=True)
+    click.echo("kiln chat: type a message, an empty line, Ctrl-D or Ctrl-C to quit (Ctrl-C during a reply stops "
+               "the reply).", err=True)
     messages: list[dict] = []
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            click.echo("", err=True)
             break
         if not line.strip():
             break
@@ -110,6 +119,10 @@ def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
             text = _generate_streaming(llm, ids, params, echo=True).outputs[0].text
         except KilnError as e:     # e.g. the conversation outgrew the context: say so, keep the session
             click.echo(f"kiln: {e}", err=True)
+            messages.pop()
+            continue
+        except KeyboardInterrupt:  # the reply is dropped, and so is the message it answered
+            click.echo("\n(stopped)", err=True)
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": text})

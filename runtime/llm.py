@@ -2,14 +2,14 @@
 per prompt, in prompt order (vLLM's shape); a progress bar for long batches."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from kiln.errors import KilnError
 
 from .engine import Engine
 from .kv_pool import live_pages
-from .model import CompiledModel, parse_bytes
+from .memory import FRACTION, host_available_memory, parse_bytes
+from .model import CompiledModel
 from .overlap import OverlapEngine
 from .request import RequestOutput
 from .sampler import SamplingParams
@@ -25,7 +25,9 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
     """Bytes for the KV cache, and how they were chosen. `spec` is a size ('512MiB', or an int), a
     fraction of the device's free memory ('0.3'), or 'auto'. With `tokens` (a job that knows how
     long it is), the cache holds that many tokens, and `spec` is only a ceiling."""
-    free = model.device.available_global_memory
+    # a CPU's TVM device reports no free memory: the host's is the CPU's
+    free = model.device.available_global_memory or (host_available_memory() if model.device.dlpack_device_type() == 1
+                                                    else 0)
     if spec == "auto":
         # a full context per sequence, or what one holds at most when pages outside a window are dropped
         per_sequence = live_pages(model.max_context, max_batched_tokens, model.page_size, model.kv_window)
@@ -34,7 +36,7 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
         cap = min(want, AUTO_CAP, int(AUTO_FRACTION * free) if free else AUTO_CAP)
         how = (f"auto: {max_num_seqs} × a {held}, at most "
                f"{AUTO_FRACTION:.0%} of free memory and {AUTO_CAP >> 30} GiB")
-    elif isinstance(spec, float) or (isinstance(spec, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1(\.0*)?\s*", spec)):
+    elif isinstance(spec, float) or (isinstance(spec, str) and FRACTION.fullmatch(spec)):
         fraction = float(spec)
         if not 0 < fraction <= 1 or not free:
             raise KilnError(f"KV memory fraction {spec} needs a value in (0, 1] and a device that reports "
@@ -64,6 +66,8 @@ class LLM:
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
         self.tokenizer = tokenizer or Tokenizer(artifact_dir)
+        if size_kv_for is not None:          # no job holds more than the model's context
+            size_kv_for = min(size_kv_for, self.model.max_context)
         budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for, max_batched_tokens)
         num_pages = self.model.allocate_kv(budget)
         self.kv_tokens = num_pages * self.model.page_size

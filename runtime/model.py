@@ -14,7 +14,6 @@ fixed, as the captured graph reads them where they were at capture.
 from __future__ import annotations
 
 import ctypes
-import re
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +31,6 @@ from .step_buffers import StepBuffers
 
 GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
 DEVICES = ("cpu", "cuda", "rocm", "metal")
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1.5g' or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?b?)\s*", str(text).lower())
-    if not m:
-        raise KilnError(f"cannot read a memory size from {text!r} (try 512MiB or 2GiB)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
 def enable_cuda_runtime() -> None:

@@ -13,6 +13,7 @@ text pieces that never split a UTF-8 character.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -62,6 +63,7 @@ class Tokenizer:
         self.adds_bos = bos_id is not None and self._tok.encode("").ids[:1] == [bos_id]
 
         # The cleanup transformers applies on decode is skipped for BPE models, as it does.
+        self._byte_level: bool | None = None         # the decoder maps bytes to characters (token_bytes)
         self._clean_up_spaces = (bool(config.get("clean_up_tokenization_spaces", False))
                                  and type(self._tok.model).__name__ != "BPE")
 
@@ -100,6 +102,23 @@ class Tokenizer:
         """Decode without the optional space cleanup; what the incremental detokenizer diffs."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for, as OpenAI's logprobs `bytes` give them: a byte-level
+        BPE token that holds part of a UTF-8 character is that part, not U+FFFD; a byte-fallback
+        token <0xNN> is the byte NN."""
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            return b""
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level is None:
+            self._byte_level = _uses_byte_level(json.loads(self._tok.to_str()).get("decoder"))
+        special = token in self._tok.get_added_tokens_decoder()
+        if self._byte_level and not special and all(ch in _UNICODE_TO_BYTE for ch in piece):
+            return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        return self.decode_raw([token], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render messages with the model's chat template; kwargs (tools=...) reach the template."""
@@ -112,6 +131,25 @@ class Tokenizer:
         variables = {"tools": None, "documents": None, **names, **kwargs}
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _byte_characters() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable Latin-1 bytes stand for themselves, every other
+    byte for the character 256 + its rank among those others."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_UNICODE_TO_BYTE = _byte_characters()
+
+
+def _uses_byte_level(decoder) -> bool:
+    """Whether tokenizer.json's decoder (or one in its sequence) is ByteLevel."""
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(_uses_byte_level(d) for d in decoder.get("decoders") or [])
 
 
 class IncrementalDetokenizer:

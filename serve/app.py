@@ -87,8 +87,25 @@ class BodyLimit:
             await error_response(e.status, e.message)(scope, receive, send)
 
 
+class InFlight:
+    """ASGI middleware: counts the /v1/ requests in flight in state["active"] (a streamed response
+    counts until its last byte is sent), so a drain knows when they have finished."""
+
+    def __init__(self, app, state: dict):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        self.state["active"] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state["active"] -= 1
+
+
 def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
-    state = {"llm": None, "engine": None, "draining": False, "load_error": None}
+    state = {"llm": None, "engine": None, "draining": False, "load_error": None, "active": 0}
     metrics = ServerMetrics(lambda: state["llm"].engine if state["llm"] else None)
 
     def load():
@@ -106,9 +123,8 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
             async def load_in_background():
                 try:
                     await asyncio.to_thread(load)
-                except Exception as e:        # /health reports it, requests get 503, and the log says it
+                except Exception as e:        # /health reports it and the server stops (serve/server.py)
                     state["load_error"] = str(e)
-                    print(f"kiln serve: {config.model_name} failed to load: {e}", file=sys.stderr, flush=True)
             task = asyncio.get_running_loop().create_task(load_in_background())
         yield
         state["draining"] = True
@@ -121,6 +137,7 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
     app.state.kiln = state
     app.state.config = config
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(InFlight, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -173,11 +190,22 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card(llm) -> dict:
+        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kiln",
+                "max_model_len": llm.model.max_context}
+
     @app.get("/v1/models")
     async def models():
         llm, _ = ready()
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kiln", "max_model_len": llm.model.max_context}]}
+        return {"object": "list", "data": [model_card(llm)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        llm, _ = ready()
+        if model_id != config.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist (this server has {config.model_name!r})",
+                           "model", "not_found_error")
+        return model_card(llm)
 
     def check_model(body):
         if body.model not in (None, config.model_name):

@@ -119,7 +119,7 @@ class Chat(_Format):
     def logprobs(self, out, tokens, lps, first: bool, stream_index: int | None = None) -> dict:
         def entry(token, value):
             text = self.token_text(token)
-            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": value, "bytes": list(self.tok.token_bytes(token))}
         return {"content": [{**entry(t, lp[t]),
                              # lp holds the sampled token and the top k: the k best are the top k
                              "top_logprobs": [entry(a, v) for a, v in sorted(lp.items(), key=lambda kv: -kv[1])

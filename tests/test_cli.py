@@ -181,3 +181,98 @@ def test_artifact_with_wrong_interface_version(artifact, tmp_path):
     manifest["interface_version"] = 999
     (broken / "manifest.json").write_text(json.dumps(manifest))
     assert_clean_error(kiln("run", broken, "--prompt", "x"), "interface version 999")
+
+
+@pytest.mark.build
+def test_ctrl_c_in_the_build_phase_is_a_ctrl_c(make_model, tmp_path):
+    """SIGINT while TVM builds (its FFI turns KeyboardInterrupt into a RuntimeError): the compile stops
+    as in every other phase, click's one line and exit 1, no traceback, nothing left at -o."""
+    import signal
+    import time
+    out = tmp_path / "a"
+    proc = subprocess.Popen([*KILN, "compile", str(make_model("llama")), "-o", str(out)], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in proc.stderr:                  # a phase's line comes when it ends: build is next after codegen
+        seen.append(line)
+        if line.strip().startswith("codegen"):
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1, "".join(seen) + rest
+    assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "Aborted!", rest
+    assert not any(line.strip().startswith("build") for line in rest.splitlines()), "the build finished first"
+    assert not out.exists() and not list(tmp_path.glob("a*"))
+
+
+def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(artifact, monkeypatch, capsys):
+    """Ctrl-C during a reply: the request is aborted, the turn dropped, the next line answered; Ctrl-C
+    at the prompt ends the chat (`kiln run` then exits 0)."""
+    import builtins
+    from kiln import runner
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    llm = LLM(artifact, kv_memory="16MiB", max_num_seqs=1)
+    real_step, steps = llm.engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 2:                   # the first reply, after its prefill
+            raise KeyboardInterrupt
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", step)
+    monkeypatch.setattr(runner, "_open", lambda *a, **k: llm)
+    lines = iter(["first question", "second question"])
+
+    def answer(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+    monkeypatch.setattr(builtins, "input", answer)
+    runner.chat(artifact, SamplingParams(max_tokens=4), "16MiB")
+    err = capsys.readouterr().err
+    assert "(stopped)" in err and not llm.engine.has_unfinished()
+    assert len(steps) > 3                     # the second question was answered
+
+
+def test_chat_ends_with_exit_0_on_ctrl_c_or_ctrl_d_at_the_prompt(artifact):
+    import signal
+    import time
+    proc = subprocess.Popen([*KILN, "run", str(artifact), "--max-tokens", "2"], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if line.startswith("kiln chat"):
+            break
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Aborted" not in err and "Traceback" not in err, err
+    ended = kiln("run", artifact, "--max-tokens", "2", input="")          # Ctrl-D: end of input
+    assert ended.returncode == 0, ended.stderr
+
+
+def test_ctrl_c_that_tvm_turned_into_an_error_is_still_a_ctrl_c(tmp_path):
+    """TVM's FFI turns a KeyboardInterrupt raised under a C++ call (a Python callback the build runs)
+    into a bare RuntimeError; kiln's commands still stop as on any Ctrl-C: click's one line, exit 1."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "import click, tvm_ffi\n"
+        "from kiln.cli import _Main\n"
+        "@tvm_ffi.register_global_func('kiln_test.interrupted')\n"
+        "def callback():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(1)\n"
+        "@click.group(cls=_Main)\n"
+        "@click.option('--debug', is_flag=True)\n"
+        "def group(debug):\n"
+        "    pass\n"
+        "@group.command()\n"
+        "def build():\n"
+        "    tvm_ffi.get_global_func('kiln_test.interrupted')()\n"
+        "group(['build'])\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "Aborted!"

@@ -203,3 +203,27 @@ def test_incremental_detokenizer_with_prompt_context(plain_dir):
     detok = IncrementalDetokenizer(ours, prompt_ids=prompt)
     text = "".join(detok.add(i) for i in completion) + detok.flush()
     assert text == ours.decode(prompt + completion)[len(ours.decode(prompt)):]
+
+
+def test_token_bytes_are_each_tokens_own_bytes(plain_dir):
+    """A byte-level BPE token holding part of a UTF-8 character is that part (OpenAI's logprobs
+    `bytes`, from which clients rebuild the character), where its text alone is U+FFFD; the tokens'
+    bytes join to the text's; transformers' own byte map decodes each token the same way."""
+    from kiln.runtime.tokenizer import Tokenizer
+    from kiln.serve.responses import Chat
+    tok, text = Tokenizer(plain_dir), "é 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    partial = [i for i, p in zip(ids, pieces) if tok.decode_raw([i]) == "\ufffd"]
+    assert partial and all(len(tok.token_bytes(i)) < 3 for i in partial)
+    reference = _reference(plain_dir)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    assert pieces == [bytes(byte_of[c] for c in reference.convert_ids_to_tokens(i)) for i in ids]
+
+    class Body:
+        top_logprobs = 1
+    entries = Chat(tok, Body(), [[1]], [None], ["r"]).logprobs(None, [partial[0]], [{partial[0]: -0.5}], True)
+    assert entries["content"][0]["bytes"] == list(tok.token_bytes(partial[0]))
+    assert entries["content"][0]["top_logprobs"][0]["bytes"] == list(tok.token_bytes(partial[0]))
