@@ -8,11 +8,13 @@ PROMPT ?= The quick brown fox
 
 .PHONY: demo test test-fast setup clean rocm-deps metal-deps
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "kiln: installing TVM, the CPU build of torch, transformers and the test tools into $(VENV)" \
+	      "(a minute or two on a fresh machine; versions from constraints.txt)"
 	# torch pinned to the local CPU build; transformers/torch are for import and tests only.
-	$(PY) -m pip install -q "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
+	$(PY) -m pip install -q -c constraints.txt "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
 	    "transformers>=4.45" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
 	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
 	    "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "openai>=1.40" \

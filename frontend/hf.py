@@ -85,6 +85,9 @@ def _convert_sentencepiece(model_dir: Path, out: Path) -> None:
 
 def load_hf_model(model_dir: str | Path) -> HFModel:
     model_dir = Path(model_dir)
+    if model_dir.exists() and not model_dir.is_dir():
+        raise KilnError(f"{model_dir} is a file; kiln compiles a Hugging Face model directory (config.json, "
+                        "tokenizer.json, *.safetensors)")
     if not model_dir.is_dir():
         raise KilnError(f"model directory {model_dir} does not exist")
     cfg_path = model_dir / "config.json"

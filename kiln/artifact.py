@@ -85,9 +85,14 @@ def read_manifest(artifact_dir: str | Path, verify: bool = True) -> dict:
     """Read manifest.json; check the interface version, and with `verify` every file's checksum."""
     artifact_dir = Path(artifact_dir)
     path = artifact_dir / MANIFEST
+    if artifact_dir.exists() and not artifact_dir.is_dir():
+        raise KilnError(f"{artifact_dir} is a file; an artifact is the directory `kiln compile -o` writes")
     if not artifact_dir.is_dir():
         raise KilnError(f"artifact {artifact_dir} does not exist")
     if not path.exists():
+        if (artifact_dir / "config.json").exists():
+            raise KilnError(f"{artifact_dir} is a Hugging Face model directory, not a kiln artifact: compile it "
+                            f"first (kiln compile {artifact_dir} -o {artifact_dir.name}.kiln)")
         raise KilnError(f"{artifact_dir} is not a kiln artifact: no {MANIFEST}")
     try:
         manifest = json.loads(path.read_text())
@@ -187,9 +192,13 @@ def new_artifact_dir(out_dir: str | Path, force: bool) -> Iterator[Path]:
     puts the old one back (only a crash of the machine there leaves it aside, in OUT.old-XXXX)."""
     out = Path(os.path.abspath(out_dir))
     check_output_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = _sibling(out, "partial")
-    partial.mkdir()                            # with the umask's permissions, as OUT would have
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = _sibling(out, "partial")
+        partial.mkdir()                        # with the umask's permissions, as OUT would have
+    except OSError as e:
+        raise KilnError(f"cannot create the artifact directory {out}: {e.strerror or e}"
+                        + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
     try:
         yield partial
         check_output_dir(out, force)           # the compile took a while: look again

@@ -11,6 +11,7 @@ import time
 
 import click
 
+import kiln
 from kiln.errors import KilnError
 
 
@@ -73,6 +74,7 @@ class _Interrupts:
 
 @click.group(cls=_Main)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.version_option(kiln.__version__, "--version", prog_name="kiln", message="%(prog)s %(version)s")
 def main(debug):
     """kiln: compile Hugging Face models with TVM and run them."""
 

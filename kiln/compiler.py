@@ -205,7 +205,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         "launches_per_step": _launch_counts(launches),
         "linear_kernels": _linear_kernels(launches),
         "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
-                    "nodes_after": r.nodes_after} for r in pass_records],
+                    "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records],
         "compile_seconds": phases.seconds,
         "tokenizer_files": tokenizer_files,
     })

@@ -59,11 +59,43 @@ def _entry_launches(m: dict) -> str:
     return "".join(parts)
 
 
-def _embedding(quant: dict) -> str:
-    """How the embedding table is stored (manifests before the field existed kept it in float)."""
-    scheme = quant.get("embedding", "none")
-    kept = "embedding kept" if scheme == "none" else f"embedding {scheme}"
-    return kept + (", one table shared with the LM head" if quant.get("embedding_shared_with_lm_head") else "")
+def _quantization(m: dict) -> str:
+    """What is quantised and how, in words: the weights (with the LM head and the embedding table,
+    which may stay in the model's dtype), the activations, the KV cache."""
+    q, dtype = m["quantization"], m["dtype"]
+    if q["weights"] == "none":
+        weights = f"weights not quantised ({dtype})"
+    else:
+        group = f" in groups of {q['group_size']}" if "group_size" in q else ""
+        head = "the LM head too" if q["lm_head"] else f"the LM head in {dtype}"
+        scheme = q.get("embedding", "none")       # manifests before the field kept the table in float
+        table = f"the embedding table {scheme}" if scheme != "none" else f"the embedding table in {dtype}"
+        weights = f"weights {q['weights']}{group} ({head}, {table})"
+    if q.get("embedding_shared_with_lm_head"):
+        weights += "; the embedding table is the LM head's, stored once"
+    if q.get("activation_block"):
+        weights += f"; activations int8 in blocks of {q['activation_block']}"
+    kv = q["kv_cache"]
+    return weights + "; KV cache " + (f"{dtype} (not quantised)" if kv == "none" else f"{kv} with a scale per row")
+
+
+def _passes(passes: list[dict]) -> list[str]:
+    """What each pass did: the op counts it changed and the nodes it rewrote (from manifests that record
+    them; older ones give node counts); the passes that changed nothing on one line."""
+    lines, idle = [], []
+    for p in passes:
+        ms = f"{p['seconds'] * 1e3:.1f} ms"
+        if "ops" not in p:
+            lines.append(f"{p['name']} ({p['nodes_before']}→{p['nodes_after']} nodes, {ms})")
+        elif not p["ops"] and not p["rewritten"]:
+            idle.append(p["name"])
+        else:
+            ops = ", ".join(f"{op} {'+' if d > 0 else '−'}{abs(d)}" for op, d in p["ops"].items())
+            rewritten = f"{p['rewritten']} nodes or params new or rewritten"
+            lines.append(f"{p['name']}: {ops + '; ' if ops else ''}{rewritten} ({ms})")
+    if idle:
+        lines.append(f"nothing to do here: {', '.join(idle)}")
+    return [("passes     " if i == 0 else "           ") + line for i, line in enumerate(lines or ["(none)"])]
 
 
 def _weights_origin(m: dict) -> str:
@@ -91,12 +123,7 @@ def summary(artifact_dir) -> str:
         f"model      {m['model']['architecture']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads, head_dim {c['head_dim']}, vocab {c['vocab_size']}",
         f"target     {t['name']}" + (f" {t['arch']}" if t.get("arch") else "") + f" ({where})",
-        f"quant      weights {m['quantization']['weights']}"
-        + (f" group {m['quantization']['group_size']}" if "group_size" in m["quantization"] else "")
-        + (f", activations int8 in blocks of {m['quantization']['activation_block']}"
-           if m["quantization"].get("activation_block") else "") + " (LM head "
-        f"{'quantised' if m['quantization']['lm_head'] else 'kept'}, {_embedding(m['quantization'])}), KV cache "
-        f"{m['quantization']['kv_cache']}",
+        "quant      " + _quantization(m),
         f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
         f"kv cache   {sum(KVSpec.from_json(s).bytes_per_token for s in m['kv']['layers'])} bytes per token over "
         f"{len(m['kv']['layers'])} layers, one page pool:",
@@ -113,8 +140,7 @@ def summary(artifact_dir) -> str:
         f"launches   {m['launches_per_step']['total']} kernel launches per forward step: "
         + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items())
         + _entry_launches(m),
-        "passes     " + (", ".join(f"{p['name']} ({p['nodes_before']}→{p['nodes_after']} nodes, {p['seconds'] * 1e3:.1f} ms)"
-                                for p in m["passes"]) or "(none)"),
+        *_passes(m["passes"]),
         "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m["compile_seconds"].items()),
         f"files      {total / 2**20:.1f} MiB",
     ]

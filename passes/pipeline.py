@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +24,35 @@ class PassRecord:
     seconds: float
     nodes_before: int
     nodes_after: int
+    ops: dict[str, int] = field(default_factory=dict)     # op -> how many more (or fewer) nodes run it
+    rewritten: int = 0         # nodes new or changed (inputs, attributes), params added or dropped included
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.ops or self.rewritten)
+
+
+def _signatures(graph: Graph) -> Counter:
+    """Each node and param as a hashable value: what a pass's record compares."""
+    nodes = Counter((n.op, tuple(n.inputs), repr(sorted(n.attrs.items())), n.output) for n in graph.nodes)
+    return nodes + Counter(("param", name, repr(p.type)) for name, p in graph.params.items())
+
+
+def _record(name: str, seconds: float, signatures: Counter, after: Graph) -> tuple[PassRecord, Counter]:
+    """The pass's record (its op counts' changes, nodes rewritten) and the graph's signatures after it.
+    From the signatures taken before the pass: a pass may have edited the graph in place."""
+    def op_counts(sigs: Counter) -> Counter:
+        counts = Counter()
+        for sig, count in sigs.items():
+            if sig[0] != "param":
+                counts[sig[0]] += count
+        return counts
+    now = _signatures(after)
+    ops, was = op_counts(now), op_counts(signatures)
+    ops.subtract(was)
+    record = PassRecord(name, seconds, sum(was.values()), len(after.nodes),
+                        {op: d for op, d in sorted(ops.items()) if d}, sum((now - signatures).values()))
+    return record, now
 
 
 def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
@@ -85,12 +115,12 @@ def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None
     verify(graph)
     if dump:
         dump("import", graph)
-    records = []
+    records, signatures = [], _signatures(graph)
     for name, rewrite in [(n, p) for n, p in passes if n not in disable]:
         t0 = time.perf_counter()
-        before = len(graph.nodes)
         graph = verify(rewrite(graph))
-        records.append(PassRecord(name, time.perf_counter() - t0, before, len(graph.nodes)))
+        record, signatures = _record(name, time.perf_counter() - t0, signatures, graph)
+        records.append(record)
         if dump:
             dump(name, graph)
     return graph, records

@@ -106,7 +106,7 @@ class InFlight:
 
 def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
     state = {"llm": None, "engine": None, "draining": False, "load_error": None, "active": 0}
-    metrics = ServerMetrics(lambda: state["llm"].engine if state["llm"] else None)
+    metrics = ServerMetrics(lambda: state["llm"].engine if state["llm"] else None, config.model_name)
 
     def load():
         llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
@@ -151,9 +151,14 @@ def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":        # its loc is a character offset, not a parameter
+            at = [p for p in first.get("loc", ()) if isinstance(p, int)]
+            return error_response(400, f"the body is not valid JSON: {message}"
+                                       + (f" at character {at[0]}" if at else ""))
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
+        return error_response(400, f"{param or 'body'}: {message}", param)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):      # never a bare 500 page; the server keeps serving

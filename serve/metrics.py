@@ -1,59 +1,95 @@
 """Prometheus metrics of a running server (`GET /metrics`), through prometheus_client.
 
 Gauges are read from the engine when scraped; counters and histograms are fed by `observe`,
-which the app calls with every RequestOutput it streams.
+which the app calls with every RequestOutput it streams. Each is exported under kiln's name and,
+where vLLM has a metric of the same meaning, under vLLM's (`vllm:...`, labelled with the served
+model's name), so that dashboards and routers built for vLLM read kiln unchanged.
 """
 from __future__ import annotations
 
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
 class ServerMetrics:
-    def __init__(self, engine_ref):
+    def __init__(self, engine_ref, model_name: str = "kiln"):
         """`engine_ref()` returns the Engine, or None while the model loads."""
         r = self.registry = CollectorRegistry()
-        self._engine = engine_ref
+        self._engine, self.model_name = engine_ref, model_name
 
         def engine_value(fn):
             return lambda: (fn(self._engine()) if self._engine() is not None else 0.0)
 
         def request_ids(seqs) -> set[str]:      # n > 1 samples of one request count once
             return {s.request.request_id for s in list(seqs)}
-        Gauge("kiln_requests_running", "Requests with a sequence in the running batch", registry=r).set_function(
-            engine_value(lambda e: len(request_ids(e.scheduler.running))))
-        Gauge("kiln_requests_waiting", "Requests waiting to be admitted (none of their sequences running)",
-              registry=r).set_function(engine_value(
-                  lambda e: len(request_ids(e.scheduler.waiting) - request_ids(e.scheduler.running))))
-        Gauge("kiln_kv_cache_usage_ratio", "Share of KV pages held by sequences", registry=r).set_function(
-            engine_value(lambda e: 1 - e.pool.num_free / e.pool.num_pages))
-        Gauge("kiln_kv_pages_used", "KV pages held by sequences", registry=r).set_function(
-            engine_value(lambda e: e.pool.num_pages - e.pool.num_free))
-        Gauge("kiln_kv_pages_total", "KV pages in the pool", registry=r).set_function(
-            engine_value(lambda e: e.pool.num_pages))
+
+        def gauge(names: tuple[str, str | None], doc: str, fn) -> None:
+            Gauge(names[0], doc, registry=r).set_function(engine_value(fn))
+            if names[1]:
+                Gauge(names[1], doc, ["model_name"], registry=r).labels(model_name).set_function(engine_value(fn))
+        gauge(("kiln_requests_running", "vllm:num_requests_running"), "Requests with a sequence in the running batch",
+              lambda e: len(request_ids(e.scheduler.running)))
+        gauge(("kiln_requests_waiting", "vllm:num_requests_waiting"),
+              "Requests waiting to be admitted (none of their sequences running)",
+              lambda e: len(request_ids(e.scheduler.waiting) - request_ids(e.scheduler.running)))
+        gauge(("kiln_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"), "Share of KV pages held by sequences",
+              lambda e: 1 - e.pool.num_free / e.pool.num_pages)
+        gauge(("kiln_kv_pages_used", None), "KV pages held by sequences", lambda e: e.pool.num_pages - e.pool.num_free)
+        gauge(("kiln_kv_pages_total", None), "KV pages in the pool", lambda e: e.pool.num_pages)
+
         def hit_rate(e):
             stats = e.pool.stats
             return stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0
-        Gauge("kiln_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
-              registry=r).set_function(engine_value(hit_rate))
-        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens", registry=r)
-        self.finished = Counter("kiln_requests_finished", "Finished requests by finish reason", ["reason"], registry=r)
-        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between tokens of a request",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS,
-                             registry=r)
+        gauge(("kiln_prefix_cache_hit_rate", None), "Prompt tokens found in the prefix cache / prompt tokens looked up",
+              hit_rate)
+        r.register(_PrefixCacheCounters(self))
+
+        def both(kind, names: tuple[str, str], doc: str, labels: tuple[str, ...] = (), **kw):
+            """kiln's metric and vLLM's of the same meaning: a function of the labels' values -> both children."""
+            ours = kind(names[0], doc, list(labels), registry=r, **kw)
+            theirs = kind(names[1], doc, ["model_name", *[{"reason": "finished_reason"}.get(x, x) for x in labels]],
+                          registry=r, **kw)
+            return lambda *values: ((ours.labels(*values) if labels else ours), theirs.labels(model_name, *values))
+        self.prompt_tokens = both(Counter, ("kiln_prompt_tokens", "vllm:prompt_tokens"),
+                                  "Prompt tokens of finished requests")()
+        self.generation_tokens = both(Counter, ("kiln_generation_tokens", "vllm:generation_tokens"),
+                                      "Generated tokens")()
+        self.finished = both(Counter, ("kiln_requests_finished", "vllm:request_success"),
+                             "Finished requests by finish reason", ("reason",))
+        self.ttft = both(Histogram, ("kiln_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+                         "Time to first token", buckets=LATENCY_BUCKETS)()
+        self.itl = both(Histogram, ("kiln_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"),
+                        "Time between tokens of a request", buckets=LATENCY_BUCKETS)()
+        self.e2e = both(Histogram, ("kiln_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"),
+                        "Arrival to finish", buckets=LATENCY_BUCKETS)()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def tracker(self) -> "RequestTracker":
         return RequestTracker(self)
+
+
+class _PrefixCacheCounters:
+    """vLLM's prefix-cache counters (tokens looked up, tokens found), read from the engine when scraped."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        engine = self.metrics._engine()
+        stats = engine.pool.stats if engine is not None else None
+        for name, doc, value in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  stats.queried_tokens if stats else 0),
+                                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  stats.hit_tokens if stats else 0)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.metrics.model_name], value)
+            yield family
 
 
 class RequestTracker:
@@ -70,18 +106,24 @@ class RequestTracker:
         if new:
             if self.last_time is None:
                 if out.metrics.ttft is not None:
-                    self.m.ttft.observe(out.metrics.ttft)
+                    _each(self.m.ttft, "observe", out.metrics.ttft)
             else:
-                self.m.itl.observe((now - self.last_time) / new)
+                _each(self.m.itl, "observe", (now - self.last_time) / new)
             self.last_time = now
             self.tokens += new
-            self.m.generation_tokens.inc(new)
+            _each(self.m.generation_tokens, "inc", new)
         if out.finished:
-            self.m.prompt_tokens.inc(len(out.prompt_token_ids))
-            self.m.e2e.observe(now - out.metrics.arrival_time)
+            _each(self.m.prompt_tokens, "inc", len(out.prompt_token_ids))
+            _each(self.m.e2e, "observe", now - out.metrics.arrival_time)
             for c in out.outputs:
-                self.m.finished.labels(c.finish_reason or "unknown").inc()
+                _each(self.m.finished(c.finish_reason or "unknown"), "inc")
 
     def aborted(self, choices: int = 1) -> None:
         """A request (with `choices` unfinished samples) that a client closed or a failure ended."""
-        self.m.finished.labels("abort").inc(choices)
+        _each(self.m.finished("abort"), "inc", choices)
+
+
+def _each(metrics: tuple, method: str, *args) -> None:
+    """kiln's metric and vLLM's, fed alike."""
+    for metric in metrics:
+        getattr(metric, method)(*args)

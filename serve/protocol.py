@@ -125,11 +125,12 @@ class _Sampling(_Request):
             raise _unsupported("response_format", f"type {v.get('type')!r}; only 'text'")
         return v
 
-    @model_validator(mode="after")
-    def _best_of_is_n(self):
-        if self.best_of is not None and self.best_of != self.n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info):
+        if v is not None and v != info.data.get("n", 1):
             raise ValueError("best_of other than n is not supported")
-        return self
+        return v
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
                         ) -> SamplingParams:

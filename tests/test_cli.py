@@ -91,6 +91,13 @@ def test_inspect_summarises_the_artifact(artifact):
     assert proc.returncode == 0, proc.stderr
     for word in ("LlamaForCausalLM", "target     cpu", "paged_attention", "weights.safetensors", "model.cpu.so"):
         assert word in proc.stdout
+    # what each pass did, in the ops it changed; the passes with nothing to do on a Llama named as such
+    assert "weights not quantised (float32); KV cache float32 (not quantised)" in proc.stdout
+    passes = proc.stdout[proc.stdout.index("passes     "):proc.stdout.index("compile    ")]
+    assert "fuse_qkv: linear −4, slice +6" in passes, passes           # 2 layers: 3 linears -> 1 + 3 slices
+    assert "specialize_attention: " in passes and "nodes or params new or rewritten" in passes
+    assert "nothing to do here: " in passes and "specialize_mla" in passes.split("nothing to do here: ")[1]
+    assert "specialize_mla:" not in passes and "→" not in passes
 
 
 def test_run_json(artifact):
@@ -276,3 +283,52 @@ def test_ctrl_c_that_tvm_turned_into_an_error_is_still_a_ctrl_c(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "Aborted!"
+
+
+def test_a_run_stopped_by_the_context_says_so(artifact, capsys):
+    """--max-tokens past what the context leaves: the output stops at the context, and stderr says why."""
+    from kiln.runner import run_prompt
+    from kiln.runtime.sampler import SamplingParams
+    context = json.loads((artifact / "manifest.json").read_text())["max_context"]
+    run_prompt(artifact, "hello there", SamplingParams(max_tokens=context + 100, ignore_eos=True), "auto", True)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["finish_reason"] == "length" and len(out["prompt_token_ids"]) + len(out["output_token_ids"]) == context
+    assert f"the model's context of {context} tokens" in captured.err and str(context + 100) in captured.err
+
+
+def test_kv_memory_as_a_fraction_on_the_cpu(artifact):
+    proc = kiln("run", artifact, "--prompt", "hi", "--max-tokens", "2", "--kv-memory", "0.05")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_version():
+    proc = kiln("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == "kiln 0.1.0", proc.stdout + proc.stderr
+
+
+def test_a_file_where_a_directory_belongs_is_named_as_such(tmp_path):
+    stray = tmp_path / "model.safetensors"
+    stray.write_bytes(b"\0")
+    assert_clean_error(kiln("compile", stray, "-o", tmp_path / "a"), "is a file", "model directory")
+    assert_clean_error(kiln("run", stray, "--prompt", "x"), "is a file", "kiln compile -o")
+
+
+def test_running_a_model_directory_says_to_compile_it_first(make_model):
+    model = make_model("llama")
+    assert_clean_error(kiln("run", model, "--prompt", "x"), "Hugging Face model directory", f"kiln compile {model}")
+
+
+def test_an_output_path_that_cannot_be_made_is_one_plain_line(make_model):
+    proc = kiln("compile", make_model("llama"), "-o", "/proc/nope/x")
+    assert_clean_error(proc, "cannot create the artifact directory /proc/nope/x", "No such file or directory")
+    assert "[Errno" not in proc.stderr
+
+
+def test_a_job_longer_than_the_context_sizes_the_cache_for_the_context(artifact):
+    """The chat sizes its cache for 8,192 tokens: on a model of a shorter context, the KV line speaks
+    of the context, not of more tokens than the model can hold."""
+    from kiln.runtime.llm import LLM
+    llm = LLM(artifact, kv_memory="auto", max_num_seqs=1, size_kv_for=10**6)
+    context, line = llm.model.max_context, llm.describe_kv()
+    assert f"sized for {context} tokens" in line and str(10**6) not in line, line

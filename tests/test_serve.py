@@ -132,6 +132,15 @@ def test_models_health_version_metrics(server, client):
                  "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
                  "kiln_e2e_request_latency_seconds_bucket", "kiln_requests_finished_total"):
         assert name in text, name
+    # vLLM's names for the same quantities, labelled with the model, for dashboards and routers built for vLLM
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):
+        assert re.search(rf'^{re.escape(name)}{{[^}}]*model_name="tiny-llama"', text, re.M), name
+    ours = float(re.search(r"^kiln_generation_tokens_total (\S+)$", text, re.M).group(1))
+    theirs = float(re.search(r'^vllm:generation_tokens_total{model_name="tiny-llama"} (\S+)$', text, re.M).group(1))
+    assert ours == theirs
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -150,6 +159,7 @@ BAD = [
     ("bad logit_bias", dict(json={"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias"),
     ("min_tokens above max_tokens", dict(json={"prompt": "x", "max_tokens": 2, "min_tokens": 9}), 400, None),
     ("10 MB body", dict(content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}'), 413, None),
+    ("best_of other than n", dict(json={"prompt": "x", "best_of": 3}), 400, "best_of"),
 ]
 
 
@@ -160,6 +170,9 @@ def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(server, client, nam
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and (param is None or err["param"] == param), err
+    assert "Value error" not in err["message"], err          # pydantic's wording stays out of it
+    if name == "malformed json":                             # no character offset posing as a parameter
+        assert err["param"] is None and "not valid JSON" in err["message"], err
     assert client.completions.create(model="tiny-llama", prompt="ok", max_tokens=2).choices[0].text is not None
 
 
