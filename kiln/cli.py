@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 import click
@@ -43,32 +44,43 @@ class _Main(click.Group):
             _err(f"kiln: error: {e}")
             sys.exit(2)
         except Exception:
-            # TVM's FFI turns a Ctrl-C inside a C++ call into a RuntimeError: it is still a Ctrl-C
-            if interrupts.seen and not ctx.params.get("debug"):
-                raise KeyboardInterrupt from None
+            # TVM's FFI turns a Ctrl-C (or SIGTERM) inside a C++ call into a RuntimeError: it is still one
+            if interrupts.seen is not None and not ctx.params.get("debug"):
+                interrupts.raise_again()
             raise
 
 
 class _Interrupts:
-    """Notes a SIGINT (then raises KeyboardInterrupt as Python's own handler does), so an error a
-    library made of it can be told apart from a real one."""
+    """SIGINT raises KeyboardInterrupt (as Python's own handler does) and SIGTERM SystemExit(143), so
+    that what a command wrote half-way is removed on either (a SIGTERM would otherwise end the process
+    where it stands); the signal is noted, so an error a library made of it can be told apart."""
+
+    RAISES = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: lambda: SystemExit(128 + signal.SIGTERM)}
 
     def __init__(self):
-        self.seen = False
+        self.seen: int | None = None
+        self.previous: dict = {}
 
     def __enter__(self):
-        self.previous = signal.getsignal(signal.SIGINT)
-        if self.previous is signal.default_int_handler:      # only where Python's own handler is in place
-            signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is not threading.main_thread():     # signals reach the main thread alone
+            return self
+        for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+            if signal.getsignal(sig) is default:          # only where nobody else handles it
+                self.previous[sig] = default
+                signal.signal(sig, self._handle)
         return self
 
     def _handle(self, sig, frame):
-        self.seen = True
-        raise KeyboardInterrupt
+        self.seen = sig
+        self.raise_again()
+
+    def raise_again(self):
+        raise self.RAISES[self.seen]() from None
 
     def __exit__(self, *exc):
-        if signal.getsignal(signal.SIGINT) is self._handle:
-            signal.signal(signal.SIGINT, self.previous)
+        for sig, handler in self.previous.items():
+            if signal.getsignal(sig) is self._handle:
+                signal.signal(sig, handler)
         return False
 
 
