@@ -149,7 +149,8 @@ def _kernels(n_out: int, n_in: int):
     from kiln.codegen.int8_gemm import int8_gemm_kernel
     from kiln.codegen.int8_gemv import int8_gemv_kernel
     from kiln.codegen.layouts import apply_layout, q4_scale_layout
-    from kiln.codegen.linear import WeightFormat, packed_linear_kernel
+    from kiln.codegen.linear import packed_linear_kernel
+    from kiln.codegen.weight_format import WeightFormat
     from kiln.codegen.vnni_linear import has_quad_dot, vnni_linear_kernel
     from kiln.ir.quant import SCHEMES
     from kiln.targets.cpu import CPUTarget, host_cpu_target

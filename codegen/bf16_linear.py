@@ -17,7 +17,7 @@ from tvm.script import tirx as T
 
 from .bf16_micro import LANES, PAIR, micro_name
 from .gemm import panel_and_tile, signature, tile_output
-from .linear import WeightFormat
+from .weight_format import WeightFormat
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 1024, 6
 

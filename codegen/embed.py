@@ -11,7 +11,7 @@ from __future__ import annotations
 from tvm import relax, te, tirx
 
 from .layouts import group_scales, nibble_span, packed_block, packed_index
-from .linear import WeightFormat
+from .weight_format import WeightFormat
 
 
 def gather_kernel(vocab: int, hidden: int, layout: str, dtype: str, fmt: WeightFormat, scale_layout: str = "nk"):

@@ -19,7 +19,7 @@ import functools
 import tvm
 from tvm.script import tirx as T
 
-from .linear import WeightFormat, epilogue
+from .weight_format import WeightFormat, epilogue
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6     # measured on a 2-vCPU Zen 3 VM: docs/BENCHMARKS.md
 

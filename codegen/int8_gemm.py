@@ -23,7 +23,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .gemm import panel_and_tile, signature, tile_output
-from .linear import WeightFormat
+from .weight_format import WeightFormat
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
 LANES = 8                                  # int32 lanes of an AVX2 register: 8 output columns

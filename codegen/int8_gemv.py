@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 
 from .gemm import signature, tile_output
 from .int8_gemm import LANES, PAIR_DOT, x_block_sums, x_quantizer
-from .linear import WeightFormat
+from .weight_format import WeightFormat
 
 GROUP = 16                                 # output columns per step: 16 int16 lanes (q4), two pair dots (q8)
 BYTE_DOT = "llvm.x86.avx2.pmadd.ub.sw"     # unsigned × signed bytes, adjacent pairs summed into int16

@@ -28,7 +28,8 @@ from . import elementwise, mla, moe
 from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
 from .embed import emit_embed
 from .layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
-from .linear import WeightFormat, emit_linear, mma_tiles
+from .linear import emit_linear, mma_tiles
+from .weight_format import WeightFormat
 
 
 ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill",     # step kind -> Relax function

@@ -26,7 +26,8 @@ from tvm.script import tirx as T
 from kiln.codegen.layouts import packed_block
 
 from .elementwise import gated
-from .linear import WeightFormat, mma_tiles, schedule_packed
+from .linear import mma_tiles, schedule_packed
+from .weight_format import WeightFormat
 
 LOWEST = -3.0e38
 

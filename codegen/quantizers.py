@@ -28,7 +28,9 @@ def _kernel(group_size: int, k: int):
     import tvm
     from tvm.script import tirx as T
 
-    from kiln.targets.cpu import host_cpu_target
+    from kiln.host_cpu import host_llvm_target
+
+    from .exp_lowering import register_exp_lowering
 
     groups, half, candidates = k // group_size, group_size // 2, len(Q4_SHRINKS)
     lanes = next(v for v in (8, 4, 2, 1) if groups % v == 0)
@@ -109,7 +111,8 @@ def _kernel(group_size: int, k: int):
                         T.Cast("uint8", level(w[r, 2 * j + 1], st[BEST, j // half]) + T.float32(8)) << T.uint8(4))
 
     func = quantize_q4.with_attr("global_symbol", "quantize_q4")
-    return tvm.compile(tvm.IRModule({"quantize_q4": func}), target=host_cpu_target())["quantize_q4"]
+    register_exp_lowering()          # as for every kernel built for this CPU (targets/cpu.py)
+    return tvm.compile(tvm.IRModule({"quantize_q4": func}), target=host_llvm_target())["quantize_q4"]
 
 
 def quantize_q4(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
@@ -167,7 +170,7 @@ def fast_quantizers() -> dict:
     """Scheme name -> the quantiser compile runs in place of ir/quant.py's reference. A TVM without
     its compiler (`kiln attach-weights` on a GPU machine) cannot build the q4 kernel: q4 runs the
     reference there, slower and in more memory, to the same bytes."""
-    from kiln.targets.cpu import has_llvm
+    from kiln.host_cpu import has_llvm
     assert SCHEMES["q4"].grouped and not SCHEMES["q8"].grouped and not SCHEMES["fp8"].grouped
     return {"q4": quantize_q4 if has_llvm() else SCHEMES["q4"].quantize, "q8": by_rows(SCHEMES["q8"].quantize),
             "fp8": by_rows(SCHEMES["fp8"].quantize)}

@@ -34,7 +34,7 @@ import tvm
 from tvm import relax, te, tirx, topi
 from tvm.script import tirx as T
 
-from kiln.runtime.device_sampler import FUNCTIONS, MAX_LOGPROBS
+from kiln.interface import MAX_LOGPROBS, SAMPLER_FUNCTIONS
 
 COMPUTE_DTYPE = "float64"
 
@@ -217,11 +217,11 @@ def add_sampling_functions(mod: tvm.IRModule, vocab_size: int | None = None) -> 
     bb = relax.BlockBuilder(mod)
 
     def define(key: str, body, *extra: tuple[str, tuple, str]) -> None:
-        """Add FUNCTIONS[key](logits f32[r, v], rows i32[s], *extra) returning body(x, *extra),
+        """Add SAMPLER_FUNCTIONS[key](logits f32[r, v], rows i32[s], *extra) returning body(x, *extra),
         x being the gathered rows f32 [s, v]."""
         params = [_tensor("logits", (r, v), "float32"), _tensor("rows", (s,), "int32"),
                   *(_tensor(name, shape, dtype) for name, shape, dtype in extra)]
-        with bb.function(FUNCTIONS[key], params):
+        with bb.function(SAMPLER_FUNCTIONS[key], params):
             with bb.dataflow():
                 out = bb.emit_output(body(call(_gather_rows, *params[:2]), *params[2:]))
             bb.emit_func_output(out)

@@ -37,7 +37,7 @@ from tvm.script import tirx as T
 
 from .gemm import panel_and_tile, signature, tile_output
 from .int8_gemm import x_block_sums, x_quantizer
-from .linear import WeightFormat
+from .weight_format import WeightFormat
 
 QUAD_DOT = "llvm.x86.avx512.vpdpbusd.512"  # unsigned × signed bytes, four per int32 lane summed in
 LANES = 16                                 # int32 lanes of a 512-bit register: 16 output columns

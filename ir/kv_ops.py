@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import OPS, REQUIRED, _as, _f32, _need_float, check_indices, check_kv_pages, op
+from .opdef import OPS, REQUIRED, as_type, check_indices, check_kv_pages, f32, need_float, op
 from .quant import kv_scheme_for
 from .types import TensorType, numpy_dtype
 
@@ -83,17 +83,17 @@ def _paged_attend():
                 p = kv_len - n + i
                 keys_at = np.arange(max(0, p - window + 1) if window else 0, p + 1)
                 page, row = seq_pages[keys_at // page_size], keys_at % page_size
-                stored = _f32(pages[page, :, :, row])                        # [L, 2, kv_heads, head_dim]
+                stored = f32(pages[page, :, :, row])                        # [L, 2, kv_heads, head_dim]
                 if scheme is not None:
                     stored = stored * scales[page, :, :, row][..., None]
                 for h in range(q_heads):
                     keys, values = stored[:, 0, h // group], stored[:, 1, h // group]
-                    scores = keys @ _f32(q[int(qi[s]) + i, h]) * np.float32(at["scale"])
+                    scores = keys @ f32(q[int(qi[s]) + i, h]) * np.float32(at["scale"])
                     if cap:
                         scores = np.tanh(scores / cap) * cap
                     w = np.exp(scores - scores.max())
                     out[int(qi[s]) + i, h] = (w / w.sum()) @ values
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref
 
 
@@ -146,7 +146,7 @@ def _paged_attention():
                 pages[page, kind, :, row], scales[page, kind, :, row] = scheme.quantize_rows(new)
 
         def rows_of(seq_pages, kind):           # [kv_len_padded, kv_heads, head_dim] in float32
-            vals = _f32(pages[seq_pages, kind])
+            vals = f32(pages[seq_pages, kind])
             if scheme is not None:
                 vals = vals * scales[seq_pages, kind][..., None]
             return vals.transpose(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[2])
@@ -164,7 +164,7 @@ def _paged_attention():
             offset = first_page * page_size
             keys = rows_of(seq_pages[first_page:], 0)[:kv_len - offset]           # positions offset..
             vals = rows_of(seq_pages[first_page:], 1)[:kv_len - offset]
-            qs = _f32(q[rows])                                                  # [n, Hq, D]
+            qs = f32(q[rows])                                                  # [n, Hq, D]
             kh = np.repeat(keys, group, axis=1)                                 # [L, Hq, D]
             vh = np.repeat(vals, group, axis=1)
             scores = np.einsum("nhd,lhd->hnl", qs, kh) * np.float32(at["scale"])
@@ -177,7 +177,7 @@ def _paged_attention():
             p = np.exp(scores - scores.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             out[rows] = np.einsum("hnl,lhd->nhd", np.where(visible[None], p, 0), vh)
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref
 
 
@@ -199,7 +199,7 @@ def _paged_attention_fused():
     def rule(types, attrs, fail):
         qkv, pos, inv = types[:3]
         d, ranges = parts(attrs)
-        _need_float(qkv, "qkv", fail)
+        need_float(qkv, "qkv", fail)
         if qkv.rank != 2 or qkv.shape[1] != ranges[2][1] * d:
             fail(f"qkv must be [tokens, {ranges[2][1] * d}] for {attrs['q_heads']}/{attrs['kv_heads']} heads "
                  f"of {d}, got {qkv}")
@@ -216,10 +216,10 @@ def _paged_attention_fused():
         d, (_, k_heads, v_heads) = parts(at)
         r = at["rotary_dim"] or d
         half, page_size, dtype = r // 2, pages.shape[3], numpy_dtype(ty.dtype)
-        heads = _f32(qkv).reshape(qkv.shape[0], -1, d)                          # [T, Hq + 2 Hkv, D]
+        heads = f32(qkv).reshape(qkv.shape[0], -1, d)                          # [T, Hq + 2 Hkv, D]
 
         def rotated(t: int, h: int) -> np.ndarray:     # head h of token t turned by pos[t] * inv_freq
-            ang = np.float32(pos[t]) * _f32(inv)
+            ang = np.float32(pos[t]) * f32(inv)
             a, b = heads[t, h, :half], heads[t, h, half:r]
             turned = np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)])
             return np.concatenate([turned * np.float32(at["mscale"]), heads[t, h, r:]]).astype(dtype)
@@ -236,7 +236,7 @@ def _paged_attention_fused():
 
         def stored(kind: int, slot_ids: np.ndarray) -> np.ndarray:         # [L, Hkv, D] in float32
             page, row = slot_ids // page_size, slot_ids % page_size
-            vals = _f32(pages[page, kind, :, row])
+            vals = f32(pages[page, kind, :, row])
             return vals if scheme is None else vals * scales[page, kind, :, row][..., None]
 
         group = at["q_heads"] // at["kv_heads"]
@@ -251,11 +251,11 @@ def _paged_attention_fused():
                 lo = max(0, seen - at["window"]) if at["window"] else 0           # a window: the last W only
                 keys, values = stored(0, seq_slots[lo:seen]), stored(1, seq_slots[lo:seen])
                 for h in range(at["q_heads"]):
-                    q = _f32(rotated(t, h))
+                    q = f32(rotated(t, h))
                     logits = keys[:, h // group] @ q * np.float32(at["scale"])
                     if at["softcap"]:
                         logits = np.tanh(logits / np.float32(at["softcap"])) * np.float32(at["softcap"])
                     w = np.exp(logits - logits.max())
                     out[t, h] = (w / w.sum()) @ values[:, h // group]
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref

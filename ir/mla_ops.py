@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import REQUIRED, _as, _f32, _need_float, check_indices, check_kv_storage, op
+from .opdef import REQUIRED, as_type, check_indices, check_kv_storage, f32, need_float, op
 from .quant import kv_scheme_for
 from .types import TensorType, numpy_dtype
 
@@ -40,7 +40,7 @@ def _sequence_rows(pages, scales, seq_pages: np.ndarray, kv_len: int) -> np.ndar
     page_size = pages.shape[3]
     at = np.arange(kv_len)
     page, row = seq_pages[at // page_size], at % page_size
-    rows = _f32(pages[page, 0, 0, row])
+    rows = f32(pages[page, 0, 0, row])
     return rows if scales is None else rows * scales[page, 0, 0, row][:, None]
 
 
@@ -88,7 +88,7 @@ def _mla_attend():
     scores q·k * scale, softmax in float32. Output [tokens, H, V]."""
     def rule(types, attrs, fail):
         qn, qr, pages, kv_b, qi, pi, pv, lpl, scales = types
-        _need_float(qn, "q_nope", fail)
+        need_float(qn, "q_nope", fail)
         if qn.rank != 3 or qr.rank != 3 or qn.shape[:2] != qr.shape[:2] or qn.dtype != qr.dtype:
             fail(f"q_nope and q_rope must be [tokens, heads, N] and [tokens, heads, P], got {qn}, {qr}")
         heads, nope = qn.shape[1], qn.shape[2]
@@ -104,24 +104,24 @@ def _mla_attend():
         dtype = numpy_dtype(ty.dtype)
         heads, n = qn.shape[1], qn.shape[2]
         rank = kv_b.shape[1]
-        kv_b = _f32(kv_b)
+        kv_b = f32(kv_b)
         out = np.zeros((qn.shape[0], heads, kv_b.shape[0] // heads - n), np.float32)
         for s in range(len(qi) - 1):
             seq_pages = np.asarray(pv[pi[s]:pi[s + 1]], np.int64)
             kv_len = (len(seq_pages) - 1) * pages.shape[3] + int(lpl[s]) if len(seq_pages) else 0
             rows = _sequence_rows(pages, scales, seq_pages, kv_len)
             c, k_pe = rows[:, :rank], rows[:, rank:]
-            expanded = _f32((c @ kv_b.T).astype(dtype)).reshape(kv_len, heads, -1)     # [L, H, N + V]
+            expanded = f32((c @ kv_b.T).astype(dtype)).reshape(kv_len, heads, -1)     # [L, H, N + V]
             n_q = int(qi[s + 1]) - int(qi[s])
             for i in range(n_q):
                 t, seen = int(qi[s]) + i, kv_len - n_q + i + 1
                 for h in range(heads):
                     keys = np.concatenate([expanded[:seen, h, :n], k_pe[:seen]], axis=1)
-                    query = np.concatenate([_f32(qn[t, h]), _f32(qr[t, h])])
+                    query = np.concatenate([f32(qn[t, h]), f32(qr[t, h])])
                     scores = keys @ query * np.float32(at["scale"])
                     w = np.exp(scores - scores.max())
                     out[t, h] = (w / w.sum()) @ expanded[:seen, h, n:]
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref
 
 
@@ -133,7 +133,7 @@ def _latent_attend():
     scores q·k * scale, softmax in float32. Output [tokens, H, R] in q's dtype."""
     def rule(types, attrs, fail):
         ql, qr, pages, qi, pi, pv, lpl, scales = types
-        _need_float(ql, "q_latent", fail)
+        need_float(ql, "q_latent", fail)
         if ql.rank != 3 or qr.rank != 3 or ql.shape[:2] != qr.shape[:2] or ql.dtype != qr.dtype:
             fail(f"q_latent and q_rope must be [tokens, heads, R] and [tokens, heads, P], got {ql}, {qr}")
         check_latent_pages(pages, scales, ql.shape[2] + qr.shape[2], ql.dtype, fail)
@@ -145,13 +145,13 @@ def _latent_attend():
         scales = x[7] if len(x) > 7 else None
         scheme = kv_scheme_for(pages.dtype.name)
         rank, page_size = ql.shape[2], pages.shape[3]
-        query = np.concatenate([_f32(ql), _f32(qr)], axis=-1)             # [T, H, R + P]
+        query = np.concatenate([f32(ql), f32(qr)], axis=-1)             # [T, H, R + P]
         out = np.zeros(ql.shape, np.float32)
         for s in range(len(qi) - 1):
             n_pages = int(pi[s + 1]) - int(pi[s])
             kv_len = (n_pages - 1) * page_size + int(lpl[s]) if n_pages else 0
             slots = [int(pv[int(pi[s]) + j // page_size]) * page_size + j % page_size for j in range(kv_len)]
-            rows = np.stack([_f32(pages[slot // page_size, 0, 0, slot % page_size]) for slot in slots])
+            rows = np.stack([f32(pages[slot // page_size, 0, 0, slot % page_size]) for slot in slots])
             if scheme is not None:
                 rows = rows * np.asarray([scales[slot // page_size, 0, 0, slot % page_size] for slot in slots],
                                          np.float32)[:, None]
@@ -162,7 +162,7 @@ def _latent_attend():
             p = np.exp(scores - scores.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             out[lo:hi] = np.einsum("htl,lr->thr", p, rows[:, :rank])
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref
 
 
@@ -179,8 +179,8 @@ def _latent_gather():
     def ref(x, at, ty, dims):
         pages, slots = x[0], np.asarray(x[1], np.int64)
         page, row = slots // pages.shape[3], slots % pages.shape[3]
-        rows = _f32(pages[page, 0, 0, row])
-        return _as(rows if len(x) < 3 else rows * x[2][page, 0, 0, row][:, None], ty)
+        rows = f32(pages[page, 0, 0, row])
+        return as_type(rows if len(x) < 3 else rows * x[2][page, 0, 0, row][:, None], ty)
     return rule, ref
 
 
@@ -194,7 +194,7 @@ def _expanded_attend():
     tokens are the last of its context); scores q·k * scale, softmax in float32. Output [tokens, H, V]."""
     def rule(types, attrs, fail):
         qn, qr, kv, rows, qi, ki = types
-        _need_float(qn, "q_nope", fail)
+        need_float(qn, "q_nope", fail)
         if qn.rank != 3 or qr.rank != 3 or qn.shape[:2] != qr.shape[:2] or qn.dtype != qr.dtype:
             fail(f"q_nope and q_rope must be [tokens, heads, N] and [tokens, heads, P], got {qn}, {qr}")
         heads, nope, rope = qn.shape[1], qn.shape[2], qr.shape[2]
@@ -209,13 +209,13 @@ def _expanded_attend():
     def ref(x, at, ty, dims):
         qn, qr, kv, rows, qi, ki = x
         heads, nope, rope = qn.shape[1], qn.shape[2], qr.shape[2]
-        kv = _f32(kv).reshape(kv.shape[0], heads, -1)
-        query = np.concatenate([_f32(qn), _f32(qr)], axis=-1)                  # [T, H, N + P]
+        kv = f32(kv).reshape(kv.shape[0], heads, -1)
+        query = np.concatenate([f32(qn), f32(qr)], axis=-1)                  # [T, H, N + P]
         out = np.zeros((qn.shape[0], heads, kv.shape[2] - nope), np.float32)
         for s in range(len(qi) - 1):
             lo, hi, k_lo, k_hi = int(qi[s]), int(qi[s + 1]), int(ki[s]), int(ki[s + 1])
             ctx = kv[k_lo:k_hi]
-            k_pe = np.broadcast_to(_f32(rows[k_lo:k_hi, -rope:])[:, None], (k_hi - k_lo, heads, rope))
+            k_pe = np.broadcast_to(f32(rows[k_lo:k_hi, -rope:])[:, None], (k_hi - k_lo, heads, rope))
             keys = np.concatenate([ctx[:, :, :nope], k_pe], axis=-1)            # [L, H, N + P]
             scores = np.einsum("thd,lhd->htl", query[lo:hi], keys) * np.float32(at["scale"])
             kv_len, n_q = k_hi - k_lo, hi - lo
@@ -224,7 +224,7 @@ def _expanded_attend():
             p = np.exp(scores - scores.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             out[lo:hi] = np.einsum("htl,lhv->thv", p, ctx[:, :, nope:])
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref
 
 
@@ -234,8 +234,8 @@ def _head_linear():
     in float32, rounded to x's dtype. Output [tokens, H, N]."""
     def rule(types, attrs, fail):
         x, w = types
-        _need_float(x, "x", fail)
+        need_float(x, "x", fail)
         if x.rank != 3 or w.rank != 3 or w.shape[0] != x.shape[1] or w.shape[1] != x.shape[2] or w.dtype != x.dtype:
             fail(f"head_linear wants x [tokens, H, K] and weight {x.dtype}[H, K, N], got {x}, {w}")
         return TensorType((x.shape[0], x.shape[1], w.shape[2]), x.dtype)
-    return rule, lambda x, at, ty, dims: _as(np.einsum("thk,hkn->thn", _f32(x[0]), _f32(x[1])), ty)
+    return rule, lambda x, at, ty, dims: as_type(np.einsum("thk,hkn->thn", f32(x[0]), f32(x[1])), ty)

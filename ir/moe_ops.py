@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import ACTIVATIONS, REQUIRED, _as, _f32, op
+from .opdef import ACTIVATIONS, REQUIRED, as_type, f32, op
 from .quant import SCHEMES as QUANT_SCHEMES
 from .types import IRError, TensorType
 
@@ -73,14 +73,14 @@ def _moe_router():
         return logits
 
     def ref(x, at, ty, dims):
-        logits, k, scheme = _f32(x[0]), at["top_k"], at["scheme"]
+        logits, k, scheme = f32(x[0]), at["top_k"], at["scheme"]
         if scheme == "topk_softmax":
             chosen = _top(logits, k)
             weights = _softmax(np.take_along_axis(logits, chosen, -1))
         elif scheme == "sigmoid_group_top2":
             with np.errstate(over="ignore"):           # exp overflows to inf: the score is 0
                 scores = np.float32(1) / (np.float32(1) + np.exp(-logits))
-            choice = scores + _f32(x[1])
+            choice = scores + f32(x[1])
             eligible = _group_mask(choice, at["n_group"], at["topk_group"],
                                    lambda g: np.sort(g, axis=-1)[..., -2:].sum(-1))
             chosen = _top(np.where(eligible, choice, -np.inf), k)
@@ -119,7 +119,7 @@ def _check_experts_attrs(attrs, fail):
 
 def _experts_ref(hidden, routing, weight, at, ty) -> np.ndarray:
     """The routed experts' gated MLPs for `weight(name, e)` -> f32 [out, in] of expert e."""
-    hidden, routing = _f32(hidden), _f32(routing)
+    hidden, routing = f32(hidden), f32(routing)
     if (np.count_nonzero(routing > 0, axis=1) > at["top_k"]).any():
         raise IRError(f"moe_experts: a token is routed to more than top_k={at['top_k']} experts")
     out = np.zeros(hidden.shape, np.float32)
@@ -127,12 +127,12 @@ def _experts_ref(hidden, routing, weight, at, ty) -> np.ndarray:
         rows = np.flatnonzero(routing[:, e] > 0)
         gate_up = weight("gate_up", e)
         ffn = gate_up.shape[0] // 2
-        projected = _f32(_as(hidden[rows] @ gate_up.T, ty))
+        projected = f32(as_type(hidden[rows] @ gate_up.T, ty))
         gate, up = projected[:, :ffn], projected[:, ffn:]
-        act = _f32(_as(_f32(_as(ACTIVATIONS[at["activation"]](gate), ty)) * up, ty))
-        expert_out = _f32(_as(act @ weight("down", e).T, ty))
-        out[rows] += _f32(_as(expert_out * routing[rows, e:e + 1], ty))
-    return _as(out, ty)
+        act = f32(as_type(f32(as_type(ACTIVATIONS[at["activation"]](gate), ty)) * up, ty))
+        expert_out = f32(as_type(act @ weight("down", e).T, ty))
+        out[rows] += f32(as_type(expert_out * routing[rows, e:e + 1], ty))
+    return as_type(out, ty)
 
 
 @op("moe_experts", ["x", "routing", "gate_up", "down"], {"top_k": REQUIRED, "activation": "silu"})
@@ -156,7 +156,7 @@ def _moe_experts():
 
     def ref(x, at, ty, dims):
         weights = {"gate_up": x[2], "down": x[3]}
-        return _experts_ref(x[0], x[1], lambda name, e: _f32(weights[name][e]), at, ty)
+        return _experts_ref(x[0], x[1], lambda name, e: f32(weights[name][e]), at, ty)
     return rule, ref
 
 
@@ -231,6 +231,6 @@ def _sigmoid_gate():
 
     def ref(x, at, ty, dims):
         with np.errstate(over="ignore"):
-            sig = _f32(_as(np.float32(1) / (np.float32(1) + np.exp(-_f32(x[1]))), ty))
-        return _as(sig * _f32(x[0]), ty)
+            sig = f32(as_type(np.float32(1) / (np.float32(1) + np.exp(-f32(x[1]))), ty))
+        return as_type(sig * f32(x[0]), ty)
     return rule, ref

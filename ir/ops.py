@@ -1,88 +1,18 @@
 """The op table: every IR op declared once, with its inputs, attributes, type rule and NumPy semantics.
 
 The NumPy functions here *are* the meaning of each op (the reference interpreter
-calls them). They compute in float32 and round to the node's dtype, which is
+calls them). The registry and the helpers the families share are ir/opdef.py's; the families
+(kv_ops, moe_ops, mla_ops, step_forms) register theirs when this module imports them. They compute in float32 and round to the node's dtype, which is
 what the model code in `transformers` does for these ops.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
-from .quant import int8_activation_matmul, kv_scheme_for
-from .types import FLOAT_DTYPES, IRError, TensorType, numpy_dtype
-
-REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class OpDef:
-    name: str
-    inputs: tuple[str, ...]                 # input names; a trailing "?" marks an optional input
-    attrs: dict                             # attribute name -> default (REQUIRED if none)
-    type_rule: Callable                     # (types, attrs, fail) -> TensorType
-    reference: Callable                     # (arrays, attrs, out_type, dims) -> np.ndarray
-    mutates: tuple[int, ...] = ()           # inputs written in place (the KV pages)
-    doc: str = ""
-
-    def input_of(self, node, name: str) -> str | None:
-        """The value `node` passes as its input `name` (None for an optional one left out)."""
-        index = [n.rstrip("?") for n in self.inputs].index(name)
-        return node.inputs[index] if index < len(node.inputs) else None
-
-    def complete_attrs(self, attrs: dict, where: str) -> dict:
-        unknown = set(attrs) - set(self.attrs)
-        if unknown:
-            raise IRError(f"{where}: op {self.name} has no attribute(s) {sorted(unknown)}")
-        out = {}
-        for k, default in self.attrs.items():
-            if k in attrs:
-                out[k] = attrs[k]
-            elif default is REQUIRED:
-                raise IRError(f"{where}: op {self.name} needs attribute {k!r}")
-            else:
-                out[k] = default
-        return out
-
-    def infer(self, types: list, attrs: dict, where: str) -> TensorType:
-        required = [n for n in self.inputs if not n.endswith("?")]
-        if not len(required) <= len(types) <= len(self.inputs):
-            raise IRError(f"{where}: {self.name} takes inputs ({', '.join(self.inputs)}), got {len(types)}")
-        for i, t in enumerate(types):
-            if t is None and not self.inputs[i].endswith("?"):
-                raise IRError(f"{where}: input {self.inputs[i]!r} of {self.name} is missing")
-
-        def fail(rule: str):
-            raise IRError(f"{where}: {rule}")
-        return self.type_rule(types + [None] * (len(self.inputs) - len(types)), attrs, fail)
-
-
-OPS: dict[str, OpDef] = {}
-
-
-def op(name, inputs, attrs=None, mutates=()):
-    def register(fns):
-        type_rule, reference = fns()
-        OPS[name] = OpDef(name, tuple(inputs), dict(attrs or {}), type_rule, reference, tuple(mutates),
-                          (fns.__doc__ or "").strip())
-        return fns
-    return register
-
-
-def _f32(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a, dtype=np.float32)
-
-
-def _as(a: np.ndarray, ty: TensorType) -> np.ndarray:
-    return np.asarray(a).astype(numpy_dtype(ty.dtype))
-
-
-def _need_float(t: TensorType, what: str, fail):
-    if t.dtype not in FLOAT_DTYPES:
-        fail(f"{what} must be a float tensor, got {t}")
-
+from .opdef import (ACTIVATIONS, OPS, REQUIRED, OpDef, as_type, check_indices, check_kv_pages,  # noqa: F401
+                    check_kv_storage, f32, gelu_tanh_f32, need_float, op)
+from .quant import int8_activation_matmul
+from .types import FLOAT_DTYPES, TensorType
 
 # ---------------------------------------------------------------------------- elementwise
 
@@ -90,42 +20,35 @@ def _same_type_binary(types, attrs, fail):
     a, b = types
     if a != b:
         fail(f"operands must have the same type, got {a} and {b}")
-    _need_float(a, "operand", fail)
+    need_float(a, "operand", fail)
     return a
 
 
 @op("add", ["a", "b"])
 def _add():
     """a + b (same shapes)."""
-    return _same_type_binary, lambda x, at, ty, dims: _as(_f32(x[0]) + _f32(x[1]), ty)
+    return _same_type_binary, lambda x, at, ty, dims: as_type(f32(x[0]) + f32(x[1]), ty)
 
 
 @op("mul", ["a", "b"])
 def _mul():
     """a * b (same shapes)."""
-    return _same_type_binary, lambda x, at, ty, dims: _as(_f32(x[0]) * _f32(x[1]), ty)
+    return _same_type_binary, lambda x, at, ty, dims: as_type(f32(x[0]) * f32(x[1]), ty)
 
 
 @op("silu", ["x"])
 def _silu():
     """x * sigmoid(x)."""
     def rule(types, attrs, fail):
-        _need_float(types[0], "x", fail)
+        need_float(types[0], "x", fail)
         return types[0]
 
     def ref(x, at, ty, dims):
-        v = _f32(x[0])
-        return _as(v / (1.0 + np.exp(-v)), ty)
+        v = f32(x[0])
+        return as_type(v / (1.0 + np.exp(-v)), ty)
     return rule, ref
 
 
-def _gelu_tanh_f32(v: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation, in float32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    c = np.float32(np.sqrt(2.0 / np.pi))
-    return np.float32(0.5) * v * (np.float32(1) + np.tanh(c * (v + np.float32(0.044715) * v * v * v)))
-
-
-ACTIVATIONS = {"silu": lambda v: v / (1.0 + np.exp(-v)), "gelu_tanh": _gelu_tanh_f32}
 GATED_OPS = {"silu": "swiglu", "gelu_tanh": "geglu"}      # gate activation -> the op over a fused gate|up
 
 
@@ -133,9 +56,9 @@ GATED_OPS = {"silu": "swiglu", "gelu_tanh": "geglu"}      # gate activation -> t
 def _gelu_tanh():
     """GELU with the tanh approximation (transformers' gelu_pytorch_tanh), in float32."""
     def rule(types, attrs, fail):
-        _need_float(types[0], "x", fail)
+        need_float(types[0], "x", fail)
         return types[0]
-    return rule, lambda x, at, ty, dims: _as(_gelu_tanh_f32(_f32(x[0])), ty)
+    return rule, lambda x, at, ty, dims: as_type(gelu_tanh_f32(f32(x[0])), ty)
 
 
 @op("mul_scalar", ["x"], {"value": REQUIRED})
@@ -143,11 +66,11 @@ def _mul_scalar():
     """x * value, the constant first rounded to x's dtype (as transformers makes Gemma's embedding
     normaliser a tensor of the activations' dtype)."""
     def rule(types, attrs, fail):
-        _need_float(types[0], "x", fail)
+        need_float(types[0], "x", fail)
         return types[0]
 
     def ref(x, at, ty, dims):
-        return _as(_f32(x[0]) * _f32(_as(np.float32(at["value"]), ty)), ty)
+        return as_type(f32(x[0]) * f32(as_type(np.float32(at["value"]), ty)), ty)
     return rule, ref
 
 
@@ -155,14 +78,14 @@ def _mul_scalar():
 def _softcap():
     """cap * tanh(x / cap), in float32: Gemma 2's final-logit soft-capping."""
     def rule(types, attrs, fail):
-        _need_float(types[0], "x", fail)
+        need_float(types[0], "x", fail)
         if not attrs["cap"] > 0:
             fail(f"cap must be positive, got {attrs['cap']}")
         return types[0]
 
     def ref(x, at, ty, dims):
         cap = np.float32(at["cap"])
-        return _as(np.tanh(_f32(x[0]) / cap) * cap, ty)
+        return as_type(np.tanh(f32(x[0]) / cap) * cap, ty)
     return rule, ref
 
 
@@ -171,7 +94,7 @@ def _cast():
     """x converted to another dtype."""
     def rule(types, attrs, fail):
         return TensorType(types[0].shape, attrs["dtype"])
-    return rule, lambda x, at, ty, dims: _as(_f32(x[0]), ty)
+    return rule, lambda x, at, ty, dims: as_type(f32(x[0]), ty)
 
 
 @op("reshape", ["x"], {"shape": REQUIRED})
@@ -235,7 +158,7 @@ def _per_row_embed_ref(x, at, ty, dims):
     """Gather the rows first, then dequantise only those: q[ids] * scale[ids][:, None]."""
     ids = np.asarray(x[0])
     rows = np.asarray(x[1])[ids].astype(np.float32)                           # [tokens, hidden]
-    return _as(rows * _f32(x[2])[ids][:, None], ty)
+    return as_type(rows * f32(x[2])[ids][:, None], ty)
 
 
 @op("embed_q8", ["ids", "table", "scale"], {"dtype": REQUIRED})
@@ -263,8 +186,8 @@ def _embed_q4():
         low, high = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
         q = np.empty((len(ids), 2 * packed.shape[1]), np.float32)
         q[:, 0::2], q[:, 1::2] = low - 8, high - 8
-        scale = _f32(x[2])[:, ids].T                                           # [tokens, hidden/group]
-        return _as(q * np.repeat(scale, at["group_size"], axis=1), ty)
+        scale = f32(x[2])[:, ids].T                                           # [tokens, hidden/group]
+        return as_type(q * np.repeat(scale, at["group_size"], axis=1), ty)
     return _quantized_embed_rule("uint8", grouped=True), ref
 
 
@@ -289,7 +212,7 @@ def _linear():
     would; a fused kernel does it in its epilogue."""
     def rule(types, attrs, fail):
         x, w, b, r = types
-        _need_float(x, "x", fail)
+        need_float(x, "x", fail)
         if w.rank != 2 or x.shape[-1] != w.shape[1]:
             fail(f"weight must be [out, {x.shape[-1]}], got {w}")
         if w.dtype != x.dtype:
@@ -297,7 +220,7 @@ def _linear():
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
-        return _linear_ref(_f32(x[0]) @ _f32(x[1]).T, x[2:], ty)
+        return _linear_ref(f32(x[0]) @ f32(x[1]).T, x[2:], ty)
     return rule, ref
 
 
@@ -310,7 +233,7 @@ def _per_channel_linear(weight_dtype: str):
 
     def rule(types, attrs, fail):
         x, w, s, b, r = types
-        _need_float(x, "x", fail)
+        need_float(x, "x", fail)
         if w.dtype != weight_dtype or w.rank != 2 or w.shape[1] != x.shape[-1]:
             fail(f"weight must be {short}[out, {x.shape[-1]}], got {w}")
         if s.dtype != "float32" or s.shape != (w.shape[0],):
@@ -320,11 +243,11 @@ def _per_channel_linear(weight_dtype: str):
 
     def ref(x, at, ty, dims):
         if at.get("act_block"):
-            rows = _f32(x[0]).reshape(-1, x[0].shape[-1])
-            y = int8_activation_matmul(rows, np.asarray(x[1]), None, at["act_block"]) * _f32(x[2])[None, :]
+            rows = f32(x[0]).reshape(-1, x[0].shape[-1])
+            y = int8_activation_matmul(rows, np.asarray(x[1]), None, at["act_block"]) * f32(x[2])[None, :]
             return _linear_ref(y.reshape(*x[0].shape[:-1], -1), x[3:], ty)
-        w = np.asarray(x[1]).astype(np.float32) * _f32(x[2])[:, None]        # dequantised, float32
-        return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
+        w = np.asarray(x[1]).astype(np.float32) * f32(x[2])[:, None]        # dequantised, float32
+        return _linear_ref(f32(x[0]) @ w.T, x[3:], ty)
     return rule, ref
 
 
@@ -362,7 +285,7 @@ def _linear_q4():
     is scaled by x's block scale times the group's scale, and the blocks summed in order."""
     def rule(types, attrs, fail):
         x, w, s, b, r = types
-        _need_float(x, "x", fail)
+        need_float(x, "x", fail)
         g = attrs["group_size"]
         k = x.shape[-1]
         if not isinstance(k, int) or k % g or g % 2:
@@ -377,13 +300,13 @@ def _linear_q4():
     def ref(x, at, ty, dims):
         packed = np.asarray(x[1])
         levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
-        scale, g, block = _f32(x[2]), at["group_size"], at.get("act_block", 0)
+        scale, g, block = f32(x[2]), at["group_size"], at.get("act_block", 0)
         if block:
-            rows = _f32(x[0]).reshape(-1, x[0].shape[-1])
+            rows = f32(x[0]).reshape(-1, x[0].shape[-1])
             y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block)
             return _linear_ref(y.reshape(*x[0].shape[:-1], -1), x[3:], ty)
         w = levels * np.repeat(scale.T, g, axis=1)
-        return _linear_ref(_f32(x[0]) @ w.T, x[3:], ty)
+        return _linear_ref(f32(x[0]) @ w.T, x[3:], ty)
     return rule, ref
 
 
@@ -392,10 +315,10 @@ def _linear_ref(y: np.ndarray, extras, ty: TensorType) -> np.ndarray:
     bias = extras[0] if len(extras) > 0 else None
     residual = extras[1] if len(extras) > 1 else None
     if bias is not None:
-        y = y + _f32(bias)
+        y = y + f32(bias)
     if residual is not None:
-        y = _f32(_as(y, ty)) + _f32(residual)
-    return _as(y, ty)
+        y = f32(as_type(y, ty)) + f32(residual)
+    return as_type(y, ty)
 
 
 @op("rms_norm", ["x", "weight"], {"eps": REQUIRED, "offset": 0.0, "weight_in_float32": False})
@@ -406,18 +329,18 @@ def _rms_norm():
     weight as an offset from 1 (offset 1.0, added in float32)."""
     def rule(types, attrs, fail):
         x, w = types
-        _need_float(x, "x", fail)
+        need_float(x, "x", fail)
         if w.shape != (x.shape[-1],):
             fail(f"weight must be [{x.shape[-1]}], got {w}")
         return x
 
     def ref(x, at, ty, dims):
-        v = _f32(x[0])
+        v = f32(x[0])
         normed = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + np.float32(at["eps"]))
-        weight = _f32(x[1]) + np.float32(at["offset"])
+        weight = f32(x[1]) + np.float32(at["offset"])
         if at["weight_in_float32"]:
-            return _as(normed * weight, ty)
-        return _as(_f32(_as(normed, ty)) * weight, ty)
+            return as_type(normed * weight, ty)
+        return as_type(f32(as_type(normed, ty)) * weight, ty)
     return rule, ref
 
 
@@ -442,40 +365,15 @@ def _rope():
     def ref(x, at, ty, dims):
         d = at["head_dim"]
         r = at["rotary_dim"] or d
-        v = _f32(x[0]).reshape(x[0].shape[0], -1, d)                                # [T, H, D]
+        v = f32(x[0]).reshape(x[0].shape[0], -1, d)                                # [T, H, D]
         turn, keep = v[..., :r], v[..., r:]
-        ang = np.asarray(x[1], np.float32)[:, None] * _f32(x[2])[None, :]       # [T, R/2]
+        ang = np.asarray(x[1], np.float32)[:, None] * f32(x[2])[None, :]       # [T, R/2]
         cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]
         sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]
         rotated = np.concatenate([-turn[..., r // 2:], turn[..., :r // 2]], -1)
         turned = (turn * cos + rotated * sin) * np.float32(at["mscale"])
-        return _as(np.concatenate([turned, keep], -1).reshape(x[0].shape), ty)
+        return as_type(np.concatenate([turned, keep], -1).reshape(x[0].shape), ty)
     return rule, ref
-
-
-def check_kv_pages(pages: TensorType, scales, kv_heads, head_dim, dtype: str, fail) -> None:
-    """The type rule of a layer's KV pages (and their row scales when quantised)."""
-    if pages.rank != 5 or pages.shape[1] != 2 or pages.shape[2] != kv_heads or pages.shape[4] != head_dim:
-        fail(f"kv_pages must be [pages, 2, {kv_heads}, page_size, {head_dim}], got {pages}")
-    check_kv_storage(pages, scales, dtype, fail)
-
-
-def check_kv_storage(pages: TensorType, scales, dtype: str, fail) -> None:
-    """Pages in the activations' dtype, or a KV quantisation's with float32 scales per row."""
-    if kv_scheme_for(pages.dtype) is not None:
-        want = TensorType(pages.shape[:4], "float32")
-        if scales != want:
-            fail(f"quantised {pages.dtype} kv_pages need kv_scales {want}, got {scales}")
-    elif pages.dtype != dtype:
-        fail(f"kv_pages dtype {pages.dtype} differs from the activations' {dtype} and is no KV quantisation")
-    elif scales is not None:
-        fail(f"kv_scales given for unquantised {pages.dtype} kv_pages")
-
-
-def check_indices(tensors: dict, fail) -> None:
-    for name, t in tensors.items():
-        if t.dtype != "int32" or t.rank != 1:
-            fail(f"{name} must be a 1-D i32 tensor, got {t}")
 
 
 ATTENTION_OPS = ("paged_attention", "paged_attention_fused")     # both read inputs kv_pages and kv_scales?
@@ -493,7 +391,7 @@ def _qk_norm():
     def rule(types, attrs, fail):
         qkv, qw, kw = types
         d, hq, hkv = attrs["head_dim"], attrs["q_heads"], attrs["kv_heads"]
-        _need_float(qkv, "qkv", fail)
+        need_float(qkv, "qkv", fail)
         if qkv.rank != 2 or qkv.shape[1] != (hq + 2 * hkv) * d:
             fail(f"qkv must be [tokens, {(hq + 2 * hkv) * d}], got {qkv}")
         want_q, want_k = ((d,), (d,)) if attrs["per_head"] else ((hq * d,), (hkv * d,))
@@ -503,17 +401,17 @@ def _qk_norm():
 
     def ref(x, at, ty, dims):
         d, hq, hkv = at["head_dim"], at["q_heads"], at["kv_heads"]
-        qkv = _f32(x[0])
+        qkv = f32(x[0])
         out = qkv.copy()
-        for lo, heads, w in ((0, hq, _f32(x[1])), (hq * d, hkv, _f32(x[2]))):
+        for lo, heads, w in ((0, hq, f32(x[1])), (hq * d, hkv, f32(x[2]))):
             part = qkv[:, lo:lo + heads * d]
             part = part.reshape(len(part), heads, d) if at["per_head"] else part
             mean_sq = np.mean(part * part, axis=-1, keepdims=True)
             normed = part / np.sqrt(mean_sq + np.float32(at["eps"]))
             if not at["weight_in_float32"]:
-                normed = _f32(_as(normed, ty))
+                normed = f32(as_type(normed, ty))
             out[:, lo:lo + heads * d] = (normed * (w + np.float32(at["offset"]))).reshape(len(part), -1)
-        return _as(out, ty)
+        return as_type(out, ty)
     return rule, ref
 
 
@@ -544,17 +442,17 @@ def _gated(name: str, activation: str):
     """Type rule and reference of act(x[..., :n]) * x[..., n:] for x [..., 2n]."""
     def rule(types, attrs, fail):
         x = types[0]
-        _need_float(x, "x", fail)
+        need_float(x, "x", fail)
         if not isinstance(x.shape[-1], int) or x.shape[-1] % 2:
             fail(f"{name} needs an even last axis, got {x}")
         return TensorType(x.shape[:-1] + (x.shape[-1] // 2,), x.dtype)
 
     def ref(x, at, ty, dims):
-        v = _f32(x[0])
+        v = f32(x[0])
         n = v.shape[-1] // 2
-        gate = _f32(_as(v[..., :n], ty))
-        act = _f32(_as(ACTIVATIONS[activation](gate), ty))    # rounded like the activation, then mul, in the model
-        return _as(act * v[..., n:], ty)
+        gate = f32(as_type(v[..., :n], ty))
+        act = f32(as_type(ACTIVATIONS[activation](gate), ty))    # rounded like the activation, then mul, in the model
+        return as_type(act * v[..., n:], ty)
     return rule, ref
 
 

@@ -17,13 +17,11 @@ from typing import Sequence
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.interface import SAMPLER_FUNCTIONS
 
 from .sampler import SamplerState, penalty_entries, sample, top_logprobs
 from .step_buffers import StepBuffers
 
-FUNCTIONS = {"penalties": "apply_penalties", "greedy": "sample_greedy", "plain": "sample_plain",
-             "sorted": "sample_sorted", "logprobs": "token_logprobs"}
-MAX_LOGPROBS = 20       # the most alternatives SamplingParams.logprobs may ask for
 
 
 class DeviceSampler:
@@ -33,7 +31,7 @@ class DeviceSampler:
         self.device = device
         self.buffers = StepBuffers(device)      # the small per-call arrays, in reused device memory
         try:
-            self.fn = {key: vm[name] for key, name in FUNCTIONS.items()}
+            self.fn = {key: vm[name] for key, name in SAMPLER_FUNCTIONS.items()}
         except AttributeError as e:
             raise KilnError(f"the compiled library has no sampling functions ({e}); "
                             "it was built before kiln compiled sampling with the model") from None

@@ -75,7 +75,7 @@ class CompiledModel:
             raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "
                             f"but this machine has no {device} device")
         if device == "cpu":
-            from kiln.targets.cpu import missing_cpu_features
+            from kiln.host_cpu import missing_cpu_features
             missing = missing_cpu_features(m["target"].get("cpu_features", []))
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "

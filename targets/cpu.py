@@ -1,30 +1,23 @@
-"""The host CPU through LLVM (x86-64 or AArch64), with kiln's packed-weight linear kernels."""
+"""The host CPU through LLVM (x86-64 or AArch64), with kiln's packed-weight linear kernels (what the
+CPU itself reports, and what an artifact needs of it: kiln/host_cpu.py)."""
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import tvm
 
 from kiln.codegen.layouts import packed_layout
-from kiln.errors import KilnError
+from kiln.host_cpu import cpu_target, host_cpu_features, host_llvm_target, missing_cpu_features, named_cpu_features
 
 from .base import Target
 
 
-# LLVM feature names of instruction sets (not tuning flags) a CPU artifact's kernels may use
-_ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "gfni", "vaes", "vpclmulqdq", "neon", "sve",
-                 "dotprod", "i8mm", "bf16")
-
-
 def host_cpu_target() -> tvm.target.Target:
-    # "mcpu": "native" is ignored by TVM's LLVM; ask LLVM for the host CPU's name and the features
-    # CPUID reports instead. What is built for it lowers float32 exp inline
-    # (codegen/exp_lowering.py), not as libm calls.
+    """LLVM's target for this machine's CPU (kiln/host_cpu.py). What is built for it lowers float32
+    exp inline (codegen/exp_lowering.py), not as libm calls."""
     from kiln.codegen.exp_lowering import register_exp_lowering
     register_exp_lowering()
-    return cpu_target(tvm.target.codegen.llvm_get_system_cpu(), _reported_features())
+    return host_llvm_target()
 
 
 def named_cpu_target(cpu: str) -> tvm.target.Target:
@@ -33,79 +26,6 @@ def named_cpu_target(cpu: str) -> tvm.target.Target:
     from kiln.codegen.exp_lowering import register_exp_lowering
     register_exp_lowering()
     return cpu_target(cpu, dict.fromkeys(named_cpu_features(cpu), True))
-
-
-def named_cpu_features(cpu: str) -> list[str]:
-    """The instruction sets of LLVM's CPU model `cpu`, sorted; an unknown name is refused."""
-    plain = tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu"})
-    known = [str(name) for name in tvm.target.codegen.llvm_get_cpu_archlist(plain)]
-    if cpu not in known:
-        raise KilnError(f"target cpu: LLVM knows no CPU named {cpu!r} (--arch takes one of: {', '.join(known)})")
-    model = tvm.target.Target({"kind": "llvm", "mtriple": str(plain.attrs["mtriple"]), "mcpu": cpu})
-    return sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(model) if str(f).startswith(_ISA_PREFIXES))
-
-
-LLVM_HOST_FEATURES = "tvm.codegen.llvm.GetHostCPUFeatures"     # TVM's compiler library registers it
-
-
-def has_llvm() -> bool:
-    """Whether this TVM has its compiler library (LLVM): a runtime-only TVM has not."""
-    return tvm.get_global_func(LLVM_HOST_FEATURES, allow_missing=True) is not None
-
-
-def _reported_features() -> dict[str, bool]:
-    """LLVM's feature map of this machine's CPU (CPUID): name -> present."""
-    return dict(tvm.get_global_func(LLVM_HOST_FEATURES)().items())
-
-
-def cpu_target(cpu: str, reported: dict[str, bool]) -> tvm.target.Target:
-    """LLVM's target for CPU model `cpu` with each instruction set switched on or off as `reported`
-    (name -> present): a VM may hide one the model implies (AMX on a Sapphire Rapids host,
-    AVX-512 on a Zen 4 one), and kernels built with it would stop with SIGILL."""
-    mattr = sorted(("+" if on else "-") + name for name, on in reported.items() if name.startswith(_ISA_PREFIXES))
-    return tvm.target.Target({"kind": "llvm", "mtriple": f"{platform.machine()}-unknown-linux-gnu",
-                              "mcpu": cpu, "mattr": mattr})
-
-
-def host_cpu_features() -> list[str]:
-    """The instruction sets this machine's CPU reports (CPUID, as LLVM reads it), sorted."""
-    return sorted(name for name, on in _reported_features().items() if on and name.startswith(_ISA_PREFIXES))
-
-
-def missing_cpu_features(built_on: list[str]) -> list[str]:
-    """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
-    that this machine's CPU lacks: kernels built there could stop with SIGILL here. A TVM without
-    its compiler has no LLVM to ask: then the flags Linux lists in /proc/cpuinfo answer."""
-    if not has_llvm():
-        return missing_in_cpuinfo(built_on, cpuinfo_features())
-    here = set(host_cpu_features())
-    return [name for name in built_on if name not in here]
-
-
-def missing_in_cpuinfo(built_on: list[str], flags: set[str]) -> list[str]:
-    """The LLVM feature names in `built_on` that /proc/cpuinfo's `flags` (cpuinfo_features) lack."""
-    return [name for name in built_on if _plain(_CPUINFO_NAMES.get(name, name)) not in flags]
-
-
-# LLVM's feature names that /proc/cpuinfo spells otherwise (beyond "_", "-" and ".")
-_CPUINFO_NAMES = {"bmi": "bmi1", "sse3": "pni", "neon": "asimd", "dotprod": "asimddp"}
-
-
-def _plain(name: str) -> str:
-    return name.lower().replace("_", "").replace("-", "").replace(".", "")
-
-
-def cpuinfo_features(path: str = "/proc/cpuinfo") -> set[str]:
-    """The first processor's flags (x86) or features (Arm) in /proc/cpuinfo, spelt plainly."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise KilnError(f"cannot read this CPU's features from {path} ({e}) and TVM has no LLVM to ask") from None
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return {_plain(flag) for flag in value.split()}
-    raise KilnError(f"{path} lists no CPU flags and TVM has no LLVM to ask")
 
 
 def _int8_dot(target: tvm.target.Target) -> str:
@@ -173,7 +93,7 @@ class CPUTarget(Target):
         if operands == "bf16":
             return packed_layout(nb, 2) if self.bf16_dot and nb % 16 == 0 and n_in % 2 == 0 else packed_layout(nb)
         if operands in ("q8", "q4") and self.int8_dot == "vnni" and act_block > 0:
-            from kiln.codegen.linear import WeightFormat
+            from kiln.codegen.weight_format import WeightFormat
             from kiln.codegen.vnni_linear import supports
             inputs = n_in * (2 if operands == "q4" else 1)           # a q4 weight is stored as bytes of two
             if supports(n_out, inputs, nb, WeightFormat(operands, act_block=act_block)):

@@ -83,6 +83,7 @@ def test_attached_weights_are_the_bytes_compile_wrote(make_model, compiled_famil
 
 def test_attaching_needs_no_llvm(make_model, compiled_family, tmp_path, monkeypatch):
     """As on a runtime-only TVM: nothing may ask LLVM about the CPU, and q4 runs the reference quantiser."""
+    import kiln.host_cpu as host
     import kiln.targets.cpu as cpu
     family, options = COMPILED["llama-q4-g128-int8act-no-gate-up-fusion"]
     artifact = compiled_family(family, **options)
@@ -90,8 +91,10 @@ def test_attaching_needs_no_llvm(make_model, compiled_family, tmp_path, monkeypa
 
     def no_llvm(*_):
         raise AssertionError("LLVM was asked")
-    monkeypatch.setattr(cpu, "has_llvm", lambda: False)
-    for probe in ("_reported_features", "host_cpu_target", "_int8_dot", "_bf16_dot"):
+    monkeypatch.setattr(host, "has_llvm", lambda: False)
+    for probe in ("reported_features", "host_llvm_target"):
+        monkeypatch.setattr(host, probe, no_llvm)
+    for probe in ("host_cpu_target", "_int8_dot", "_bf16_dot"):
         monkeypatch.setattr(cpu, probe, no_llvm)
     attach_weights(bare, make_model(family))
     assert weights_digest(bare) == weights_digest(artifact)
@@ -128,8 +131,8 @@ def test_attaching_imports_no_tvm_compiler_module(make_model, compiled_family, t
               "for name in [n for n in sys.modules if n.split('.')[:2] in (['tvm', 'relax'], ['tvm', 'dlight'])]:\n"
               "    sys.modules[name] = None       # a later import of them fails, as without the compiler\n"
               "del tvm.relax\n"
-              "import kiln.targets.cpu\n"
-              "kiln.targets.cpu.has_llvm = lambda: False\n"
+              "import kiln.host_cpu\n"
+              "kiln.host_cpu.has_llvm = lambda: False\n"
               "from kiln.attach_weights import attach_weights\n"
               f"attach_weights({str(bare)!r}, {str(make_model(family))!r})\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -133,7 +133,7 @@ def test_an_artifact_built_for_a_cpu_with_more_instruction_sets_is_refused(llama
     import shutil
     from kiln.errors import KilnError
     from kiln.runtime.model import CompiledModel
-    from kiln.targets.cpu import host_cpu_features, missing_cpu_features
+    from kiln.host_cpu import host_cpu_features, missing_cpu_features
     manifest = json.loads((llama_cpu[0] / "manifest.json").read_text())
     assert manifest["target"]["cpu_features"] == host_cpu_features() and host_cpu_features()
     assert missing_cpu_features(manifest["target"]["cpu_features"]) == []
@@ -154,7 +154,8 @@ def test_built_for_an_older_cpu_model_it_runs_here_and_generates_as_transformers
     from kiln.cli import main
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from kiln.targets.cpu import CPUTarget, missing_cpu_features, named_cpu_features
+    from kiln.host_cpu import missing_cpu_features, named_cpu_features
+    from kiln.targets.cpu import CPUTarget
     if missing_cpu_features(named_cpu_features("x86-64-v3")):
         pytest.skip("this CPU has not every x86-64-v3 instruction set")
     assert CPUTarget(arch="x86-64-v3").int8_dot == "avx2"
@@ -178,7 +179,8 @@ def test_built_for_a_cpu_model_this_one_is_not_it_is_refused_here_with_its_instr
     from kiln.errors import KilnError
     from kiln.inspect import summary
     from kiln.runtime.model import CompiledModel
-    from kiln.targets.cpu import make_target, missing_cpu_features, named_cpu_features
+    from kiln.host_cpu import missing_cpu_features, named_cpu_features
+    from kiln.targets.cpu import make_target
     with pytest.raises(KilnError, match="LLVM knows no CPU named 'zen-kiln-test' .*sapphirerapids"):
         make_target("zen-kiln-test")
     lacking = missing_cpu_features(named_cpu_features("sapphirerapids"))
@@ -196,7 +198,8 @@ def test_the_cpu_target_uses_exactly_the_instruction_sets_cpuid_reports():
     """kiln compiles for LLVM's name of the CPU with each instruction set switched on or off as
     CPUID reports it, so a VM that hides one the CPU model implies gets no kernel that needs it."""
     import tvm
-    from kiln.targets.cpu import cpu_target, host_cpu_features, host_cpu_target
+    from kiln.host_cpu import cpu_target, host_cpu_features
+    from kiln.targets.cpu import host_cpu_target
     has = tvm.target.codegen.llvm_cpu_has_features
     # a Sapphire Rapids VM that hides AMX and AVX-512 FP16: the model alone implies both
     hidden = {"amx-int8": False, "amx-tile": False, "avx512fp16": False, "avx2": True, "avx512f": True}
@@ -218,11 +221,11 @@ def test_proc_cpuinfo_answers_as_llvm_does():
     instruction set kiln records, present or absent."""
     import os
     import tvm
-    from kiln.targets.cpu import _ISA_PREFIXES, LLVM_HOST_FEATURES, cpuinfo_features, missing_in_cpuinfo
+    from kiln.host_cpu import ISA_PREFIXES, LLVM_HOST_FEATURES, cpuinfo_features, missing_in_cpuinfo
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo on this system")
     reported = {name: on for name, on in tvm.get_global_func(LLVM_HOST_FEATURES)().items()
-                if name.startswith(_ISA_PREFIXES)}
+                if name.startswith(ISA_PREFIXES)}
     absent = sorted(name for name, on in reported.items() if not on)
     assert len(reported) > len(absent) > 0
     assert missing_in_cpuinfo(sorted(reported), cpuinfo_features()) == absent

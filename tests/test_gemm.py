@@ -148,7 +148,7 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
     import tvm
     from kiln.codegen.layouts import apply_layout
-    from kiln.codegen.linear import WeightFormat
+    from kiln.codegen.weight_format import WeightFormat
     from kiln.ir import GraphBuilder, interpret
     from kiln.ir.types import numpy_dtype
     from kiln.targets.cpu import host_cpu_target

@@ -209,7 +209,7 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, sc
     from tvm import te
     from kiln.codegen.embed import gather_kernel
     from kiln.codegen.layouts import apply_layout, stored_shape
-    from kiln.codegen.linear import WeightFormat
+    from kiln.codegen.weight_format import WeightFormat
     from kiln.ir import GraphBuilder, interpret
     from kiln.targets.cpu import host_cpu_target
     vocab, hidden, group = 64, 48, 16
