@@ -144,14 +144,16 @@ def _kernels(n_out: int, n_in: int):
     import tvm
     from tvm import tirx
     from kiln.codegen.bf16_linear import bf16_linear_kernel, micro_kernels
-    from kiln.codegen.bf16_micro import has_bf16_dot, micro_module
+    from kiln.codegen.bf16_micro import micro_module
+    from kiln.host_cpu import has_bf16_dot, has_quad_dot
     from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
     from kiln.codegen.int8_gemm import int8_gemm_kernel
     from kiln.codegen.int8_gemv import int8_gemv_kernel
     from kiln.codegen.layouts import apply_layout, q4_scale_layout
     from kiln.codegen.linear import packed_linear_kernel
+    from kiln.codegen.linear_layouts import linear_layout
     from kiln.codegen.weight_format import WeightFormat
-    from kiln.codegen.vnni_linear import has_quad_dot, vnni_linear_kernel
+    from kiln.codegen.vnni_linear import vnni_linear_kernel
     from kiln.ir.quant import SCHEMES
     from kiln.targets.cpu import CPUTarget, host_cpu_target
     target, nb = host_cpu_target(), 64
@@ -183,7 +185,7 @@ def _kernels(n_out: int, n_in: int):
         yield (f"{quant} int8 GEMV (decode steps)", "pair_dot", paired, "float32", built(int8_gemv_kernel(
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
         if has_quad_dot(target):            # AVX-512 VNNI: the CPU target's kernel for every step
-            layout = CPUTarget(int8_dot="vnni").linear_layout(*parts["q"].shape, operands=quant, act_block=32)
+            layout = linear_layout(CPUTarget(int8_dot="vnni"), *parts["q"].shape, operands=quant, act_block=32)
             quads = [apply_layout(layout, parts["q"]), apply_layout(q4_scale_layout(layout, 32) if quant == "q4"
                                                                     else "nk", parts["scale"])]
             yield (f"{quant} VNNI", "quad_dot", quads, "float32", built(vnni_linear_kernel(

@@ -27,11 +27,6 @@ LANES = 16                 # float32 lanes of a 512-bit register: 16 output colu
 PAIR = 2                   # bf16 inputs per 32-bit lane
 
 
-def has_bf16_dot(target) -> bool:
-    """Whether the LLVM target runs DOT (x86 with AVX-512 BF16)."""
-    return ("x86" in str(target.attrs.get("mtriple", ""))
-            and bool(tvm.target.codegen.llvm_cpu_has_features(["avx512bf16", "avx512f"], target)))
-
 
 def micro_name(rows: int, vectors: int) -> str:
     return f"kiln_bf16_dot_{rows}x{vectors}"

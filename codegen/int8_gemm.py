@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 
-import tvm
 from tvm.script import tirx as T
 
 from .gemm import panel_and_tile, signature, tile_output
@@ -30,11 +29,6 @@ LANES = 8                                  # int32 lanes of an AVX2 register: 8 
 PEAK_LANES = 16                            # floats a block's peak is taken over at once (max is exact in any order)
 PAIR_DOT = "llvm.x86.avx2.pmadd.wd"        # int16 pairs multiplied and summed into int32 lanes
 
-
-def has_pair_dot(target) -> bool:
-    """Whether the LLVM target runs PAIR_DOT (x86 with AVX2)."""
-    return ("x86" in str(target.attrs.get("mtriple", ""))
-            and bool(tvm.target.codegen.llvm_cpu_has_features(["avx2"], target)))
 
 
 def x_quantizer(n_in: int, block: int, level_dtype: str, position=None, scale_shift=None):

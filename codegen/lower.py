@@ -29,6 +29,7 @@ from .attention import emit_paged_attention, emit_paged_attention_fused, step_ke
 from .embed import emit_embed
 from .layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
 from .linear import emit_linear, mma_tiles
+from .linear_layouts import linear_layout
 from .weight_format import WeightFormat
 
 
@@ -204,13 +205,13 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     if pos in (1, 2) and gate_of(node, graph, target):
         return GATED if pos == 1 else GATED_COLUMNS              # gate and up interleaved
     if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
-        return target.linear_layout(*graph.params[name].type.shape[1:])      # each expert packed as a linear
+        return linear_layout(target, *graph.params[name].type.shape[1:])      # each expert packed as a linear
     if node.op in LINEAR_OPS and pos == 1:
         # int8 activations or bf16 weights: the target stores the inputs its dot multiplies side by side
         weight = graph.params[name].type
         operands = (node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0
                     else "bf16" if node.op == "linear" and weight.dtype == "bfloat16" else None)
-        return target.linear_layout(*weight.shape, operands=operands, act_block=node.attrs.get("act_block", 0))
+        return linear_layout(target, *weight.shape, operands=operands, act_block=node.attrs.get("act_block", 0))
     if node.op == "linear_q4" and pos == 2:
         return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op in EMBED_OPS and pos in (1, 2):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 
-import tvm
 from tvm.script import tirx as T
 
 from .gemm import panel_and_tile, signature, tile_output
@@ -45,11 +44,6 @@ QUAD = 4                                   # stored bytes per column in a row of
 ROWS, K_BLOCK, MICRO_ROWS = 48, 512, 6
 MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
 
-
-def has_quad_dot(target) -> bool:
-    """Whether the LLVM target runs QUAD_DOT (x86 with AVX-512 VNNI)."""
-    return ("x86" in str(target.attrs.get("mtriple", ""))
-            and bool(tvm.target.codegen.llvm_cpu_has_features(["avx512vnni", "avx512bw"], target)))
 
 
 def supports(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:

@@ -145,6 +145,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                                                                     int8_activations=int8_activations))
 
     from kiln.codegen import lower_graph
+    from kiln.codegen.pipelines import relax_pipeline
     lowered = phases.run("codegen", lower_graph, graph, tgt)
 
     def build():
@@ -154,7 +155,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
             from kiln.codegen.sampling import add_sampling_functions
             module = add_sampling_functions(module, model.config.vocab_size)
         with tgt.tvm_target(), tvm.transform.PassContext(config=tgt.pass_config()):
-            mod = tgt.relax_pipeline()(module)
+            mod = relax_pipeline(tgt)(module)
         from kiln.codegen.launches import host_launches, kernel_launches, kernel_names
         kernels = kernel_names(mod)
         launches = {step: (kernel_launches(mod, name), host_launches(mod, name))

@@ -94,3 +94,24 @@ def host_llvm_target() -> tvm.target.Target:
     """LLVM's target for this machine's CPU, each instruction set on or off as CPUID reports it
     ("mcpu": "native" is ignored by TVM's LLVM: the CPU's name and features are asked instead)."""
     return cpu_target(tvm.target.codegen.llvm_get_system_cpu(), reported_features())
+
+
+def x86_has(target: tvm.target.Target, features: list[str]) -> bool:
+    """Whether an LLVM target is x86 with every one of `features`."""
+    return ("x86" in str(target.attrs.get("mtriple", ""))
+            and bool(tvm.target.codegen.llvm_cpu_has_features(features, target)))
+
+
+def has_pair_dot(target: tvm.target.Target) -> bool:
+    """AVX2's vpmaddwd: int16 pairs into int32 lanes (codegen/int8_gemm.py, int8_gemv.py)."""
+    return x86_has(target, ["avx2"])
+
+
+def has_quad_dot(target: tvm.target.Target) -> bool:
+    """AVX-512 VNNI's vpdpbusd: byte quads into int32 lanes (codegen/vnni_linear.py)."""
+    return x86_has(target, ["avx512vnni", "avx512bw"])
+
+
+def has_bf16_dot(target: tvm.target.Target) -> bool:
+    """AVX-512 BF16's vdpbf16ps: bf16 pairs into float32 lanes (codegen/bf16_micro.py)."""
+    return x86_has(target, ["avx512bf16", "avx512f"])

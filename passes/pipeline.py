@@ -55,6 +55,12 @@ def _record(name: str, seconds: float, signatures: Counter, after: Graph) -> tup
     return record, now
 
 
+def _kernels_fuse_rope(target) -> bool:
+    """Whether every attention kernel the target prefers runs the fused rope + attention form."""
+    from kiln.codegen.attention_kernels import KERNELS
+    return all(KERNELS[names[0]].fused_qkv for names in target.attention_kernels.values())
+
+
 def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None,
                  quant_embedding: bool = True, mla_expanded_from: int | None = None,
@@ -86,7 +92,7 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
         ("fuse_gate_up", fuse_gate_up),
         ("fuse_residual_add", fuse_residual_add),
     ]
-    if "fuse_rope_attention" in target.fusions:
+    if _kernels_fuse_rope(target):
         passes.append(("fuse_rope_attention", fuse_rope_attention))
     if quant:
         if int8_activations and not target.activation_block:

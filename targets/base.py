@@ -70,23 +70,6 @@ class Target:
             supported = ", ".join(self.kv_dtypes) or "none: its attention kernel reads only unquantised pages"
             raise KilnError(f"--kv-dtype {kv_dtype} is not supported on target {self.name} (supported: {supported})")
 
-    # -- kernel choices --------------------------------------------------------------------
-    @property
-    def fusions(self) -> tuple[str, ...]:
-        """Optional fusion passes this target's kernels want (passes/pipeline.py): the rope +
-        attention fusion only where every attention kernel it prefers runs the fused form."""
-        from kiln.codegen.attention_kernels import KERNELS
-        firsts = [names[0] for names in self.attention_kernels.values()]
-        return ("fuse_rope_attention",) if all(KERNELS[k].fused_qkv for k in firsts) else ()
-
-
-    def linear_layout(self, n_out: int, n_in: int, operands: str | None = None, act_block: int = 0) -> str:
-        """How a linear weight [out, in] is stored: 'nk' (as in transformers) or 'packedNB[xF[nS]]'
-        (codegen/layouts.py). operands: what its kernel multiplies, where the target has a dot
-        product for them: "q8"/"q4" weights with int8 activations in blocks of `act_block`, "bf16"
-        weights and activations."""
-        return "nk"
-
     # -- lowering to machine code ------------------------------------------------------------
     def relax_pipeline(self):
         raise NotImplementedError

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import tvm
 
-from kiln.codegen.layouts import packed_layout
-from kiln.host_cpu import cpu_target, host_cpu_features, host_llvm_target, missing_cpu_features, named_cpu_features
+from kiln.host_cpu import (cpu_target, has_bf16_dot, has_pair_dot, has_quad_dot, host_cpu_features, host_llvm_target,
+                           missing_cpu_features, named_cpu_features)
 
 from .base import Target
 
@@ -32,15 +32,12 @@ def _int8_dot(target: tvm.target.Target) -> str:
     """The integer dot kiln's int8-activation kernels use on `target`'s CPU: "vnni" (AVX-512 VNNI,
     codegen/vnni_linear.py), "avx2" (vpmaddwd, codegen/int8_gemm.py and int8_gemv.py), or "" (none:
     linears keep float activations)."""
-    from kiln.codegen.int8_gemm import has_pair_dot
-    from kiln.codegen.vnni_linear import has_quad_dot
     return "vnni" if has_quad_dot(target) else "avx2" if has_pair_dot(target) else ""
 
 
 def _bf16_dot(target: tvm.target.Target) -> bool:
     """Whether `target`'s CPU multiplies bf16 pairs (AVX-512 BF16): bf16 linears then run
     codegen/bf16_linear.py."""
-    from kiln.codegen.bf16_micro import has_bf16_dot
     return has_bf16_dot(target)
 
 
@@ -83,42 +80,6 @@ class CPUTarget(Target):
 
     def tvm_target(self) -> tvm.target.Target:
         return named_cpu_target(self.arch) if self.arch else host_cpu_target()
-
-    def linear_layout(self, n_out, n_in, operands=None, act_block=0):
-        # Pack nb output columns contiguously so the kernel accumulates nb lanes in registers; for
-        # a dot product put the inputs it multiplies at once side by side.
-        nb = next((nb for nb in (64, 32, 16, 8) if n_out % nb == 0), None)
-        if nb is None:
-            return "nk"
-        if operands == "bf16":
-            return packed_layout(nb, 2) if self.bf16_dot and nb % 16 == 0 and n_in % 2 == 0 else packed_layout(nb)
-        if operands in ("q8", "q4") and self.int8_dot == "vnni" and act_block > 0:
-            from kiln.codegen.weight_format import WeightFormat
-            from kiln.codegen.vnni_linear import supports
-            inputs = n_in * (2 if operands == "q4" else 1)           # a q4 weight is stored as bytes of two
-            if supports(n_out, inputs, nb, WeightFormat(operands, act_block=act_block)):
-                # vpdpbusd's byte quads; a q4 byte's nibbles from two activation blocks
-                return packed_layout(nb, 4, act_block if operands == "q4" else 0)
-        if operands == "q8" and n_in % 2 == 0:
-            return packed_layout(nb, 2)                  # vpmaddwd's pairs (a q4 byte is one already)
-        return packed_layout(nb)
-
-    def relax_pipeline(self):
-        # TVM's CPU pipeline (legalize, fuse elementwise chains, lower to the VM), with the kernels
-        # it legalised scheduled after fusion (codegen/cpu_schedule.py); kiln's own kernels are
-        # opaque (op_pattern 8) and keep their schedules.
-        from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
-        from kiln.codegen.cpu_schedule import schedule_cpu_kernels
-        target = self.tvm_target()
-
-        @tvm.transform.module_pass(opt_level=0)
-        def pipeline(mod, _ctx):
-            with target:
-                return tvm.transform.Sequential(
-                    cpu_generic.library_dispatch_passes(target) + cpu_generic.legalize_passes(target)
-                    + [schedule_cpu_kernels()] + cpu_generic.dataflow_lower_passes(target)
-                    + cpu_generic.finalize_passes(target))(mod)
-        return pipeline
 
 
 TARGET_CLASS = CPUTarget

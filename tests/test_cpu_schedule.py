@@ -26,6 +26,7 @@ def _swiglu_module(tokens: int, width: int):
 def test_a_fused_elementwise_kernel_runs_parallel_and_vectorised_and_equals_numpy():
     from tvm import relax
     from kiln.codegen.cpu_schedule import schedule_cpu_kernels
+    from kiln.codegen.pipelines import relax_pipeline
     from kiln.targets.cpu import CPUTarget
     target = CPUTarget()
     mod = _swiglu_module(5, 256)
@@ -38,7 +39,7 @@ def test_a_fused_elementwise_kernel_runs_parallel_and_vectorised_and_equals_nump
     text = "".join(f.script() for f in kernels)
     assert "T.parallel(" in text and "T.vectorized(" in text, text
 
-    built = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=target.relax_pipeline())
+    built = tvm.compile(mod, target=target.tvm_target(), relax_pipeline=relax_pipeline(target))
     vm = relax.VirtualMachine(built, tvm.cpu())
     x = np.random.default_rng(0).standard_normal((5, 512)).astype(np.float32)
     gate, up = x[:, :256], x[:, 256:]

@@ -25,12 +25,13 @@ VOCAB = 3000
 @pytest.fixture(scope="module")
 def vm():
     from tvm import relax
+    from kiln.codegen.pipelines import relax_pipeline
     from kiln.codegen.sampling import add_sampling_functions
     from kiln.targets.cpu import CPUTarget
     target = CPUTarget()
     mod = add_sampling_functions(tvm.IRModule())
     with target.tvm_target():
-        mod = target.relax_pipeline()(mod)
+        mod = relax_pipeline(target)(mod)
     return relax.VirtualMachine(target.build(mod), tvm.cpu())
 
 
@@ -247,10 +248,11 @@ def test_sampling_functions_build_for_cuda(tmp_path):
         from kiln.targets.cuda import make_target
         target = make_target("sm_90")
         import tvm
+        from kiln.codegen.pipelines import relax_pipeline
         from kiln.codegen.sampling import add_sampling_functions
         start = time.perf_counter()
         with target.tvm_target():
-            mod = target.relax_pipeline()(add_sampling_functions(tvm.IRModule()))
+            mod = relax_pipeline(target)(add_sampling_functions(tvm.IRModule()))
         from kiln.codegen.launches import kernel_names
         kernels = kernel_names(mod)
         target.export_library(target.build(mod), {str(tmp_path / "sampling.so")!r})

@@ -54,7 +54,7 @@ def int8_layout(op: str) -> str:
 
 
 def pair_dot_or_skip():
-    from kiln.codegen.int8_gemm import has_pair_dot
+    from kiln.host_cpu import has_pair_dot
     from kiln.targets.cpu import host_cpu_target
     if not has_pair_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
@@ -79,7 +79,8 @@ def test_int8_gemv_equals_the_interpreter(op, dtype, bias, residual):
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
 def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
     """codegen/vnni_linear.py (every step on AVX-512 VNNI CPUs), weights in byte quads."""
-    from kiln.codegen.vnni_linear import has_quad_dot, vnni_linear_kernel
+    from kiln.codegen.vnni_linear import vnni_linear_kernel
+    from kiln.host_cpu import has_quad_dot
     from kiln.targets.cpu import host_cpu_target
     if not has_quad_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
@@ -115,7 +116,8 @@ def test_bf16_dot_kernel_equals_the_interpreter(bias, residual, tmp_path):
     """codegen/bf16_linear.py (every step on AVX-512 BF16 CPUs), weights in input pairs, its
     micro-kernels (codegen/bf16_micro.py) linked in as the artifact links them."""
     from kiln.codegen.bf16_linear import bf16_linear_kernel, micro_kernels
-    from kiln.codegen.bf16_micro import has_bf16_dot, micro_module
+    from kiln.codegen.bf16_micro import micro_module
+    from kiln.host_cpu import has_bf16_dot
     from kiln.targets.cpu import host_cpu_target
     if not has_bf16_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX-512 BF16 (vdpbf16ps)")

@@ -110,7 +110,7 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     a level (a ~1e-3 change in these 256-wide models), so that equality is held op by op
     (tests/test_gemm.py)."""
     import transformers
-    from kiln.codegen.int8_gemm import has_pair_dot
+    from kiln.host_cpu import has_pair_dot
     from kiln.artifact import read_manifest
     from kiln.inspect import summary
     from kiln.runtime.llm import LLM

@@ -47,11 +47,12 @@ def compiled(graph, load):
 
     from kiln.codegen import lower_graph
     from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.pipelines import relax_pipeline
     from kiln.targets.cpu import CPUTarget
     target = CPUTarget()
     lowered = lower_graph(graph, target)
     with target.tvm_target(), tvm.transform.PassContext(config=target.pass_config()):
-        mod = target.relax_pipeline()(lowered.module)
+        mod = relax_pipeline(target)(lowered.module)
     vm = VirtualMachine(target.build(mod), tvm.cpu())
     weights = [tvm.runtime.tensor(apply_layout(w.layout, load(w.param)), tvm.cpu()) for w in lowered.weights]
 
