@@ -13,8 +13,7 @@ from tvm import tirx
 
 from .gemv_source import GemvConfig, gemv_source
 from .gemv_tuning import default_configs
-from .mma_gemm import form_suffix, launch_lines, linear_signature, prim_func
-from .mma_source import CTYPES
+from .mma_gemm import launch_lines, linear_signature, linear_sources, prim_func
 
 def gemv_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, weight: str = "float",
                 group_size: int = 0, activation: str | None = None,
@@ -24,12 +23,9 @@ def gemv_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, w
     codegen/mma_gemm.py's mma_linear_kernel, `configs` (up to rows, config) ascending (default:
     `default_configs` for `arch`)."""
     configs = configs or default_configs(n_out, n_in, weight, bool(activation), arch, group_size)
-    suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
-    sources, names = {}, []
-    for _, config in configs:
-        names.append(f"kiln_gemv_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_{config.name}{suffix}")
-        sources[names[-1]] = gemv_source(names[-1], dtype, config, n_out, n_in, bias, residual, weight, group_size,
-                                         activation)
+    names, sources = linear_sources("gemv", dtype, n_out, n_in, bias, residual, weight, group_size, activation, configs,
+                                    lambda name, config: gemv_source(name, dtype, config, n_out, n_in, bias, residual,
+                                                                     weight, group_size, activation))
 
     def launch(name, config, ptrs, indent):
         return launch_lines(name, n_out // config.rows, 0, config.threads, config.shared_bytes(), ptrs, indent)

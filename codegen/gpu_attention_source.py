@@ -80,7 +80,6 @@ template <> __device__ __forceinline__ float half_value<__nv_bfloat16>(unsigned 
 template <> __device__ __forceinline__ float half_value<__half>(unsigned bits) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
-template <> __device__ __forceinline__ float half_value<float>(unsigned bits) { return 0.f; }   // never called
 
 // an e4m3 code's value (exact)
 __device__ __forceinline__ float e4m3_value(unsigned c) {

@@ -81,15 +81,25 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
     rows, tile) in ascending rows, the last one for every larger step (its rows are ignored);
     `weight`: the stored format (float, q8, fp8, q4 with `group_size`); `activation` (silu,
     gelu_tanh): a gated MLP's gate/up linear, weights stored 'gated', y [rows, n_out / 2]."""
-    suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
-    sources, names = {}, []
-    for _, tile in tiles:
-        names.append(f"kiln_mma_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_{tile.name}{suffix}")
-        sources[names[-1]] = kernel_source(names[-1], dtype, tile, n_out, n_in, bias, residual, weight, group_size,
-                                           activation)
+    names, sources = linear_sources("mma", dtype, n_out, n_in, bias, residual, weight, group_size, activation, tiles,
+                                    lambda name, tile: kernel_source(name, dtype, tile, n_out, n_in, bias, residual,
+                                                                     weight, group_size, activation))
     launch = lambda name, tile, ptrs, indent: _launch(name, tile, n_out, ptrs, indent, weight)      # noqa: E731
     return prim_func(*linear_signature(n_out, n_in, dtype, bias, residual, weight, group_size, activation),
                      tiles, names, sources, launch), list(sources)
+
+
+def linear_sources(family: str, dtype: str, n_out: int, n_in: int, bias: bool, residual: bool, weight: str,
+                   group_size: int, activation: str | None, configs, source) -> tuple[list[str], dict]:
+    """Each config's kernel name (kiln_`family`_dtype_form_NxK_config_epilogue) in order, and each
+    name's CUDA source, `source`(name, config); a config serving several rows buckets is built once."""
+    suffix = ("_bias" if bias else "") + ("_residual" if residual else "") + (f"_{activation}" if activation else "")
+    names, sources = [], {}
+    for _, config in configs:
+        names.append(f"kiln_{family}_{CTYPES[dtype][1]}{form_suffix(weight, group_size)}_{n_out}x{n_in}_"
+                     f"{config.name}{suffix}")
+        sources[names[-1]] = source(names[-1], config)
+    return names, sources
 
 
 def linear_signature(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool, weight: str, group_size: int,

@@ -19,15 +19,13 @@ before.
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from kiln.artifact import GRAPH_ENTRY, WIDE_GRAPH_ENTRY
 
 from .cuda_runtime import DEVICE_TO_HOST, CudaRuntime
 from .device_sampler import DeviceLogits, HostLogits
-from .step_buffers import pinned_device
+from .step_buffers import host_array, pinned_device
 
 ID_BYTES = 4            # the compiled samplers' ids are int32, as the token buffer is
 PINNED_SLOTS = 2        # read-back buffers in turn: a step's ids are read before the step after next launches
@@ -48,7 +46,7 @@ class OnDevice:
 
     def __init__(self, groups: list, count: int, logits: DeviceLogits, readback=None):
         self.groups, self.count, self.logits = groups, count, logits
-        self.readback = readback                 # (CudaRuntime, event, pinned tensor), or None: read plainly
+        self.readback = readback                 # (CudaRuntime, event, the pinned ids as numpy), or None: read plainly
         self._tokens: np.ndarray | None = None
         self.places = {i: (ids, place) for picked, ids in groups for place, i in enumerate(picked)}
 
@@ -63,11 +61,10 @@ class OnDevice:
                 for picked, ids in self.groups:
                     tokens[picked] = ids.numpy()
             else:
-                cuda, event, pinned = self.readback
+                cuda, event, host = self.readback
                 cuda.wait(event)
-                host = np.ctypeslib.as_array((ctypes.c_int32 * self.count).from_address(pinned.data_ptr()))
                 order = [i for picked, _ in self.groups for i in picked]
-                tokens[order] = host
+                tokens[order] = host[:self.count]
             self._tokens = tokens
         return self._tokens, self.logits
 
@@ -83,7 +80,7 @@ class Launcher:
             cuda = CudaRuntime()
         self.host_device = host_device or (pinned_device(model.device) if cuda else None)
         self.cuda = cuda if self.host_device is not None else None
-        self.pinned: list = [None] * PINNED_SLOTS
+        self.pinned: list = [None] * PINNED_SLOTS     # (pinned tensor, numpy over it) per slot
         self.events = [self.cuda.new_event() for _ in range(PINNED_SLOTS)] if self.cuda else []
         self.turn = 0
 
@@ -137,12 +134,14 @@ class Launcher:
         import tvm
         slot = self.turn % PINNED_SLOTS
         self.turn += 1
-        if self.pinned[slot] is None or int(self.pinned[slot].shape[0]) < count:
-            self.pinned[slot] = tvm.runtime.empty((max(count, 64),), "int32", self.host_device)
+        if self.pinned[slot] is None or int(self.pinned[slot][0].shape[0]) < count:
+            buffer = tvm.runtime.empty((max(count, 64),), "int32", self.host_device)
+            self.pinned[slot] = (buffer, host_array(buffer, int(buffer.shape[0]), np.int32))
+        buffer, host = self.pinned[slot]
         offset = 0
         for picked, ids in groups:
-            self.cuda.copy_async(self.pinned[slot].data_ptr() + ID_BYTES * offset, ids.data_ptr(),
-                                 ID_BYTES * len(picked), DEVICE_TO_HOST)
+            self.cuda.copy_async(buffer.data_ptr() + ID_BYTES * offset, ids.data_ptr(), ID_BYTES * len(picked),
+                                 DEVICE_TO_HOST)
             offset += len(picked)
         self.cuda.record(self.events[slot])
-        return self.cuda, self.events[slot], self.pinned[slot]
+        return self.cuda, self.events[slot], host

@@ -48,15 +48,19 @@ class StepBuffers:
         CUDA device, none elsewhere (a CPU's buffers take the array directly)."""
         self.device, self.fixed = device, fixed
         self.pinned = staging_device if staging_device is not None else pinned_device(device)
-        self.buffers: dict[str, tuple] = {}        # name -> (device buffer, [staging buffers] or None)
+        self.buffers: dict[str, tuple] = {}        # name -> (device buffer, [(staging buffer, its bytes)] or None)
         self.turns: dict[str, int] = {}            # name -> puts so far, to pick its staging slot
         for name, capacity in (capacities or {}).items():
             self._allocate(name, capacity, "int32")
 
     def _allocate(self, name: str, capacity: int, dtype: str) -> None:
+        """The device buffer, and its staging buffers each with a byte view numpy writes through
+        (made once here: no per-step wrapping of the pinned memory)."""
         import tvm
-        staging = ([tvm.runtime.empty((capacity,), dtype, self.pinned) for _ in range(STAGING_SLOTS)]
-                   if self.pinned else None)
+        staging = None
+        if self.pinned:
+            slots = [tvm.runtime.empty((capacity,), dtype, self.pinned) for _ in range(STAGING_SLOTS)]
+            staging = [(slot, host_array(slot, capacity * np.dtype(dtype).itemsize, np.uint8)) for slot in slots]
         self.buffers[name] = (tvm.runtime.empty((capacity,), dtype, self.device), staging)
 
     def capacity(self, name: str) -> int:
@@ -80,7 +84,7 @@ class StepBuffers:
             else:
                 turn = self.turns.get(name, 0)
                 self.turns[name] = turn + 1
-                slot = staging[turn % STAGING_SLOTS]
-                host_array(slot, len(array), array.dtype)[:] = array
+                slot, memory = staging[turn % STAGING_SLOTS]
+                memory[:array.nbytes] = np.ascontiguousarray(array).view(np.uint8)
                 target.copyfrom(slot._create_view((len(array),), str(array.dtype)))
         return device_buffer._create_view((length,), str(array.dtype))

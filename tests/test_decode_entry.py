@@ -219,7 +219,7 @@ def test_staged_uploads_write_pinned_memory_in_turn_and_never_wait_for_the_strea
     for s, array in enumerate(steps):
         assert buffers.put("tokens", array).numpy().tolist() == array.tolist()
         for earlier in range(max(0, s - STAGING_SLOTS + 1), s + 1):   # the slots still in use are intact
-            slot = buffers.buffers["tokens"][1][earlier % STAGING_SLOTS]
+            slot = buffers.buffers["tokens"][1][earlier % STAGING_SLOTS][0]
             assert host_array(slot, 4, np.int32).tolist() == steps[earlier].tolist()
     view = buffers.put("rows", np.array([0.5, 2.0]), length=3)
     assert view.shape == (3,) and view.numpy()[:2].tolist() == [0.5, 2.0]
