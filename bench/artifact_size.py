@@ -40,7 +40,7 @@ def main() -> None:
             manifest = json.loads((path / "manifest.json").read_text())
         else:
             manifest = compile_model(model_dir, path, target="cpu", dtype=dtype, quant=quant,
-                                     quant_embedding=quant_embedding, show=None)
+                                     quant_embedding=quant_embedding, show=None).to_json()
         total = sum(f["bytes"] for f in manifest["files"].values())
         q = manifest["quantization"]
         embedding = q["embedding"] + (", shared with the LM head" if q.get("embedding_shared_with_lm_head") else "")

@@ -119,7 +119,7 @@ def main() -> None:
         dtype, quant, kv = MODES[mode]
         t0 = time.perf_counter()
         manifest = compile_model(model_dir, work / f"artifact-{mode}", target="cpu", dtype=dtype, quant=quant,
-                                 kv_dtype=kv, show=None, force=True)
+                                 kv_dtype=kv, show=None, force=True).to_json()
         compile_s = time.perf_counter() - t0
         size_mib = sum(f["bytes"] for f in manifest["files"].values()) / 2**20
         llm = LLM(work / f"artifact-{mode}", kv_memory="512MiB", max_num_seqs=max(batches))

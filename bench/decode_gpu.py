@@ -50,7 +50,7 @@ def step_bytes(model, batch: int, context: int) -> int:
     """Bytes one decode step of `batch` sequences at `context` tokens each must read: every stored
     weight, except that of an embedding table not shared with the LM head only the batch's rows
     are read; plus each sequence's KV."""
-    m = model.manifest
+    m = model.manifest.to_json()
     shared = m["quantization"].get("embedding_shared_with_lm_head")
     total = 0
     for w in m["weights"]:
@@ -107,7 +107,7 @@ def hf_config(artifact: Path) -> dict | None:
     bench/gpu_kit.py writes), or where the manifest says it was compiled from."""
     import json
     from kiln.artifact import read_manifest
-    for model_dir in (artifact.parent / "model", Path(read_manifest(artifact, verify=False)["model"]["source"])):
+    for model_dir in (artifact.parent / "model", Path(read_manifest(artifact, verify=False).model.source)):
         if (model_dir / "config.json").exists():
             return json.loads((model_dir / "config.json").read_text())
     return None
@@ -181,7 +181,7 @@ def main() -> None:
     for path in args.artifacts:
         llm = LLM(path, kv_memory="auto", max_num_seqs=max(args.batches),
                   size_kv_for=max(args.batches) * (args.prompt_len + args.new_tokens))
-        m = llm.model.manifest
+        m = llm.model.manifest.to_json()
         mode = m["quantization"]["weights"] if m["quantization"]["weights"] != "none" else m["dtype"]
         shape = f"{m['model']['config']['num_layers']}L h{m['model']['config']['hidden_size']}"
         launches = m["launches_per_step"]["entries"]

@@ -116,7 +116,7 @@ def main() -> None:
         model_dir = preset_model(preset, work / "model")
         t0 = time.perf_counter()
         manifest = compile_model(model_dir, work / "artifact-bf16", target="cpu", dtype="bfloat16", show=None,
-                                 force=True)
+                                 force=True).to_json()
         compile_s = time.perf_counter() - t0
         llm = LLM(work / "artifact-bf16", kv_memory="256MiB", max_num_seqs=8)
 

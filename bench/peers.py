@@ -71,7 +71,7 @@ def llama_batched_rate(llama_cpp: Path, gguf: Path, new_tokens: int, threads: in
 def decode_bytes(artifact: Path) -> int:
     """Bytes of weights one decode step reads: all but an embedding table the LM head does not share."""
     from kiln.artifact import read_manifest
-    m = read_manifest(artifact, verify=False)
+    m = read_manifest(artifact, verify=False).to_json()
     item = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "float8_e4m3fn": 1}
     untied_table = not m["quantization"]["embedding_shared_with_lm_head"]
     return sum(item[w["dtype"]] * math.prod(w["shape"]) for w in m["weights"]

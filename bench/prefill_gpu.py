@@ -76,7 +76,7 @@ def main() -> None:
     from decode_gpu import hf_config
     from kiln import LLM
     from kiln.artifact import read_manifest
-    manifest = read_manifest(args.artifact, verify=False)
+    manifest = read_manifest(args.artifact, verify=False).to_json()
     lengths = [n for n in args.lengths if n < manifest["max_context"]]
     if lengths != args.lengths:
         print(f"(prompts of {manifest['max_context']} tokens or more skipped: the artifact's context)")

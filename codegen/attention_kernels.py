@@ -31,7 +31,7 @@ from kiln.errors import KilnError
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.types import numpy_dtype
 
-STEP_KINDS = ("mixed", "decode")
+BOTH_STEPS = ("mixed", "decode")          # a kernel serving any step and decode-only ones
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,12 @@ class AttentionKernel:
 
 _GPUS = ("cuda", "rocm", "metal")
 KERNELS = {k.name: k for k in (
-    AttentionKernel("kiln_cpu", STEP_KINDS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True, softcap=True),
-    AttentionKernel("tvm_prefill", STEP_KINDS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
+    AttentionKernel("kiln_cpu", BOTH_STEPS, ("cpu",), quantized_kv=True, fused_qkv=True, windows=True, softcap=True),
+    AttentionKernel("tvm_prefill", BOTH_STEPS, ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
     AttentionKernel("tvm_decode", ("decode",), ("cpu", *_GPUS), quantized_kv=False, fused_qkv=False, windows=False),
-    AttentionKernel("kiln_gpu", STEP_KINDS, ("cuda",), quantized_kv=True, fused_qkv=False, windows=True, softcap=True,
+    AttentionKernel("kiln_gpu", BOTH_STEPS, ("cuda",), quantized_kv=True, fused_qkv=False, windows=True, softcap=True,
                     row_bytes=16),
-    AttentionKernel("kiln_gpu_fallback", STEP_KINDS, _GPUS, quantized_kv=False, fused_qkv=False, windows=True,
+    AttentionKernel("kiln_gpu_fallback", BOTH_STEPS, _GPUS, quantized_kv=False, fused_qkv=False, windows=True,
                     softcap=True),
 )}
 

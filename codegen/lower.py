@@ -17,7 +17,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
-from kiln.artifact import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, StoredWeight
+from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, StoredWeight
 from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.moe_ops import MOE_EXPERT_OPS

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from kiln.interface import STEP_INPUTS
 from kiln.ir import Graph, GraphBuilder
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.ops import GATED_OPS
@@ -139,14 +140,9 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
     """The forward of one ragged engine step: new tokens of many sequences in, last-token logits out."""
     b = GraphBuilder(c.architecture)
     H, D, HQ, HKV, FF = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
-    tokens = b.input("tokens", ("tokens",), "int32")
-    positions = b.input("positions", ("tokens",), "int32")
-    q_indptr = b.input("q_indptr", ("seqs1",), "int32")              # [seqs + 1]
-    page_indptr = b.input("page_indptr", ("seqs1",), "int32")        # [seqs + 1]
-    page_values = b.input("page_values", ("nnz_pages",), "int32")
-    last_page_len = b.input("last_page_len", ("seqs",), "int32")
-    slot_mapping = b.input("slot_mapping", ("tokens",), "int32")
-    logit_rows = b.input("logit_rows", ("rows",), "int32")               # rows whose logits come back
+    # the step's inputs, in kiln/interface.py's order
+    (tokens, positions, q_indptr, page_indptr, page_values, last_page_len, slot_mapping,
+     logit_rows) = (b.input(i.name, (i.length,), "int32") for i in STEP_INPUTS)
     specs = [c.kv_spec(i, dtype, page_size) for i in range(c.num_layers)]
     kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
     rope_params = {name: b.param(name, (c.rope_dim // 2,), "float32") for name in c.computed_weights()}

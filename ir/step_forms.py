@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.interface import STEP_KINDS
+
 from .graph import Graph
 from .opdef import REQUIRED, check_indices, op
 from .types import TensorType
 
-STEP_KINDS = ("mixed", "decode", "prefill")
 CONTEXT_INPUTS = {"kv_slots": TensorType(("kv_tokens",), "int32"), "kv_indptr": TensorType(("seqs1",), "int32")}
 
 

@@ -20,34 +20,16 @@ import os
 import secrets
 import shutil
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 from kiln import __version__
 from kiln.errors import KilnError
-
-@dataclass(frozen=True)
-class StoredWeight:
-    """One tensor of an artifact's weights file, as its manifest lists it."""
-    name: str          # name in the weights file
-    param: str         # the IR param it is made from
-    layout: str        # codegen.layouts name
-    shape: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def from_manifest(cls, entry: dict) -> StoredWeight:
-        return cls(entry["name"], entry["param"], entry["layout"], tuple(entry["shape"]), entry["dtype"])
-
+from kiln.interface import INTERFACE_VERSION, Manifest
 
 T = TypeVar("T")          # what write_in_place returns
-INTERFACE_VERSION = 2       # 2: the manifest's kv lists a KVSpec per layer
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
-# the CUDA graph entries a manifest may name: decode steps of up to the largest batch bucket, and
-# those from decode_mma_from sequences (tensor-core linears)
-GRAPH_ENTRY, WIDE_GRAPH_ENTRY = "decode_graph", "decode_wide_graph"
 
 
 def file_digest(path: Path, algorithm: str = "blake3") -> str:
@@ -69,19 +51,22 @@ def new_hasher():
     return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 
-def write_manifest(artifact_dir: Path, manifest: dict, digests: dict[str, str] | None = None) -> dict:
+def write_manifest(artifact_dir: Path, manifest: Manifest, digests: dict[str, str] | None = None) -> Manifest:
     """Add the kiln version, interface version and file checksums, then write manifest.json.
     `digests` gives the BLAKE3 of files already hashed as they were written."""
     digests = digests or {}
     files = sorted(p for p in artifact_dir.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {"kiln_version": __version__, "interface_version": INTERFACE_VERSION, **manifest,
-                "files": {p.name: {"blake3": digests.get(p.name) or file_digest(p), "bytes": p.stat().st_size}
-                          for p in files}}
-    (artifact_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    manifest = manifest.replace(kiln_version=__version__, interface_version=INTERFACE_VERSION, files={
+        p.name: {"blake3": digests.get(p.name) or file_digest(p), "bytes": p.stat().st_size} for p in files})
+    save_manifest(artifact_dir / MANIFEST, manifest)
     return manifest
 
 
-def read_manifest(artifact_dir: str | Path, verify: bool = True) -> dict:
+def save_manifest(path: Path, manifest: Manifest) -> None:
+    path.write_text(json.dumps(manifest.to_json(), indent=1))
+
+
+def read_manifest(artifact_dir: str | Path, verify: bool = True) -> Manifest:
     """Read manifest.json; check the interface version, and with `verify` every file's checksum."""
     artifact_dir = Path(artifact_dir)
     path = artifact_dir / MANIFEST
@@ -98,18 +83,19 @@ def read_manifest(artifact_dir: str | Path, verify: bool = True) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise KilnError(f"{path}: not valid JSON ({e})") from None
-    version = manifest.get("interface_version")
+    version = manifest.get("interface_version") if isinstance(manifest, dict) else None
     if version != INTERFACE_VERSION:
         raise KilnError(f"{artifact_dir}: interface version {version} is not supported by this kiln "
                         f"(it runs version {INTERFACE_VERSION}); recompile the model")
+    manifest = Manifest.from_json(manifest)
     if verify:
         verify_files(artifact_dir, manifest)
     return manifest
 
 
-def check_sizes(artifact_dir: Path, manifest: dict) -> None:
+def check_sizes(artifact_dir: Path, manifest: Manifest) -> None:
     """Every file the manifest names is present with its recorded size (cheap: no byte is read)."""
-    for name, info in manifest.get("files", {}).items():
+    for name, info in manifest.files.items():
         file = artifact_dir / name
         if not file.exists():
             raise KilnError(f"{artifact_dir}: file {name} named in the manifest is missing")
@@ -118,11 +104,11 @@ def check_sizes(artifact_dir: Path, manifest: dict) -> None:
                             f"{info['bytes']} (the file is corrupted or was changed)")
 
 
-def verify_files(artifact_dir: Path, manifest: dict, names=None) -> int:
+def verify_files(artifact_dir: Path, manifest: Manifest, names=None) -> int:
     """Check the size and digest of every file (or of `names`); return the bytes hashed."""
     check_sizes(artifact_dir, manifest)
     hashed = 0
-    for name, info in manifest.get("files", {}).items():
+    for name, info in manifest.files.items():
         if names is not None and name not in names:
             continue
         algorithm = "blake3" if "blake3" in info else "sha256"
@@ -132,11 +118,11 @@ def verify_files(artifact_dir: Path, manifest: dict, names=None) -> int:
     return hashed
 
 
-def start_verify(artifact_dir: Path, manifest: dict) -> Callable[[], None]:
+def start_verify(artifact_dir: Path, manifest: Manifest) -> Callable[[], None]:
     """Check every file but the weights now (the library is checked before it is loaded) and the
     weights in a background thread (hashing releases the GIL, so they load beside it); return
     `wait()`, which blocks until the check is done and raises what it found."""
-    files = set(manifest.get("files", {}))
+    files = set(manifest.files)
     verify_files(artifact_dir, manifest, files - {WEIGHTS})
     errors: list[BaseException] = []
 

@@ -15,12 +15,14 @@ generated ones (`kiln fill-weights`) only with `force`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
 
-from kiln.artifact import WEIGHTS, StoredWeight, read_manifest, write_in_place
+from kiln.artifact import WEIGHTS, read_manifest, write_in_place
 from kiln.errors import KilnError
+from kiln.interface import Manifest
 from kiln.generated_weights import check_replaceable, record_weights
 
 
@@ -30,28 +32,28 @@ def _config_differences(ours: dict, recorded: dict) -> list[str]:
     return sorted(k for k in ours.keys() | recorded.keys() if ours.get(k) != recorded.get(k))
 
 
-def planned_graph(model, manifest: dict):
+def planned_graph(model, manifest: Manifest):
     """The graph after the passes the artifact's compile ran, planned from its manifest alone."""
     from kiln.passes.pipeline import pipeline_for, run_pipeline
     from kiln.targets import planned_target
-    quant = manifest["quantization"]
-    target = planned_target(manifest["target"]["name"], manifest["target"].get("arch"), quant["activation_block"])
-    options = dict(quant=None if quant["weights"] == "none" else quant["weights"], quant_lm_head=quant["lm_head"],
-                   group_size=quant.get("group_size", 32),
-                   kv_dtype=None if quant["kv_cache"] == "none" else quant["kv_cache"],
-                   quant_embedding=quant["embedding"] != "none",
+    quant = manifest.quantization
+    target = planned_target(manifest.target.name, manifest.target.arch, quant.activation_block)
+    options = dict(quant=None if quant.weights == "none" else quant.weights, quant_lm_head=quant.lm_head,
+                   group_size=quant.group_size or 32,
+                   kv_dtype=None if quant.kv_cache == "none" else quant.kv_cache,
+                   quant_embedding=quant.embedding != "none",
                    # a latent (MLA) model's prefill entry starts at compile's --mla-expanded-from (0: none)
-                   mla_expanded_from=manifest.get("prefill_min_tokens", 0) if "mla" in manifest["attention_variants"]
+                   mla_expanded_from=manifest.prefill_min_tokens or 0 if "mla" in manifest.attention_variants
                    else None,
-                   int8_activations=quant["activation_block"] > 0 if quant["weights"] != "none" else None)
-    ran = {p["name"] for p in manifest["passes"]}
+                   int8_activations=quant.activation_block > 0 if quant.weights != "none" else None)
+    ran = {p["name"] for p in manifest.passes}
     passes = [(name, rewrite) for name, rewrite in pipeline_for(target, **options) if name in ran]
-    graph, _ = run_pipeline(model.build_graph(manifest["dtype"], manifest["kv"]["page_size"]), target, passes=passes)
+    graph, _ = run_pipeline(model.build_graph(manifest.dtype, manifest.kv.page_size), target, passes=passes)
     return graph
 
 
 def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool = False,
-                   progress: Callable[[str, float], None] | None = None) -> dict:
+                   progress: Callable[[str, float], None] | None = None) -> Manifest:
     """Write `model_dir`'s weights into `artifact_dir` (compiled with --no-weights from a model of the
     same config) and record them in its manifest; return the new manifest. The file is written
     beside its place and renamed there, then the manifest likewise (as `kiln fill-weights` does)."""
@@ -61,17 +63,17 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
     manifest = read_manifest(artifact_dir, verify=False)
     check_replaceable(artifact_dir, manifest, force, "attach-weights")
     model = load_hf_model(model_dir)
-    differ = _config_differences(model.config.to_json(), manifest["model"]["config"])
+    differ = _config_differences(model.config.to_json(), manifest.model.config)
     if differ:
         raise KilnError(f"{model_dir} is not the model {artifact_dir} was compiled from: its config differs in "
                         f"{', '.join(differ)}")
     graph = planned_graph(model, manifest)
-    stored = [StoredWeight.from_manifest(w) for w in manifest["weights"]]
+    stored = manifest.weights
     missing = [w.param for w in stored if w.param not in graph.params]
     if missing:
         raise KilnError(f"the passes planned from {artifact_dir}'s manifest give no param {', '.join(missing[:5])}: "
                         "the artifact was compiled by another kiln or its manifest was changed")
     digest = write_in_place(artifact_dir / WEIGHTS,
-                            lambda partial: write_weights(model, graph, stored, manifest["dtype"], partial, progress))
-    manifest = {**manifest, "model": {**manifest["model"], "source": str(Path(model_dir).resolve())}}
+                            lambda partial: write_weights(model, graph, stored, manifest.dtype, partial, progress))
+    manifest = manifest.replace(model=dataclasses.replace(manifest.model, source=str(Path(model_dir).resolve())))
     return record_weights(artifact_dir, manifest, "checkpoint", digest)

@@ -154,8 +154,8 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
                       quant_embedding=quant_embedding, force=force, weights=weights,
                       mla_expanded_from=mla_expanded_from,
                       int8_activations=None if activations is None else activations == "int8")
-    _err(f"wrote {output} (target {target}): {len(m['kernels'])} kernels, {m['dtype']}, "
-         f"{sum(f['bytes'] for f in m['files'].values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
+    _err(f"wrote {output} (target {target}): {len(m.kernels)} kernels, {m.dtype}, "
+         f"{sum(f['bytes'] for f in m.files.values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
          + ("" if weights else "; no weights (kiln attach-weights or fill-weights writes them)"))
 
 
@@ -185,8 +185,8 @@ def fill_weights(artifact, seed, force):
     from kiln.generated_weights import fill_weights as fill
     phases = Phases(_err)
     m = phases.run("weights", fill, artifact, seed, force, phases.progress)
-    size, seconds = m["files"][WEIGHTS]["bytes"], phases.seconds["weights"]
-    _err(f"wrote {artifact}: {len(m['weights'])} tensors, {size / 2**20:.1f} MiB of seeded random weights "
+    size, seconds = m.files[WEIGHTS]["bytes"], phases.seconds["weights"]
+    _err(f"wrote {artifact}: {len(m.weights)} tensors, {size / 2**20:.1f} MiB of seeded random weights "
          f"(seed {seed}) in {seconds:.1f}s ({size / 2**30 / max(seconds, 1e-3):.1f} GiB/s)")
 
 
@@ -205,7 +205,7 @@ def attach_weights(artifact, model_dir, force):
     from kiln.compiler import Phases
     phases = Phases(_err)
     m = phases.run("weights", attach, artifact, model_dir, force, phases.progress)
-    _err(f"wrote {artifact}: {len(m['weights'])} tensors, {m['files'][WEIGHTS]['bytes'] / 2**20:.1f} MiB of "
+    _err(f"wrote {artifact}: {len(m.weights)} tensors, {m.files[WEIGHTS]['bytes'] / 2**20:.1f} MiB of "
          f"{model_dir}'s weights in {phases.seconds['weights']:.1f}s")
 
 

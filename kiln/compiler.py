@@ -12,6 +12,7 @@ from typing import Callable
 
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
 from kiln.errors import KilnError
+from kiln.interface import STEP_KINDS, KVLayout, Manifest, ModelRecord, Quantization, TargetRecord
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.step_forms import prefill_min_tokens
 
@@ -100,7 +101,7 @@ def _linear_kernels(launches: dict) -> dict:
     return {step: names for step, names in kinds.items() if names}
 
 
-def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> dict:
+def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> Manifest:
     """Compile `model_dir` into an artifact at `out_dir`; `options` are `_compile_into`'s.
 
     `out_dir` must not exist, be an empty directory, or (with `force`) hold a kiln artifact. The
@@ -120,7 +121,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
                   dump: Callable | None = None, disable_passes: set[str] = frozenset(),
                   quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
                   kv_dtype: str | None = None, quant_embedding: bool = True, weights: bool = True,
-                  mla_expanded_from: int | None = None, int8_activations: bool | None = None) -> dict:
+                  mla_expanded_from: int | None = None, int8_activations: bool | None = None) -> Manifest:
     """Compile `model_dir` into the empty directory `out_dir`; `dump(pass_name, graph)` sees the IR after each
     pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False; q8/q4
     linears take int8 activations where the target has the kernel, unless `int8_activations` is False. Without
@@ -172,44 +173,39 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
     c = model.config
     embedding, embedding_shared = _embedding_storage(graph)
     attention = _attention_layers(graph, tgt)
-    return write_manifest(out_dir, digests={WEIGHTS: weights_digest} if weights else {}, manifest={
-        "model": {"architecture": c.architecture, "config": c.to_json(), "source": str(Path(model_dir).resolve())},
-        "target": {"name": tgt.name, "arch": tgt.arch, "device": tgt.device, "tvm_target": str(tgt.tvm_target()),
-                   "runs_here": tgt.runs_here, **({"note": tgt.note} if tgt.note else {}),
-                   **({"cpu_features": tgt.cpu_features()} if tgt.device == "cpu" else {})},
-        "dtype": dtype,
-        "quantization": {"weights": quant or "none", "lm_head": bool(quant and quant_lm_head), "embedding": embedding,
-                         "embedding_shared_with_lm_head": embedding_shared,
-                         "kv_cache": kv_dtype or "none", **({"group_size": group_size} if quant == "q4" else {}),
-                         "activation_block": _activation_block(graph)},
-        "kv": {"page_size": tgt.page_size, "layers": [graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs))]},
-        "vocab_size": c.vocab_size,
-        "max_context": c.max_context,
-        "library": tgt.library_name,
-        "entry": "forward",
-        "entries": lowered.entries,
-        **({"prefill_min_tokens": prefill_min_tokens(graph)} if "prefill" in lowered.entries else {}),
-        **({"decode_gemm_from": tgt.decode_gemm_from}
-           if tgt.chunk_gemm and tgt.decode_gemm_from and "decode" in lowered.entries else {}),
-        **({"decode_mma_from": tgt.decode_mma_from} if "decode_wide" in lowered.entries else {}),
-        "inputs": lowered.inputs,
-        "weights": [{"name": w.name, "param": w.param, "layout": w.layout, "shape": list(w.shape), "dtype": w.dtype}
-                    for w in lowered.weights],
-        "weights_source": "checkpoint" if weights else "absent",
-        "kernels": kernels,
-        "attention_variants": sorted({layer["variant"] for layer in attention}),
-        "attention_kernels": {step: sorted({layer[step] for layer in attention if step in layer})
-                              for step in ("mixed", "decode", "prefill") if any(step in layer for layer in attention)},
-        "attention_layers": attention,
-        "graph_batches": list(tgt.graph_batches),
-        "sampling": "device" if tgt.device_sampling else "host",
-        "launches_per_step": _launch_counts(launches),
-        "linear_kernels": _linear_kernels(launches),
-        "passes": [{"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
-                    "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records],
-        "compile_seconds": phases.seconds,
-        "tokenizer_files": tokenizer_files,
-    })
+    return write_manifest(out_dir, digests={WEIGHTS: weights_digest} if weights else {}, manifest=Manifest(
+        model=ModelRecord(c.architecture, c.to_json(), str(Path(model_dir).resolve())),
+        target=TargetRecord(tgt.name, tgt.device, tgt.arch, str(tgt.tvm_target()), tgt.runs_here, tgt.note or None,
+                            tuple(tgt.cpu_features()) if tgt.device == "cpu" else None),
+        dtype=dtype,
+        quantization=Quantization(quant or "none", bool(quant and quant_lm_head), embedding, embedding_shared,
+                                  kv_dtype or "none", group_size if quant == "q4" else None, _activation_block(graph)),
+        kv=KVLayout(tgt.page_size, tuple(graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs)))),
+        vocab_size=c.vocab_size,
+        max_context=c.max_context,
+        library=tgt.library_name,
+        entries=lowered.entries,
+        prefill_min_tokens=prefill_min_tokens(graph) if "prefill" in lowered.entries else None,
+        decode_gemm_from=tgt.decode_gemm_from or None
+        if tgt.chunk_gemm and "decode" in lowered.entries else None,
+        decode_mma_from=tgt.decode_mma_from if "decode_wide" in lowered.entries else None,
+        inputs=tuple(lowered.inputs),
+        weights=tuple(lowered.weights),
+        weights_source="checkpoint" if weights else "absent",
+        kernels=tuple(kernels),
+        attention_variants=tuple(sorted({layer["variant"] for layer in attention})),
+        attention_kernels={step: sorted({layer[step] for layer in attention if step in layer})
+                           for step in STEP_KINDS if any(step in layer for layer in attention)},
+        attention_layers=tuple(attention),
+        graph_batches=tuple(tgt.graph_batches),
+        sampling="device" if tgt.device_sampling else "host",
+        launches_per_step=_launch_counts(launches),
+        linear_kernels=_linear_kernels(launches),
+        passes=tuple({"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
+                      "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records),
+        compile_seconds=phases.seconds,
+        tokenizer_files=tuple(tokenizer_files),
+    ))
 
 
 def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -> str:

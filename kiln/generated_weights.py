@@ -31,7 +31,6 @@ only when asked to (`force`), and a weights file not written here never.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,14 +39,13 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.artifact import MANIFEST, WEIGHTS, new_hasher, read_manifest, write_in_place
+from kiln.artifact import MANIFEST, WEIGHTS, new_hasher, read_manifest, save_manifest, write_in_place
 from kiln.errors import KilnError
+from kiln.interface import Manifest, StoredWeight
 from kiln.ir.quant import SCHEMES
 from kiln.ir.types import numpy_dtype
 from kiln.safetensors_io import TensorSpec, read_header, write_safetensors
 
-SOURCE_KEY = "weights_source"
-SOURCES = ("checkpoint", "absent", "generated")
 GENERATOR = "kiln fill-weights"         # in the weights file's metadata: the mark of a file written here
 CHUNK_BYTES = 8 << 20                   # fixed: the bytes depend on it (and not on the thread count)
 WEIGHT_STD = 0.02
@@ -55,14 +53,6 @@ SCALE_JITTER = (0.75, 1.25)
 PROGRESS_BYTES = 256 << 20              # weights smaller than this are written without progress reports
 
 Filler = Callable[[np.random.Generator, np.ndarray], None]      # fills one flat chunk of a tensor
-
-
-def weights_source(manifest: dict) -> str:
-    """Where the artifact's weights came from (a manifest from before the field: a checkpoint)."""
-    source = manifest.get(SOURCE_KEY) or ("checkpoint" if WEIGHTS in manifest.get("files", {}) else "absent")
-    if source not in SOURCES:
-        raise KilnError(f"manifest records weights_source {source!r} (known: {', '.join(SOURCES)})")
-    return source
 
 
 @dataclass(frozen=True)
@@ -142,34 +132,34 @@ CODES = {"q8": q8_codes, "q4": q4_codes,
          "fp8": bit_pattern(*FORMATS["float8_e4m3fn"].two_octaves(FP8_OCTAVE))}
 
 
-def filler_for(weight: dict) -> Filler:
+def filler_for(weight: StoredWeight) -> Filler:
     """How to draw one manifest weight entry, from its param's name, dtype and shape."""
-    param, dtype, shape = weight["param"], weight["dtype"], weight["shape"]
+    param, dtype, shape = weight.param, weight.dtype, weight.shape
     part = param.rsplit(".", 1)[-1]                 # quantize names its params @w.q8 and @w.q8_scale
     scheme = SCHEMES.get(part.removesuffix("_scale"))
     if scheme is not None:
         is_scale = part.endswith("_scale")
         expected = scheme.scale_dtype if is_scale else scheme.weight_dtype
         if dtype != expected or scheme.name not in CODES:
-            raise KilnError(f"fill-weights cannot draw {weight['name']}: {dtype}, scheme {scheme.name} "
+            raise KilnError(f"fill-weights cannot draw {weight.name}: {dtype}, scheme {scheme.name} "
                             f"(it knows {', '.join(CODES)} with codes and scales as ir/quant.py stores them)")
         return scales(CODE_RMS[scheme.name]) if is_scale else CODES[scheme.name]
     if dtype not in FORMATS or dtype.startswith("float8"):
-        raise KilnError(f"fill-weights cannot draw {weight['name']}: a {dtype} tensor that is no quantised part")
+        raise KilnError(f"fill-weights cannot draw {weight.name}: a {dtype} tensor that is no quantised part")
     if len(shape) == 1 and "norm" in param:
         return bit_pattern(*FORMATS[dtype].near_one())
     return bit_pattern(*FORMATS[dtype].two_octaves(WEIGHT_OCTAVE))
 
 
-def computed_weight(weight: dict, config: dict) -> np.ndarray | None:
+def computed_weight(weight: StoredWeight, config: dict) -> np.ndarray | None:
     """The value of a weight that compile computes from the model's config rather than reading it
     (rope's inverse frequencies), computed the same way; None for every weight drawn at random."""
     from kiln.frontend.decoder import COMPUTED_PARAMS, DecoderConfig
-    if weight["param"] not in COMPUTED_PARAMS:
+    if weight.param not in COMPUTED_PARAMS:
         return None
-    value = DecoderConfig.from_json(config).computed_weights()[weight["param"]]()
-    if list(value.shape) != weight["shape"] or value.dtype.name != weight["dtype"]:
-        raise KilnError(f"{weight['name']} is {weight['dtype']}{weight['shape']} in the manifest, but the config "
+    value = DecoderConfig.from_json(config).computed_weights()[weight.param]()
+    if tuple(value.shape) != weight.shape or value.dtype.name != weight.dtype:
+        raise KilnError(f"{weight.name} is {weight.dtype}{list(weight.shape)} in the manifest, but the config "
                         f"gives {value.dtype.name}{list(value.shape)}")
     return value
 
@@ -191,9 +181,9 @@ class _Drawer:
     threads), so it is touched once, not once per tensor. Tensor i's buffer is drawn into again for
     tensor i + 2, which is started only when tensor i + 1 is asked for, after tensor i is written."""
 
-    def __init__(self, pool: ThreadPoolExecutor, weights: list[dict], config: dict, seed: int):
+    def __init__(self, pool: ThreadPoolExecutor, weights: tuple[StoredWeight, ...], config: dict, seed: int):
         self.pool, self.weights, self.config, self.seed = pool, weights, config, seed
-        self.specs = [TensorSpec(w["name"], tuple(w["shape"]), _storage_dtype(w["dtype"])) for w in weights]
+        self.specs = [TensorSpec(w.name, w.shape, _storage_dtype(w.dtype)) for w in weights]
         self.buffers = [np.empty(max([s.nbytes for s in self.specs] or [0]), np.uint8) for _ in range(2)]
         self.started: dict[int, tuple[np.ndarray, list[Future]]] = {}
 
@@ -236,14 +226,14 @@ def _is_generated_file(path: Path) -> bool:
         return False
 
 
-def check_replaceable(artifact_dir: Path, manifest: dict, force: bool, command: str = "fill-weights") -> None:
+def check_replaceable(artifact_dir: Path, manifest: Manifest, force: bool, command: str = "fill-weights") -> None:
     """Refuse to write weights where that would replace any not drawn here, or drawn ones unasked."""
-    source, path = weights_source(manifest), artifact_dir / WEIGHTS
+    source, path = manifest.weights_source, artifact_dir / WEIGHTS
     if source == "checkpoint":
         raise KilnError(f"{artifact_dir} holds weights from a checkpoint; {command} never replaces them "
                         "(it fills artifacts compiled with --no-weights)")
     if source == "generated" and not force:
-        seed = manifest["files"].get(WEIGHTS, {}).get("generated", {}).get("seed")
+        seed = manifest.files.get(WEIGHTS, {}).get("generated", {}).get("seed")
         raise KilnError(f"{artifact_dir} already has generated weights (seed {seed}); give --force to replace them")
     if path.exists() and not _is_generated_file(path):
         raise KilnError(f"{path} was not written by kiln fill-weights and the manifest does not record it; "
@@ -251,7 +241,7 @@ def check_replaceable(artifact_dir: Path, manifest: dict, force: bool, command: 
 
 
 def fill_weights(artifact_dir: str | Path, seed: int = 0, force: bool = False,
-                 progress: Callable[[str, float], None] | None = None) -> dict:
+                 progress: Callable[[str, float], None] | None = None) -> Manifest:
     """Write seeded random weights for every manifest weight of `artifact_dir` and record them in its
     manifest; return the new manifest. `progress(text, fraction)` hears of each tensor before it is
     written. The file is written beside its place and renamed there, then the manifest likewise: an
@@ -262,7 +252,7 @@ def fill_weights(artifact_dir: str | Path, seed: int = 0, force: bool = False,
         raise KilnError(f"seed must be 0 or more, not {seed}")
     manifest = read_manifest(artifact_dir, verify=False)
     check_replaceable(artifact_dir, manifest, force)
-    weights, config = manifest["weights"], manifest["model"]["config"]
+    weights, config = manifest.weights, manifest.model.config
     for w in weights:                   # refuse an unknown kind of tensor before writing anything
         if computed_weight(w, config) is None:
             filler_for(w)
@@ -286,11 +276,11 @@ def fill_weights(artifact_dir: str | Path, seed: int = 0, force: bool = False,
     return record_weights(artifact_dir, manifest, "generated", hasher.hexdigest(), generated={"seed": seed})
 
 
-def record_weights(artifact_dir: Path, manifest: dict, source: str, digest: str, **entry) -> dict:
+def record_weights(artifact_dir: Path, manifest: Manifest, source: str, digest: str, **entry) -> Manifest:
     """Record the weights file just written (its digest, size and `entry`'s fields) and where its weights
     came from in the manifest, replaced in place; return the new manifest."""
     size = (artifact_dir / WEIGHTS).stat().st_size
-    files = {**manifest["files"], WEIGHTS: {"blake3": digest, "bytes": size, **entry}}
-    manifest = {**manifest, SOURCE_KEY: source, "files": dict(sorted(files.items()))}
-    write_in_place(artifact_dir / MANIFEST, lambda partial: partial.write_text(json.dumps(manifest, indent=1)))
+    files = {**manifest.files, WEIGHTS: {"blake3": digest, "bytes": size, **entry}}
+    manifest = manifest.replace(weights_source=source, files=dict(sorted(files.items())))
+    write_in_place(artifact_dir / MANIFEST, lambda partial: save_manifest(partial, manifest))
     return manifest

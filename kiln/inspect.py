@@ -1,25 +1,26 @@
 """`kiln inspect`: a readable summary of an artifact's manifest."""
 from __future__ import annotations
 
-from kiln.artifact import read_manifest, verify_files
+from kiln.artifact import WEIGHTS, read_manifest, verify_files
+from kiln.interface import Manifest
 from kiln.ir.kv_spec import KVSpec
 
 
-def _attention_kernels(m: dict) -> str:
+def _attention_kernels(m: Manifest) -> str:
     """Which attention kernels run which steps (artifacts from before the record: unknown)."""
-    kernels = m.get("attention_kernels")
+    kernels = m.attention_kernels
     if not kernels:
         return "kernels not recorded"
-    chunks = f" (every sequence ≥ {m['prefill_min_tokens']} new tokens)" if "prefill_min_tokens" in m else ""
-    batches = f" (up to {m['decode_gemm_from'] - 1} sequences)" if "decode_gemm_from" in m else ""
+    chunks = f" (every sequence ≥ {m.prefill_min_tokens} new tokens)" if m.prefill_min_tokens is not None else ""
+    batches = f" (up to {m.decode_gemm_from - 1} sequences)" if m.decode_gemm_from else ""
     return "; ".join(f"{step} steps{chunks if step == 'prefill' else batches if step == 'decode' else ''}: "
                      f"{', '.join(names)}" for step, names in kernels.items())
 
 
-def _step_rows(m: dict, entry: str) -> str:
+def _step_rows(m: Manifest, entry: str) -> str:
     """An entry as the steps it runs: 'decode steps (up to 15 sequences)', 'decode steps from 16
     sequences' (their CUDA graphs run the same kernels)."""
-    wide_from = m.get("decode_mma_from")
+    wide_from = m.decode_mma_from
     if entry == "decode_wide":
         return f"decode steps from {wide_from} sequences"
     if entry == "decode" and wide_from:
@@ -27,11 +28,10 @@ def _step_rows(m: dict, entry: str) -> str:
     return f"{entry} steps"
 
 
-def _kv_layers(m: dict) -> list[str]:
+def _kv_layers(m: Manifest) -> list[str]:
     """Each run of layers with the same KV spec and attention kernels, one line per run."""
-    kernels = m["attention_layers"]
     rows = [(KVSpec.from_json(spec), (k["variant"], k["mixed"], k["decode"], k.get("prefill", k["mixed"])))
-            for spec, k in zip(m["kv"]["layers"], kernels)]
+            for spec, k in zip(m.kv.layers, m.attention_layers)]
     runs: list[list] = []
     for layer, row in enumerate(rows):
         if runs and runs[-1][2] == row:
@@ -48,38 +48,37 @@ def _kv_layers(m: dict) -> list[str]:
     return lines
 
 
-def _entry_launches(m: dict) -> str:
+def _entry_launches(m: Manifest) -> str:
     """Per entry function other than forward: kernels per step, and host launches where they differ."""
     parts = []
-    for step, n in m["launches_per_step"].get("entries", {}).items():
+    for step, n in m.launches_per_step.get("entries", {}).items():
         if step != "mixed":
             graphs = f" in {n['host_launches']} host launches (CUDA graph, batches " \
-                     f"{', '.join(map(str, m.get('graph_batches', [])))})" if n["host_launches"] != n["kernels"] else ""
+                     f"{', '.join(map(str, m.graph_batches))})" if n["host_launches"] != n["kernels"] else ""
             parts.append(f"; {step} steps: {n['kernels']} kernels{graphs}")
     return "".join(parts)
 
 
-def _quantization(m: dict) -> str:
+def _quantization(m: Manifest) -> str:
     """What is quantised and how, in words: the weights (with the LM head and the embedding table,
     which may stay in the model's dtype), the activations, the KV cache."""
-    q, dtype = m["quantization"], m["dtype"]
-    if q["weights"] == "none":
+    q, dtype = m.quantization, m.dtype
+    if q.weights == "none":
         weights = f"weights not quantised ({dtype})"
     else:
-        group = f" in groups of {q['group_size']}" if "group_size" in q else ""
-        head = "the LM head too" if q["lm_head"] else f"the LM head in {dtype}"
-        scheme = q.get("embedding", "none")       # manifests before the field kept the table in float
-        table = f"the embedding table {scheme}" if scheme != "none" else f"the embedding table in {dtype}"
-        weights = f"weights {q['weights']}{group} ({head}, {table})"
-    if q.get("embedding_shared_with_lm_head"):
+        group = f" in groups of {q.group_size}" if q.group_size else ""
+        head = "the LM head too" if q.lm_head else f"the LM head in {dtype}"
+        table = f"the embedding table {q.embedding}" if q.embedding != "none" else f"the embedding table in {dtype}"
+        weights = f"weights {q.weights}{group} ({head}, {table})"
+    if q.embedding_shared_with_lm_head:
         weights += "; the embedding table is the LM head's, stored once"
-    if q.get("activation_block"):
-        weights += f"; activations int8 in blocks of {q['activation_block']}"
-    kv = q["kv_cache"]
+    if q.activation_block:
+        weights += f"; activations int8 in blocks of {q.activation_block}"
+    kv = q.kv_cache
     return weights + "; KV cache " + (f"{dtype} (not quantised)" if kv == "none" else f"{kv} with a scale per row")
 
 
-def _passes(passes: list[dict]) -> list[str]:
+def _passes(passes: tuple[dict, ...]) -> list[str]:
     """What each pass did: the op counts it changed and the nodes it rewrote (from manifests that record
     them; older ones give node counts); the passes that changed nothing on one line."""
     lines, idle = [], []
@@ -98,13 +97,11 @@ def _passes(passes: list[dict]) -> list[str]:
     return [("passes     " if i == 0 else "           ") + line for i, line in enumerate(lines or ["(none)"])]
 
 
-def _weights_origin(m: dict) -> str:
+def _weights_origin(m: Manifest) -> str:
     """Where the weights came from: a checkpoint, seeded random draws, or nowhere yet."""
-    from kiln.artifact import WEIGHTS
-    from kiln.generated_weights import weights_source
-    source = weights_source(m)
+    source = m.weights_source
     if source == "generated":
-        return f"generated (seeded random, seed {m['files'][WEIGHTS]['generated']['seed']}): not a trained model"
+        return f"generated (seeded random, seed {m.files[WEIGHTS]['generated']['seed']}): not a trained model"
     if source == "absent":
         return "absent (compiled with --no-weights; `kiln fill-weights ARTIFACT --seed N` draws them)"
     return "from the checkpoint"
@@ -112,40 +109,40 @@ def _weights_origin(m: dict) -> str:
 
 def summary(artifact_dir) -> str:
     m = read_manifest(artifact_dir, verify=False)
-    c = m["model"]["config"]
-    t = m["target"]
-    total = sum(f["bytes"] for f in m["files"].values())
-    where = ("runs on this kind of machine" if t.get("runs_here") else t.get("note") if t["device"] == "cpu"
-             else f"built here, runs on a {t['device']} GPU")
+    c = m.model.config
+    t = m.target
+    total = sum(f["bytes"] for f in m.files.values())
+    where = ("runs on this kind of machine" if t.runs_here else t.note if t.device == "cpu"
+             else f"built here, runs on a {t.device} GPU")
     lines = [
         f"artifact   {artifact_dir}",
-        f"kiln       {m['kiln_version']} (interface {m['interface_version']})",
-        f"model      {m['model']['architecture']}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
+        f"kiln       {m.kiln_version} (interface {m.interface_version})",
+        f"model      {m.model.architecture}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads, head_dim {c['head_dim']}, vocab {c['vocab_size']}",
-        f"target     {t['name']}" + (f" {t['arch']}" if t.get("arch") else "") + f" ({where})",
+        f"target     {t.name}" + (f" {t.arch}" if t.arch else "") + f" ({where})",
         "quant      " + _quantization(m),
-        f"dtype      {m['dtype']}; KV pages of {m['kv']['page_size']} tokens; context {m['max_context']}",
-        f"kv cache   {sum(KVSpec.from_json(s).bytes_per_token for s in m['kv']['layers'])} bytes per token over "
-        f"{len(m['kv']['layers'])} layers, one page pool:",
+        f"dtype      {m.dtype}; KV pages of {m.kv.page_size} tokens; context {m.max_context}",
+        f"kv cache   {sum(KVSpec.from_json(s).bytes_per_token for s in m.kv.layers)} bytes per token over "
+        f"{len(m.kv.layers)} layers, one page pool:",
         *_kv_layers(m),
-        f"weights    {len(m['weights'])} tensors, {_weights_origin(m)}",
-        f"attention  paged, page size {m['kv']['page_size']}, kernel variant {', '.join(m['attention_variants'])}; "
+        f"weights    {len(m.weights)} tensors, {_weights_origin(m)}",
+        f"attention  paged, page size {m.kv.page_size}, kernel variant {', '.join(m.attention_variants)}; "
         + _attention_kernels(m),
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
-                         if m.get("sampling") == "device" else "on the host (NumPy), from the step's logits"),
+                         if m.sampling == "device" else "on the host (NumPy), from the step's logits"),
         *(["linears    " + "; ".join(f"{_step_rows(m, step)}: {', '.join(kinds)}"
-                                     for step, kinds in m["linear_kernels"].items() if not step.endswith("graph"))]
-          if m.get("linear_kernels") else []),
-        f"kernels    {len(m['kernels'])}: {', '.join(m['kernels'])}",
-        f"launches   {m['launches_per_step']['total']} kernel launches per forward step: "
-        + ", ".join(f"{k}×{n}" for k, n in m["launches_per_step"]["by_kernel"].items())
+                                     for step, kinds in m.linear_kernels.items() if not step.endswith("graph"))]
+          if m.linear_kernels else []),
+        f"kernels    {len(m.kernels)}: {', '.join(m.kernels)}",
+        f"launches   {m.launches_per_step['total']} kernel launches per forward step: "
+        + ", ".join(f"{k}×{n}" for k, n in m.launches_per_step["by_kernel"].items())
         + _entry_launches(m),
-        *_passes(m["passes"]),
-        "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m["compile_seconds"].items()),
+        *_passes(m.passes),
+        "compile    " + ", ".join(f"{k} {v:.1f}s" for k, v in m.compile_seconds.items()),
         f"files      {total / 2**20:.1f} MiB",
     ]
     lines += [f"  {name:<28} {info['bytes'] / 2**20:9.2f} MiB  {_digest(info)}"
-              for name, info in sorted(m["files"].items())]
+              for name, info in sorted(m.files.items())]
     return "\n".join(lines)
 
 
@@ -161,5 +158,5 @@ def verify(artifact_dir) -> str:
     t0 = time.perf_counter()
     m = read_manifest(artifact_dir, verify=False)
     hashed = verify_files(Path(artifact_dir), m)
-    return (f"verified   {len(m['files'])} files, {hashed / 2**20:.1f} MiB, in {time.perf_counter() - t0:.1f}s: "
+    return (f"verified   {len(m.files)} files, {hashed / 2**20:.1f} MiB, in {time.perf_counter() - t0:.1f}s: "
             "every checksum matches")

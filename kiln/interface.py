@@ -1,8 +1,202 @@
 """Contracts between what kiln compiles and what its runtime calls, in a leaf both import (so neither
-imports the other): the compiled sampler's functions, by the name the runtime looks each up with."""
+imports the other):
+  - the step's inputs (STEP_INPUTS), the kinds of step and the entries compile may build for them;
+  - the compiled sampler's functions, by the name the runtime looks each up with;
+  - the artifact's manifest (Manifest), which compile writes and the runtime, `kiln inspect`,
+    `attach-weights` and `fill-weights` read. manifest.json is its `to_json()`.
+"""
 from __future__ import annotations
 
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+
+# 2: the manifest's kv lists a KVSpec per layer. An artifact of another version is refused.
+INTERFACE_VERSION = 2
+
+
+# -- one step -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepInput:
+    """One int32 vector of a step's inputs, by name and symbolic length."""
+    name: str
+    length: str        # tokens, seqs, seqs1 (seqs + 1), nnz_pages or rows
+    meaning: str
+
+
+# A step is the new tokens of several sequences flattened in order (runtime/step.py builds it).
+STEP_INPUTS = (
+    StepInput("tokens", "tokens", "the new tokens"),
+    StepInput("positions", "tokens", "each new token's position in its sequence"),
+    StepInput("q_indptr", "seqs1", "where each sequence's new tokens start (CSR)"),
+    StepInput("page_indptr", "seqs1", "where each sequence's pages start in page_values (CSR)"),
+    StepInput("page_values", "nnz_pages", "each sequence's pages in order; -1 for one outside every window"),
+    StepInput("last_page_len", "seqs", "the rows used in each sequence's last page"),
+    StepInput("slot_mapping", "tokens", "each new token's KV slot (page * page_size + row)"),
+    StepInput("logit_rows", "rows", "the rows whose logits come back"),
+)
+STEP_INPUT_NAMES = tuple(i.name for i in STEP_INPUTS)
+
+# The kinds of step a graph may have a form for (ir/step_forms.py): "mixed" runs any step; "decode"
+# one new token per sequence; "prefill" steps whose every sequence brings many (MLA's expanded form).
+STEP_KINDS = ("mixed", "decode", "prefill")
+# The CUDA graph entries a manifest may name: decode steps of up to the largest batch bucket, and
+# those from decode_mma_from sequences (tensor-core linears).
+GRAPH_ENTRY, WIDE_GRAPH_ENTRY = "decode_graph", "decode_wide_graph"
+GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
+
+
+# -- the sampler ----------------------------------------------------------------------------------
 # what the runtime asks for -> the function codegen/sampling.py compiles into the artifact
 SAMPLER_FUNCTIONS = {"penalties": "apply_penalties", "greedy": "sample_greedy", "plain": "sample_plain",
                      "sorted": "sample_sorted", "logprobs": "token_logprobs"}
 MAX_LOGPROBS = 20       # the most alternatives SamplingParams.logprobs may ask for (the compiled top-k's k)
+
+
+# -- the manifest -----------------------------------------------------------------------------------
+# Its records mirror manifest.json's objects field by field; `None` fields are left out of the file.
+@dataclass(frozen=True)
+class StoredWeight:
+    """One tensor of an artifact's weights file, in the order the compiled functions take them."""
+    name: str          # name in the weights file
+    param: str         # the IR param it is made from
+    layout: str        # codegen.layouts name
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    architecture: str
+    config: dict           # the DecoderConfig's fields (frontend/decoder.py to_json)
+    source: str            # the model directory the weights came from
+
+
+@dataclass(frozen=True)
+class TargetRecord:
+    name: str
+    device: str
+    arch: str | None = None
+    tvm_target: str = ""
+    runs_here: bool = True
+    note: str | None = None
+    cpu_features: tuple[str, ...] | None = None      # the instruction sets a CPU artifact's kernels use
+
+
+@dataclass(frozen=True)
+class Quantization:
+    weights: str = "none"
+    lm_head: bool = False
+    embedding: str = "none"
+    embedding_shared_with_lm_head: bool = False
+    kv_cache: str = "none"
+    group_size: int | None = None                    # q4's
+    activation_block: int = 0                        # int8 activations' block (0: float activations)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    page_size: int
+    layers: tuple[dict, ...]          # KVSpec.to_json() per layer (ir/kv_spec.py)
+
+
+WEIGHTS_SOURCES = ("checkpoint", "absent", "generated")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """manifest.json. The runtime reads the fields above `kernels`; those from `kernels` on describe
+    what compile chose, for `kiln inspect` and for tests."""
+    model: ModelRecord
+    target: TargetRecord
+    dtype: str
+    quantization: Quantization
+    kv: KVLayout
+    vocab_size: int
+    max_context: int
+    library: str
+    entry: str = "forward"
+    entries: dict[str, str] = field(default_factory=dict)       # step kind or graph entry -> function
+    prefill_min_tokens: int | None = None
+    decode_gemm_from: int | None = None
+    decode_mma_from: int | None = None
+    inputs: tuple[str, ...] = ()                 # the compiled functions' inputs before the weights
+    weights: tuple[StoredWeight, ...] = ()
+    weights_source: str = "checkpoint"           # WEIGHTS_SOURCES
+    graph_batches: tuple[int, ...] = ()
+    sampling: str = "host"                       # "device": the sampler's functions are compiled in
+    kernels: tuple[str, ...] = ()
+    attention_variants: tuple[str, ...] = ()
+    attention_kernels: dict = field(default_factory=dict)
+    attention_layers: tuple[dict, ...] = ()
+    launches_per_step: dict = field(default_factory=dict)
+    linear_kernels: dict = field(default_factory=dict)
+    passes: tuple[dict, ...] = ()
+    compile_seconds: dict = field(default_factory=dict)
+    tokenizer_files: tuple[str, ...] = ()
+    kiln_version: str = ""
+    interface_version: int = INTERFACE_VERSION
+    files: dict[str, dict] = field(default_factory=dict)        # file -> blake3 (or sha256), bytes, …
+
+    def __post_init__(self):
+        if self.weights_source not in WEIGHTS_SOURCES:
+            raise KilnError(f"manifest records weights_source {self.weights_source!r} "
+                            f"(known: {', '.join(WEIGHTS_SOURCES)})")
+
+    @property
+    def step_entries(self) -> dict[str, str]:
+        """Step kind or graph entry -> compiled function (an artifact from before `entries`: forward)."""
+        return self.entries or {"mixed": self.entry}
+
+    def replace(self, **changes) -> Manifest:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        return _to_json(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Manifest:
+        if not isinstance(data, dict):
+            raise KilnError("manifest.json does not hold an object")
+        if "weights_source" not in data:           # written before the field: the weights file says
+            data = {**data, "weights_source": "checkpoint" if "weights.safetensors" in data.get("files", {})
+                    else "absent"}
+        return _from_json(cls, data, "manifest")
+
+
+def _to_json(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None}
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(cls, data: dict, where: str):
+    """`cls` from its JSON object: nested records and tuples converted by the field's type; a field
+    the object lacks takes its default, and one without a default is an error that names it."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            values[f.name] = _convert(hints[f.name], data[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise KilnError(f"{where} lacks the field {f.name!r}: the artifact is damaged or not kiln's")
+    return cls(**values)
+
+
+def _convert(hint, value, where: str):
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union \
+        or type(hint).__name__ == "UnionType" else [hint]
+    hint = options[0]
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(hint):
+        return _from_json(hint, value, where)
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(item, v, where) for v in value)
+    return value

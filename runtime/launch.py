@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.artifact import GRAPH_ENTRY, WIDE_GRAPH_ENTRY
+from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY
 
 from .cuda_runtime import DEVICE_TO_HOST, CudaRuntime
 from .device_sampler import DeviceLogits, HostLogits
@@ -76,7 +76,7 @@ class Launcher:
         """`cuda` and `host_device` (the pinned memory the ids come back to): found from the model's
         device unless given."""
         self.model = model
-        if cuda is None and model.manifest["target"]["device"] == "cuda":
+        if cuda is None and model.manifest.target.device == "cuda":
             cuda = CudaRuntime()
         self.host_device = host_device or (pinned_device(model.device) if cuda else None)
         self.cuda = cuda if self.host_device is not None else None

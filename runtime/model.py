@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.artifact import GRAPH_ENTRY, WEIGHTS, WIDE_GRAPH_ENTRY, read_manifest, start_verify
+from kiln.artifact import WEIGHTS, read_manifest, start_verify
 from kiln.errors import KilnError
+from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.step_forms import is_prefill_step
 
@@ -29,7 +30,6 @@ from .launch import Launcher
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
 
-GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
 DEVICES = ("cpu", "cuda", "rocm", "metal")
 
 
@@ -60,50 +60,50 @@ class CompiledModel:
         from tvm.runtime.vm import VirtualMachine
         self.dir = Path(artifact_dir)
         self.manifest = m = read_manifest(self.dir, verify=False)
-        if m.get("weights_source") == "absent":
+        if m.weights_source == "absent":
             raise KilnError(f"{self.dir} was compiled with --no-weights and has none: write a checkpoint's with "
                             f"`kiln attach-weights {self.dir} MODEL_DIR`, or draw seeded random ones with "
                             f"`kiln fill-weights {self.dir} --seed N`")
         verified = start_verify(self.dir, m) if verify else (lambda: None)
-        device = m["target"]["device"]
+        device = m.target.device
         if device not in DEVICES:
             raise KilnError(f"artifact targets device {device!r}, which this runtime cannot drive")
         if device == "cuda":
             enable_cuda_runtime()
         self.device = tvm.device(device, 0)
         if not self.device.exist:
-            raise KilnError(f"artifact is built for {m['target']['name']} ({m['target'].get('arch')}), "
+            raise KilnError(f"artifact is built for {m.target.name} ({m.target.arch}), "
                             f"but this machine has no {device} device")
         if device == "cpu":
             from kiln.host_cpu import missing_cpu_features
-            missing = missing_cpu_features(m["target"].get("cpu_features", []))
+            missing = missing_cpu_features(list(m.target.cpu_features or ()))
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
                                 f"compile it on this machine, or for this CPU with --arch")
         # one page pool for every layer: page p is page p of each layer's tensor (ir/kv_spec.py)
-        self.kv_specs = [KVSpec.from_json(layer) for layer in m["kv"]["layers"]]
-        self.page_size = m["kv"]["page_size"]
-        self.vocab_size = m["vocab_size"]
-        self.max_context = m["max_context"]
-        lib = tvm.runtime.load_module(str(self.dir / m["library"]))
+        self.kv_specs = [KVSpec.from_json(layer) for layer in m.kv.layers]
+        self.page_size = m.kv.page_size
+        self.vocab_size = m.vocab_size
+        self.max_context = m.max_context
+        lib = tvm.runtime.load_module(str(self.dir / m.library))
         self.vm = VirtualMachine(lib, self.device)
         # step kind -> compiled function: "mixed" runs any step, "decode" (where built) decode-only
         # ones, "decode_graph" (where built) decode steps of up to max(graph_batches) sequences,
         # padded to a batch bucket and replayed as a CUDA graph
-        self.entries = {step: self.vm[name] for step, name in m.get("entries", {"mixed": m["entry"]}).items()}
-        self.graph_batches = tuple(m.get("graph_batches", ())) if GRAPH_ENTRY in self.entries else ()
-        self.prefill_min_tokens = m.get("prefill_min_tokens") if "prefill" in self.entries else None
-        self.decode_gemm_from = m.get("decode_gemm_from", 0)
-        self.decode_mma_from = m.get("decode_mma_from", 0) if "decode_wide" in self.entries else 0
+        self.entries = {step: self.vm[name] for step, name in m.step_entries.items()}
+        self.graph_batches = m.graph_batches if GRAPH_ENTRY in self.entries else ()
+        self.prefill_min_tokens = m.prefill_min_tokens if "prefill" in self.entries else None
+        self.decode_gemm_from = m.decode_gemm_from or 0
+        self.decode_mma_from = (m.decode_mma_from or 0) if "decode_wide" in self.entries else 0
         self.step_buffers = StepBuffers(self.device)
         # artifacts built with sampling on the device: the engine samples there (runtime/device_sampler.py)
-        self.sampler = DeviceSampler(self.vm, self.device) if m.get("sampling") == "device" else None
+        self.sampler = DeviceSampler(self.vm, self.device) if m.sampling == "device" else None
         self.graph_buffers: StepBuffers | None = None      # fixed addresses, made by allocate_kv
         self.launcher: Launcher | None = None               # made by the first launch
         self.weights = self._load_weights()
         verified()
         self.kv_tensors: dict = {}         # each layer's KV inputs (ir/kv_spec.py), made by allocate_kv
-        self.input_names = m["inputs"]
+        self.input_names = list(m.inputs)
 
     def _load_weights(self) -> list:
         """The weights in argument order: views of the file's memory map on the CPU, uploads from it
@@ -116,28 +116,28 @@ class CompiledModel:
         mapped = map_file(path)
         on_host = self.maps_weights()
         tensors = []
-        for w in self.manifest["weights"]:
-            entry = entries.get(w["name"])
+        for w in self.manifest.weights:
+            entry = entries.get(w.name)
             if entry is None:
-                raise KilnError(f"weight {w['name']} named in the manifest is not in {WEIGHTS}")
-            float8_as_bytes = entry.dtype == "uint8" and w["dtype"].startswith("float8")
-            if list(entry.shape) != w["shape"] or not (entry.dtype == w["dtype"] or float8_as_bytes):
-                raise KilnError(f"weight {w['name']} is {entry.dtype}{list(entry.shape)} in {WEIGHTS}, "
-                                f"the manifest says {w['dtype']}{w['shape']}")
+                raise KilnError(f"weight {w.name} named in the manifest is not in {WEIGHTS}")
+            float8_as_bytes = entry.dtype == "uint8" and w.dtype.startswith("float8")
+            if tuple(entry.shape) != w.shape or not (entry.dtype == w.dtype or float8_as_bytes):
+                raise KilnError(f"weight {w.name} is {entry.dtype}{list(entry.shape)} in {WEIGHTS}, "
+                                f"the manifest says {w.dtype}{list(w.shape)}")
             raw = mapped[entry.begin:entry.end]
             whole = tvm.runtime.tensor(np.array(raw)) if entry.begin % ALIGNMENT else tvm.runtime.from_dlpack(raw)
-            host = whole._create_view(tuple(w["shape"]), w["dtype"])        # the view keeps `whole`'s bytes
+            host = whole._create_view(w.shape, w.dtype)        # the view keeps `whole`'s bytes
             if on_host:
                 tensors.append(host)
             else:
-                tensors.append(tvm.runtime.empty(tuple(w["shape"]), w["dtype"], self.device))
+                tensors.append(tvm.runtime.empty(w.shape, w.dtype, self.device))
                 tensors[-1].copyfrom(host)
         return tensors
 
     def maps_weights(self) -> bool:
         """Whether the kernels read the weights where the file's memory map has them: the device is
         the host. Elsewhere each tensor is uploaded from the map."""
-        return self.manifest["target"]["device"] == "cpu"
+        return self.manifest.target.device == "cpu"
 
     @property
     def kv_window(self) -> int | None:

@@ -39,7 +39,7 @@ COMPILED = {        # id -> (family, compile options)
 
 
 def weights_digest(artifact) -> str:
-    return read_manifest(artifact, verify=False)["files"][WEIGHTS]["blake3"]
+    return read_manifest(artifact, verify=False).files[WEIGHTS]["blake3"]
 
 
 def without_weights(artifact, tmp_path):
@@ -64,7 +64,7 @@ def test_cli_attaches_the_bytes_compile_writes_and_generation_equals_transformer
     result = CliRunner().invoke(main, ["attach-weights", str(bare), str(model)])
     assert result.exit_code == 0, result.output
     manifest = read_manifest(bare)                       # every checksum verified
-    assert manifest["weights_source"] == "checkpoint" and weights_digest(bare) == weights_digest(with_weights)
+    assert manifest.weights_source == "checkpoint" and weights_digest(bare) == weights_digest(with_weights)
     ids = random_prompt(20, 3)
     [out] = LLM(bare, kv_memory="8MiB").generate([ids], SamplingParams(temperature=0.0, max_tokens=8,
                                                                         ignore_eos=True), use_tqdm=False)
@@ -106,7 +106,7 @@ def test_a_model_of_another_config_is_refused_before_anything_is_written(make_mo
     with pytest.raises(KilnError, match=r"is not the model .* from: its config differs in architecture, .*qkv_bias"):
         attach_weights(bare, make_model("qwen2"))
     assert sorted(p.name for p in bare.iterdir()) == before
-    assert read_manifest(bare, verify=False)["weights_source"] == "absent"
+    assert read_manifest(bare, verify=False).weights_source == "absent"
 
 
 def test_checkpoint_weights_are_never_replaced_and_generated_ones_only_with_force(make_model, llama_cpu, tmp_path):
@@ -119,7 +119,7 @@ def test_checkpoint_weights_are_never_replaced_and_generated_ones_only_with_forc
         attach_weights(bare, model)
     attach_weights(bare, model, force=True)
     assert weights_digest(bare) == weights_digest(llama_cpu[0])
-    assert read_manifest(bare)["weights_source"] == "checkpoint"
+    assert read_manifest(bare).weights_source == "checkpoint"
 
 
 def test_attaching_imports_no_tvm_compiler_module(make_model, compiled_family, tmp_path):

@@ -38,7 +38,7 @@ def _drop_template(model_dir) -> None:
 
 def _compile(model_dir, out):
     from kiln.compiler import compile_model
-    return compile_model(model_dir, out, target="cpu", show=None)
+    return compile_model(model_dir, out, target="cpu", show=None).to_json()
 
 
 @pytest.mark.build

@@ -163,9 +163,9 @@ def test_built_for_an_older_cpu_model_it_runs_here_and_generates_as_transformers
     result = CliRunner().invoke(main, ["compile", str(make_model("llama")), "--arch", "x86-64-v3", "--quant", "q8",
                                        "-o", str(out)])
     assert result.exit_code == 0, result.output
-    target = read_manifest(out)["target"]
-    assert target["cpu_features"] == named_cpu_features("x86-64-v3") and "avx2" in target["cpu_features"]
-    assert not any(f.startswith("avx512") for f in target["cpu_features"]) and target["runs_here"]
+    target = read_manifest(out).target
+    assert list(target.cpu_features) == named_cpu_features("x86-64-v3") and "avx2" in target.cpu_features
+    assert not any(f.startswith("avx512") for f in target.cpu_features) and target.runs_here
     ids = prompt(20, 4)
     [got] = LLM(out, kv_memory="8MiB").generate([ids], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                                                 use_tqdm=False)
@@ -188,7 +188,7 @@ def test_built_for_a_cpu_model_this_one_is_not_it_is_refused_here_with_its_instr
         pytest.skip("this CPU has every Sapphire Rapids instruction set")
     out = tmp_path / "spr"
     manifest = compile_model(make_model("llama"), out, target="cpu", arch="sapphirerapids", show=None)
-    assert not manifest["target"]["runs_here"] and "amx-tile" in manifest["target"]["cpu_features"]
+    assert not manifest.target.runs_here and "amx-tile" in manifest.target.cpu_features
     assert f"this machine's CPU lacks {', '.join(lacking)}" in summary(out)
     with pytest.raises(KilnError, match=f"compiled for a CPU with {', '.join(lacking)}, which this CPU lacks"):
         CompiledModel(out)

@@ -47,8 +47,8 @@ def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, compile
     from kiln.targets.cpu import CPUTarget
     model_dir = make_model("llama")
     model = open_artifact(compiled_family("llama", dtype="bfloat16"))
-    assert model.manifest["dtype"] == "bfloat16"
-    linears = [k for k in model.manifest["kernels"] if k.startswith(("bf16dot", "gemm", "linear"))]
+    assert model.manifest.dtype == "bfloat16"
+    linears = [k for k in model.manifest.kernels if k.startswith(("bf16dot", "gemm", "linear"))]
     family = ("bf16dot",) if CPUTarget().bf16_dot else ("gemm", "linear")
     assert linears and {k.split("_")[0] for k in linears} == set(family)
     ids = np.random.default_rng(4).integers(3, 500, 27).tolist()

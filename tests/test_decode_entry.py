@@ -41,7 +41,7 @@ def open_model(artifact):
 def test_manifest_records_the_decode_entry_and_its_kernels(artifact):
     from kiln.artifact import read_manifest
     from kiln.inspect import summary
-    m = read_manifest(artifact)
+    m = read_manifest(artifact).to_json()
     assert m["entries"] == {"mixed": "forward", "decode": "decode"}
     assert m["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
     assert "paged_decode_attention" in m["kernels"] and "paged_attention" in m["kernels"]
@@ -58,7 +58,7 @@ def test_default_cpu_target_decodes_with_gemv_and_prefills_with_gemm(llama_cpu):
     """One attention kernel for every step, but two linear kernels per projection shape: the
     register-blocked GEMM (codegen/gemm.py) for steps with chunks, the GEMV schedule for decode."""
     from kiln.artifact import read_manifest
-    m = read_manifest(llama_cpu[0])
+    m = read_manifest(llama_cpu[0]).to_json()
     assert m["entries"] == {"mixed": "forward", "decode": "decode"}
     assert m["attention_kernels"] == {"mixed": ["kiln_cpu"], "decode": ["kiln_cpu"]}
     gemms = {k.removeprefix("gemm_") for k in m["kernels"] if k.startswith("gemm_")}

@@ -55,9 +55,9 @@ def test_device_sampling_generates_what_numpy_sampling_does(artifacts):
 def test_manifest_says_where_sampling_runs(artifacts):
     from kiln.artifact import read_manifest
     device, host = (read_manifest(a, verify=False) for a in artifacts)
-    assert device["sampling"] == "device" and host["sampling"] == "host"
-    assert {"greedy", "inverse_cdf", "penalize"} <= set(device["kernels"])
-    assert not {"greedy", "inverse_cdf", "penalize"} & set(host["kernels"])
+    assert device.sampling == "device" and host.sampling == "host"
+    assert {"greedy", "inverse_cdf", "penalize"} <= set(device.kernels)
+    assert not {"greedy", "inverse_cdf", "penalize"} & set(host.kernels)
 
 
 @pytest.mark.parametrize("which", ["device", "host"])

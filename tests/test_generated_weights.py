@@ -26,6 +26,7 @@ from paging import make_step_inputs
 from kiln.artifact import MANIFEST, WEIGHTS, file_digest, read_manifest, start_verify, verify_files
 from kiln.errors import KilnError
 from kiln.generated_weights import fill_weights
+from kiln.interface import Manifest
 
 MODES = {"float32": {}, "q8": {"quant": "q8"}, "q4": {"quant": "q4"}, "fp8": {"quant": "fp8"}}
 
@@ -74,8 +75,8 @@ def test_no_weights_artifact_holds_all_but_the_weights(no_weights, with_weights)
     assert set(m["files"]) == set(full["files"]) - {WEIGHTS}
     varies = {"files", "weights_source", "compile_seconds", "passes"}     # timings, and what differs on purpose
     assert {k: v for k, v in m.items() if k not in varies} == {k: v for k, v in full.items() if k not in varies}
-    verify_files(art, m)
-    start_verify(art, m)()
+    verify_files(art, Manifest.from_json(m))
+    start_verify(art, Manifest.from_json(m))()
 
 
 @pytest.mark.build
@@ -96,7 +97,7 @@ def test_filled_weights_have_the_manifests_shapes_and_dtypes(filled, mode):
     from kiln.frontend.rope import inv_freq
     from kiln.safetensors_io import read_header
     art = filled[mode]
-    m = read_manifest(art, verify=True)            # the recorded digest and size are the file's
+    m = read_manifest(art, verify=True).to_json()  # the recorded digest and size are the file's
     assert m["weights_source"] == "generated" and m["files"][WEIGHTS]["generated"] == {"seed": 0}
     with safe_open(str(art / WEIGHTS), framework="numpy") as f:
         stored = {name: f.get_tensor(name) for name in f.keys() if not name.startswith("__pad.")}
@@ -132,11 +133,13 @@ def test_filled_artifact_runs_to_finite_logits(filled, mode):
 
 def _fake_artifact(path, weights: list[dict]):
     """A directory whose manifest lists `weights` and nothing a fill does not read."""
-    from kiln.artifact import INTERFACE_VERSION
+    from kiln.interface import INTERFACE_VERSION
     path.mkdir()
-    (path / MANIFEST).write_text(json.dumps({"kiln_version": "test", "interface_version": INTERFACE_VERSION,
-                                             "model": {"config": {}}, "weights": weights, "files": {},
-                                             "weights_source": "absent"}))
+    (path / MANIFEST).write_text(json.dumps({
+        "kiln_version": "test", "interface_version": INTERFACE_VERSION, "weights": weights, "files": {},
+        "weights_source": "absent", "model": {"architecture": "none", "config": {}, "source": ""},
+        "target": {"name": "cpu", "device": "cpu"}, "dtype": "float32", "quantization": {},
+        "kv": {"page_size": 16, "layers": []}, "vocab_size": 0, "max_context": 0, "library": "none"}))
     return path
 
 
@@ -198,7 +201,7 @@ def test_the_bytes_depend_on_the_seed_alone(no_weights, tmp_path, monkeypatch):
     for name, seed, cores in [("a", 7, 1), ("b", 7, 3), ("c", 8, 3)]:
         monkeypatch.setattr(generated, "_usable_cores", lambda: cores)
         art = _copy(no_weights["q4"], tmp_path, name)
-        digests[name] = fill_weights(art, seed=seed)["files"][WEIGHTS]["blake3"]
+        digests[name] = fill_weights(art, seed=seed).files[WEIGHTS]["blake3"]
         assert digests[name] == file_digest(art / WEIGHTS)
     assert digests["a"] == digests["b"] != digests["c"]
 
@@ -226,9 +229,9 @@ def test_generated_weights_are_redrawn_only_with_force(no_weights, tmp_path):
         fill_weights(art, seed=1)
     assert _manifest(art)["files"][WEIGHTS]["generated"] == {"seed": 0}
     m = fill_weights(art, seed=1, force=True)
-    assert m["files"][WEIGHTS]["generated"] == {"seed": 1} and _manifest(art) == m
+    assert m.files[WEIGHTS]["generated"] == {"seed": 1} and _manifest(art) == m.to_json()
     verify_files(art, m)
-    assert sorted(p.name for p in art.iterdir()) == sorted([MANIFEST, *m["files"]])     # no partial file left
+    assert sorted(p.name for p in art.iterdir()) == sorted([MANIFEST, *m.files])     # no partial file left
 
 
 @pytest.mark.build
@@ -304,7 +307,7 @@ def test_a_config_only_model_compiles_without_weights_and_runs_once_filled(tmp_p
         compile_model(model_dir, tmp_path / "refused", show=None)           # weights are needed for a real one
     m = compile_model(model_dir, tmp_path / "art", show=None, weights=False)
     # embedding, norms (2 + final), qkv, rope frequencies, o, gate_up, down, LM head
-    assert m["weights_source"] == "absent" and len(m["weights"]) == 10
+    assert m.weights_source == "absent" and len(m.weights) == 10
     fill_weights(tmp_path / "art", seed=3)
     model = CompiledModel(tmp_path / "art")
     model.allocate_kv(8 * model.bytes_per_page)

@@ -123,7 +123,7 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     model_dir = make_model("qwen2")                  # biases, fused QKV and gate/up: every linear variant
     # the embedding stays float, as in tests/test_quant.py, whose bounds these are
     artifact = compiled_family("qwen2", quant=quant, quant_embedding=False)
-    manifest = read_manifest(artifact)
+    manifest = read_manifest(artifact).to_json()
     assert manifest["quantization"]["activation_block"] == 32
     assert "activations int8 in blocks of 32" in summary(artifact)
     linears = [k for k in manifest["kernels"] if k.startswith(("int8_gem", "vnni", "gemm", "linear"))]

@@ -25,7 +25,7 @@ def build(make_model, quant, group_size=32, kv_dtype=None, family="qwen2"):
     # the same, and a one-ulp difference upstream can flip one (tests/test_int8_activations.py).
     out = cpu_artifact(model_dir, quant=quant, group_size=group_size, kv_dtype=kv_dtype, quant_embedding=False,
                        int8_activations=False)
-    manifest = read_manifest(out)
+    manifest = read_manifest(out).to_json()
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return model_dir, manifest, model

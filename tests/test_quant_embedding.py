@@ -230,7 +230,7 @@ def artifact(request, make_model):
     # with an int8 table move their logits by ~0.7% when the table's scales move by 3e-7 (activation
     # levels flip), so one-ulp kernel differences upstream would decide the comparison below.
     out = cpu_artifact(model_dir, quant=quant, int8_activations=False)
-    manifest = read_manifest(out)
+    manifest = read_manifest(out).to_json()
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
     return family == "llama32", quant, model_dir, out, manifest, model

@@ -174,13 +174,13 @@ def test_cpu_weights_are_views_of_one_map(llama_cpu):
     artifact, _ = llama_cpu
     model = CompiledModel(artifact)
     entries, _ = read_header(artifact / "weights.safetensors")
-    first = model.manifest["weights"][0]["name"]
+    first = model.manifest.weights[0].name
     base = model.weights[0].data_ptr() - entries[first].begin
     raw = np.fromfile(artifact / "weights.safetensors", np.uint8)
-    for w, tensor in zip(model.manifest["weights"], model.weights):
-        entry = entries[w["name"]]
-        assert tensor.data_ptr() == base + entry.begin, w["name"]
-        assert tensor.numpy().view(np.uint8).tobytes() == raw[entry.begin:entry.end].tobytes(), w["name"]
+    for w, tensor in zip(model.manifest.weights, model.weights):
+        entry = entries[w.name]
+        assert tensor.data_ptr() == base + entry.begin, w.name
+        assert tensor.numpy().view(np.uint8).tobytes() == raw[entry.begin:entry.end].tobytes(), w.name
 
 
 def test_uploaded_weights_equal_the_mapped_ones(llama_cpu, monkeypatch):
@@ -191,10 +191,10 @@ def test_uploaded_weights_equal_the_mapped_ones(llama_cpu, monkeypatch):
     mapped = CompiledModel(artifact)
     monkeypatch.setattr(CompiledModel, "maps_weights", lambda self: False)
     uploaded = CompiledModel(artifact)
-    for w, a, b in zip(mapped.manifest["weights"], mapped.weights, uploaded.weights):
-        assert a.data_ptr() != b.data_ptr(), w["name"]
+    for w, a, b in zip(mapped.manifest.weights, mapped.weights, uploaded.weights):
+        assert a.data_ptr() != b.data_ptr(), w.name
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.numpy().tobytes() == b.numpy().tobytes(), w["name"]
+        assert a.numpy().tobytes() == b.numpy().tobytes(), w.name
 
 
 def _tampered_copy(artifact, out, name, change):

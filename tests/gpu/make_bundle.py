@@ -66,7 +66,7 @@ def attach(out: Path) -> None:
     from kiln.attach_weights import attach_weights
     from kiln.tiny import make_tiny_model
     for artifact in sorted(out.glob("cuda-*")) + sorted(out.glob("families/*/cuda-float32")):
-        if read_manifest(artifact, verify=False)["weights_source"] != "absent":
+        if read_manifest(artifact, verify=False).weights_source != "absent":
             continue
         model = artifact.parent / "model"
         if not (model / "config.json").exists():        # a family's: OUT/model always travels

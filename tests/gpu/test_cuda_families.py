@@ -26,7 +26,7 @@ def test_family_matches_the_interpreter(gpu_family, family):
     from gpu_reference import float32_artifact_and_reference
     from kiln.ir import interpret
     model, graph, weights, kv = float32_artifact_and_reference(gpu_family(family), 16)
-    assert not [k for k in model.manifest["kernels"] if "fallback" in k], "a layer runs the fallback attention"
+    assert not [k for k in model.manifest.kernels if "fallback" in k], "a layer runs the fallback attention"
     ids, pages = random_prompt(29, 5), [1, 6]
     for tokens, start in ((ids, 0), ([7], 29), ([11], 30)):
         step = make_step_inputs([(tokens, start, pages)], model.page_size)
