@@ -13,5 +13,13 @@ class ParamError(KilnError, ValueError):
         self.param = param
 
 
+class ContextLengthError(ParamError):
+    """A prompt, with the tokens asked of it, does not fit the model's context or the KV cache."""
+
+
+class QueueFull(KilnError):
+    """As many requests wait as the engine takes: retry later (the server's 429)."""
+
+
 class NoChatTemplate(KilnError, ValueError):
     """The model has no chat template, so chat messages cannot be turned into a prompt."""

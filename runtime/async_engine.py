@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kiln.errors import QueueFull
+
 from .engine import Engine
 from .request import Request, RequestOutput
 from .sampler import SamplingParams
@@ -54,8 +56,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, max_waiting: int | None = None):
+        """`max_waiting`: the most requests that may wait to start (None: no limit); beyond it
+        `add_requests` raises QueueFull."""
+        self.engine, self.max_waiting = engine, max_waiting
         self._queues: dict[str, asyncio.Queue] = {}
         self._to_add: list[Request] = []
         self._to_abort: set[str] = set()
@@ -65,6 +69,9 @@ class AsyncEngine:
     def add_requests(self, requests: list[dict]) -> RequestStream:
         """Admit requests (each the keyword arguments of `Engine.check_request`) together: all are
         validated first, so a ParamError admits none. Returns their stream."""
+        waiting = len(self.engine.scheduler.waiting) + self.num_pending + len(requests)
+        if self.max_waiting is not None and waiting > self.max_waiting:
+            raise QueueFull("too many requests are waiting; retry later")
         made = [self.engine.check_request(**r) for r in requests]
         queue: asyncio.Queue = asyncio.Queue()
         for req in made:

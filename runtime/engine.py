@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.errors import ParamError
+from kiln.errors import ContextLengthError, ParamError
 
 from .kv_pool import PagePool
 from .request import Request, RequestOutput, Sequence
@@ -56,6 +56,32 @@ class Engine:
                     prompt: str | None = None, priority: int = 0) -> Request:
         """Validate and queue a request (raises ParamError, changing nothing, if it cannot run)."""
         return self.enqueue(self.check_request(prompt_ids, params, request_id, prompt, priority))
+
+    def room(self, prompt_tokens: int) -> int:
+        """How many tokens a prompt of `prompt_tokens` leaves: what the model's context and the KV
+        cache allow beyond it."""
+        return min(self.model.max_context, self.pool.num_pages * self.pool.page_size) - prompt_tokens
+
+    def max_tokens_for(self, prompt_tokens: int, asked: int | None, default: int | None = None,
+                       prompt_param: str = "prompt") -> int:
+        """The tokens a request may generate: `asked`, or where it asks none, all the room left (at most
+        `default`). Raises ContextLengthError where the prompt or `asked` does not fit (a server's
+        admission: unlike `check_request`, nothing is cut short)."""
+        context = self.model.max_context
+        if prompt_tokens >= context:
+            raise ContextLengthError(prompt_param, f"the prompt has {prompt_tokens} tokens; this model's context "
+                                                   f"is {context}")
+        room = self.room(prompt_tokens)
+        if asked is None:
+            if room < 1:
+                raise ContextLengthError(prompt_param, f"the prompt ({prompt_tokens} tokens) leaves no room in "
+                                                       "the KV cache")
+            return min(room, default or room)
+        if asked > room:
+            raise ContextLengthError("max_tokens", f"the prompt has {prompt_tokens} tokens and max_tokens asks "
+                                                   f"{asked} more; at most {max(room, 0)} fit (context {context} "
+                                                   f"tokens, KV cache {self.pool.num_pages * self.pool.page_size})")
+        return asked
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, prompt: str | None = None, priority: int = 0) -> Request:

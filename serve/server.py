@@ -18,7 +18,7 @@ import uvicorn
 
 from kiln.errors import KilnError
 
-from .app import ServerConfig, create_app
+from .app import ServerConfig, ServerState, create_app
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,7 +42,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, with a signal starting a drain instead of closing the listener (and no signal raised
     again at the end, so the process exits 0), and a load failure ending the server."""
 
-    def __init__(self, config, state: dict, drain_timeout: float):
+    def __init__(self, config, state: ServerState, drain_timeout: float):
         super().__init__(config)
         self.kiln_state, self.drain_timeout = state, drain_timeout
         self.drain_deadline: float | None = None
@@ -51,14 +51,14 @@ class DrainingServer(uvicorn.Server):
         if self.drain_deadline is not None and sig == signal.SIGINT:      # a second Ctrl-C: now
             self.should_exit = self.force_exit = True
             return
-        self.kiln_state["draining"] = True
+        self.kiln_state.draining = True
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.drain_timeout
 
     async def on_tick(self, counter: int) -> bool:
         state = self.kiln_state
-        drained = self.drain_deadline is not None and (state["active"] == 0 or time.monotonic() >= self.drain_deadline)
-        if drained or state["load_error"]:
+        drained = self.drain_deadline is not None and (state.active == 0 or time.monotonic() >= self.drain_deadline)
+        if drained or state.load_error:
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -74,5 +74,5 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, drain
         server.run(sockets=[sock])
     finally:
         sock.close()
-    if app.state.kiln["load_error"]:
-        raise KilnError(app.state.kiln["load_error"])
+    if app.state.kiln.load_error:
+        raise KilnError(app.state.kiln.load_error)

@@ -283,3 +283,40 @@ def test_window_with_prefix_hits_forks_and_preemption_keeps_tokens():
     again = alone.generate([batch[1]], params[1])[0]
     assert [o.token_ids for o in outs[1].outputs] == [o.token_ids for o in again.outputs]
     engine.pool.check([])
+
+
+def test_the_engine_says_what_fits_the_context_and_the_kv_cache():
+    """max_tokens_for: all the room left where none is asked (at most the default), the asked count
+    where it fits, and a ContextLengthError naming the parameter where it does not. The room is the
+    smaller of the model's context (512) and the KV cache (16 pages of 4 = 64 tokens)."""
+    from kiln.errors import ContextLengthError
+    engine, _ = engine_for(num_pages=16)
+    assert engine.room(10) == 54
+    assert engine.max_tokens_for(10, None) == 54 and engine.max_tokens_for(10, None, default=16) == 16
+    assert engine.max_tokens_for(10, 54) == 54
+    with pytest.raises(ContextLengthError, match="at most 54 fit") as e:
+        engine.max_tokens_for(10, 55)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ContextLengthError, match="no room") as e:
+        engine.max_tokens_for(64, None, prompt_param="messages")
+    assert e.value.param == "messages"
+    with pytest.raises(ContextLengthError, match="context is 512"):
+        engine.max_tokens_for(512, 1)
+
+
+def test_the_async_engine_refuses_requests_beyond_its_waiting_limit():
+    """AsyncEngine(max_waiting=N): a batch of requests that would leave more than N waiting is
+    refused whole (QueueFull), and what was admitted before still runs to the end."""
+    import asyncio
+    from kiln.errors import QueueFull
+    from kiln.runtime.async_engine import AsyncEngine
+
+    async def run():
+        engine = AsyncEngine(engine_for()[0], max_waiting=3)
+        first = engine.add_requests([dict(prompt_ids=p, params=greedy(4)) for p in prompts(2)])
+        with pytest.raises(QueueFull):
+            engine.add_requests([dict(prompt_ids=p, params=greedy(4)) for p in prompts(2, seed=1)])
+        assert engine.num_pending == 2                  # the refused pair left nothing behind
+        outs = [out async for out in first if out.finished]
+        assert len(outs) == 2 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    asyncio.run(run())

@@ -451,3 +451,16 @@ def test_chat_on_a_model_without_a_template_is_a_400_naming_it(make_model, tmp_p
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
             assert "chat template" in r.json()["error"]["message"]
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_full_queue_is_a_429_and_the_server_keeps_serving(artifact):
+    """--max-waiting N (ServerConfig.max_waiting): a request that would leave more than N waiting is a
+    429 rate_limit_error, in OpenAI's error object; the next one that fits is served."""
+    from fastapi.testclient import TestClient
+
+    from kiln.serve.app import ServerConfig, create_app
+    app = create_app(ServerConfig(str(artifact), kv_memory="8MiB", max_waiting=1), load_now=True)
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+        assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
