@@ -182,7 +182,7 @@ def fill_weights(artifact, seed, force):
     manifest with its seed. Weights from a checkpoint are never replaced."""
     from kiln.artifact import WEIGHTS
     from kiln.compiler import Phases
-    from kiln.generated_weights import fill_weights as fill
+    from kiln.weights.generated import fill_weights as fill
     phases = Phases(_err)
     m = phases.run("weights", fill, artifact, seed, force, phases.progress)
     size, seconds = m.files[WEIGHTS]["bytes"], phases.seconds["weights"]
@@ -201,7 +201,7 @@ def attach_weights(artifact, model_dir, force):
     checkpoint is: a machine with TVM's runtime alone will do. Weights from a checkpoint are never
     replaced."""
     from kiln.artifact import WEIGHTS
-    from kiln.attach_weights import attach_weights as attach
+    from kiln.weights.attach import attach_weights as attach
     from kiln.compiler import Phases
     phases = Phases(_err)
     m = phases.run("weights", attach, artifact, model_dir, force, phases.progress)

@@ -1,17 +1,12 @@
 """`kiln compile`: HF directory -> IR -> passes -> TVM module -> built library + weights -> artifact."""
 from __future__ import annotations
 
-import itertools
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-
-import numpy as np
 from typing import Callable
 
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
-from kiln.errors import KilnError
 from kiln.interface import STEP_KINDS, KVLayout, Manifest, ModelRecord, Quantization, TargetRecord
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.step_forms import prefill_min_tokens
@@ -44,9 +39,6 @@ class Phases:
         elif int(fraction * 10) > self.shown_tenths:
             self.shown_tenths = int(fraction * 10)
             self.show(f"  {self.current:<8} {self.shown_tenths * 10:3d}% {text}")
-
-
-PROGRESS_BYTES = 256 << 20     # weights smaller than this are written without a progress line
 
 
 def _stderr(line: str) -> None:
@@ -166,6 +158,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
 
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
+    from kiln.weights.convert import write_weights
     weights_digest = phases.run("weights", write_weights, model, graph, lowered.weights, dtype, out_dir / WEIGHTS,
                                 phases.progress) if weights else None
     tokenizer_files = model.write_tokenizer(out_dir)
@@ -206,49 +199,3 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         compile_seconds=phases.seconds,
         tokenizer_files=tuple(tokenizer_files),
     ))
-
-
-def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -> str:
-    """Stream the artifact's weights to `path`, one stored tensor at a time: read from the checkpoint,
-    convert, fuse, quantise, lay out, write, drop. A param that several stored tensors come from is
-    kept only until its last one is written. Return the file's BLAKE3, hashed as it is written."""
-    from kiln.artifact import new_hasher
-    from kiln.codegen.layouts import apply_layout
-    from kiln.codegen.quantizers import fast_quantizers
-    from kiln.ir import plain_reads, weight_loader
-    from kiln.safetensors_io import TensorSpec, write_safetensors
-
-    def declared(name: str) -> str:       # a param may keep another dtype (DeepSeek's float32 router)
-        return graph.params[name].type.dtype if name in graph.params else dtype
-
-    load = weight_loader(graph, lambda name: model.weight(name, declared(name)), quantizers=fast_quantizers(),
-                         load_source=lambda name: model.weight_source(name, declared(name)))
-    model.checkpoint.read_ahead(plain_reads(graph, [w.param for w in stored]))
-    uses_left = Counter(w.param for w in stored)
-    held: dict[str, object] = {}
-    by_name = {w.name: w for w in stored}
-    # safetensors' NumPy side has no float8: it is stored as its bytes, the manifest keeps the dtype.
-    specs = [TensorSpec(w.name, tuple(w.shape), "uint8" if w.dtype.startswith("float8") else w.dtype)
-             for w in stored]
-
-    def produce(spec):
-        w = by_name[spec.name]
-        source = held.pop(w.param) if w.param in held else load(w.param)
-        uses_left[w.param] -= 1
-        if uses_left[w.param]:
-            held[w.param] = source
-        arr = apply_layout(w.layout, source)
-        if tuple(arr.shape) != tuple(w.shape):
-            raise KilnError(f"weight {w.param} has shape {arr.shape}, the graph expects {w.shape}")
-        return arr.view(np.uint8) if arr.dtype.name.startswith("float8") else arr
-
-    hasher = new_hasher()
-    before = [0, *itertools.accumulate(spec.nbytes for spec in specs)]      # bytes written before each
-    total = before[-1]
-
-    def step(i, spec):
-        if progress and total >= PROGRESS_BYTES:
-            progress(f"{i + 1}/{len(specs)} {spec.name} ({before[i] / 2**30:.1f}/{total / 2**30:.1f} GiB)",
-                     before[i] / total)
-    write_safetensors(path, specs, produce, metadata={"format": "kiln"}, hasher=hasher, progress=step)
-    return hasher.hexdigest()

@@ -21,10 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.artifact import MANIFEST, WEIGHTS, read_manifest
-from kiln.attach_weights import attach_weights
+from kiln.weights.attach import attach_weights
 from kiln.cli import main
 from kiln.errors import KilnError
-from kiln.generated_weights import fill_weights
+from kiln.weights.generated import fill_weights
 
 pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
@@ -133,7 +133,7 @@ def test_attaching_imports_no_tvm_compiler_module(make_model, compiled_family, t
               "del tvm.relax\n"
               "import kiln.host_cpu\n"
               "kiln.host_cpu.has_llvm = lambda: False\n"
-              "from kiln.attach_weights import attach_weights\n"
+              "from kiln.weights.attach import attach_weights\n"
               f"attach_weights({str(bare)!r}, {str(make_model(family))!r})\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,7 +25,7 @@ from paging import make_step_inputs
 
 from kiln.artifact import MANIFEST, WEIGHTS, file_digest, read_manifest, start_verify, verify_files
 from kiln.errors import KilnError
-from kiln.generated_weights import fill_weights
+from kiln.weights.generated import fill_weights
 from kiln.interface import Manifest
 
 MODES = {"float32": {}, "q8": {"quant": "q8"}, "q4": {"quant": "q4"}, "fp8": {"quant": "fp8"}}
@@ -195,7 +195,7 @@ def test_stored_tensors_are_sane_at_llama_8b_widths(tmp_path, dtype, quant):
 
 @pytest.mark.build
 def test_the_bytes_depend_on_the_seed_alone(no_weights, tmp_path, monkeypatch):
-    import kiln.generated_weights as generated
+    import kiln.weights.generated as generated
     monkeypatch.setattr(generated, "CHUNK_BYTES", 4096)         # several chunks per tensor
     digests = {}
     for name, seed, cores in [("a", 7, 1), ("b", 7, 3), ("c", 8, 3)]:
@@ -247,7 +247,7 @@ def test_a_weights_file_not_written_here_is_not_overwritten(no_weights, tmp_path
 @pytest.mark.build
 @pytest.mark.parametrize("already_filled", [False, True])
 def test_an_interrupted_fill_leaves_the_artifact_as_it_was(no_weights, tmp_path, monkeypatch, already_filled):
-    import kiln.generated_weights as generated
+    import kiln.weights.generated as generated
     art = _copy(no_weights["q8"], tmp_path)
     if already_filled:
         fill_weights(art, seed=0)
@@ -286,7 +286,7 @@ def test_drawing_needs_neither_tvm_nor_torch(no_weights, tmp_path):
     script = ("import sys\n"
               "for name in ('tvm', 'tvm_ffi', 'torch', 'transformers'):\n"
               "    sys.modules[name] = None       # any import of them fails\n"
-              "from kiln.generated_weights import fill_weights\n"
+              "from kiln.weights.generated import fill_weights\n"
               f"fill_weights({str(art)!r}, seed=2)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -298,7 +298,7 @@ def test_a_config_only_model_compiles_without_weights_and_runs_once_filled(tmp_p
     """What bench/gpu_kit.py does for the 1B/8B shapes: no checkpoint at all, an artifact compiled
     from the config alone, weights drawn afterwards; its tensors are those of a real compile."""
     from kiln.compiler import compile_model
-    from kiln.generated_weights import fill_weights
+    from kiln.weights.generated import fill_weights
     from kiln.runtime.model import CompiledModel
     from kiln.tiny import make_config_only_model
     model_dir = make_config_only_model(tmp_path / "model", "llama", num_hidden_layers=1)

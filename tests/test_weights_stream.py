@@ -80,7 +80,7 @@ def bf16_checkpoint(make_model, tmp_path_factory):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_streamed_weights_hold_the_old_writers_bytes(make_model, bf16_checkpoint, tmp_path, mode, checkpoint):
     from safetensors import safe_open
-    from kiln.compiler import write_weights
+    from kiln.weights.convert import write_weights
     options = MODES[mode]
     model_dir = make_model("llama") if checkpoint == "float32" else bf16_checkpoint
     model, graph, stored = _lowered(model_dir, **options)
@@ -114,7 +114,7 @@ def test_read_ahead_gives_what_plain_reads_give(make_model):
 
 @pytest.mark.build
 def test_streamed_file_is_aligned_for_tvm(make_model, tmp_path):
-    from kiln.compiler import write_weights
+    from kiln.weights.convert import write_weights
     from kiln.safetensors_io import ALIGNMENT, read_header
     model, graph, stored = _lowered(make_model("llama"), dtype="float32", quant="q4")
     write_weights(model, graph, stored, "float32", tmp_path / "w.safetensors")

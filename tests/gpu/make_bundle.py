@@ -63,7 +63,7 @@ def attach(out: Path) -> None:
     """Each artifact in OUT without weights gets its model's: OUT/cuda-* OUT/model's, and each
     families/<family>/cuda-float32 its tiny model's, made here first."""
     from kiln.artifact import read_manifest
-    from kiln.attach_weights import attach_weights
+    from kiln.weights.attach import attach_weights
     from kiln.tiny import make_tiny_model
     for artifact in sorted(out.glob("cuda-*")) + sorted(out.glob("families/*/cuda-float32")):
         if read_manifest(artifact, verify=False).weights_source != "absent":

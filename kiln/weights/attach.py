@@ -5,7 +5,7 @@ is, and the weights are made where the checkpoint is (a GPU machine that has onl
 or a machine a multi-GB file cannot be sent to). compile records everything its passes were
 planned from (target, dtype, page size, quantisation, the MLA prefill threshold, the passes that
 ran), so the same passes run here on the checkpoint and give the same params; each stored weight
-is then read, fused, quantised and laid out exactly as compile does (compiler.write_weights), and
+is then read, fused, quantised and laid out exactly as compile does (convert.write_weights), and
 the file has the bytes compile would have written.
 
 The checkpoint must have the config the artifact was compiled from (kiln's reading of it: the
@@ -23,7 +23,7 @@ from typing import Callable
 from kiln.artifact import WEIGHTS, read_manifest, write_in_place
 from kiln.errors import KilnError
 from kiln.interface import Manifest
-from kiln.generated_weights import check_replaceable, record_weights
+from kiln.weights.generated import check_replaceable, record_weights
 
 
 def _config_differences(ours: dict, recorded: dict) -> list[str]:
@@ -57,7 +57,7 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
     """Write `model_dir`'s weights into `artifact_dir` (compiled with --no-weights from a model of the
     same config) and record them in its manifest; return the new manifest. The file is written
     beside its place and renamed there, then the manifest likewise (as `kiln fill-weights` does)."""
-    from kiln.compiler import write_weights
+    from kiln.weights.convert import write_weights
     from kiln.frontend import load_hf_model
     artifact_dir = Path(artifact_dir)
     manifest = read_manifest(artifact_dir, verify=False)
