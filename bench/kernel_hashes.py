@@ -3,8 +3,8 @@
     python bench/kernel_hashes.py --out build/kernel-hashes/HEAD.json      (about 5 minutes, 2 cores)
     python bench/kernel_hashes.py --compare build/kernel-hashes/BEFORE.json build/kernel-hashes/HEAD.json
 
-For each case (the 1B-shaped Llama in bf16, q4 and fp8, a gemma2 with fp8 pages, the tiny MoE and
-MLA families; CUDA for sm_90 and the CPU for two fixed LLVM CPU models, so the host does not matter)
+For each case (the 1B-shaped Llama in bf16, q4 and fp8, a gemma2 with fp8 pages, the tiny MoE (also
+quantised) and MLA families, a quantised Qwen2 with biases; CUDA for sm_90 and the CPU for two fixed LLVM CPU models, so the host does not matter)
 it runs compile's front half (import, passes, codegen, the target's Relax pipeline, the build)
 and records, per function:
   - every TIR kernel's TVMScript after the Relax pipeline (what TVM lowers to machine code);
@@ -33,6 +33,7 @@ LLAMA_1B_2L = ("llama32", dict(hidden_size=2048, intermediate_size=8192, num_hid
 TINY_MOE = ("mixtral", {})
 TINY_MLA = ("deepseek_v2", {})
 TINY_GEMMA = ("gemma2", {})
+TINY_QWEN2 = ("qwen2", {})           # q/k/v biases
 
 # case name -> (model, target, arch, compile options)
 CASES = {
@@ -41,11 +42,14 @@ CASES = {
     "cuda-1b-fp8": (LLAMA_1B_2L, "cuda", "sm_90", dict(dtype="bfloat16", quant="fp8")),
     "cuda-gemma2-fp8kv": (TINY_GEMMA, "cuda", "sm_90", dict(dtype="bfloat16", kv_dtype="fp8")),
     "cuda-moe": (TINY_MOE, "cuda", "sm_90", dict(dtype="bfloat16")),
+    "cuda-moe-q4": (TINY_MOE, "cuda", "sm_90", dict(dtype="bfloat16", quant="q4")),
     "cuda-mla": (TINY_MLA, "cuda", "sm_90", dict(dtype="bfloat16")),
     "cpu-znver3-1b-bf16": (LLAMA_1B_2L, "cpu", "znver3", dict(dtype="bfloat16")),
     "cpu-znver3-1b-q4": (LLAMA_1B_2L, "cpu", "znver3", dict(quant="q4")),
     "cpu-spr-1b-q8-kv8": (LLAMA_1B_2L, "cpu", "sapphirerapids", dict(dtype="bfloat16", quant="q8", kv_dtype="int8")),
     "cpu-znver3-moe": (TINY_MOE, "cpu", "znver3", {}),
+    "cpu-znver3-moe-q8": (TINY_MOE, "cpu", "znver3", dict(quant="q8")),
+    "cpu-znver3-qwen2-q4": (TINY_QWEN2, "cpu", "znver3", dict(quant="q4")),
     "cpu-znver3-mla": (TINY_MLA, "cpu", "znver3", {}),
     "cpu-znver3-gemma2-fp8kv": (TINY_GEMMA, "cpu", "znver3", dict(kv_dtype="fp8")),
 }

@@ -1,4 +1,4 @@
-"""kiln's int8-activation kernel for q8 and q4 linears on AVX2 CPUs (linear_q8/linear_q4 with act_block).
+"""kiln's int8-activation kernel for q8 and q4 linears on AVX2 CPUs (linear of format q8 or q4 with act_block).
 
 The scheme (ir/ops.py; ir/quant.py quantize_activations): each row of x is quantised to int8 in
 blocks of act_block inputs, each block's dot with the integer weight levels is exact in int32, and

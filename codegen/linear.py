@@ -40,7 +40,7 @@ def _nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged
 
 
 def _int8_activation_matmul(x, w, scale, fmt: WeightFormat):
-    """The int8-activation scheme (ir/ops.py linear_q8/q4 with act_block) as TE stages, for weights
+    """The int8-activation scheme (ir/ops.py: linear of format q8/q4 with act_block) as TE stages, for weights
     the packed kernels do not take: x's block peaks, its int8 levels, per-block integer dots, and
     their sum over blocks, each times x's block scale (and the q4 group's)."""
     rows, width, block = x.shape[0], x.shape[1], fmt.act_block

@@ -20,8 +20,8 @@ from tvm.relax.utils import copy_with_new_vars
 from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, StoredWeight
 from kiln.errors import KilnError
 from kiln.ir import Graph
-from kiln.ir.moe_ops import MOE_EXPERT_OPS
-from kiln.ir.ops import ATTENTION_OPS, EMBED_OPS, OPS
+from kiln.ir.opdef import input_of
+from kiln.ir.ops import ATTENTION_OPS, OPS, weight_format
 from kiln.ir.step_forms import for_step, prefill_min_tokens
 
 from . import elementwise, mla, moe
@@ -100,18 +100,12 @@ class _Context:
         return self.kernels[name]
 
 
-LINEAR_OPS = ("linear", "linear_q8", "linear_q4", "linear_fp8")
-
-
-def _emit_linear(ctx, node, x, w, *rest):
-    """linear(x, w[, bias][, residual]) and linear_q8/q4/fp8(x, w, scale[, bias][, residual])."""
-    quantized = node.op != "linear"
-    scale, rest = (rest[0], rest[1:]) if quantized else (None, rest)
-    bias, residual = (list(rest) + [None, None])[:2]
+def _emit_linear(ctx, node, x, w, scale=None, bias=None, residual=None):
+    """linear(x, weight[, scale][, bias][, residual]), the weight in any format."""
     n_out = node.type.shape[-1]
     n_in = ctx.types[node.inputs[0]].shape[-1]
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
-    fmt = WeightFormat.of(node, "linear")
+    fmt = WeightFormat.of(node)
     gate = gate_of(node, ctx.graph, ctx.target)
     y = emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt,
                     GATE_ACTIVATIONS.get(gate))
@@ -126,9 +120,9 @@ GATE_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh"}
 def gate_of(node, graph: Graph, target) -> str | None:
     """The gated op (swiglu, geglu) that alone reads a linear's output, where the target's
     tensor-core kernel applies it in its epilogue: the linear's weights are then stored 'gated'."""
-    if node.op not in LINEAR_OPS or target.device != "cuda" or not target.tensor_cores:
+    if node.op != "linear" or target.device != "cuda" or not target.tensor_cores:
         return None
-    if len(node.inputs) != (2 if node.op == "linear" else 3) or node.output in graph.outputs:
+    if input_of(node, "bias") or input_of(node, "residual") or node.output in graph.outputs:
         return None                                     # a bias or residual: the plain kernel
     users = [n for n in graph.nodes if node.output in n.inputs]
     if len(users) != 1 or users[0].op not in GATE_ACTIVATIONS:
@@ -138,16 +132,16 @@ def gate_of(node, graph: Graph, target) -> str | None:
 
 def _on_tensor_cores(node, graph: Graph, target) -> bool:
     """Whether a linear of stored weights runs the tensor-core kernel (codegen/linear.py: mma_tiles)."""
-    if node.op not in LINEAR_OPS or node.inputs[1] not in graph.params:
+    if node.op != "linear" or input_of(node, "weight") not in graph.params:
         return False
-    n_in = graph.value_types()[node.inputs[0]].shape[-1]
-    return bool(mma_tiles(target, node.type.dtype, graph.params[node.inputs[1]].type.dtype,
-                          WeightFormat.of(node, "linear"), node.type.shape[-1], n_in))
+    n_in = graph.value_types()[input_of(node, "x")].shape[-1]
+    return bool(mma_tiles(target, node.type.dtype, graph.params[input_of(node, "weight")].type.dtype,
+                          WeightFormat.of(node), node.type.shape[-1], n_in))
 
 
 def _emit_embed(ctx, node, ids, table, scale=None):
-    """embed(ids, table) and embed_q8/q4/fp8(ids, table, scale), the table in its stored layout."""
-    fmt = WeightFormat.of(node, "embed")
+    """embed(ids, table[, scale]), the table in any format and its stored layout."""
+    fmt = WeightFormat.of(node)
 
     def stored(pos):            # a table or scale the graph computes (not a param) is 'nk'
         return _layout_for(node, pos, ctx.graph, ctx.target) if node.inputs[pos] in ctx.graph.params else "nk"
@@ -169,22 +163,13 @@ LOWERINGS = {
     "mul_scalar": elementwise.emit_mul_scalar,
     "softcap": elementwise.emit_softcap,
     "embed": _emit_embed,
-    "embed_q8": _emit_embed,
-    "embed_q4": _emit_embed,
-    "embed_fp8": _emit_embed,
     "take_rows": elementwise.emit_take_rows,
     "rms_norm": elementwise.emit_rms_norm,
     "qk_norm": elementwise.emit_qk_norm,
     "rope": elementwise.emit_rope,
     "linear": _emit_linear,
-    "linear_q8": _emit_linear,
-    "linear_q4": _emit_linear,
-    "linear_fp8": _emit_linear,
     "moe_router": moe.emit_moe_router,
     "moe_experts": moe.emit_moe_experts,
-    "moe_experts_q8": moe.emit_moe_experts,
-    "moe_experts_q4": moe.emit_moe_experts,
-    "moe_experts_fp8": moe.emit_moe_experts,
     "sigmoid_gate": elementwise.emit_sigmoid_gate,
     "paged_attention": emit_paged_attention,
     "paged_attention_fused": emit_paged_attention_fused,
@@ -204,18 +189,19 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     name = node.inputs[pos]
     if pos in (1, 2) and gate_of(node, graph, target):
         return GATED if pos == 1 else GATED_COLUMNS              # gate and up interleaved
-    if node.op in MOE_EXPERT_OPS and OPS[node.op].inputs[pos] in ("gate_up", "down"):
+    role = OPS[node.op].inputs[pos].rstrip("?")
+    if node.op == "moe_experts" and role in ("gate_up", "down"):
         return linear_layout(target, *graph.params[name].type.shape[1:])      # each expert packed as a linear
-    if node.op in LINEAR_OPS and pos == 1:
+    if node.op == "linear" and role == "weight":
         # int8 activations or bf16 weights: the target stores the inputs its dot multiplies side by side
         weight = graph.params[name].type
-        operands = (node.op.removeprefix("linear_") if node.attrs.get("act_block", 0) > 0
-                    else "bf16" if node.op == "linear" and weight.dtype == "bfloat16" else None)
+        operands = (weight_format(node) if node.attrs.get("act_block", 0) > 0
+                    else "bf16" if weight_format(node) == "none" and weight.dtype == "bfloat16" else None)
         return linear_layout(target, *weight.shape, operands=operands, act_block=node.attrs.get("act_block", 0))
-    if node.op == "linear_q4" and pos == 2:
+    if node.op == "linear" and weight_format(node) == "q4" and role == "scale":
         return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
-    if node.op in EMBED_OPS and pos in (1, 2):
-        head = next((n for n in graph.nodes if n.op in LINEAR_OPS and n.inputs[1] == node.inputs[1]), None)
+    if node.op == "embed" and role in ("table", "scale"):
+        head = next((n for n in graph.nodes if n.op == "linear" and n.inputs[1] == node.inputs[1]), None)
         if head is not None and (pos == 1 or head.inputs[2:3] == [name]):
             return _layout_for(head, pos, graph, target)
     return "nk"
@@ -238,7 +224,7 @@ def entry_steps(graph: Graph, target) -> list[str]:
     "prefill" where the graph has alternative forms."""
     kernels = [(step_kernel(target, graph, n, "mixed"), step_kernel(target, graph, n, "decode"))
                for n in graph.nodes if n.op in ATTENTION_OPS]
-    packed = target.chunk_gemm and any(n.op in LINEAR_OPS and _layout_for(n, 1, graph, target) != "nk"
+    packed = target.chunk_gemm and any(n.op == "linear" and _layout_for(n, 1, graph, target) != "nk"
                                        for n in graph.nodes)
     decode = packed or any(mixed != decode for mixed, decode in kernels)
     wide = bool(target.decode_mma_from) and any(_on_tensor_cores(n, graph, target) for n in graph.nodes)

@@ -330,11 +330,9 @@ def emit_moe_router(ctx, node, logits, bias=None):
     return ctx.bb.emit(relax.call_tir(gv, args, relax.TensorType(logits.ty.shape, "float32")))
 
 
-def emit_moe_experts(ctx, node, x, routing, gate_up, *rest):
-    """moe_experts and moe_experts_q8/q4/fp8: plan, gate_up GEMM, activation, down GEMM, combine."""
-    quantized = node.op != "moe_experts"
-    gate_up_scale, down, down_scale = rest if quantized else (None, rest[0], None)
-    fmt = WeightFormat.of(node, "moe_experts")
+def emit_moe_experts(ctx, node, x, routing, gate_up, gate_up_scale, down, down_scale=None):
+    """moe_experts, its experts in any weight format: plan, gate_up GEMM, activation, down GEMM, combine."""
+    fmt = WeightFormat.of(node)
     gpu = ctx.target.device != "cpu"
     dtype, k = node.type.dtype, node.attrs["top_k"]
     experts, hidden = ctx.types[node.inputs[1]].shape[1], node.type.shape[1]
@@ -346,7 +344,7 @@ def emit_moe_experts(ctx, node, x, routing, gate_up, *rest):
         relax.TensorType((tokens * k,), "float32"), relax.TensorType((tokens, k), "int32")]))
     row_token, row_expert, row_weight, token_rows = (ctx.bb.emit(relax.TupleGetItem(planned, i)) for i in range(4))
     scales = (lambda s: [s] if s is not None else [])
-    up_layout, down_layout = ctx.layout(node, 2), ctx.layout(node, 4 if quantized else 3)
+    up_layout, down_layout = ctx.layout(node, 2), ctx.layout(node, 4)
     h = _gemm_kernel(ctx, "moe_gate_up", [x, row_token, row_expert, gate_up, *scales(gate_up_scale)],
                      2 * ffn, hidden, up_layout, dtype, fmt, gather=True, weighted=False)
     act = gated(ctx, h, node.attrs["activation"], dtype)

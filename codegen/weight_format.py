@@ -17,10 +17,10 @@ class WeightFormat:
     act_block: int = 0           # > 0: x quantised to int8 in blocks of this many inputs (ir/ops.py)
 
     @classmethod
-    def of(cls, node, base: str) -> WeightFormat:
-        """The format an op reads: `base` reads float weights, `base`_q8/_q4/_fp8 quantised ones."""
-        return cls(node.op.removeprefix(f"{base}_") if node.op != base else "float", node.attrs.get("group_size", 0),
-                   node.attrs.get("act_block", 0))
+    def of(cls, node) -> WeightFormat:
+        """The format a linear, embed or moe_experts node reads (its `format`, group_size, act_block)."""
+        fmt = node.attrs.get("format", "none")
+        return cls("float" if fmt == "none" else fmt, node.attrs.get("group_size", 0), node.attrs.get("act_block", 0))
 
     @property
     def suffix(self) -> str:

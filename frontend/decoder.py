@@ -150,7 +150,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
 
     def linear(x, prefix, n_out, n_in, bias):
         w = b.param(f"{prefix}.weight", (n_out, n_in), dtype)
-        return b.op("linear", x, w, b.param(f"{prefix}.bias", (n_out,), dtype) if bias else None)
+        return b.op("linear", x, w, None, b.param(f"{prefix}.bias", (n_out,), dtype) if bias else None)
 
     def norm(x, name, width=H, eps=None):
         return b.op("rms_norm", x, b.param(name, (width,), dtype), eps=float(eps or c.rms_norm_eps),

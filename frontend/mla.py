@@ -61,7 +61,7 @@ def build_mla(b, mla: MLAConfig, x: str, prefix: str, heads: int, hidden: int, d
         if rope_spans and mla.interleaved_rope:
             bias_name = b.param(f"{bias_name}.rope_pairs", (rows,), dtype,
                                 recipe={"deinterleave": rope_spans, "of": bias_name})
-        return b.op("linear", x, w, b.param(bias_name, (rows,), dtype))
+        return b.op("linear", x, w, None, b.param(bias_name, (rows,), dtype))          # no scale: float
 
     def roped(v, heads_of_v):
         flat = b.op("reshape", v, shape=("tokens", heads_of_v * P))

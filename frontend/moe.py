@@ -75,7 +75,7 @@ def build_moe(b, moe: MoEConfig, x: str, layer_prefix: str, dtype: str, act: str
                           recipe={"stack": [[gate.format(j=j), up.format(j=j)] for j in range(E)]})
         down = b.param(f"{block}.experts.down", (E, hidden, F), dtype,
                        recipe={"stack": [[down_name.format(j=j)] for j in range(E)]})
-    out = b.op("moe_experts", x, routing, gate_up, down, top_k=moe.top_k, activation=act)
+    out = b.op("moe_experts", x, routing, gate_up, None, down, top_k=moe.top_k, activation=act)     # float: no scales
     if moe.shared_ffn:
         shared = dense_mlp(x, f"{block}.{moe.shared_name}", moe.shared_ffn)
         if moe.shared_gate:

@@ -17,7 +17,7 @@ computes routers:
                         best topk_group groups eligible; the weights are the unbiased scores of
                         the chosen, renormalised when `normalize` (denominator + 1e-20), × scaling
 
-`moe_experts` (and its quantised forms moe_experts_q8/q4/fp8) runs the routed experts; `sigmoid_gate`
+`moe_experts` (its experts stored in any weight format) runs the routed experts; `sigmoid_gate`
 weighs Qwen2-MoE's shared expert.
 """
 from __future__ import annotations
@@ -135,7 +135,8 @@ def _experts_ref(hidden, routing, weight, at, ty) -> np.ndarray:
     return as_type(out, ty)
 
 
-@op("moe_experts", ["x", "routing", "gate_up", "down"], {"top_k": REQUIRED, "activation": "silu"})
+@op("moe_experts", ["x", "routing", "gate_up", "gate_up_scale?", "down", "down_scale?"],
+    {"top_k": REQUIRED, "activation": "silu", "format": "none", "group_size": 0})
 def _moe_experts():
     """The routed experts' gated MLPs, summed by routing weight: for x [tokens, H], routing
     f32[tokens, E] (moe_router's: at most top_k experts per token), gate_up [E, 2F, H] (gate rows
@@ -143,37 +144,32 @@ def _moe_experts():
         out[t] = sum over experts e with routing[t, e] > 0 of
                  routing[t, e] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t]))
     Each product is rounded to x's dtype as transformers' experts loop rounds it; the sum is kept in
-    float32 and rounded once. Only the experts a token is routed to are computed."""
-    def rule(types, attrs, fail):
-        x, routing, gate_up, down = types
-        _check_experts_attrs(attrs, fail)
-        experts, hidden = _experts_out(x, routing, fail)
-        if gate_up.rank != 3 or gate_up.shape[0] != experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
-            fail(f"gate_up must be [{experts}, 2 * ffn, {hidden}], got {gate_up}")
-        if down != TensorType((experts, hidden, gate_up.shape[1] // 2), x.dtype) or gate_up.dtype != x.dtype:
-            fail(f"down must be {x.dtype}[{experts}, {hidden}, {gate_up.shape[1] // 2}], got {down}")
-        return x
-
-    def ref(x, at, ty, dims):
-        weights = {"gate_up": x[2], "down": x[3]}
-        return _experts_ref(x[0], x[1], lambda name, e: f32(weights[name][e]), at, ty)
-    return rule, ref
-
-
-def _quantized_experts(mode: str):
-    """Type rule and reference of moe_experts over weights quantised expert by expert with `mode`
-    (ir/quant.py): each of gate_up and down is a (q, scale) pair with a leading experts axis."""
-    scheme = QUANT_SCHEMES[mode]
-
+    float32 and rounded once. Only the experts a token is routed to are computed.
+    `format` q8, q4 or fp8: gate_up and down are stored quantised expert by expert as a linear's
+    weight would be (ir/quant.py), each with its scales (gate_up_scale, down_scale) behind it."""
     def rule(types, attrs, fail):
         x, routing, gate_up, gate_up_scale, down, down_scale = types
         _check_experts_attrs(attrs, fail)
         experts, hidden = _experts_out(x, routing, fail)
+        fmt = attrs.get("format", "none")
+        if fmt == "none":
+            if gate_up_scale is not None or down_scale is not None:
+                fail("experts of format none take no scales")
+            if gate_up.rank != 3 or gate_up.shape[0] != experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
+                fail(f"gate_up must be [{experts}, 2 * ffn, {hidden}], got {gate_up}")
+            if down != TensorType((experts, hidden, gate_up.shape[1] // 2), x.dtype) or gate_up.dtype != x.dtype:
+                fail(f"down must be {x.dtype}[{experts}, {hidden}, {gate_up.shape[1] // 2}], got {down}")
+            return x
+        if fmt not in QUANT_SCHEMES:
+            fail(f"format must be none or one of {', '.join(QUANT_SCHEMES)}, got {fmt!r}")
+        scheme = QUANT_SCHEMES[fmt]
+        if gate_up_scale is None or down_scale is None:
+            fail(f"experts of format {fmt} take gate_up_scale and down_scale")
         if gate_up.rank != 3 or gate_up.shape[0] != experts:
             fail(f"gate_up must be {scheme.weight_dtype}[{experts}, 2 * ffn, ...], got {gate_up}")
         ffn = gate_up.shape[1] // 2
         group = attrs.get("group_size", 0)
-        if scheme.grouped and (hidden % group or ffn % group or group % 2):
+        if scheme.grouped and (group <= 0 or hidden % group or ffn % group or group % 2):
             fail(f"hidden {hidden} and ffn {ffn} must be multiples of an even group_size {group}")
         for name, (q, scale), (n_out, n_in) in (("gate_up", (gate_up, gate_up_scale), (2 * ffn, hidden)),
                                                 ("down", (down, down_scale), (hidden, ffn))):
@@ -185,7 +181,11 @@ def _quantized_experts(mode: str):
         return x
 
     def ref(x, at, ty, dims):
-        parts = {"gate_up": (x[2], x[3]), "down": (x[4], x[5])}
+        fmt = at.get("format", "none")
+        parts = {"gate_up": (x[2], x[3]), "down": (x[4], x[5] if len(x) > 5 else None)}
+        if fmt == "none":
+            return _experts_ref(x[0], x[1], lambda name, e: f32(parts[name][0][e]), at, ty)
+        scheme = QUANT_SCHEMES[fmt]
         options = {"group_size": at["group_size"]} if scheme.grouped else {}
 
         def weight(name, e):
@@ -193,30 +193,6 @@ def _quantized_experts(mode: str):
             return scheme.dequantize({"q": np.asarray(q[e]), "scale": np.asarray(scale[e])}, **options)
         return _experts_ref(x[0], x[1], weight, at, ty)
     return rule, ref
-
-
-QUANTIZED_EXPERTS_INPUTS = ["x", "routing", "gate_up", "gate_up_scale", "down", "down_scale"]
-
-
-@op("moe_experts_q8", QUANTIZED_EXPERTS_INPUTS, {"top_k": REQUIRED, "activation": "silu"})
-def _moe_experts_q8():
-    """moe_experts with int8 experts and float32 per-output-channel scales (q8, expert by expert)."""
-    return _quantized_experts("q8")
-
-
-@op("moe_experts_fp8", QUANTIZED_EXPERTS_INPUTS, {"top_k": REQUIRED, "activation": "silu"})
-def _moe_experts_fp8():
-    """moe_experts with float8 e4m3 experts and float32 per-output-channel scales (fp8)."""
-    return _quantized_experts("fp8")
-
-
-@op("moe_experts_q4", QUANTIZED_EXPERTS_INPUTS, {"top_k": REQUIRED, "activation": "silu", "group_size": REQUIRED})
-def _moe_experts_q4():
-    """moe_experts with int4 experts in input groups with float16 scales (q4, expert by expert)."""
-    return _quantized_experts("q4")
-
-
-MOE_EXPERT_OPS = ("moe_experts", "moe_experts_q8", "moe_experts_q4", "moe_experts_fp8")
 
 
 @op("sigmoid_gate", ["x", "gate"])

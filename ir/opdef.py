@@ -59,6 +59,28 @@ class OpDef:
 OPS: dict[str, OpDef] = {}
 
 
+def input_of(node, name: str) -> str | None:
+    """The value `node` passes as its input `name` (None for an optional one left out)."""
+    return OPS[node.op].input_of(node, name)
+
+
+def attrs_for(op_name: str, **attrs) -> dict:
+    """`attrs` with `op_name`'s defaults for the rest: what a pass gives a node it makes or rewrites."""
+    return OPS[op_name].complete_attrs(attrs, f"a new {op_name} node")
+
+
+def named_inputs(op_name: str, **values) -> list:
+    """`op_name`'s inputs in its order, from their names; absent ones are None, trailing ones left off."""
+    names = [n.rstrip("?") for n in OPS[op_name].inputs]
+    unknown = set(values) - set(names)
+    if unknown:
+        raise IRError(f"op {op_name} has no input(s) {sorted(unknown)}")
+    inputs = [values.get(n) for n in names]
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    return inputs
+
+
 def op(name, inputs, attrs=None, mutates=()):
     def register(fns):
         type_rule, reference = fns()

@@ -11,7 +11,7 @@ import numpy as np
 
 from .opdef import (ACTIVATIONS, OPS, REQUIRED, OpDef, as_type, check_indices, check_kv_pages,  # noqa: F401
                     check_kv_storage, f32, gelu_tanh_f32, need_float, op)
-from .quant import int8_activation_matmul
+from .quant import SCHEMES, WEIGHT_FORMATS, int8_activation_matmul
 from .types import FLOAT_DTYPES, TensorType
 
 # ---------------------------------------------------------------------------- elementwise
@@ -115,140 +115,85 @@ def _reshape():
 
 # ---------------------------------------------------------------------------- model ops
 
-@op("embed", ["ids", "table"])
+def weight_format(node) -> str:
+    """The stored format of the weight a linear, embed or moe_experts node reads (WEIGHT_FORMATS)."""
+    return node.attrs.get("format", "none")
+
+
+def _check_format(attrs, fail) -> str:
+    fmt = attrs.get("format", "none")
+    if fmt not in WEIGHT_FORMATS:
+        fail(f"format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if fmt == "q4" and (attrs.get("group_size", 0) <= 0 or attrs["group_size"] % 2):
+        fail(f"format q4 needs an even group_size > 0, got {attrs.get('group_size', 0)}")
+    return fmt
+
+
+def _check_scale(scale, fmt: str, fail) -> None:
+    if (scale is None) != (fmt == "none"):
+        fail(f"a weight of format {fmt} takes {'no scale' if fmt == 'none' else 'a scale input'}")
+
+
+@op("embed", ["ids", "table", "scale?"], {"format": "none", "dtype": "", "group_size": 0})
 def _embed():
-    """table[ids]: one row of the embedding table per token."""
-    def rule(types, attrs, fail):
-        ids, table = types
-        if ids.dtype != "int32" or ids.rank != 1:
-            fail(f"ids must be i32[tokens], got {ids}")
-        if table.rank != 2:
-            fail(f"table must be 2-D [vocab, hidden], got {table}")
-        return TensorType((ids.shape[0], table.shape[1]), table.dtype)
-    return rule, lambda x, at, ty, dims: np.asarray(x[1])[np.asarray(x[0])]
-
-
-def _quantized_embed_rule(table_dtype: str, grouped: bool):
-    """The type rule of embed_q8/fp8 (`grouped` False: one f32 scale per row) and embed_q4
-    (two nibbles per byte along hidden, f16 scales [hidden / group_size, vocab])."""
-    short = str(TensorType((), table_dtype))[:-2]
-
+    """table[ids]: one row of the embedding table per token. `format` says how the table is stored:
+      none  the rows as they are; the output has the table's dtype (`dtype` unset).
+      q8    int8 table [vocab, hidden] with one float32 scale per row: row r reads table[r] * scale[r].
+      fp8   float8 e4m3 table [vocab, hidden] with one float32 scale per row, read the same way.
+      q4    u8 table [vocab, hidden/2] of two nibbles per byte (q + 8, even column low) with f16
+            scales [hidden/group_size, vocab]: row r, column c reads (nibble - 8) * scale[c // group_size, r].
+    A quantised table is decoded in float32 only in the gathered rows and rounded to `dtype`."""
     def rule(types, attrs, fail):
         ids, table, scale = types
+        fmt = _check_format(attrs, fail)
+        _check_scale(scale, fmt, fail)
         if ids.dtype != "int32" or ids.rank != 1:
             fail(f"ids must be i32[tokens], got {ids}")
-        if attrs["dtype"] not in FLOAT_DTYPES:
-            fail(f"dtype must be a float dtype, got {attrs['dtype']!r}")
-        if table.dtype != table_dtype or table.rank != 2:
-            fail(f"table must be {short}[vocab, {'hidden / 2' if grouped else 'hidden'}], got {table}")
-        vocab, hidden = table.shape[0], table.shape[1] * (2 if grouped else 1)
-        if grouped:
+        if fmt == "none":
+            if table.rank != 2:
+                fail(f"table must be 2-D [vocab, hidden], got {table}")
+            return TensorType((ids.shape[0], table.shape[1]), table.dtype)
+        scheme = SCHEMES[fmt]
+        short = str(TensorType((), scheme.weight_dtype))[:-2]
+        if attrs.get("dtype") not in FLOAT_DTYPES:
+            fail(f"dtype must be a float dtype, got {attrs.get('dtype')!r}")
+        if table.dtype != scheme.weight_dtype or table.rank != 2:
+            fail(f"table must be {short}[vocab, {'hidden / 2' if scheme.grouped else 'hidden'}], got {table}")
+        vocab, hidden = table.shape[0], table.shape[1] * (2 if scheme.grouped else 1)
+        if scheme.grouped:
             g = attrs["group_size"]
-            if g <= 0 or g % 2 or hidden % g:
+            if hidden % g:
                 fail(f"hidden width {hidden} must be a multiple of an even group_size {g}")
             if scale.dtype != "float16" or scale.shape != (hidden // g, vocab):
                 fail(f"scale must be f16[{hidden // g}, {vocab}], got {scale}")
         elif scale.dtype != "float32" or scale.shape != (vocab,):
             fail(f"scale must be f32[{vocab}], got {scale}")
         return TensorType((ids.shape[0], hidden), attrs["dtype"])
-    return rule
 
-
-def _per_row_embed_ref(x, at, ty, dims):
-    """Gather the rows first, then dequantise only those: q[ids] * scale[ids][:, None]."""
-    ids = np.asarray(x[0])
-    rows = np.asarray(x[1])[ids].astype(np.float32)                           # [tokens, hidden]
-    return as_type(rows * f32(x[2])[ids][:, None], ty)
-
-
-@op("embed_q8", ["ids", "table", "scale"], {"dtype": REQUIRED})
-def _embed_q8():
-    """table[ids] from an int8 table [vocab, hidden] with one float32 scale per row: row r reads
-    table[r] * scale[r], computed in float32 and rounded to `dtype` (only gathered rows are decoded)."""
-    return _quantized_embed_rule("int8", grouped=False), _per_row_embed_ref
-
-
-@op("embed_fp8", ["ids", "table", "scale"], {"dtype": REQUIRED})
-def _embed_fp8():
-    """table[ids] from a float8 e4m3 table [vocab, hidden] with one float32 scale per row: row r
-    reads table[r] * scale[r], computed in float32 and rounded to `dtype`."""
-    return _quantized_embed_rule("float8_e4m3fn", grouped=False), _per_row_embed_ref
-
-
-@op("embed_q4", ["ids", "table", "scale"], {"dtype": REQUIRED, "group_size": REQUIRED})
-def _embed_q4():
-    """table[ids] from an int4 table in groups along hidden: table u8[vocab, hidden/2] holds two
-    nibbles per byte (q + 8, even column low), scale f16[hidden/group_size, vocab]; row r, column c
-    reads (nibble - 8) * scale[c // group_size, r], rounded to `dtype`."""
     def ref(x, at, ty, dims):
-        ids = np.asarray(x[0])
-        packed = np.asarray(x[1])[ids]                                         # [tokens, hidden/2]
-        low, high = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
-        q = np.empty((len(ids), 2 * packed.shape[1]), np.float32)
-        q[:, 0::2], q[:, 1::2] = low - 8, high - 8
-        scale = f32(x[2])[:, ids].T                                           # [tokens, hidden/group]
-        return as_type(q * np.repeat(scale, at["group_size"], axis=1), ty)
-    return _quantized_embed_rule("uint8", grouped=True), ref
-
-
-EMBED_OPS = ("embed", "embed_q8", "embed_q4", "embed_fp8")      # all: ids at input 0, table at 1
+        ids, fmt = np.asarray(x[0]), at.get("format", "none")
+        if fmt == "none":
+            return np.asarray(x[1])[ids]
+        if fmt == "q4":
+            packed = np.asarray(x[1])[ids]                                     # [tokens, hidden/2]
+            low, high = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+            q = np.empty((len(ids), 2 * packed.shape[1]), np.float32)
+            q[:, 0::2], q[:, 1::2] = low - 8, high - 8
+            scale = f32(x[2])[:, ids].T                                       # [tokens, hidden/group]
+            return as_type(q * np.repeat(scale, at["group_size"], axis=1), ty)
+        rows = np.asarray(x[1])[ids].astype(np.float32)                       # the gathered rows only
+        return as_type(rows * f32(x[2])[ids][:, None], ty)
+    return rule, ref
 
 
 def _linear_out(x: TensorType, n_out: int, bias, residual, fail) -> TensorType:
-    """The output type of every linear variant, checking the optional bias and residual."""
+    """The output type of a linear, checking the optional bias and residual."""
     out = TensorType(x.shape[:-1] + (n_out,), x.dtype)
     if bias is not None and (bias.shape != (n_out,) or bias.dtype != x.dtype):
         fail(f"bias must be {x.dtype}[{n_out}], got {bias}")
     if residual is not None and residual != out:
         fail(f"residual must be {out}, got {residual}")
     return out
-
-
-@op("linear", ["x", "weight", "bias?", "residual?"])
-def _linear():
-    """x @ weight.T (+ bias) (+ residual), with weight [out, in] as transformers stores it.
-
-    The GEMM result is rounded to x's dtype and then the residual added, exactly as a separate add
-    would; a fused kernel does it in its epilogue."""
-    def rule(types, attrs, fail):
-        x, w, b, r = types
-        need_float(x, "x", fail)
-        if w.rank != 2 or x.shape[-1] != w.shape[1]:
-            fail(f"weight must be [out, {x.shape[-1]}], got {w}")
-        if w.dtype != x.dtype:
-            fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
-        return _linear_out(x, w.shape[0], b, r, fail)
-
-    def ref(x, at, ty, dims):
-        return _linear_ref(f32(x[0]) @ f32(x[1]).T, x[2:], ty)
-    return rule, ref
-
-
-def _per_channel_linear(weight_dtype: str):
-    """Type rule and reference of a linear whose weight is stored in `weight_dtype` with one float32
-    scale per output channel: x @ (weight * scale[:, None]).T (+ bias) (+ residual). An op that
-    declares an `act_block` attr (linear_q8) and sets it > 0 quantises x as ir/quant.py quantize_activations
-    says and sums integer dots per block (int8_activation_matmul), then scales by the weight's."""
-    short = str(TensorType((), weight_dtype))[:-2]
-
-    def rule(types, attrs, fail):
-        x, w, s, b, r = types
-        need_float(x, "x", fail)
-        if w.dtype != weight_dtype or w.rank != 2 or w.shape[1] != x.shape[-1]:
-            fail(f"weight must be {short}[out, {x.shape[-1]}], got {w}")
-        if s.dtype != "float32" or s.shape != (w.shape[0],):
-            fail(f"scale must be f32[{w.shape[0]}], got {s}")
-        _check_act_block(x.shape[-1], attrs, fail)
-        return _linear_out(x, w.shape[0], b, r, fail)
-
-    def ref(x, at, ty, dims):
-        if at.get("act_block"):
-            rows = f32(x[0]).reshape(-1, x[0].shape[-1])
-            y = int8_activation_matmul(rows, np.asarray(x[1]), None, at["act_block"]) * f32(x[2])[None, :]
-            return _linear_ref(y.reshape(*x[0].shape[:-1], -1), x[3:], ty)
-        w = np.asarray(x[1]).astype(np.float32) * f32(x[2])[:, None]        # dequantised, float32
-        return _linear_ref(f32(x[0]) @ w.T, x[3:], ty)
-    return rule, ref
 
 
 def _check_act_block(k, attrs, fail, group_size: int = 0) -> None:
@@ -258,60 +203,78 @@ def _check_act_block(k, attrs, fail, group_size: int = 0) -> None:
              + (f" and the group_size {group_size}" if group_size else ""))
 
 
-@op("linear_q8", ["x", "weight", "scale", "bias?", "residual?"], {"act_block": 0})
-def _linear_q8():
-    """linear with an int8 weight [out, in] and float32 per-output-channel scales:
-    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel.
-    act_block > 0: x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
-    quantize_activations) and each block's integer dot scaled by the block's x scale, then the sum
-    by the weight's scale (llama.cpp's Q8_0 × Q8_0 with per-channel weight scales)."""
-    return _per_channel_linear("int8")
+@op("linear", ["x", "weight", "scale?", "bias?", "residual?"], {"format": "none", "group_size": 0, "act_block": 0})
+def _linear():
+    """x @ W.T (+ bias) (+ residual), with W [out, in] as transformers stores it, read from `weight`
+    as `format` says:
+      none  W is `weight`, in x's dtype (no scale).
+      q8    int8 weight [out, in] and float32 per-output-channel scales: W = weight * scale[:, None].
+      fp8   float8 e4m3 weight [out, in] with float32 per-output-channel scales, read the same way.
+      q4    u8 weight [out, in/2] of two nibbles (q + 8, even input index low) with f16 scales
+            [in/group_size, out]: W[n, k] = (nibble - 8) * scale[k // group_size, n].
+    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4; dividing the
+    group_size): x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
+    quantize_activations) and each block's integer dot with the levels scaled by x's block scale
+    (times q4's group scale), the blocks summed in order, then scaled by q8's channel scale
+    (llama.cpp's Q8_0 × Q8_0).
 
-
-@op("linear_fp8", ["x", "weight", "scale", "bias?", "residual?"])
-def _linear_fp8():
-    """linear with a float8 e4m3 weight [out, in] and float32 per-output-channel scales:
-    x @ (weight * scale[:, None]).T (+ bias) (+ residual), dequantised inside the kernel."""
-    return _per_channel_linear("float8_e4m3fn")
-
-
-@op("linear_q4", ["x", "weight", "scale", "bias?", "residual?"], {"group_size": REQUIRED, "act_block": 0})
-def _linear_q4():
-    """linear with int4 weights in groups along the input axis: weight u8[out, in/2] holds two
-    nibbles (q + 8, even input index low), scale f16[in/group_size, out];
-    x @ W.T with W[n, k] = (nibble - 8) * scale[k // group_size, n] (+ bias) (+ residual).
-    act_block > 0 (dividing group_size): x is quantised to int8 in blocks of act_block inputs per
-    row (ir/quant.py quantize_activations); each block's integer dot with the levels (nibble - 8)
-    is scaled by x's block scale times the group's scale, and the blocks summed in order."""
+    The product is rounded to x's dtype and then the residual added, exactly as a separate add
+    would; a fused kernel does it in its epilogue."""
     def rule(types, attrs, fail):
         x, w, s, b, r = types
+        fmt = _check_format(attrs, fail)
+        _check_scale(s, fmt, fail)
         need_float(x, "x", fail)
-        g = attrs["group_size"]
         k = x.shape[-1]
-        if not isinstance(k, int) or k % g or g % 2:
-            fail(f"input width {k} must be a multiple of an even group_size {g}")
-        if w.dtype != "uint8" or w.rank != 2 or w.shape[1] * 2 != k:
-            fail(f"weight must be u8[out, {k // 2}], got {w}")
-        if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
-            fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
-        _check_act_block(k, attrs, fail, g)
+        if fmt == "none":
+            if w.rank != 2 or k != w.shape[1]:
+                fail(f"weight must be [out, {k}], got {w}")
+            if w.dtype != x.dtype:
+                fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
+        elif fmt == "q4":
+            g = attrs["group_size"]
+            if not isinstance(k, int) or k % g:
+                fail(f"input width {k} must be a multiple of an even group_size {g}")
+            if w.dtype != "uint8" or w.rank != 2 or w.shape[1] * 2 != k:
+                fail(f"weight must be u8[out, {k // 2}], got {w}")
+            if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
+                fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
+        else:
+            weight_dtype = SCHEMES[fmt].weight_dtype
+            if w.dtype != weight_dtype or w.rank != 2 or w.shape[1] != k:
+                fail(f"weight must be {str(TensorType((), weight_dtype))[:-2]}[out, {k}], got {w}")
+            if s.dtype != "float32" or s.shape != (w.shape[0],):
+                fail(f"scale must be f32[{w.shape[0]}], got {s}")
+        if attrs.get("act_block", 0) and fmt not in ("q8", "q4"):
+            fail(f"act_block applies to q8 and q4 weights, not {fmt}")
+        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if fmt == "q4" else 0)
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
-        packed = np.asarray(x[1])
-        levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
-        scale, g, block = f32(x[2]), at["group_size"], at.get("act_block", 0)
+        fmt, block = at.get("format", "none"), at.get("act_block", 0)
+        epilogue = x[3:]
+        if fmt == "none":
+            return _linear_ref(f32(x[0]) @ f32(x[1]).T, epilogue, ty)
+        if fmt == "q4":
+            packed = np.asarray(x[1])
+            levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
+            scale, g = f32(x[2]), at["group_size"]
+            if block:
+                rows = f32(x[0]).reshape(-1, x[0].shape[-1])
+                y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block)
+                return _linear_ref(y.reshape(*x[0].shape[:-1], -1), epilogue, ty)
+            return _linear_ref(f32(x[0]) @ (levels * np.repeat(scale.T, g, axis=1)).T, epilogue, ty)
         if block:
             rows = f32(x[0]).reshape(-1, x[0].shape[-1])
-            y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block)
-            return _linear_ref(y.reshape(*x[0].shape[:-1], -1), x[3:], ty)
-        w = levels * np.repeat(scale.T, g, axis=1)
-        return _linear_ref(f32(x[0]) @ w.T, x[3:], ty)
+            y = int8_activation_matmul(rows, np.asarray(x[1]), None, block) * f32(x[2])[None, :]
+            return _linear_ref(y.reshape(*x[0].shape[:-1], -1), epilogue, ty)
+        w = np.asarray(x[1]).astype(np.float32) * f32(x[2])[:, None]        # dequantised, float32
+        return _linear_ref(f32(x[0]) @ w.T, epilogue, ty)
     return rule, ref
 
 
 def _linear_ref(y: np.ndarray, extras, ty: TensorType) -> np.ndarray:
-    """The epilogue shared by linear and linear_q8: + bias, round, + residual, round."""
+    """The epilogue: + bias, round, + residual, round."""
     bias = extras[0] if len(extras) > 0 else None
     residual = extras[1] if len(extras) > 1 else None
     if bias is not None:

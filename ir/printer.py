@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from .graph import Graph
+from .opdef import OPS
 
 
 def _attr(v) -> str:
@@ -27,6 +28,12 @@ def _recipe(recipe: dict) -> str:
     return f"concat({', '.join('@' + n for n in recipe['concat'])}, axis={recipe['axis']})"
 
 
+def _shown_attrs(node) -> dict:
+    """A node's attributes less those at the op's default (a float linear prints none)."""
+    declared = OPS[node.op].attrs if node.op in OPS else {}
+    return {k: v for k, v in node.attrs.items() if k not in declared or declared[k] != v}
+
+
 def print_graph(graph: Graph) -> str:
     lines = [f"graph {graph.name}("]
     lines += [f"    %{name}: {ty}," for name, ty in graph.inputs.items()]
@@ -35,7 +42,8 @@ def print_graph(graph: Graph) -> str:
               for p in graph.params.values()]
     for n in graph.nodes:
         args = ", ".join("_" if i is None else (f"@{i}" if i in graph.params else f"%{i}") for i in n.inputs)
-        attrs = " {" + ", ".join(f"{k}={_attr(v)}" for k, v in n.attrs.items()) + "}" if n.attrs else ""
+        shown = _shown_attrs(n)
+        attrs = " {" + ", ".join(f"{k}={_attr(v)}" for k, v in shown.items()) + "}" if shown else ""
         lines.append(f"  %{n.output} = {n.op}({args}){attrs} : {n.type}")
     lines.append(f"  return {', '.join('%' + o for o in graph.outputs)}")
     lines.append("}")

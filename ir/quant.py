@@ -1,6 +1,6 @@
 """Quantisation schemes as data: each is a NumPy quantiser and its exact dequantiser.
 
-The IR op `linear_q8` and the weight recipes ({"quantize": scheme, "of": param, "part": ...})
+The `format` attribute of the IR's linear, embed and moe_experts and the weight recipes ({"quantize": scheme, "of": param, "part": ...})
 refer to schemes here by name; the scheme's name travels in the artifact manifest.
 """
 from __future__ import annotations
@@ -107,6 +107,7 @@ SCHEMES = {
     "fp8": Scheme("fp8", "float8_e4m3fn", _fp8_quantize, _q8_dequantize),
     "q4": Scheme("q4", "uint8", _q4_quantize, _q4_dequantize, scale_dtype="float16", grouped=True),
 }
+WEIGHT_FORMATS = ("none", *SCHEMES)      # a weight's `format` attribute: as stored, or a scheme's
 
 
 

@@ -8,6 +8,7 @@ from typing import Callable
 
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
 from kiln.interface import STEP_KINDS, KVLayout, Manifest, ModelRecord, Quantization, TargetRecord
+from kiln.ir import input_of, weight_format
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.step_forms import prefill_min_tokens
 
@@ -48,12 +49,11 @@ def _stderr(line: str) -> None:
 def _embedding_storage(graph) -> tuple[str, bool]:
     """The embedding's quantisation scheme ("none" for a float table) and whether its stored table is
     the LM head's weight too (one tensor read by both: codegen stores a shared table once)."""
-    from kiln.ir.ops import EMBED_OPS
-    embed = next((n for n in graph.nodes if n.op in EMBED_OPS), None)
+    embed = next((n for n in graph.nodes if n.op == "embed"), None)
     if embed is None:
         return "none", False
-    shared = any(n.op.startswith("linear") and n.inputs[1] == embed.inputs[1] for n in graph.nodes)
-    return (embed.op.removeprefix("embed_") if embed.op != "embed" else "none"), shared
+    table = input_of(embed, "table")
+    return weight_format(embed), any(n.op == "linear" and input_of(n, "weight") == table for n in graph.nodes)
 
 
 def _attention_layers(graph, target) -> list[dict]:
@@ -105,7 +105,7 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = Fals
 
 def _activation_block(graph) -> int:
     """The int8 activation block of the graph's q8/q4 linears (0: float activations)."""
-    return max((n.attrs.get("act_block", 0) for n in graph.nodes if n.op in ("linear_q8", "linear_q4")), default=0)
+    return max((n.attrs.get("act_block", 0) for n in graph.nodes if n.op == "linear"), default=0)
 
 
 def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arch: str | None = None,

@@ -1,18 +1,18 @@
 """fuse_qkv: three projections of the same input become one GEMM whose output is sliced.
 
 Rewrite:
-    %q = linear(%x, @wq[, @bq])   %k = linear(%x, @wk[, @bk])   %v = linear(%x, @wv[, @bv])
+    %q = linear(%x, @wq[, _, @bq])   %k = linear(%x, @wk[, _, @bk])   %v = linear(%x, @wv[, _, @bv])
   ->
-    %qkv = linear(%x, @wqkv[, @bqkv])        @wqkv = concat(@wq, @wk, @wv, axis=0)
+    %qkv = linear(%x, @wqkv[, _, @bqkv])     @wqkv = concat(@wq, @wk, @wv, axis=0)
     %q = slice(%qkv) {begin=0, end=Nq}   %k = slice(%qkv) {…}   %v = slice(%qkv) {…}
-Requires: exactly three linear users of %x, each with a plain (not derived) weight param of the
-  same dtype and input width, and all with a bias or none.
+Requires: exactly three linear users of %x, each with a plain (not derived, not quantised) weight param of the
+  same dtype and input width, no residual, and all with a bias or none.
 Leaves: the slices keep the old names, so every consumer is unchanged; the three weights become
   one param whose data is their concatenation, made when weights are loaded.
 """
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, Param, TensorType
+from kiln.ir import Graph, Node, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
 
 from .rewrite import drop_unused_params, editable_copy, fresh_name, fused_param_name, users
 
@@ -20,16 +20,17 @@ from .rewrite import drop_unused_params, editable_copy, fresh_name, fused_param_
 def _sibling_linears(graph: Graph) -> list[list[Node]]:
     groups = []
     for value, nodes in users(graph).items():
-        lin = [n for n in nodes if n.op == "linear" and n.inputs[0] == value]
+        lin = [n for n in nodes if n.op == "linear" and input_of(n, "x") == value and weight_format(n) == "none"
+               and input_of(n, "residual") is None]
         if len(lin) != 3:
             continue
-        weights = [graph.params.get(n.inputs[1]) for n in lin]
+        weights = [graph.params.get(input_of(n, "weight")) for n in lin]
         if any(w is None or w.recipe for w in weights):
             continue
         if len({(w.type.dtype, w.type.shape[1]) for w in weights}) != 1:
             continue
-        has_bias = [len(n.inputs) > 2 and n.inputs[2] is not None for n in lin]
-        if len(set(has_bias)) != 1 or (has_bias[0] and any(graph.params.get(n.inputs[2]) is None for n in lin)):
+        has_bias = [input_of(n, "bias") is not None for n in lin]
+        if len(set(has_bias)) != 1 or (has_bias[0] and any(graph.params.get(input_of(n, "bias")) is None for n in lin)):
             continue
         groups.append(lin)
     return groups
@@ -46,15 +47,14 @@ def _fused_param(graph: Graph, names: list[str], parts, fused: str) -> str:
 def fuse_qkv(graph: Graph) -> Graph:
     graph = editable_copy(graph)
     for group in _sibling_linears(graph):
-        x = group[0].inputs[0]
-        weight = _fused_param(graph, [n.inputs[1] for n in group], ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        inputs = [x, weight]
-        if len(group[0].inputs) > 2 and group[0].inputs[2] is not None:
-            inputs.append(_fused_param(graph, [n.inputs[2] for n in group], ("q_proj", "k_proj", "v_proj"),
-                                       "qkv_proj"))
+        parts = ("q_proj", "k_proj", "v_proj")
+        weight = _fused_param(graph, [input_of(n, "weight") for n in group], parts, "qkv_proj")
+        bias = (_fused_param(graph, [input_of(n, "bias") for n in group], parts, "qkv_proj")
+                if input_of(group[0], "bias") is not None else None)
+        inputs = named_inputs("linear", x=input_of(group[0], "x"), weight=weight, bias=bias)
         widths = [n.type.shape[-1] for n in group]
         fused_out = fresh_name(graph, "qkv")
-        fused = Node("linear", inputs, {}, fused_out,
+        fused = Node("linear", inputs, attrs_for("linear"), fused_out,
                      TensorType(group[0].type.shape[:-1] + (sum(widths),), group[0].type.dtype))
         first = min(graph.nodes.index(n) for n in group)
         begin = 0

@@ -3,14 +3,14 @@
 Rewrite:
     %t = linear(%x, @w[, @b])   %h = add(%r, %t)   (or add(%t, %r))
   ->
-    %h = linear(%x, @w, @b or _, %r)
+    %h = linear(%x, @w, _, @b or _, %r)      (a quantised linear keeps its scale and format)
 Requires: %t is used only by the add, and the linear has no residual yet.
 Leaves: %h keeps its name and position (after %r and %x are defined), so consumers are unchanged.
 The numbers are the same: the linear rounds its product to the dtype before adding the residual.
 """
 from __future__ import annotations
 
-from kiln.ir import Graph
+from kiln.ir import Graph, input_of, named_inputs
 
 from .rewrite import editable_copy, users
 
@@ -22,10 +22,11 @@ def fuse_residual_add(graph: Graph) -> Graph:
     for add in [n for n in graph.nodes if n.op == "add"]:
         for proj_name, residual in (add.inputs, add.inputs[::-1]):
             proj = producers.get(proj_name)
-            if not proj or proj.op != "linear" or len(use[proj_name]) != 1 or len(proj.inputs) > 3:
+            if not proj or proj.op != "linear" or len(use[proj_name]) != 1 or input_of(proj, "residual"):
                 continue
-            bias = proj.inputs[2] if len(proj.inputs) > 2 else None
-            add.op, add.inputs, add.attrs = "linear", [proj.inputs[0], proj.inputs[1], bias, residual], {}
+            add.op, add.attrs = "linear", dict(proj.attrs)
+            add.inputs = named_inputs("linear", x=input_of(proj, "x"), weight=input_of(proj, "weight"),
+                                      scale=input_of(proj, "scale"), bias=input_of(proj, "bias"), residual=residual)
             graph.nodes.remove(proj)
             break
     return graph

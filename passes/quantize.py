@@ -1,14 +1,13 @@
 """quantize: projections read int8 weights with per-channel scales (weight-only quantisation).
 
-Rewrite (mode q8; mode q4 is the same with linear_q4 {group_size}, u8 packed nibbles and
-f16 group scales):
-    %y = linear(%x, @w[, @b][, %r])
+Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales):
+    %y = linear(%x, @w[, _, @b][, %r])
   ->
-    %y = linear_q8(%x, @w.q8, @w.q8_scale[, @b][, %r])
+    %y = linear(%x, @w.q8, @w.q8_scale[, @b][, %r]) {format='q8'}
         @w.q8 = q8.q(@w)   @w.q8_scale = q8.scale(@w)      (computed once, when weights are written)
-    %y = moe_experts(%x, %routing, @gate_up, @down)
+    %y = moe_experts(%x, %routing, @gate_up, _, @down)
   ->
-    %y = moe_experts_q8(%x, %routing, @gate_up.q8, @gate_up.q8_scale, @down.q8, @down.q8_scale)
+    %y = moe_experts(%x, %routing, @gate_up.q8, @gate_up.q8_scale, @down.q8, @down.q8_scale) {format='q8'}
         each expert quantised on its own, as a linear weight would be
 With act_block > 0 (the target's choice), q8/q4 linears get {act_block}: their input rows are
 quantised to int8 in blocks of act_block inputs and multiplied in integer dot products (ir/ops.py
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.ir import Graph, IRError, Param, TensorType
+from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.quant import SCHEMES
 
 from .rewrite import drop_unused_params, editable_copy
@@ -85,19 +84,21 @@ class Quantize:
             skip |= self._linears_feeding(graph, graph.outputs)
         grouped = scheme.grouped
         for node in graph.nodes:
+            if weight_format(node) != "none":
+                continue
             if node.op == "moe_experts":
                 self._quantize_experts(graph, node)
-            if node.op != "linear" or node.output in skip or node.inputs[1] not in graph.params:
+            if node.op != "linear" or node.output in skip or input_of(node, "weight") not in graph.params:
                 continue
-            w = graph.params[node.inputs[1]]
+            w = graph.params[input_of(node, "weight")]
             if grouped and w.type.shape[1] % self.group_size:
                 continue                  # a width the groups do not divide stays in float
             q, scale = add_quantized_params(graph, w, self.mode, self.group_size)
-            node.op = f"linear_{self.mode}"
-            node.inputs = [node.inputs[0], q, scale, *node.inputs[2:]]
-            node.attrs = {**({"group_size": self.group_size} if grouped else {}),
-                          **({"act_block": self.act_block if self._int8_activations(w.type.shape[1]) else 0}
-                             if self.mode in ("q8", "q4") else {})}
+            node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
+                                       bias=input_of(node, "bias"), residual=input_of(node, "residual"))
+            node.attrs = attrs_for("linear", format=self.mode, **({"group_size": self.group_size} if grouped else {}),
+                                   act_block=self.act_block if self.mode in ("q8", "q4")
+                                   and self._int8_activations(w.type.shape[1]) else 0)
         return drop_unused_params(graph)
 
     def _int8_activations(self, n_in: int) -> bool:
@@ -107,11 +108,12 @@ class Quantize:
                 and (self.mode != "q4" or self.group_size % self.act_block == 0))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
-        gate_up, down = (graph.params[name] for name in node.inputs[2:4])
+        gate_up, down = (graph.params[input_of(node, name)] for name in ("gate_up", "down"))
         if SCHEMES[self.mode].grouped and (gate_up.type.shape[2] % self.group_size or down.type.shape[2] % self.group_size):
             return                        # widths the groups do not divide stay in float
-        parts = [name for w in (gate_up, down) for name in add_quantized_params(graph, w, self.mode, self.group_size)]
-        node.op = f"moe_experts_{self.mode}"
-        node.inputs = node.inputs[:2] + parts
-        if SCHEMES[self.mode].grouped:
-            node.attrs = {**node.attrs, "group_size": self.group_size}
+        (gate_up_q, gate_up_scale), (down_q, down_scale) = (add_quantized_params(graph, w, self.mode, self.group_size)
+                                                            for w in (gate_up, down))
+        node.inputs = named_inputs("moe_experts", x=input_of(node, "x"), routing=input_of(node, "routing"),
+                                   gate_up=gate_up_q, gate_up_scale=gate_up_scale, down=down_q, down_scale=down_scale)
+        node.attrs = {**node.attrs, "format": self.mode,
+                      **({"group_size": self.group_size} if SCHEMES[self.mode].grouped else {})}

@@ -1,10 +1,10 @@
 """quantize_embedding: the embedding gather reads its table quantised with the weights' scheme.
 
-Rewrite (mode q8; fp8 is embed_fp8 with an e4m3 table; q4 is embed_q4 {dtype, group_size} with
-u8 packed nibbles and f16 group scales):
+Rewrite (mode q8; fp8 likewise with an e4m3 table; q4 adds {group_size}, with u8 packed nibbles
+and f16 group scales):
     %h = embed(%ids, @t)
   ->
-    %h = embed_q8(%ids, @t.q8, @t.q8_scale) {dtype='float32'}
+    %h = embed(%ids, @t.q8, @t.q8_scale) {format='q8', dtype='float32'}
         @t.q8 = q8.q(@t)   @t.q8_scale = q8.scale(@t)      (computed once, when weights are written)
 The quantised params are named as `quantize` names those of a linear weight, so a tied table
 whose LM head was quantised with the same scheme is one pair of params that the gather and the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.ir import Graph
+from kiln.ir import Graph, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.quant import SCHEMES
 
 from .quantize import add_quantized_params
@@ -37,13 +37,13 @@ class QuantizeEmbedding:
         graph = editable_copy(graph)
         grouped = SCHEMES[self.mode].grouped
         for node in graph.nodes:
-            if node.op != "embed" or node.inputs[1] not in graph.params:
+            if node.op != "embed" or weight_format(node) != "none" or input_of(node, "table") not in graph.params:
                 continue
-            table = graph.params[node.inputs[1]]
+            table = graph.params[input_of(node, "table")]
             if grouped and table.type.shape[1] % self.group_size:
                 continue                  # a width the groups do not divide stays in float
             q, scale = add_quantized_params(graph, table, self.mode, self.group_size)
-            node.op = f"embed_{self.mode}"
-            node.inputs = [node.inputs[0], q, scale]
-            node.attrs = {"dtype": node.type.dtype, **({"group_size": self.group_size} if grouped else {})}
+            node.inputs = named_inputs("embed", ids=input_of(node, "ids"), table=q, scale=scale)
+            node.attrs = attrs_for("embed", format=self.mode, dtype=node.type.dtype,
+                                   **({"group_size": self.group_size} if grouped else {}))
         return drop_unused_params(graph)

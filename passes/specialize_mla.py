@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
-from kiln.ir import Graph, Node, Param, TensorType
+from kiln.ir import Graph, Node, Param, TensorType, attrs_for
 from kiln.ir.step_forms import CONTEXT_INPUTS
 
 from .rewrite import drop_unused_params, editable_copy
@@ -64,7 +64,7 @@ def _expanded(node: Node, types, rank: int) -> list[Node]:
         Node("latent_gather", [pages, "kv_slots", *node.inputs[8:]], {"layer": layer, "dtype": dtype}, rows,
              TensorType(("kv_tokens", width), dtype)),
         Node("slice", [rows], {"begin": 0, "end": rank}, latent, TensorType(("kv_tokens", rank), dtype)),
-        Node("linear", [latent, kv_b], {}, kv, TensorType(("kv_tokens", types[kv_b].shape[0]), dtype)),
+        Node("linear", [latent, kv_b], attrs_for("linear"), kv, TensorType(("kv_tokens", types[kv_b].shape[0]), dtype)),
         Node("expanded_attend", [q_nope, q_rope, kv, rows, q_indptr, "kv_indptr"], {"scale": node.attrs["scale"]},
              f"o_expanded{layer}", node.type),
     ]

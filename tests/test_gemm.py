@@ -158,8 +158,8 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     weights = _weights(op, rng)
     if op == "linear":
         weights = [weights[0].astype(numpy_dtype(dtype))]
-    attrs = {**attrs, **({"group_size": 32} if op == "linear_q4" else {})}
-    fmt = WeightFormat.of(type("N", (), {"op": op, "attrs": attrs}), "linear")
+    attrs = {**attrs, "format": op.partition("_")[2] or "none", **({"group_size": 32} if op == "linear_q4" else {})}
+    fmt = WeightFormat.of(type("N", (), {"op": "linear", "attrs": attrs}))
     kernel = make_kernel(fmt, str(weights[0].dtype) if op != "linear" else dtype)
     target = host_cpu_target()
     module = tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")})
@@ -179,7 +179,8 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     extra += [b.input("residual", ("tokens", N_OUT), dtype)] if residual else []
     while extra and extra[-1] is None:
         extra.pop()
-    graph = b.output(b.op(op, x, *params, *extra, name="y", **attrs))
+    no_scale = [None] if op == "linear" else []          # a float weight has no scale input
+    graph = b.output(b.op("linear", x, *params, *no_scale, *extra, name="y", **attrs))
     bias_value = rng.standard_normal(N_OUT).astype(np_dtype)
     values = {f"w{i}": w for i, w in enumerate(weights)} | {"bias": bias_value}
     for rows in ROW_COUNTS:

@@ -27,8 +27,8 @@ def test_quantize_activations_known_values():
 def _linear(op, weights, act_block, x):
     b = GraphBuilder(op)
     params = [b.param(f"w{i}", w.shape, str(w.dtype)) for i, w in enumerate(weights)]
-    attrs = {"group_size": BLOCK} if op == "linear_q4" else {}
-    graph = b.output(b.op(op, b.input("x", ("tokens", K), "float32"), *params, name="y", act_block=act_block,
+    attrs = {"format": op.partition("_")[2], **({"group_size": BLOCK} if op == "linear_q4" else {})}
+    graph = b.output(b.op("linear", b.input("x", ("tokens", K), "float32"), *params, name="y", act_block=act_block,
                           **attrs))
     return interpret(graph, {"x": x}, {f"w{i}": w for i, w in enumerate(weights)}.__getitem__)["y"]
 
@@ -89,12 +89,12 @@ def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(m
     block = target_defaults("cpu").activation_block
     for quant in ("q8", "q4"):
         quantised, _ = run_pipeline(graph, "cpu", quant=quant)
-        linears = [n for n in quantised.nodes if n.op == f"linear_{quant}"]
+        linears = [n for n in quantised.nodes if n.op == "linear" and n.attrs["format"] == quant]
         assert linears and {n.attrs.get("act_block", 0) for n in linears} == {block}
         floats, _ = run_pipeline(graph, "cpu", quant=quant, int8_activations=False)
-        assert {n.attrs.get("act_block", 0) for n in floats.nodes if n.op == f"linear_{quant}"} == {0}
+        assert {n.attrs["act_block"] for n in floats.nodes if n.op == "linear" and n.attrs["format"] == quant} == {0}
     fp8, _ = run_pipeline(graph, "cpu", quant="fp8")
-    assert all("act_block" not in n.attrs for n in fp8.nodes)              # fp8 weights: float activations
+    assert all(n.attrs.get("act_block", 0) == 0 for n in fp8.nodes)        # fp8 weights: float activations
     with pytest.raises(KilnError, match="--activations int8 is not supported on target cuda"):
         run_pipeline(graph, "cuda", quant="q8", int8_activations=True)
 
@@ -202,7 +202,7 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, sc
     """A table tied to a q8/q4 LM head with int8 activations, or to a bf16 head on a CPU with a bf16
     dot, is stored in the head's interleaved layout, a q4 table's scales in the head's (panelsNB for
     the VNNI kernel; tests/test_quant_embedding.py); the gather must still read each row the
-    interpreter's embed_q8/embed_q4/embed reads (q4 bytes of neighbouring inputs, or of inputs 8
+    interpreter's embed reads, q8, q4 or float (q4 bytes of neighbouring inputs, or of inputs 8
     apart as the VNNI kernel's 'nS' stores them)."""
     import ml_dtypes
     import tvm
@@ -228,9 +228,9 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, sc
     ids = np.array([0, 63, 17, 17, 5, 16], np.int32)
     scales = [] if scale is None else [scale]
     b = GraphBuilder("embed")
-    graph = b.output(b.op(op, b.input("ids", ("tokens",), "int32"), b.param("table", table.shape, str(table.dtype)),
+    graph = b.output(b.op("embed", b.input("ids", ("tokens",), "int32"), b.param("table", table.shape, str(table.dtype)),
                           *[b.param("scale", s.shape, str(s.dtype)) for s in scales], name="out",
-                          **attrs, **({"dtype": "float32"} if scales else {})))
+                          format=op.partition("_")[2] or "none", **attrs, **({"dtype": "float32"} if scales else {})))
     want = interpret(graph, {"ids": ids}, {"table": table, "scale": scale}.__getitem__)["out"].astype(np.float32)
     ph = [te.placeholder((ids.size,), "int32"), te.placeholder(stored_shape(layout, table.shape), str(table.dtype)),
           *[te.placeholder(stored_shape(scale_layout, s.shape), str(s.dtype)) for s in scales]]

@@ -25,7 +25,7 @@ def small_mlp():
     ids = b.input("ids", ("tokens",), "int32")
     h = b.op("embed", ids, b.param("embed", (V, H), "float32"), name="h")
     x = b.op("rms_norm", h, b.param("norm.weight", (H,), "float32"), eps=1e-5, name="x")
-    gate = b.op("linear", x, b.param("gate.weight", (16, H), "float32"), b.param("gate.bias", (16,), "float32"))
+    gate = b.op("linear", x, b.param("gate.weight", (16, H), "float32"), None, b.param("gate.bias", (16,), "float32"))
     up = b.op("linear", x, b.param("up.weight", (16, H), "float32"))
     act = b.op("mul", b.op("silu", gate), up)
     out = b.op("add", h, b.op("linear", act, b.param("down.weight", (H, 16), "float32")))
@@ -109,7 +109,7 @@ def test_printer_lines():
     assert "    %ids: i32[tokens]," in lines
     assert "  @norm.weight: f32[8]" in lines
     assert "  %h = embed(%ids, @embed) : f32[tokens, 8]" in lines
-    assert "  %x = rms_norm(%h, @norm.weight) {eps=1e-05, offset=0.0, weight_in_float32=False} : f32[tokens, 8]" in lines
+    assert "  %x = rms_norm(%h, @norm.weight) {eps=1e-05} : f32[tokens, 8]" in lines       # defaults left out
     assert "  %linear1 = linear(%x, @up.weight) : f32[tokens, 16]" in lines
     assert "  %out = cast(%reshape0) {dtype='float16'} : f16[tokens, 2, 4]" in lines
     assert lines[-2:] == ["  return %out", "}"]
@@ -191,28 +191,29 @@ EXAMPLES = {
                 lambda a: a["in0"].reshape(3, 2, 2)),
     "embed": (lambda: _one_node("embed", [((3,), "int32"), ((V, 4), "float32")]),
               lambda a: a["in1"][a["in0"]]),
-    "embed_q8": (lambda: _one_node("embed_q8", [((3,), "int32"), ((V, 4), "int8"), ((V,), "float32")],
-                                   {"dtype": "float32"}),
+    "embed/q8": (lambda: _one_node("embed", [((3,), "int32"), ((V, 4), "int8"), ((V,), "float32")],
+                                   {"format": "q8", "dtype": "float32"}),
                  lambda a: (a["in1"].astype(np.float64) * a["in2"][:, None])[a["in0"]]),
-    "embed_fp8": (lambda: _one_node("embed_fp8", [((3,), "int32"), ((V, 4), "float8_e4m3fn"), ((V,), "float32")],
-                                    {"dtype": "float32"}),
+    "embed/fp8": (lambda: _one_node("embed", [((3,), "int32"), ((V, 4), "float8_e4m3fn"), ((V,), "float32")],
+                                    {"format": "fp8", "dtype": "float32"}),
                   lambda a: (a["in1"].astype(np.float64) * a["in2"][:, None])[a["in0"]]),
-    "embed_q4": (lambda: _one_node("embed_q4", [((3,), "int32"), ((V, 4), "uint8"), ((2, V), "float16")],
-                                   {"dtype": "float32", "group_size": 4}),
+    "embed/q4": (lambda: _one_node("embed", [((3,), "int32"), ((V, 4), "uint8"), ((2, V), "float16")],
+                                   {"format": "q4", "dtype": "float32", "group_size": 4}),
                  lambda a: _q4_weight(a["in1"], a["in2"], 4)[a["in0"]]),
-    "linear": (lambda: _one_node("linear", [((3, 4), "float32"), ((5, 4), "float32"), ((5,), "float32")]),
-               lambda a: a["in0"] @ a["in1"].T + a["in2"]),
+    "linear": (lambda: _one_node("linear", [((3, 4), "float32"), ((5, 4), "float32"), None, ((5,), "float32")]),
+               lambda a: a["in0"] @ a["in1"].T + a["in3"]),
     "rms_norm": (lambda: _one_node("rms_norm", [((3, 4), "float32"), ((4,), "float32")], {"eps": 1e-6}),
                  lambda a: a["in1"] * a["in0"] / np.sqrt((a["in0"] ** 2).mean(-1, keepdims=True) + 1e-6)),
     "rope": (lambda: _one_node("rope", [((3, 16), "float32"), ((3,), "int32"), ((4,), "float32")], {"head_dim": 8}),
              lambda a: _rot(a["in0"].reshape(3, 2, 8), a["in1"], a["in2"]).reshape(3, 16)),
-    "linear_q8": (lambda: _one_node("linear_q8", [((3, 4), "float32"), ((5, 4), "int8"), ((5,), "float32")]),
+    "linear/q8": (lambda: _one_node("linear", [((3, 4), "float32"), ((5, 4), "int8"), ((5,), "float32")],
+                                    {"format": "q8"}),
                   lambda a: a["in0"] @ (a["in1"].astype(np.float64) * a["in2"][:, None]).T),
-    "linear_fp8": (lambda: _one_node("linear_fp8", [((3, 4), "float32"), ((5, 4), "float8_e4m3fn"),
-                                                    ((5,), "float32")]),
+    "linear/fp8": (lambda: _one_node("linear", [((3, 4), "float32"), ((5, 4), "float8_e4m3fn"),
+                                                ((5,), "float32")], {"format": "fp8"}),
                    lambda a: a["in0"] @ (a["in1"].astype(np.float64) * a["in2"][:, None]).T),
-    "linear_q4": (lambda: _one_node("linear_q4", [((3, 8), "float32"), ((5, 4), "uint8"), ((2, 5), "float16")],
-                                    {"group_size": 4}),
+    "linear/q4": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 4), "uint8"), ((2, 5), "float16")],
+                                    {"format": "q4", "group_size": 4}),
                   lambda a: a["in0"] @ _q4_weight(a["in1"], a["in2"], 4).T),
     "slice": (lambda: _one_node("slice", [((3, 10), "float32")], {"begin": 2, "end": 7}),
               lambda a: a["in0"][:, 2:7]),
@@ -233,9 +234,6 @@ EXAMPLES = {
     "paged_attention": None,   # has its own tests below
     "moe_router": None,        # tests/test_moe_ops.py, against transformers' routers
     "moe_experts": None,       # tests/test_moe_ops.py, against transformers' expert modules
-    "moe_experts_q8": None,    # tests/test_moe_ops.py, against moe_experts on the dequantised experts
-    "moe_experts_q4": None,
-    "moe_experts_fp8": None,
     "sigmoid_gate": (lambda: _one_node("sigmoid_gate", [((3, 4), "float32"), ((3, 1), "float32")]),
                      lambda a: a["in0"] / (1 + np.exp(-a["in1"]))),
     "kv_append": None,         # with paged_attend, the same tests
@@ -271,7 +269,11 @@ def _example_inputs(graph, rng):
 
 
 def test_every_op_has_a_reference_example():
-    missing = sorted(set(OPS) - set(EXAMPLES))
+    """Every op of the table, and every weight format of an op that reads weights (key "op/format"),
+    has an example here."""
+    from kiln.ir.quant import SCHEMES
+    missing = sorted(set(OPS) - {key.split("/")[0] for key in EXAMPLES})
+    missing += sorted(f"{op}/{fmt}" for op in ("linear", "embed") for fmt in SCHEMES if f"{op}/{fmt}" not in EXAMPLES)
     assert not missing, f"ops without an interpreter example in tests/test_ir.py: {missing}"
 
 

@@ -137,7 +137,7 @@ def test_experts_equal_transformers(family):
     x, r = b.input("x", ("tokens", HIDDEN), "float32"), b.input("routing", ("tokens", 8), "float32")
     gate_up = b.param("gate_up", tuple(experts.gate_up_proj.shape), "float32")
     down = b.param("down", tuple(experts.down_proj.shape), "float32")
-    graph = verify(b.output(b.op("moe_experts", x, r, gate_up, down, name="y", top_k=2)))
+    graph = verify(b.output(b.op("moe_experts", x, r, gate_up, None, down, name="y", top_k=2)))
     params = {"gate_up": experts.gate_up_proj.detach().numpy(), "down": experts.down_proj.detach().numpy()}
     got = interpret(graph, {"x": hidden.numpy(), "routing": routing}, params.__getitem__)["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -155,25 +155,25 @@ def _dequantised(mode: str, q: np.ndarray, scale: np.ndarray, group: int) -> np.
 
 @pytest.mark.parametrize("mode", ["q8", "q4", "fp8"])
 def test_quantised_experts_are_the_experts_of_their_dequantised_weights(mode):
-    from kiln.ir import weight_loader
+    from kiln.ir import input_of, weight_loader
     from kiln.passes.quantize import Quantize
     rng = np.random.default_rng(4)
     b = GraphBuilder("experts")
     x, r = b.input("x", ("tokens", HIDDEN), "float32"), b.input("routing", ("tokens", 8), "float32")
     gate_up, down = b.param("gate_up", (8, 48, HIDDEN), "float32"), b.param("down", (8, HIDDEN, 24), "float32")
-    graph = Quantize(mode, group_size=8)(b.output(b.op("moe_experts", x, r, gate_up, down, name="y", top_k=2)))
+    graph = Quantize(mode, group_size=8)(b.output(b.op("moe_experts", x, r, gate_up, None, down, name="y", top_k=2)))
     [node] = graph.nodes
-    assert node.op == f"moe_experts_{mode}"
+    assert node.op == "moe_experts" and node.attrs["format"] == mode
     floats = {"gate_up": rng.standard_normal((8, 48, HIDDEN)).astype(np.float32),
               "down": rng.standard_normal((8, HIDDEN, 24)).astype(np.float32)}
     load = weight_loader(graph, floats.__getitem__)
-    parts = [load(name) for name in node.inputs[2:]]
-    dequantised = {"gate_up": _dequantised(mode, parts[0], parts[1], 8), "down": _dequantised(mode, parts[2], parts[3], 8)}
+    parts = {name: load(input_of(node, name)) for name in ("gate_up", "gate_up_scale", "down", "down_scale")}
+    dequantised = {name: _dequantised(mode, parts[name], parts[f"{name}_scale"], 8) for name in ("gate_up", "down")}
     routing = kiln_routing(rng.standard_normal((TOKENS, 8)).astype(np.float32), scheme="softmax_topk", top_k=2)
     inputs = {"x": rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32), "routing": routing}
     b = GraphBuilder("experts")
     x, r = b.input("x", ("tokens", HIDDEN), "float32"), b.input("routing", ("tokens", 8), "float32")
-    plain = verify(b.output(b.op("moe_experts", x, r, b.param("gate_up", (8, 48, HIDDEN), "float32"),
+    plain = verify(b.output(b.op("moe_experts", x, r, b.param("gate_up", (8, 48, HIDDEN), "float32"), None,
                                  b.param("down", (8, HIDDEN, 24), "float32"), name="y", top_k=2)))
     want = interpret(plain, inputs, dequantised.__getitem__)["y"]
     np.testing.assert_allclose(interpret(graph, inputs, load)["y"], want, rtol=1e-5, atol=1e-4)
@@ -183,7 +183,7 @@ def test_quantised_experts_are_the_experts_of_their_dequantised_weights(mode):
 def test_a_token_routed_to_more_than_top_k_experts_is_refused():
     b = GraphBuilder("experts")
     x, r = b.input("x", ("tokens", HIDDEN), "float32"), b.input("routing", ("tokens", 4), "float32")
-    graph = verify(b.output(b.op("moe_experts", x, r, b.param("gate_up", (4, 8, HIDDEN), "float32"),
+    graph = verify(b.output(b.op("moe_experts", x, r, b.param("gate_up", (4, 8, HIDDEN), "float32"), None,
                                  b.param("down", (4, HIDDEN, 4), "float32"), name="y", top_k=1)))
     weights = {"gate_up": np.ones((4, 8, HIDDEN), np.float32), "down": np.ones((4, HIDDEN, 4), np.float32)}
     with pytest.raises(IRError, match="more than top_k=1"):

@@ -45,7 +45,7 @@ def qkv_graph(bias=True, k_bias=True, n_siblings=3):
     for name, width, has_bias in (("q", 8, bias), ("k", 4, k_bias), ("v", 4, bias))[:n_siblings]:
         w = b.param(f"l.{name}_proj.weight", (width, 8), "float32")
         bb = b.param(f"l.{name}_proj.bias", (width,), "float32") if has_bias else None
-        outs.append(b.op("linear", x, w, bb, name=name))
+        outs.append(b.op("linear", x, w, None, bb, name=name))
     return verify(b.output(*outs))
 
 
@@ -54,7 +54,7 @@ def test_fuse_qkv_rewrite():
     assert body(after) == [
         "  @l.qkv_proj.weight: f32[16, 8] = concat(@l.q_proj.weight, @l.k_proj.weight, @l.v_proj.weight, axis=0)",
         "  @l.qkv_proj.bias: f32[16] = concat(@l.q_proj.bias, @l.k_proj.bias, @l.v_proj.bias, axis=0)",
-        "  %qkv0 = linear(%x, @l.qkv_proj.weight, @l.qkv_proj.bias) : f32[tokens, 16]",
+        "  %qkv0 = linear(%x, @l.qkv_proj.weight, _, @l.qkv_proj.bias) : f32[tokens, 16]",
         "  %q = slice(%qkv0) {begin=0, end=8} : f32[tokens, 8]",
         "  %k = slice(%qkv0) {begin=8, end=12} : f32[tokens, 4]",
         "  %v = slice(%qkv0) {begin=12, end=16} : f32[tokens, 4]",
@@ -191,7 +191,7 @@ def residual_graph(swap=False, proj_used_twice=False, dtype="float32"):
     b = GraphBuilder("block")
     x = b.input("x", ("tokens", 8), dtype)
     r = b.input("r", ("tokens", 6), dtype)
-    t = b.op("linear", x, b.param("o.weight", (6, 8), dtype), b.param("o.bias", (6,), dtype), name="t")
+    t = b.op("linear", x, b.param("o.weight", (6, 8), dtype), None, b.param("o.bias", (6,), dtype), name="t")
     h = b.op("add", *((t, r) if swap else (r, t)), name="h")
     return verify(b.output(h, t) if proj_used_twice else b.output(h))
 
@@ -201,7 +201,7 @@ def test_fuse_residual_add_rewrite(swap):
     assert body(fuse_residual_add(residual_graph(swap))) == [
         "  @o.weight: f32[6, 8]",
         "  @o.bias: f32[6]",
-        "  %h = linear(%x, @o.weight, @o.bias, %r) : f32[tokens, 6]",
+        "  %h = linear(%x, @o.weight, _, @o.bias, %r) : f32[tokens, 6]",
     ]
 
 
@@ -230,7 +230,8 @@ def head_graph():
     b = GraphBuilder("lm")
     ids = b.input("ids", ("tokens",), "int32")
     h = b.op("embed", ids, b.param("embed.weight", (16, 8), "float32"), name="h")
-    x = b.op("linear", h, b.param("proj.weight", (8, 8), "float32"), b.param("proj.bias", (8,), "float32"), name="x")
+    x = b.op("linear", h, b.param("proj.weight", (8, 8), "float32"), None, b.param("proj.bias", (8,), "float32"),
+             name="x")
     y = b.op("linear", x, b.param("head.weight", (16, 8), "float32"), name="y")
     return verify(b.output(b.op("cast", y, dtype="float32", name="logits")))
 
@@ -239,8 +240,8 @@ def test_quantize_rewrite():
     after = Quantize("q8")(head_graph())
     assert [line for line in body(after) if "%" in line] == [
         "  %h = embed(%ids, @embed.weight) : f32[tokens, 8]",
-        "  %x = linear_q8(%h, @proj.weight.q8, @proj.weight.q8_scale, @proj.bias) {act_block=0} : f32[tokens, 8]",
-        "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) {act_block=0} : f32[tokens, 16]",
+        "  %x = linear(%h, @proj.weight.q8, @proj.weight.q8_scale, @proj.bias) {format='q8'} : f32[tokens, 8]",
+        "  %y = linear(%x, @head.weight.q8, @head.weight.q8_scale) {format='q8'} : f32[tokens, 16]",
         "  %logits = cast(%y) {dtype='float32'} : f32[tokens, 16]",
     ]
     assert "  @proj.weight.q8: i8[8, 8] = q8.q(@proj.weight)" in body(after)
@@ -250,11 +251,11 @@ def test_quantize_sets_the_activation_block_where_it_divides():
     """act_block 4 divides both widths (8); q4's blocks must also divide its groups (a near miss:
     groups of 4, blocks of 8: float activations); fp8 weights never take one."""
     def blocks(graph):
-        return [n.attrs.get("act_block") for n in graph.nodes if n.op.startswith("linear_")]
+        return [n.attrs["act_block"] for n in graph.nodes if n.op == "linear"]
     assert blocks(Quantize("q8", act_block=4)(head_graph())) == [4, 4]
     assert blocks(Quantize("q4", group_size=4, act_block=4)(head_graph())) == [4, 4]
     assert blocks(Quantize("q4", group_size=4, act_block=8)(head_graph())) == [0, 0]
-    assert blocks(Quantize("fp8", act_block=4)(head_graph())) == [None, None]
+    assert blocks(Quantize("fp8", act_block=4)(head_graph())) == [0, 0]
 
 
 def test_quantize_is_exact_on_representable_weights():
@@ -279,7 +280,7 @@ def test_quantize_q4_rewrite_and_exactness():
     survive unchanged, so the graph's outputs do not move."""
     before = head_graph()
     after = Quantize("q4", group_size=4)(before)
-    assert "  %x = linear_q4(%h, @proj.weight.q4, @proj.weight.q4_scale, @proj.bias) {group_size=4, act_block=0} : f32[tokens, 8]" \
+    assert "  %x = linear(%h, @proj.weight.q4, @proj.weight.q4_scale, @proj.bias) {format='q4', group_size=4} : f32[tokens, 8]" \
         in body(after)
     assert "  @proj.weight.q4_scale: f16[2, 8] = q4.scale(@proj.weight, group_size=4)" in body(after)
     rng = np.random.default_rng(5)
@@ -298,8 +299,8 @@ def test_quantize_q4_rewrite_and_exactness():
 
 def test_quantize_near_miss_keeps_lm_head_and_embedding():
     after = Quantize("q8", lm_head=False)(head_graph())
-    ops = {n.output: n.op for n in after.nodes}
-    assert ops == {"h": "embed", "x": "linear_q8", "y": "linear", "logits": "cast"}
+    ops = {n.output: (n.op, n.attrs.get("format")) for n in after.nodes}
+    assert ops == {"h": ("embed", "none"), "x": ("linear", "q8"), "y": ("linear", "none"), "logits": ("cast", None)}
     assert after.params["embed.weight"].type.dtype == "float32"
 
 
@@ -329,7 +330,7 @@ def specialize_for(target_name):
 def test_specialize_attention_rewrite(heads, variant, target, kernels):
     after = specialize_for(target)(attention_graph(*heads))
     assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-                           f"{{layer=0, scale=0.5, window=0, softcap=0.0, variant='{variant}', kernel='{kernels[0]}', "
+                           f"{{layer=0, scale=0.5, variant='{variant}', kernel='{kernels[0]}', "
                            f"decode_kernel='{kernels[1]}'}} : f32[tokens, {heads[0]}, 4]"]
 
 
@@ -360,7 +361,7 @@ def test_quantize_fp8_rewrite_and_exactness():
     import ml_dtypes
     before = head_graph()
     after = Quantize("fp8")(before)
-    assert "  %x = linear_fp8(%h, @proj.weight.fp8, @proj.weight.fp8_scale, @proj.bias) : f32[tokens, 8]" \
+    assert "  %x = linear(%h, @proj.weight.fp8, @proj.weight.fp8_scale, @proj.bias) {format='fp8'} : f32[tokens, 8]" \
         in body(after)
     assert "  @proj.weight.fp8: f8e4m3[8, 8] = fp8.q(@proj.weight)" in body(after)
     rng = np.random.default_rng(6)
@@ -395,7 +396,7 @@ def test_quantize_kv_rewrite(mode, short):
     assert f"%kv_pages0: {short}[pages, 2, 2, 4, 4]" in text and "%kv_scales0: f32[pages, 2, 2, 4]" in text
     assert after.kv_specs[0] == KVSpec("full", 2, 4, 4, {"int8": "int8", "fp8": "float8_e4m3fn"}[mode], 4, scales="row")
     assert body(after) == ["  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl, %kv_scales0) "
-                           "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
+                           "{layer=0, scale=0.5} : f32[tokens, 8, 4]"]
 
 
 @pytest.mark.parametrize("mode,peak", [("int8", 127), ("fp8", 448)])
@@ -470,8 +471,8 @@ def test_fuse_append_attend_rewrite(kv_dtype):
     from kiln.passes.fuse_append_attend import fuse_append_attend
     scales = ", %kv_scales0" if kv_dtype == "int8" else ""
     assert body(fuse_append_attend(split_attention_graph(kv_dtype))) == [
-        f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl{scales}) {{layer=0, scale=0.5, "
-        "window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto'} : f32[tokens, 8, 4]"]
+        f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl{scales}) {{layer=0, scale=0.5}} "
+        ": f32[tokens, 8, 4]"]
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
@@ -542,7 +543,7 @@ def test_fuse_rope_attention_rewrite():
     assert body(fuse_rope_attention(rope_attention_graph())) == [
         "  @rope.inv_freq: f32[2]",
         "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-        "{layer=0, scale=0.5, window=0, softcap=0.0, variant='auto', kernel='auto', decode_kernel='auto', mscale=1.0, rotary_dim=0, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
+        "{layer=0, scale=0.5, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
 
 
 @pytest.mark.parametrize("norm,per_head", [("head", True), ("all", False)])
@@ -552,7 +553,7 @@ def test_fuse_rope_attention_rewrite_with_qk_norm(norm, per_head):
     width = 4 if per_head else 8
     assert lines[:3] == ["  @rope.inv_freq: f32[2]", f"  @q_norm: f32[{width}]", f"  @k_norm: f32[{width // 2 if not per_head else 4}]"]
     assert lines[3] == (f"  %qk_norm0 = qk_norm(%qkv, @q_norm, @k_norm) {{q_heads=2, kv_heads=1, head_dim=4, "
-                        f"per_head={per_head}, eps=1e-06, offset=0.0, weight_in_float32=False}} : f32[tokens, 16]")
+                        f"per_head={per_head}, eps=1e-06}} : f32[tokens, 16]")
     assert lines[4].startswith("  %o = paged_attention_fused(%qk_norm0, %pos, @rope.inv_freq, %kv_pages0,")
     assert len(lines) == 5
 

@@ -49,9 +49,9 @@ def test_quantize_embedding_rewrite():
     after = QuantizeEmbedding("q8")(Quantize("q8")(lm_graph(tied=False)))
     assert {"  @embed.weight.q8: i8[16, 8] = q8.q(@embed.weight)",
             "  @embed.weight.q8_scale: f32[16] = q8.scale(@embed.weight)"} < set(body(after))
-    assert "  %h = embed_q8(%ids, @embed.weight.q8, @embed.weight.q8_scale) {dtype='float32'} : f32[tokens, 8]" \
+    assert "  %h = embed(%ids, @embed.weight.q8, @embed.weight.q8_scale) {format='q8', dtype='float32'} : f32[tokens, 8]" \
         in body(after)
-    assert "  %y = linear_q8(%x, @head.weight.q8, @head.weight.q8_scale) {act_block=0} : f32[tokens, 16]" in body(after)
+    assert "  %y = linear(%x, @head.weight.q8, @head.weight.q8_scale) {format='q8'} : f32[tokens, 16]" in body(after)
     assert "embed.weight" not in after.params            # the float table is no longer read
 
 
@@ -59,7 +59,7 @@ def test_quantize_embedding_rewrite():
 def test_quantize_embedding_shares_a_tied_table_with_the_lm_head(mode, group):
     after = QuantizeEmbedding(mode, group_size=group)(Quantize(mode, group_size=group)(lm_graph(tied=True)))
     embed, head = after.nodes[0], after.nodes[-2]
-    assert (embed.op, head.op) == (f"embed_{mode}", f"linear_{mode}")
+    assert (embed.op, head.op) == ("embed", "linear") and embed.attrs["format"] == head.attrs["format"] == mode
     assert embed.inputs[1:] == head.inputs[1:3] == [f"embed.weight.{mode}", f"embed.weight.{mode}_scale"]
     assert sorted(p for p in after.params if p.startswith("embed")) == embed.inputs[1:]
 
@@ -69,7 +69,7 @@ def test_quantize_embedding_q4_rewrite():
     assert body(after) == [
         "  @embed.weight.q4: u8[16, 4] = q4.q(@embed.weight, group_size=4)",
         "  @embed.weight.q4_scale: f16[2, 16] = q4.scale(@embed.weight, group_size=4)",
-        "  %h = embed_q4(%ids, @embed.weight.q4, @embed.weight.q4_scale) {dtype='bfloat16', group_size=4} "
+        "  %h = embed(%ids, @embed.weight.q4, @embed.weight.q4_scale) {format='q4', dtype='bfloat16', group_size=4} "
         ": bf16[tokens, 8]",
         "  %out = cast(%h) {dtype='float32'} : f32[tokens, 8]",
     ]
@@ -201,7 +201,8 @@ def test_a_tied_table_is_stored_once_quantised_or_float():
 def test_no_quant_lm_head_stores_the_float_head_and_the_quantised_embedding():
     from kiln.targets.cpu import CPUTarget
     graph = QuantizeEmbedding("q8")(Quantize("q8", lm_head=False)(lm_graph(tied=True)))
-    assert [n.op for n in graph.nodes] == ["embed_q8", "linear_q8", "linear", "cast"]
+    assert [(n.op, n.attrs.get("format")) for n in graph.nodes] == [("embed", "q8"), ("linear", "q8"),
+                                                                     ("linear", "none"), ("cast", None)]
     assert sorted(stored(graph, CPUTarget())) == ["embed.weight.q8", "embed.weight.q8_scale", "embed.weight@packed16",
                                                   "proj.weight.q8@packed8", "proj.weight.q8_scale"]
 
@@ -247,7 +248,7 @@ def test_compiled_quantised_embedding_matches_the_interpreter(artifact):
     tied, quant, model_dir, _, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
     graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, int8_activations=False)
-    assert graph.nodes[0].op == f"embed_{quant}"
+    assert (graph.nodes[0].op, graph.nodes[0].attrs["format"]) == ("embed", quant)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     c = hf_model.config
     kv = make_kv_pages(c.num_layers, 8, c.num_kv_heads, 16, c.head_dim)
