@@ -4,9 +4,9 @@
     python bench/kernel_hashes.py --compare build/kernel-hashes/BEFORE.json build/kernel-hashes/HEAD.json
 
 For each case (the 1B-shaped Llama in bf16, q4 and fp8, a gemma2 with fp8 pages, the tiny MoE (also
-quantised) and MLA families, a quantised Qwen2 with biases; CUDA for sm_90 and the CPU for two fixed LLVM CPU models, so the host does not matter)
-it runs compile's front half (import, passes, codegen, the target's Relax pipeline, the build)
-and records, per function:
+quantised) and MLA families, a quantised Qwen2 with biases; CUDA for sm_90 and the CPU for two fixed
+LLVM CPU models, so the host does not matter) it runs compile's front half (import, passes, codegen,
+the target's Relax pipeline, the build) and records, per function:
   - every TIR kernel's TVMScript after the Relax pipeline (what TVM lowers to machine code);
   - every Relax function's TVMScript (the calling sequence of a step);
   - from the built library, the CUDA source of each `__global__` kernel and the LLVM IR of each host

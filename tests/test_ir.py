@@ -15,6 +15,7 @@ from kiln.ir import (OPS, GraphBuilder, IRError, TensorType, graph_from_json, gr
                      print_graph, verify)
 from kiln.ir.kv_spec import KVSpec
 from paging import make_kv_pages, make_step_inputs
+from op_examples import EXAMPLES as STEP_EXAMPLES
 
 H, V = 8, 11   # hidden size and vocab of the hand-built graphs
 
@@ -231,23 +232,14 @@ EXAMPLES = {
                                           a["in0"][:, 12:]], axis=1)),
     "take_rows": (lambda: _one_node("take_rows", [((5, 4), "float32"), ((2,), "int32")]),
                   lambda a: a["in0"][a["in1"]]),
-    "paged_attention": None,   # has its own tests below
-    "moe_router": None,        # tests/test_moe_ops.py, against transformers' routers
-    "moe_experts": None,       # tests/test_moe_ops.py, against transformers' expert modules
     "sigmoid_gate": (lambda: _one_node("sigmoid_gate", [((3, 4), "float32"), ((3, 1), "float32")]),
                      lambda a: a["in0"] / (1 + np.exp(-a["in1"]))),
-    "kv_append": None,         # with paged_attend, the same tests
-    "paged_attend": None,
-    "paged_attention_fused": None,   # tested against paged_attention in tests/test_passes.py (fuse_rope_attention)
     "head_linear": (lambda: _one_node("head_linear", [((3, 2, 4), "float32"), ((2, 4, 5), "float32")]),
                     lambda a: np.stack([a["in0"][:, h] @ a["in1"][h] for h in range(2)], axis=1)),
-    "latent_append": None,     # tests/test_mla.py: the literal form against transformers' DeepSeek attention,
-    "mla_attend": None,        # the absorbed form (latent_attend) against it, both kernels against those
-    "latent_attend": None,
-    "latent_gather": None,     # tests/test_mla.py: the expanded form (gather, kv_b linear, expanded_attend)
-    "expanded_attend": None,   # against the literal form, and its kernels against the interpreter
-    "step_choice": None,       # test_step_choice_picks_the_alternative_for_prefill_steps below
 }
+
+
+EXAMPLES.update(STEP_EXAMPLES)       # (make, expect, inputs): ops over a step's pages, routing, MLA
 
 
 def _example_inputs(graph, rng):
@@ -270,20 +262,23 @@ def _example_inputs(graph, rng):
 
 def test_every_op_has_a_reference_example():
     """Every op of the table, and every weight format of an op that reads weights (key "op/format"),
-    has an example here."""
+    has an example here or in tests/op_examples.py."""
     from kiln.ir.quant import SCHEMES
     missing = sorted(set(OPS) - {key.split("/")[0] for key in EXAMPLES})
-    missing += sorted(f"{op}/{fmt}" for op in ("linear", "embed") for fmt in SCHEMES if f"{op}/{fmt}" not in EXAMPLES)
+    missing += sorted(f"{op}/{fmt}" for op in ("linear", "embed", "moe_experts") for fmt in SCHEMES
+                      if f"{op}/{fmt}" not in EXAMPLES)
     assert not missing, f"ops without an interpreter example in tests/test_ir.py: {missing}"
 
 
-@pytest.mark.parametrize("op", sorted(k for k, v in EXAMPLES.items() if v is not None))
+@pytest.mark.parametrize("op", sorted(EXAMPLES))
 def test_op_reference_matches_numpy(op):
-    make, expect = EXAMPLES[op]
+    make, expect, *inputs = EXAMPLES[op]
     g = verify(make())
-    arrays = _example_inputs(g, np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    arrays = inputs[0](rng) if inputs else _example_inputs(g, rng)
+    # the expectation sees the inputs as they were (an op that writes the KV pages writes them in place)
+    want = expect({k: v.astype(np.float64) if v.dtype.kind == "f" else v.copy() for k, v in arrays.items()})
     got = interpret(g, arrays, lambda name: None)["y"]
-    want = expect({k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in arrays.items()})
     assert got.dtype == np.dtype(g.nodes[-1].type.dtype) and got.shape == want.shape
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5)
 
