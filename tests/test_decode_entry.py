@@ -44,7 +44,6 @@ def test_manifest_records_the_decode_entry_and_its_kernels(artifact):
     m = read_manifest(artifact).to_json()
     assert m["entries"] == {"mixed": "forward", "decode": "decode"}
     assert m["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
-    assert "paged_decode_attention" in m["kernels"] and "paged_attention" in m["kernels"]
     # kernels only: TVM's host shape functions are not listed (their number varies between compiles)
     assert set(m["launches_per_step"]["by_kernel"]) <= set(m["kernels"])
     assert not [k for k in m["kernels"] if k.startswith("shape_func")]
