@@ -29,6 +29,7 @@ from kiln.errors import KilnError
 from kiln.ir.quant import KVScheme, kv_scheme_for
 
 from . import tvm_kernels
+from .latent_kernels import LatentKernel, choose_latent_kernel
 from .kv_append import row_encoder
 
 HEAD_BLOCKS = 4          # latent_attend splits a sequence's heads into this many tasks (when they divide)
@@ -350,8 +351,12 @@ def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: 
     return expanded_attend
 
 
-def _gpu(ctx) -> bool:
-    return ctx.target.device != "cpu"
+def _kernel(ctx, node) -> LatentKernel:
+    """The MLA kernel family of the node's layer (codegen/latent_kernels.py); expanded_attend, which
+    names no layer, reads the first latent layer's."""
+    specs = ctx.graph.kv_specs
+    layer = node.attrs.get("layer", next((i for i, spec in specs.items() if spec.kind == "latent"), None))
+    return choose_latent_kernel(ctx.target, specs[layer])
 
 
 def _latent_rows(ctx, pages):
@@ -365,7 +370,7 @@ def _latent_rows(ctx, pages):
 def emit_latent_append(ctx, node, c_kv, k_pe, pages, slots, scales=None):
     rank, rope = int(c_kv.ty.shape[1]), int(k_pe.ty.shape[1])
     page_size, dtype = int(pages.ty.shape[3]), c_kv.ty.dtype
-    if _gpu(ctx):                                  # TVM's append of the rows [c_kv | k_pe]
+    if _kernel(ctx, node).name == "tvm_mla":       # TVM's append of the rows [c_kv | k_pe]
         rows = _latent_rows(ctx, pages)
         append = ctx.add_kernel(tvm_kernels.mla_append(rank + rope, dtype, page_size),
                                 f"tvm_mla_append_{rank + rope}_{dtype}")
@@ -388,7 +393,7 @@ def emit_latent_attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr
     heads, rank = int(q_latent.ty.shape[1]), int(q_latent.ty.shape[2])
     rope, dtype, scale = int(q_rope.ty.shape[2]), q_latent.ty.dtype, float(node.attrs["scale"])
     out_ty = relax.TensorType(q_latent.ty.shape, dtype)
-    if _gpu(ctx):
+    if _kernel(ctx, node).name == "tvm_mla":
         rows = _latent_rows(ctx, pages)
         page_size = int(rows.ty.shape[1])
         attend = ctx.add_kernel(tvm_kernels.mla_attention(ctx.target, heads, rank, rope, page_size, dtype, scale),
@@ -407,13 +412,13 @@ def emit_latent_attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr
 def emit_head_linear(ctx, node, x, w):
     heads, k_in, n_out = (int(d) for d in w.ty.shape)
     dtype = x.ty.dtype
-    kernel = ctx.add_kernel(head_linear_kernel(heads, k_in, n_out, dtype, _gpu(ctx)),
+    kernel = ctx.add_kernel(head_linear_kernel(heads, k_in, n_out, dtype, ctx.target.thread_blocks),
                             f"head_linear_h{heads}_{k_in}x{n_out}_{dtype}", scheduled=True)
     return ctx.bb.emit(relax.call_tir(kernel, [x, w], relax.TensorType((x.ty.shape[0], heads, n_out), dtype)))
 
 
 def _cpu_only(ctx, node) -> None:
-    if _gpu(ctx):
+    if not _kernel(ctx, node).expanded_prefill:
         raise KilnError(f"{node.op}: the expanded MLA prefill form has kernels for the CPU only, not "
                         f"{ctx.target.name}; compile with --mla-expanded-from 0 (absorbed in every step)")
 

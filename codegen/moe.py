@@ -319,7 +319,7 @@ def _gemm_kernel(ctx, name: str, args: list, n_out: int, n_in: int, layout: str,
 
 def emit_moe_router(ctx, node, logits, bias=None):
     at = node.attrs
-    gpu = ctx.target.device != "cpu"
+    gpu = ctx.target.thread_blocks
     kernel = router_kernel(node.type.shape[1], at["scheme"], at["top_k"], at["normalize"], float(at["scaling"]),
                            at["n_group"], at["topk_group"], gpu)
     scaling = f"{float(at['scaling']):g}".replace(".", "p").replace("-", "m")
@@ -333,7 +333,7 @@ def emit_moe_router(ctx, node, logits, bias=None):
 def emit_moe_experts(ctx, node, x, routing, gate_up, gate_up_scale, down, down_scale=None):
     """moe_experts, its experts in any weight format: plan, gate_up GEMM, activation, down GEMM, combine."""
     fmt = WeightFormat.of(node)
-    gpu = ctx.target.device != "cpu"
+    gpu = ctx.target.thread_blocks
     dtype, k = node.type.dtype, node.attrs["top_k"]
     experts, hidden = ctx.types[node.inputs[1]].shape[1], node.type.shape[1]
     ffn = ctx.types[node.inputs[2]].shape[1] // 2                 # gate_up [E, 2F, ...], stored in any format

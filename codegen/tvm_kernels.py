@@ -52,7 +52,7 @@ def _bind(kind: str, func: tirx.PrimFunc, **scalars) -> tirx.PrimFunc:
 
 
 def _on_cpu(target) -> bool:
-    return target.device == "cpu"
+    return not target.thread_blocks
 
 
 def prefill_attention(target, kv_heads: int, q_heads: int, head_dim: int, page_size: int, dtype: str,

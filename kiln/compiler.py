@@ -58,15 +58,16 @@ def _embedding_storage(graph) -> tuple[str, bool]:
 
 def _attention_layers(graph, target) -> list[dict]:
     """Per layer: the kernel variant and the attention kernel of each step kind. A latent (MLA) layer
-    runs one kernel in every step: kiln's on the CPU, TVM's MLA kernel on GPUs (codegen/mla.py)."""
+    runs one kernel family in every step (codegen/latent_kernels.py)."""
     from kiln.codegen.attention import step_kernel
+    from kiln.codegen.latent_kernels import choose_latent_kernel
     layers = []
     for n in graph.nodes:
         if n.op in ATTENTION_OPS:
             layers.append({"layer": n.attrs["layer"], "variant": n.attrs["variant"],
                            **{step: step_kernel(target, graph, n, step) for step in ("mixed", "decode")}})
         elif n.op == "latent_attend":
-            kernel = "kiln_latent" if target.device == "cpu" else "tvm_mla"
+            kernel = choose_latent_kernel(target, graph.kv_specs[n.attrs["layer"]]).name
             layers.append({"layer": n.attrs["layer"], "variant": "mla", "mixed": kernel, "decode": kernel})
             if prefill_min_tokens(graph):             # long prefill chunks: the expanded form
                 layers[-1]["prefill"] = "kiln_expanded"

@@ -14,6 +14,7 @@ class Target:
     name: str = ""
     arch: str | None = None
     device: str = "cpu"              # the runtime device kind the artifact runs on
+    thread_blocks: bool = False      # kernels bind thread blocks and threads (GPUs), not loops over cores
     page_size: int = 16              # rows per KV page (TVM's paged attention kernels are tuned for 16)
     default_dtype: str = "float32"
     dtypes: tuple[str, ...] = ("float32",)
@@ -98,6 +99,7 @@ class GPUTarget(Target):
     default_dtype: str = "float16"
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     runs_here: bool = False
+    thread_blocks: bool = True
     device_sampling: bool = True     # the logits stay where they are made; only token ids come back
     attention_kernels: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {"mixed": ("tvm_prefill", "kiln_gpu_fallback"),

@@ -129,6 +129,23 @@ def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tm
     assert not (tmp_path / "a").exists()
 
 
+def test_each_target_chooses_the_latent_kernels_that_read_its_cache():
+    """kiln's CPU kernels read int8 rows and have the expanded form; TVM's MLA kernels on GPUs read
+    unquantised rows only, so a GPU with a quantised latent cache is refused by name."""
+    from kiln.codegen.latent_kernels import choose_latent_kernel
+    from kiln.errors import KilnError
+    from kiln.ir.kv_spec import KVSpec
+    from kiln.targets import planned_target
+    plain, int8 = (KVSpec("latent", 1, 96, 64, dtype, 16, scales=scales)
+                   for dtype, scales in (("float16", "none"), ("int8", "row")))
+    cpu, cuda = planned_target("cpu", None, 0), planned_target("cuda", "sm_90", 0)
+    assert [choose_latent_kernel(cpu, spec).name for spec in (plain, int8)] == ["kiln_latent", "kiln_latent"]
+    assert choose_latent_kernel(cpu, plain).expanded_prefill
+    assert choose_latent_kernel(cuda, plain).name == "tvm_mla" and not choose_latent_kernel(cuda, plain).expanded_prefill
+    with pytest.raises(KilnError, match="no MLA attention kernel for a latent KV cache of .*int8.*tvm_mla"):
+        choose_latent_kernel(cuda, int8)
+
+
 def test_mla_attend_without_a_weight_to_split_is_left_alone():
     """Near miss: kv_b computed in the graph (no param to split at compile time) stays literal."""
     from kiln.ir import GraphBuilder, Graph, print_graph, verify
