@@ -30,7 +30,7 @@ def _kernel(group_size: int, k: int):
 
     from kiln.host_cpu import host_llvm_target
 
-    from .exp_lowering import register_exp_lowering
+    from kiln.targets.exp_lowering import register_exp_lowering
 
     groups, half, candidates = k // group_size, group_size // 2, len(Q4_SHRINKS)
     lanes = next(v for v in (8, 4, 2, 1) if groups % v == 0)

@@ -14,8 +14,8 @@ from .base import Target
 
 def host_cpu_target() -> tvm.target.Target:
     """LLVM's target for this machine's CPU (kiln/host_cpu.py). What is built for it lowers float32
-    exp inline (codegen/exp_lowering.py), not as libm calls."""
-    from kiln.codegen.exp_lowering import register_exp_lowering
+    exp inline (targets/exp_lowering.py), not as libm calls."""
+    from .exp_lowering import register_exp_lowering
     register_exp_lowering()
     return host_llvm_target()
 
@@ -23,7 +23,7 @@ def host_cpu_target() -> tvm.target.Target:
 def named_cpu_target(cpu: str) -> tvm.target.Target:
     """LLVM's target for the CPU model LLVM calls `cpu` (sapphirerapids, znver4, x86-64-v4, …), with
     every instruction set that model has: for building on one machine what runs on another."""
-    from kiln.codegen.exp_lowering import register_exp_lowering
+    from .exp_lowering import register_exp_lowering
     register_exp_lowering()
     return cpu_target(cpu, dict.fromkeys(named_cpu_features(cpu), True))
 

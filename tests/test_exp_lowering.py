@@ -1,4 +1,4 @@
-"""kiln's float32 exp lowering on the CPU (codegen/exp_lowering.py): inline arithmetic, not libm calls.
+"""kiln's float32 exp lowering on the CPU (targets/exp_lowering.py): inline arithmetic, not libm calls.
 
 - Over the whole range where exp is a normal float32, a vectorised loop's results are within 1 ulp
   of exp in float64 (numpy's own float32 exp is within 2.5 ulp of it here).
