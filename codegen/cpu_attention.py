@@ -25,6 +25,7 @@ import functools
 from tvm.script import tirx as T
 
 from .rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle
+from .tir_values import LOWEST
 
 KEYS = 16                          # CPU: keys per block, one float32 vector of scores per query row
 TASKS_PER_SEQUENCE = 32            # CPU: at least this many tasks per sequence (KV heads × query splits)
@@ -37,7 +38,6 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
     group = q_heads // kv_heads
     freqs = (rope.rotary_dim if rope else head_dim) // 2
     width = (q_heads + 2 * kv_heads) * head_dim
-    lowest = -3.0e38
     quantized = kv_dtype is not None and kv_dtype != dtype
     kv_dtype = kv_dtype or dtype
 
@@ -106,7 +106,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                             computed_trig(trig, r // group)), T.float32(0)) * T.float32(scale)
                         acc[r, d] = T.float32(0)
                     for r in range(rows):
-                        stat[r, 0] = T.float32(lowest)
+                        stat[r, 0] = T.float32(LOWEST)
                         stat[r, 1] = T.float32(0)
                     first_seen = kv_len - n_q + qb * queries + 1           # keys the block's first query sees
                     last_seen = kv_len - n_q + qb * queries + n_here
@@ -136,12 +136,12 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                             for jj in T.vectorized(KEYS):
                                 sc[r, jj] = T.if_then_else(
                                     (j0 + jj < seen) & (j0 + jj >= first_key(seen)), capped(sc[r, jj]),
-                                    T.float32(lowest))
+                                    T.float32(LOWEST))
                             stat[r, 2] = stat[r, 0]
                             for jj in range(KEYS):
                                 stat[r, 2] = T.max(stat[r, 2], sc[r, jj])            # the new max
                             for jj in T.vectorized(KEYS):
-                                sc[r, jj] = T.if_then_else(sc[r, jj] > T.float32(lowest),
+                                sc[r, jj] = T.if_then_else(sc[r, jj] > T.float32(LOWEST),
                                                            T.exp(sc[r, jj] - stat[r, 2]), T.float32(0))
                             stat[r, 3] = T.exp(stat[r, 0] - stat[r, 2])
                             stat[r, 0] = stat[r, 2]
@@ -184,7 +184,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
                                                      rope) * T.float32(scale)
                         acc[g, d] = T.float32(0)
                     for g in range(group):
-                        state[g, 0] = T.float32(lowest)
+                        state[g, 0] = T.float32(LOWEST)
                         state[g, 1] = T.float32(0)
                     seen = kv_len - n_q + i + 1                      # causal: keys up to this query's position
                     for j in T.serial(first_key(seen), seen):

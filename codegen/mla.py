@@ -29,8 +29,9 @@ from kiln.errors import KilnError
 from kiln.ir.quant import KVScheme, kv_scheme_for
 
 from . import tvm_kernels
-from .latent_kernels import LatentKernel, choose_latent_kernel
 from .kv_append import row_encoder
+from .latent_kernels import LatentKernel, choose_latent_kernel
+from .tir_values import LOWEST
 
 HEAD_BLOCKS = 4          # latent_attend splits a sequence's heads into this many tasks (when they divide)
 
@@ -102,7 +103,6 @@ def latent_attend_kernel(heads: int, rank: int, rope: int, page_size: int, dtype
     blocks = HEAD_BLOCKS if heads % HEAD_BLOCKS == 0 else 1
     group = heads // blocks
     quantized = kv_scheme_for(kv_dtype) is not None
-    lowest = -3.0e38
 
     def row_scale(scales, page, row):   # evaluated while parsing: no scales, no multiply
         return T.float32(1) if scales is None else scales[page, 0, 0, row]
@@ -138,7 +138,7 @@ def latent_attend_kernel(heads: int, rank: int, rope: int, page_size: int, dtype
                     for g, d in T.grid(group, rank):
                         acc[g, d] = T.float32(0)
                     for g in range(group):
-                        state[g, 0] = T.float32(lowest)
+                        state[g, 0] = T.float32(LOWEST)
                         state[g, 1] = T.float32(0)
                     for j in T.serial(kv_len - n_q + i + 1):             # causal: keys up to this query
                         page = page_values[p_start + j // page_size]
@@ -293,7 +293,6 @@ def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: 
     """(q_nope [T, H, N], q_rope [T, H, P], kv [L, H (N + V)], rows [L, width], q_indptr, kv_indptr,
     output [T, H, V])."""
     qk, per_head = nope + rope, nope + value
-    lowest = -3.0e38
 
     @T.prim_func(private=True, s_tir=True)
     def expanded_attend(var_qn: T.handle, var_qr: T.handle, var_kv: T.handle, var_rows: T.handle,
@@ -330,7 +329,7 @@ def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: 
                                                ) * T.float32(scale)
                     for d in range(value):
                         acc[d] = T.float32(0)
-                    state[0] = T.float32(lowest)
+                    state[0] = T.float32(LOWEST)
                     state[1] = T.float32(0)
                     for j in T.serial(kv_len - n_q + i + 1):             # causal: keys up to this query
                         state[2] = T.float32(0)

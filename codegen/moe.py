@@ -27,9 +27,9 @@ from kiln.codegen.layouts import packed_block
 
 from .elementwise import gated
 from .linear import mma_tiles, schedule_packed
+from .tir_values import LOWEST
 from .weight_format import WeightFormat
 
-LOWEST = -3.0e38
 
 
 def _tasks(gpu: bool):
