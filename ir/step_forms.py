@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.interface import STEP_KINDS
-
 from .graph import Graph
 from .opdef import REQUIRED, check_indices, op
 from .types import TensorType

@@ -25,11 +25,9 @@ from typing import Callable, Iterator, TypeVar
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.interface import INTERFACE_VERSION, Manifest
+from kiln.interface import INTERFACE_VERSION, MANIFEST, WEIGHTS, Manifest
 
 T = TypeVar("T")          # what write_in_place returns
-MANIFEST = "manifest.json"
-WEIGHTS = "weights.safetensors"
 
 
 def file_digest(path: Path, algorithm: str = "blake3") -> str:

@@ -8,6 +8,7 @@ imports the other):
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -37,7 +38,6 @@ STEP_INPUTS = (
     StepInput("slot_mapping", "tokens", "each new token's KV slot (page * page_size + row)"),
     StepInput("logit_rows", "rows", "the rows whose logits come back"),
 )
-STEP_INPUT_NAMES = tuple(i.name for i in STEP_INPUTS)
 
 # The kinds of step a graph may have a form for (ir/step_forms.py): "mixed" runs any step; "decode"
 # one new token per sequence; "prefill" steps whose every sequence brings many (MLA's expanded form).
@@ -103,6 +103,8 @@ class KVLayout:
 
 
 WEIGHTS_SOURCES = ("checkpoint", "absent", "generated")
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,7 +163,7 @@ class Manifest:
         if not isinstance(data, dict):
             raise KilnError("manifest.json does not hold an object")
         if "weights_source" not in data:           # written before the field: the weights file says
-            data = {**data, "weights_source": "checkpoint" if "weights.safetensors" in data.get("files", {})
+            data = {**data, "weights_source": "checkpoint" if WEIGHTS in data.get("files", {})
                     else "absent"}
         return _from_json(cls, data, "manifest")
 
@@ -189,9 +191,8 @@ def _from_json(cls, data: dict, where: str):
 
 
 def _convert(hint, value, where: str):
-    options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union \
-        or type(hint).__name__ == "UnionType" else [hint]
-    hint = options[0]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):     # X | None: X's conversion
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if value is None:
         return None
     if dataclasses.is_dataclass(hint):

@@ -104,3 +104,19 @@ def test_a_failed_compile_leaves_nothing_behind(make_model, built, tmp_path, mon
     else:
         assert not out.exists()
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.build
+def test_the_manifest_record_keeps_every_field_of_the_file_and_names_a_missing_one(llama_cpu, tmp_path):
+    """Manifest.from_json then to_json gives manifest.json back whole (nothing a reader needs is
+    dropped); a manifest without a required field is refused with the field's name."""
+    from kiln.artifact import read_manifest
+    from kiln.interface import Manifest
+    text = json.loads((llama_cpu[0] / "manifest.json").read_text())
+    assert Manifest.from_json(text).to_json() == text
+    assert read_manifest(llama_cpu[0], verify=False).kv.page_size == text["kv"]["page_size"]
+    broken = shutil.copytree(llama_cpu[0], tmp_path / "broken")
+    del text["target"]
+    (broken / "manifest.json").write_text(json.dumps(text))
+    with pytest.raises(KilnError, match="manifest lacks the field 'target'"):
+        read_manifest(broken, verify=False)
