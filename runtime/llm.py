@@ -57,11 +57,11 @@ class LLM:
     def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
                  threads: int | None = None, size_kv_for: int | None = None, tokenizer: Tokenizer | None = None,
-                 overlap: bool = False):
+                 overlap: bool | None = None):
         """`size_kv_for`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
         knows its length; otherwise `kv_memory` sets it. `overlap`: run one step ahead of the host
-        (runtime/overlap.py); off until a GPU run measures it (a CPU gains nothing: its steps run
-        where the host does)."""
+        (runtime/overlap.py); None: on for a GPU artifact, where an H100 measured it faster with the
+        same tokens (docs/BENCHMARKS.md), off on the CPU, whose steps run where the host does."""
         # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
@@ -73,7 +73,7 @@ class LLM:
         self.kv_tokens = num_pages * self.model.page_size
         self._engine_args = (num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens)
         self._prefix_caching = prefix_caching
-        self.set_overlap(overlap)
+        self.set_overlap(self.model.manifest.target.device != "cpu" if overlap is None else overlap)
 
     def set_overlap(self, overlap: bool) -> None:
         """A fresh engine, one step ahead of the host (OverlapEngine) or not, between requests."""

@@ -122,7 +122,7 @@ class ServerState:
         config = self.config
         llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
                        max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching,
-                       threads=config.threads)
+                       threads=config.threads, overlap=False)     # not yet run under the server on a GPU
         self.llm, self.engine = llm, kiln.AsyncEngine(llm.engine, max_waiting=config.max_waiting)
         print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}; "
               f"{describe_threads(llm.threads)}", file=sys.stderr, flush=True)

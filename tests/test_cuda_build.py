@@ -44,7 +44,7 @@ def test_cuda_artifact_is_built_with_its_kernels():
     assert {w["param"] for w in manifest["weights"] if w["layout"] == "gated"} == {
         f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(2)}
     assert not any("silu" in k for k in manifest["launches_per_step"]["by_kernel"] if not k.startswith("mma_"))
-    assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["tvm_decode"]}
+    assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["kiln_gpu"]}
     launches = manifest["launches_per_step"]["entries"]
     assert launches["decode"]["kernels"] == launches["decode"]["host_launches"]
     # decode steps' linears are kiln's streaming GEMVs (codegen/gemv.py), one per shape; the gate/up

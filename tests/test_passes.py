@@ -330,7 +330,7 @@ def specialize_for(target_name):
 
 @pytest.mark.parametrize("heads,variant", [((4, 4), "mha"), ((8, 2), "gqa4"), ((6, 3), "gqa2"), ((8, 1), "mqa")])
 @pytest.mark.parametrize("target,kernels", [("cpu", ("kiln_cpu", "kiln_cpu")),
-                                            ("cuda", ("tvm_prefill", "tvm_decode"))])
+                                            ("cuda", ("tvm_prefill", "kiln_gpu"))])
 def test_specialize_attention_rewrite(heads, variant, target, kernels):
     after = specialize_for(target)(attention_graph(*heads))
     assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
