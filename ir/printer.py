@@ -1,4 +1,4 @@
-"""A readable text form of a graph, one node per line:
+"""A readable text form of a graph, one node per line (ir/parser.py reads it back):
 
     %rms_norm0 = rms_norm(%embed0, @model.norm.weight) {eps=1e-05} : f32[tokens, 64]
 """
@@ -38,6 +38,7 @@ def print_graph(graph: Graph) -> str:
     lines = [f"graph {graph.name}("]
     lines += [f"    %{name}: {ty}," for name, ty in graph.inputs.items()]
     lines.append(") {")
+    lines += [f"  kv {layer} = {spec!r}" for layer, spec in graph.kv_specs.items()]
     lines += [f"  @{p.name}: {p.type}" + (f" = {_recipe(p.recipe)}" if p.recipe else "")
               for p in graph.params.values()]
     for n in graph.nodes:

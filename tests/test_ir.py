@@ -5,6 +5,7 @@ Plain NumPy: no torch, no transformers, no model files.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from kiln.frontend.decoder import build_graph
 from kiln.frontend.families import parse_config
 from kiln.ir import (OPS, GraphBuilder, IRError, TensorType, graph_from_json, graph_to_json, interpret,
-                     print_graph, verify)
+                     parse_graph, print_graph, verify)
 from kiln.ir.kv_spec import KVSpec
 from paging import make_kv_pages, make_step_inputs
 from op_examples import EXAMPLES as STEP_EXAMPLES
@@ -281,6 +282,48 @@ def test_op_reference_matches_numpy(op):
     got = interpret(g, arrays, lambda name: None)["y"]
     assert got.dtype == np.dtype(g.nodes[-1].type.dtype) and got.shape == want.shape
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def without_meta(graph):
+    return dataclasses.replace(graph, meta={})
+
+
+@pytest.mark.parametrize("op", sorted(EXAMPLES))
+def test_text_round_trip_of_every_op(op):
+    """The parser reads back what the printer wrote: attributes at their defaults (left out), absent
+    optional inputs, params, KV specs."""
+    graph = verify(EXAMPLES[op][0]())
+    assert parse_graph(print_graph(graph)) == without_meta(graph)
+
+
+@pytest.mark.parametrize("family,target,options", [
+    ("llama", "cpu", {"quant": "q4", "kv_dtype": "int8"}), ("gemma2", "cpu", {"quant": "q8", "kv_dtype": "fp8"}),
+    ("mixtral", "cuda", {"quant": "q4"}), ("deepseek_v2", "cpu", {"quant": "fp8"}),
+    ("qwen2", "cuda", {"quant": "fp8", "kv_dtype": "int8"})])
+def test_text_round_trip_after_every_pass(make_model, family, target, options):
+    """Real graphs as each pass leaves them, with every recipe form (concat, stack, deinterleave,
+    absorb, quantised parts) and quantised attributes."""
+    from kiln.frontend import load_hf_model
+    from kiln.passes import run_pipeline
+    from kiln.targets import target_defaults
+    tgt = target_defaults(target)
+    graph = load_hf_model(make_model(family)).build_graph(tgt.default_dtype, tgt.page_size)
+    stages = [graph]
+    run_pipeline(graph, tgt, lambda name, after: stages.append(after), **options)
+    recipes = {next(iter(p.recipe)) for g in stages for p in g.params.values() if p.recipe}
+    assert "concat" in recipes and "quantize" in recipes
+    for g in stages:
+        assert parse_graph(print_graph(g)) == without_meta(g)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("graph g(\n) {\n  %y = no_such_op(%x) : f32[2]\n  return %y\n}", "unknown op 'no_such_op'"),
+    ("graph g(\n    %x: f33[2],\n) {\n  return %x\n}", "bad type 'f33[2]'"),
+    ("graph g(\n    %x: f32[2],\n) {\n  %y = relu %x\n  return %y\n}", "bad node line"),
+    ("g(%x)", "starts with 'graph NAME('")])
+def test_parser_names_what_it_cannot_read(text, message):
+    with pytest.raises(IRError, match=re.escape(message)):
+        parse_graph(text)
 
 
 # ---------------------------------------------------------------------------- the interpreter

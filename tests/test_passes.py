@@ -1,12 +1,13 @@
 """Every pass three ways: the expected rewrite (printed IR), interpreter equality before and after
-on random inputs, and a near-miss graph on which it must not fire."""
+on random inputs, and a near-miss graph on which it must not fire. A graph is built with the
+GraphBuilder or written as text (ir/parser.py reads print_graph's form)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kiln.errors import KilnError
-from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
+from kiln.ir import GraphBuilder, interpret, parse_graph, print_graph, verify, weight_loader
 from kiln.ir.kv_spec import KVSpec
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
@@ -192,12 +193,18 @@ def test_fusion_reduces_kernel_launches_per_step(make_model):
 # ---------------------------------------------------------------------------- fuse_residual_add
 
 def residual_graph(swap=False, proj_used_twice=False, dtype="float32"):
-    b = GraphBuilder("block")
-    x = b.input("x", ("tokens", 8), dtype)
-    r = b.input("r", ("tokens", 6), dtype)
-    t = b.op("linear", x, b.param("o.weight", (6, 8), dtype), None, b.param("o.bias", (6,), dtype), name="t")
-    h = b.op("add", *((t, r) if swap else (r, t)), name="h")
-    return verify(b.output(h, t) if proj_used_twice else b.output(h))
+    ty = {"float32": "f32", "float16": "f16"}[dtype]
+    return verify(parse_graph(f"""
+        graph block(
+            %x: {ty}[tokens, 8],
+            %r: {ty}[tokens, 6],
+        ) {{
+          @o.weight: {ty}[6, 8]
+          @o.bias: {ty}[6]
+          %t = linear(%x, @o.weight, _, @o.bias) : {ty}[tokens, 6]
+          %h = add({"%t, %r" if swap else "%r, %t"}) : {ty}[tokens, 6]
+          return {"%h, %t" if proj_used_twice else "%h"}
+        }}"""))
 
 
 @pytest.mark.parametrize("swap", [False, True])
