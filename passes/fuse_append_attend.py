@@ -13,34 +13,42 @@ Leaves: %o keeps its name and meaning; the pages are written before they are rea
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from kiln.ir import Graph
 from kiln.ir.ops import OPS
 
+from .graph_pass import GraphPass
 from .rewrite import drop_dead_nodes, editable_copy, users
 
 
-def fuse_append_attend(graph: Graph) -> Graph:
-    graph = editable_copy(graph)
-    producers = {n.output: n for n in graph.nodes}
-    readers = users(graph)
-    merged: set[str] = set()                     # appends now inside a paged_attention
-    for attend in graph.nodes:
-        if attend.op != "paged_attend":
-            continue
-        a = OPS["paged_attend"]
-        append = producers.get(a.input_of(attend, "kv_pages"))
-        if append is None or append.op != "kv_append" or len(readers[append.output]) != 1:
-            continue
-        w = OPS["kv_append"]
-        scales = w.input_of(append, "kv_scales")
-        if append.attrs["layer"] != attend.attrs["layer"] or a.input_of(attend, "kv_scales") != scales:
-            continue
-        index = [a.input_of(attend, name) for name in ("q_indptr", "page_indptr", "page_values", "last_page_len")]
-        attend.op = "paged_attention"
-        attend.inputs = [a.input_of(attend, "q"), w.input_of(append, "k"), w.input_of(append, "v"),
-                         w.input_of(append, "kv_pages"), w.input_of(append, "slot_mapping"), *index,
-                         *([scales] if scales else [])]
-        attend.attrs = OPS["paged_attention"].complete_attrs(attend.attrs, f"%{attend.output}")
-        merged.add(append.output)
-    graph.nodes = [n for n in graph.nodes if n.output not in merged]
-    return drop_dead_nodes(graph)
+@dataclass(frozen=True)
+class FuseAppendAttend(GraphPass):
+    name: ClassVar[str] = "fuse_append_attend"
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        producers = {n.output: n for n in graph.nodes}
+        readers = users(graph)
+        merged: set[str] = set()                     # appends now inside a paged_attention
+        for attend in graph.nodes:
+            if attend.op != "paged_attend":
+                continue
+            a = OPS["paged_attend"]
+            append = producers.get(a.input_of(attend, "kv_pages"))
+            if append is None or append.op != "kv_append" or len(readers[append.output]) != 1:
+                continue
+            w = OPS["kv_append"]
+            scales = w.input_of(append, "kv_scales")
+            if append.attrs["layer"] != attend.attrs["layer"] or a.input_of(attend, "kv_scales") != scales:
+                continue
+            index = [a.input_of(attend, name) for name in ("q_indptr", "page_indptr", "page_values", "last_page_len")]
+            attend.op = "paged_attention"
+            attend.inputs = [a.input_of(attend, "q"), w.input_of(append, "k"), w.input_of(append, "v"),
+                             w.input_of(append, "kv_pages"), w.input_of(append, "slot_mapping"), *index,
+                             *([scales] if scales else [])]
+            attend.attrs = OPS["paged_attention"].complete_attrs(attend.attrs, f"%{attend.output}")
+            merged.add(append.output)
+        graph.nodes = [n for n in graph.nodes if n.output not in merged]
+        return drop_dead_nodes(graph)

@@ -11,10 +11,14 @@ Leaves: %y keeps its name, so its consumers are unchanged.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from kiln.ir import Graph, Node, TensorType, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.ops import GATED_OPS
 
 from .fuse_qkv import _fused_param
+from .graph_pass import GraphPass
 from .rewrite import drop_unused_params, editable_copy, fresh_name, users
 
 
@@ -44,25 +48,29 @@ def _match(graph: Graph, mul: Node, use: dict):
     return None
 
 
-def fuse_gate_up(graph: Graph) -> Graph:
-    graph = editable_copy(graph)
-    use = users(graph)
-    for mul in [n for n in graph.nodes if n.op == "mul"]:
-        found = _match(graph, mul, use)
-        if not found:
-            continue
-        gate, up, act = found
-        parts = ("gate_proj", "up_proj")
-        weight = _fused_param(graph, [input_of(gate, "weight"), input_of(up, "weight")], parts, "gate_up_proj")
-        bias = (_fused_param(graph, [input_of(gate, "bias"), input_of(up, "bias")], parts, "gate_up_proj")
-                if input_of(gate, "bias") is not None else None)
-        inputs = named_inputs("linear", x=input_of(gate, "x"), weight=weight, bias=bias)
-        width = gate.type.shape[-1] * 2
-        fused = Node("linear", inputs, attrs_for("linear"), fresh_name(graph, "gate_up"),
-                     TensorType(gate.type.shape[:-1] + (width,), gate.type.dtype))
-        first = min(graph.nodes.index(gate), graph.nodes.index(up))
-        for dead in (gate, up, act):
-            graph.nodes.remove(dead)
-        graph.nodes.insert(first, fused)
-        mul.op, mul.inputs, mul.attrs = GATED_OPS[act.op], [fused.output], {}
-    return drop_unused_params(graph)
+@dataclass(frozen=True)
+class FuseGateUp(GraphPass):
+    name: ClassVar[str] = "fuse_gate_up"
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        use = users(graph)
+        for mul in [n for n in graph.nodes if n.op == "mul"]:
+            found = _match(graph, mul, use)
+            if not found:
+                continue
+            gate, up, act = found
+            parts = ("gate_proj", "up_proj")
+            weight = _fused_param(graph, [input_of(gate, "weight"), input_of(up, "weight")], parts, "gate_up_proj")
+            bias = (_fused_param(graph, [input_of(gate, "bias"), input_of(up, "bias")], parts, "gate_up_proj")
+                    if input_of(gate, "bias") is not None else None)
+            inputs = named_inputs("linear", x=input_of(gate, "x"), weight=weight, bias=bias)
+            width = gate.type.shape[-1] * 2
+            fused = Node("linear", inputs, attrs_for("linear"), fresh_name(graph, "gate_up"),
+                         TensorType(gate.type.shape[:-1] + (width,), gate.type.dtype))
+            first = min(graph.nodes.index(gate), graph.nodes.index(up))
+            for dead in (gate, up, act):
+                graph.nodes.remove(dead)
+            graph.nodes.insert(first, fused)
+            mul.op, mul.inputs, mul.attrs = GATED_OPS[act.op], [fused.output], {}
+        return drop_unused_params(graph)

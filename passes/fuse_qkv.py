@@ -12,8 +12,12 @@ Leaves: the slices keep the old names, so every consumer is unchanged; the three
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from kiln.ir import Graph, Node, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
 
+from .graph_pass import GraphPass
 from .rewrite import drop_unused_params, editable_copy, fresh_name, fused_param_name, users
 
 
@@ -44,22 +48,26 @@ def _fused_param(graph: Graph, names: list[str], parts, fused: str) -> str:
     return name
 
 
-def fuse_qkv(graph: Graph) -> Graph:
-    graph = editable_copy(graph)
-    for group in _sibling_linears(graph):
-        parts = ("q_proj", "k_proj", "v_proj")
-        weight = _fused_param(graph, [input_of(n, "weight") for n in group], parts, "qkv_proj")
-        bias = (_fused_param(graph, [input_of(n, "bias") for n in group], parts, "qkv_proj")
-                if input_of(group[0], "bias") is not None else None)
-        inputs = named_inputs("linear", x=input_of(group[0], "x"), weight=weight, bias=bias)
-        widths = [n.type.shape[-1] for n in group]
-        fused_out = fresh_name(graph, "qkv")
-        fused = Node("linear", inputs, attrs_for("linear"), fused_out,
-                     TensorType(group[0].type.shape[:-1] + (sum(widths),), group[0].type.dtype))
-        first = min(graph.nodes.index(n) for n in group)
-        begin = 0
-        for node, width in zip(group, widths):
-            node.op, node.inputs, node.attrs = "slice", [fused_out], {"begin": begin, "end": begin + width}
-            begin += width
-        graph.nodes.insert(first, fused)
-    return drop_unused_params(graph)
+@dataclass(frozen=True)
+class FuseQKV(GraphPass):
+    name: ClassVar[str] = "fuse_qkv"
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        for group in _sibling_linears(graph):
+            parts = ("q_proj", "k_proj", "v_proj")
+            weight = _fused_param(graph, [input_of(n, "weight") for n in group], parts, "qkv_proj")
+            bias = (_fused_param(graph, [input_of(n, "bias") for n in group], parts, "qkv_proj")
+                    if input_of(group[0], "bias") is not None else None)
+            inputs = named_inputs("linear", x=input_of(group[0], "x"), weight=weight, bias=bias)
+            widths = [n.type.shape[-1] for n in group]
+            fused_out = fresh_name(graph, "qkv")
+            fused = Node("linear", inputs, attrs_for("linear"), fused_out,
+                         TensorType(group[0].type.shape[:-1] + (sum(widths),), group[0].type.dtype))
+            first = min(graph.nodes.index(n) for n in group)
+            begin = 0
+            for node, width in zip(group, widths):
+                node.op, node.inputs, node.attrs = "slice", [fused_out], {"begin": begin, "end": begin + width}
+                begin += width
+            graph.nodes.insert(first, fused)
+        return drop_unused_params(graph)

@@ -24,8 +24,12 @@ Leaves: the attention output unchanged; the slices, ropes and reshapes are dropp
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from kiln.ir import Graph, Node
 
+from .graph_pass import GraphPass
 from .rewrite import drop_dead_nodes, editable_copy, fresh_name
 
 NORM_CHAINS = {          # how rope's input reaches the slice: none, per-head norm, all-head norm
@@ -55,41 +59,45 @@ def _rotated_part(producers, name: str):
     return None
 
 
-def fuse_rope_attention(graph: Graph) -> Graph:
-    graph = editable_copy(graph)
-    producers = {n.output: n for n in graph.nodes}
-    types = graph.value_types()
-    for node in list(graph.nodes):
-        if node.op != "paged_attention":
-            continue
-        q_part, k_part = _rotated_part(producers, node.inputs[0]), _rotated_part(producers, node.inputs[1])
-        v_chain = _producer_chain(producers, node.inputs[2], ("reshape", "slice"))
-        if not (q_part and k_part and v_chain):
-            continue
-        (q_rope, q_norm, per_head, q_slice), (k_rope, k_norm, k_per_head, k_slice) = q_part, k_part
-        if per_head != k_per_head or (q_norm and q_norm.attrs != k_norm.attrs):
-            continue
-        slices = [q_slice, k_slice, v_chain[1]]
-        source = slices[0].inputs[0]
-        tokens, hq, d = types[node.inputs[0]].shape
-        hkv = types[node.inputs[1]].shape[1]
-        bounds = [(0, hq * d), (hq * d, (hq + hkv) * d), ((hq + hkv) * d, (hq + 2 * hkv) * d)]
-        if any(s.inputs[0] != source or (s.attrs["begin"], s.attrs["end"]) != b for s, b in zip(slices, bounds)):
-            continue
-        if types[source].shape[1:] != ((hq + 2 * hkv) * d,) or q_rope.inputs[1:] != k_rope.inputs[1:] \
-                or q_rope.attrs != k_rope.attrs or q_rope.attrs["head_dim"] != d:
-            continue
-        if q_norm:
-            widths = ((d,), (d,)) if per_head else ((hq * d,), (hkv * d,))
-            if (types[q_norm.inputs[1]].shape, types[k_norm.inputs[1]].shape) != widths:
+@dataclass(frozen=True)
+class FuseRopeAttention(GraphPass):
+    name: ClassVar[str] = "fuse_rope_attention"
+
+    def __call__(self, graph: Graph) -> Graph:
+        graph = editable_copy(graph)
+        producers = {n.output: n for n in graph.nodes}
+        types = graph.value_types()
+        for node in list(graph.nodes):
+            if node.op != "paged_attention":
                 continue
-            normed = Node("qk_norm", [source, q_norm.inputs[1], k_norm.inputs[1]],
-                          {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "per_head": per_head, **q_norm.attrs},
-                          fresh_name(graph, "qk_norm"), types[source])
-            graph.nodes.insert(graph.nodes.index(node), normed)
-            source = normed.output
-        node.op = "paged_attention_fused"
-        node.inputs = [source, *q_rope.inputs[1:], *node.inputs[3:]]
-        node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "rotary_dim": q_rope.attrs["rotary_dim"],
-                      "q_heads": hq, "kv_heads": hkv, "head_dim": d}
-    return drop_dead_nodes(graph)
+            q_part, k_part = _rotated_part(producers, node.inputs[0]), _rotated_part(producers, node.inputs[1])
+            v_chain = _producer_chain(producers, node.inputs[2], ("reshape", "slice"))
+            if not (q_part and k_part and v_chain):
+                continue
+            (q_rope, q_norm, per_head, q_slice), (k_rope, k_norm, k_per_head, k_slice) = q_part, k_part
+            if per_head != k_per_head or (q_norm and q_norm.attrs != k_norm.attrs):
+                continue
+            slices = [q_slice, k_slice, v_chain[1]]
+            source = slices[0].inputs[0]
+            tokens, hq, d = types[node.inputs[0]].shape
+            hkv = types[node.inputs[1]].shape[1]
+            bounds = [(0, hq * d), (hq * d, (hq + hkv) * d), ((hq + hkv) * d, (hq + 2 * hkv) * d)]
+            if any(s.inputs[0] != source or (s.attrs["begin"], s.attrs["end"]) != b for s, b in zip(slices, bounds)):
+                continue
+            if types[source].shape[1:] != ((hq + 2 * hkv) * d,) or q_rope.inputs[1:] != k_rope.inputs[1:] \
+                    or q_rope.attrs != k_rope.attrs or q_rope.attrs["head_dim"] != d:
+                continue
+            if q_norm:
+                widths = ((d,), (d,)) if per_head else ((hq * d,), (hkv * d,))
+                if (types[q_norm.inputs[1]].shape, types[k_norm.inputs[1]].shape) != widths:
+                    continue
+                normed = Node("qk_norm", [source, q_norm.inputs[1], k_norm.inputs[1]],
+                              {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "per_head": per_head, **q_norm.attrs},
+                              fresh_name(graph, "qk_norm"), types[source])
+                graph.nodes.insert(graph.nodes.index(node), normed)
+                source = normed.output
+            node.op = "paged_attention_fused"
+            node.inputs = [source, *q_rope.inputs[1:], *node.inputs[3:]]
+            node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "rotary_dim": q_rope.attrs["rotary_dim"],
+                          "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+        return drop_dead_nodes(graph)

@@ -15,7 +15,17 @@ from typing import Callable
 
 from kiln.ir import Graph, print_graph, verify
 
-Pass = Callable[[Graph], Graph]
+from .fuse_append_attend import FuseAppendAttend
+from .fuse_gate_up import FuseGateUp
+from .fuse_qkv import FuseQKV
+from .fuse_residual_add import FuseResidualAdd
+from .fuse_rope_attention import FuseRopeAttention
+from .graph_pass import GraphPass
+from .quantize import Quantize
+from .quantize_embedding import QuantizeEmbedding
+from .quantize_kv import QuantizeKV
+from .specialize_attention import SpecializeAttention
+from .specialize_mla import SpecializeMLA
 
 
 @dataclass
@@ -64,7 +74,7 @@ def _kernels_fuse_rope(target) -> bool:
 def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None,
                  quant_embedding: bool = True, mla_expanded_from: int | None = None,
-                 int8_activations: bool | None = None) -> list[tuple[str, Pass]]:
+                 int8_activations: bool | None = None) -> list[GraphPass]:
     """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
     the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too unless
     `quant_embedding` is off), KV -> attention kernel choice. MLA prefill steps run the expanded
@@ -72,63 +82,52 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
     linears take int8 activations in the target's blocks unless `int8_activations` is False (None:
     the target's choice; True where the target has no such kernel is refused)."""
     from kiln.targets import target_defaults
-    from .fuse_append_attend import fuse_append_attend
-    from .fuse_rope_attention import fuse_rope_attention
-    from .fuse_gate_up import fuse_gate_up
-    from .fuse_qkv import fuse_qkv
-    from .fuse_residual_add import fuse_residual_add
-    from .quantize import Quantize
-    from .quantize_embedding import QuantizeEmbedding
-    from .quantize_kv import QuantizeKV
-    from .specialize_attention import SpecializeAttention
-    from .specialize_mla import SpecializeMLA
     target = target_defaults(target) if isinstance(target, str) else target
-    passes: list[tuple[str, Pass]] = [
-        ("fuse_append_attend", fuse_append_attend),       # every kernel runs append and attention together
+    passes: list[GraphPass] = [
+        FuseAppendAttend(),               # every kernel runs append and attention together
         # latent layers attend over the latent rows (and over rows rebuilt from them in long prefills)
-        ("specialize_mla", SpecializeMLA(target.mla_expanded_from if mla_expanded_from is None
-                                         else mla_expanded_from)),
-        ("fuse_qkv", fuse_qkv),
-        ("fuse_gate_up", fuse_gate_up),
-        ("fuse_residual_add", fuse_residual_add),
+        SpecializeMLA(target.mla_expanded_from if mla_expanded_from is None else mla_expanded_from),
+        FuseQKV(),
+        FuseGateUp(),
+        FuseResidualAdd(),
     ]
     if _kernels_fuse_rope(target):
-        passes.append(("fuse_rope_attention", fuse_rope_attention))
+        passes.append(FuseRopeAttention())
     if quant:
         if int8_activations and not target.activation_block:
             from kiln.errors import KilnError
             raise KilnError(f"--activations int8 is not supported on target {target.name}: it has no integer "
                             "dot-product linear kernel (the cpu target has one where the CPU has AVX2)")
         act_block = target.activation_block if int8_activations is not False else 0
-        passes.append(("quantize", Quantize(quant, lm_head=quant_lm_head, group_size=group_size, act_block=act_block)))
+        passes.append(Quantize(quant, lm_head=quant_lm_head, group_size=group_size, act_block=act_block))
         if quant_embedding:
-            passes.append(("quantize_embedding", QuantizeEmbedding(quant, group_size=group_size)))
+            passes.append(QuantizeEmbedding(quant, group_size=group_size))
     if kv_dtype:
-        passes.append(("quantize_kv", QuantizeKV(kv_dtype)))
-    passes.append(("specialize_attention", SpecializeAttention(target)))
+        passes.append(QuantizeKV(kv_dtype))
+    passes.append(SpecializeAttention(target))
     return passes
 
 
 def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None = None,
-                 passes: list[tuple[str, Pass]] | None = None, disable: set[str] = frozenset(),
+                 passes: list[GraphPass] | None = None, disable: set[str] = frozenset(),
                  **options) -> tuple[Graph, list[PassRecord]]:
     """Run `passes`, or the target's pipeline (`options` go to pipeline_for: quant, kv_dtype, …)."""
     passes = pipeline_for(target, **options) if passes is None else passes
-    unknown = set(disable) - {name for name, _ in passes}
+    unknown = set(disable) - {p.name for p in passes}
     if unknown:
         from kiln.errors import KilnError
-        raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(n for n, _ in passes)})")
+        raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(p.name for p in passes)})")
     verify(graph)
     if dump:
         dump("import", graph)
     records, signatures = [], _signatures(graph)
-    for name, rewrite in [(n, p) for n, p in passes if n not in disable]:
+    for rewrite in [p for p in passes if p.name not in disable]:
         t0 = time.perf_counter()
         graph = verify(rewrite(graph))
-        record, signatures = _record(name, time.perf_counter() - t0, signatures, graph)
+        record, signatures = _record(rewrite.name, time.perf_counter() - t0, signatures, graph)
         records.append(record)
         if dump:
-            dump(name, graph)
+            dump(rewrite.name, graph)
     return graph, records
 
 

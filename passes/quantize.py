@@ -23,10 +23,12 @@ Leaves: %y keeps its name and type; the float weight param is dropped once no no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.quant import SCHEMES
 
+from .graph_pass import GraphPass
 from .rewrite import drop_unused_params, editable_copy
 
 
@@ -49,8 +51,9 @@ def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> 
     return names["q"], names["scale"]
 
 
-@dataclass
-class Quantize:
+@dataclass(frozen=True)
+class Quantize(GraphPass):
+    name: ClassVar[str] = "quantize"
     mode: str = "q8"
     lm_head: bool = True
     group_size: int = 32          # q4 only: inputs per scale

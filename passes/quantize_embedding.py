@@ -16,16 +16,19 @@ Leaves: %h keeps its name and type; the float table is dropped once no node read
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kiln.ir import Graph, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.quant import SCHEMES
 
+from .graph_pass import GraphPass
 from .quantize import add_quantized_params
 from .rewrite import drop_unused_params, editable_copy
 
 
-@dataclass
-class QuantizeEmbedding:
+@dataclass(frozen=True)
+class QuantizeEmbedding(GraphPass):
+    name: ClassVar[str] = "quantize_embedding"
     mode: str = "q8"
     group_size: int = 32          # q4 only: hidden columns per scale
 

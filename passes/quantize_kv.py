@@ -17,17 +17,20 @@ Leaves: q, k, v and the attention output keep their types.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kiln.ir import Graph
 from kiln.ir.kv_spec import pages_name, scales_name
 from kiln.ir.ops import APPEND_OPS, KV_OPS
 from kiln.ir.quant import KV_SCHEMES
 
+from .graph_pass import GraphPass
 from .rewrite import editable_copy, users
 
 
-@dataclass
-class QuantizeKV:
+@dataclass(frozen=True)
+class QuantizeKV(GraphPass):
+    name: ClassVar[str] = "quantize_kv"
     mode: str = "int8"
 
     def __post_init__(self):

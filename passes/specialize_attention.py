@@ -16,10 +16,14 @@ Leaves: the graph's meaning unchanged (only attributes differ).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from kiln.codegen.attention_kernels import choose_kernel
 from kiln.ir import Graph
 from kiln.ir.ops import ATTENTION_OPS
 
+from .graph_pass import GraphPass
 from .rewrite import editable_copy
 
 
@@ -31,9 +35,10 @@ def variant_for(q_heads: int, kv_heads: int) -> str:
     return f"gqa{q_heads // kv_heads}"
 
 
-class SpecializeAttention:
-    def __init__(self, target):
-        self.target = target
+@dataclass(frozen=True)
+class SpecializeAttention(GraphPass):
+    name: ClassVar[str] = "specialize_attention"
+    target: object                  # the Target whose attention_kernels are chosen from
 
     def __call__(self, graph: Graph) -> Graph:
         graph = editable_copy(graph)

@@ -28,21 +28,19 @@ Leaves: the output keeps its name and type; kv_b is no longer read unless the ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kiln.errors import KilnError
 from kiln.ir import Graph, Node, Param, TensorType, attrs_for
 from kiln.ir.step_forms import CONTEXT_INPUTS
 
+from .graph_pass import GraphPass
 from .rewrite import drop_unused_params, editable_copy
 
 
-def specialize_mla(graph: Graph) -> Graph:
-    """The absorbed form in every step."""
-    return SpecializeMLA()(graph)
-
-
-@dataclass
-class SpecializeMLA:
+@dataclass(frozen=True)
+class SpecializeMLA(GraphPass):
+    name: ClassVar[str] = "specialize_mla"
     expanded_from: int = 0          # new tokens per sequence from which prefill steps run expanded (0: never)
 
     def __post_init__(self):

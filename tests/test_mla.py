@@ -42,9 +42,9 @@ def interpreted(graph, model, steps=STEPS):
 
 
 def test_specialize_mla_absorbs_kv_b_proj_in_every_layer(deepseek):
-    from kiln.passes.specialize_mla import specialize_mla
+    from kiln.passes.specialize_mla import SpecializeMLA
     model, literal = deepseek
-    absorbed = specialize_mla(literal)
+    absorbed = SpecializeMLA()(literal)
     ops = [n.op for n in absorbed.nodes]
     layers = model.config.num_layers
     assert "mla_attend" not in ops and ops.count("latent_attend") == layers and ops.count("head_linear") == 2 * layers
@@ -58,9 +58,9 @@ def test_specialize_mla_absorbs_kv_b_proj_in_every_layer(deepseek):
 
 def test_absorbed_attention_equals_the_literal_form(deepseek):
     """Ragged batch, chunked prefill, decode beside a chunk, shuffled pages: same logits."""
-    from kiln.passes.specialize_mla import specialize_mla
+    from kiln.passes.specialize_mla import SpecializeMLA
     model, literal = deepseek
-    for want, got in zip(interpreted(literal, model), interpreted(specialize_mla(literal), model)):
+    for want, got in zip(interpreted(literal, model), interpreted(SpecializeMLA()(literal), model)):
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
@@ -150,7 +150,7 @@ def test_mla_attend_without_a_weight_to_split_is_left_alone():
     """Near miss: kv_b computed in the graph (no param to split at compile time) stays literal."""
     from kiln.ir import GraphBuilder, Graph, print_graph, verify
     from kiln.ir.kv_spec import KVSpec
-    from kiln.passes.specialize_mla import specialize_mla
+    from kiln.passes.specialize_mla import SpecializeMLA
     b = GraphBuilder("near_miss")
     q_nope = b.input("q_nope", ("tokens", 2, 4), "float32")
     q_rope = b.input("q_rope", ("tokens", 2, 2), "float32")
@@ -162,7 +162,7 @@ def test_mla_attend_without_a_weight_to_split_is_left_alone():
     pages, _ = b.kv_cache(0, KVSpec("latent", 1, 8, 6, "float32", PAGE))
     written = b.op("latent_append", c_kv, k_pe, pages, b.input("slot_mapping", ("tokens",), "int32"), layer=0)
     graph: Graph = verify(b.output(b.op("mla_attend", q_nope, q_rope, written, kv_b, *idx, layer=0, scale=0.5)))
-    assert print_graph(specialize_mla(graph)) == print_graph(graph)
+    assert print_graph(SpecializeMLA()(graph)) == print_graph(graph)
 
 
 def test_latent_cache_read_by_a_plain_attention_op_is_refused():

@@ -9,9 +9,9 @@ import pytest
 from kiln.errors import KilnError
 from kiln.ir import GraphBuilder, interpret, parse_graph, print_graph, verify, weight_loader
 from kiln.ir.kv_spec import KVSpec
-from kiln.passes.fuse_gate_up import fuse_gate_up
-from kiln.passes.fuse_qkv import fuse_qkv
-from kiln.passes.fuse_residual_add import fuse_residual_add
+from kiln.passes.fuse_gate_up import FuseGateUp
+from kiln.passes.fuse_qkv import FuseQKV
+from kiln.passes.fuse_residual_add import FuseResidualAdd
 from kiln.passes.quantize import Quantize
 from kiln.passes.specialize_attention import SpecializeAttention
 
@@ -51,7 +51,7 @@ def qkv_graph(bias=True, k_bias=True, n_siblings=3):
 
 
 def test_fuse_qkv_rewrite():
-    after = fuse_qkv(qkv_graph())
+    after = FuseQKV()(qkv_graph())
     assert body(after) == [
         "  @l.qkv_proj.weight: f32[16, 8] = concat(@l.q_proj.weight, @l.k_proj.weight, @l.v_proj.weight, axis=0)",
         "  @l.qkv_proj.bias: f32[16] = concat(@l.q_proj.bias, @l.k_proj.bias, @l.v_proj.bias, axis=0)",
@@ -65,14 +65,14 @@ def test_fuse_qkv_rewrite():
 @pytest.mark.parametrize("bias", [True, False])
 def test_fuse_qkv_keeps_outputs(bias):
     before = qkv_graph(bias=bias, k_bias=bias)
-    after = fuse_qkv(before)
+    after = FuseQKV()(before)
     assert [n.op for n in after.nodes] == ["linear", "slice", "slice", "slice"]
     assert_same_outputs(before, after)
 
 
 @pytest.mark.parametrize("graph", [qkv_graph(k_bias=False), qkv_graph(n_siblings=2)], ids=["mixed-bias", "two"])
 def test_fuse_qkv_near_miss(graph):
-    assert body(fuse_qkv(graph)) == body(graph)
+    assert body(FuseQKV()(graph)) == body(graph)
 
 
 # ---------------------------------------------------------------------------- fuse_gate_up
@@ -93,7 +93,7 @@ def mlp_graph(swap=False, silu_also_output=False, mismatched=False, act="silu"):
 @pytest.mark.parametrize("act,fused", [("silu", "swiglu"), ("gelu_tanh", "geglu")])
 @pytest.mark.parametrize("swap", [False, True])
 def test_fuse_gate_up_rewrite(swap, act, fused):
-    after = fuse_gate_up(mlp_graph(swap=swap, act=act))
+    after = FuseGateUp()(mlp_graph(swap=swap, act=act))
     assert body(after) == [
         "  @m.down_proj.weight: f32[8, 16]",
         "  @m.gate_up_proj.weight: f32[32, 8] = concat(@m.gate_proj.weight, @m.up_proj.weight, axis=0)",
@@ -107,14 +107,14 @@ def test_fuse_gate_up_rewrite(swap, act, fused):
 @pytest.mark.parametrize("swap", [False, True])
 def test_fuse_gate_up_keeps_outputs(swap, act):
     before = mlp_graph(swap=swap, act=act)
-    assert_same_outputs(before, fuse_gate_up(before))
+    assert_same_outputs(before, FuseGateUp()(before))
 
 
 @pytest.mark.parametrize("graph", [mlp_graph(silu_also_output=True), mlp_graph(mismatched=True),
                                    mlp_graph(act="gelu_tanh", silu_also_output=True)],
                          ids=["silu-used-elsewhere", "up-not-a-projection-of-x", "gelu-used-elsewhere"])
 def test_fuse_gate_up_near_miss(graph):
-    assert body(fuse_gate_up(graph)) == body(graph)
+    assert body(FuseGateUp()(graph)) == body(graph)
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -209,7 +209,7 @@ def residual_graph(swap=False, proj_used_twice=False, dtype="float32"):
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_fuse_residual_add_rewrite(swap):
-    assert body(fuse_residual_add(residual_graph(swap))) == [
+    assert body(FuseResidualAdd()(residual_graph(swap))) == [
         "  @o.weight: f32[6, 8]",
         "  @o.bias: f32[6]",
         "  %h = linear(%x, @o.weight, _, @o.bias, %r) : f32[tokens, 6]",
@@ -220,7 +220,7 @@ def test_fuse_residual_add_rewrite(swap):
 def test_fuse_residual_add_keeps_outputs(dtype):
     """Bit-identical also in float16: the fused epilogue rounds where the separate add did."""
     before = residual_graph(dtype=dtype)
-    after = fuse_residual_add(before)
+    after = FuseResidualAdd()(before)
     rng = np.random.default_rng(1)
     weights = {k: rng.standard_normal(p.type.shape).astype(dtype) for k, p in before.params.items()}
     inputs = {k: rng.standard_normal((5, t.shape[1])).astype(dtype) for k, t in before.inputs.items()}
@@ -231,7 +231,7 @@ def test_fuse_residual_add_keeps_outputs(dtype):
 
 def test_fuse_residual_add_near_miss():
     graph = residual_graph(proj_used_twice=True)
-    assert body(fuse_residual_add(graph)) == body(graph)
+    assert body(FuseResidualAdd()(graph)) == body(graph)
 
 
 # ---------------------------------------------------------------------------- quantize
@@ -479,9 +479,9 @@ def split_attention_graph(kv_dtype="float32", second_reader=False, other_layer=F
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_fuse_append_attend_rewrite(kv_dtype):
-    from kiln.passes.fuse_append_attend import fuse_append_attend
+    from kiln.passes.fuse_append_attend import FuseAppendAttend
     scales = ", %kv_scales0" if kv_dtype == "int8" else ""
-    assert body(fuse_append_attend(split_attention_graph(kv_dtype))) == [
+    assert body(FuseAppendAttend()(split_attention_graph(kv_dtype))) == [
         f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl{scales}) {{layer=0, scale=0.5}} "
         ": f32[tokens, 8, 4]"]
 
@@ -489,10 +489,10 @@ def test_fuse_append_attend_rewrite(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_fuse_append_attend_keeps_outputs_and_pages(kv_dtype):
     """The split ops' references and paged_attention's (written apart) agree, pages included."""
-    from kiln.passes.fuse_append_attend import fuse_append_attend
+    from kiln.passes.fuse_append_attend import FuseAppendAttend
     before = split_attention_graph(kv_dtype)
     outs, pages = [], []
-    for graph in (before, fuse_append_attend(before)):
+    for graph in (before, FuseAppendAttend()(before)):
         cache = {"kv_pages0": np.zeros((3, 2, 2, 4, 4), np.int8 if kv_dtype == "int8" else np.float32)}
         if kv_dtype == "int8":
             cache["kv_scales0"] = np.zeros((3, 2, 2, 4), np.float32)
@@ -507,9 +507,9 @@ def test_fuse_append_attend_keeps_outputs_and_pages(kv_dtype):
 
 
 def test_fuse_append_attend_near_miss_leaves_an_append_read_twice():
-    from kiln.passes.fuse_append_attend import fuse_append_attend
+    from kiln.passes.fuse_append_attend import FuseAppendAttend
     graph = split_attention_graph(second_reader=True)
-    assert body(fuse_append_attend(graph)) == body(graph)
+    assert body(FuseAppendAttend()(graph)) == body(graph)
 
 
 def test_quantize_kv_quantises_both_split_ops():
@@ -550,8 +550,8 @@ def rope_attention_graph(k_positions_differ=False, v_begin=12, norm=None, k_norm
 
 
 def test_fuse_rope_attention_rewrite():
-    from kiln.passes.fuse_rope_attention import fuse_rope_attention
-    assert body(fuse_rope_attention(rope_attention_graph())) == [
+    from kiln.passes.fuse_rope_attention import FuseRopeAttention
+    assert body(FuseRopeAttention()(rope_attention_graph())) == [
         "  @rope.inv_freq: f32[2]",
         "  %o = paged_attention_fused(%qkv, %pos, @rope.inv_freq, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
         "{layer=0, scale=0.5, q_heads=2, kv_heads=1, head_dim=4} : f32[tokens, 2, 4]"]
@@ -559,8 +559,8 @@ def test_fuse_rope_attention_rewrite():
 
 @pytest.mark.parametrize("norm,per_head", [("head", True), ("all", False)])
 def test_fuse_rope_attention_rewrite_with_qk_norm(norm, per_head):
-    from kiln.passes.fuse_rope_attention import fuse_rope_attention
-    lines = body(fuse_rope_attention(rope_attention_graph(norm=norm)))
+    from kiln.passes.fuse_rope_attention import FuseRopeAttention
+    lines = body(FuseRopeAttention()(rope_attention_graph(norm=norm)))
     width = 4 if per_head else 8
     assert lines[:3] == ["  @rope.inv_freq: f32[2]", f"  @q_norm: f32[{width}]", f"  @k_norm: f32[{width // 2 if not per_head else 4}]"]
     assert lines[3] == (f"  %qk_norm0 = qk_norm(%qkv, @q_norm, @k_norm) {{q_heads=2, kv_heads=1, head_dim=4, "
@@ -571,7 +571,7 @@ def test_fuse_rope_attention_rewrite_with_qk_norm(norm, per_head):
 
 @pytest.mark.parametrize("norm", [None, "head", "all"])
 def test_fuse_rope_attention_keeps_outputs(norm):
-    from kiln.passes.fuse_rope_attention import fuse_rope_attention
+    from kiln.passes.fuse_rope_attention import FuseRopeAttention
     before = rope_attention_graph(norm=norm)
     rng = np.random.default_rng(7)
     inputs = {"qkv": rng.standard_normal((6, 16)).astype(np.float32), "pos": np.arange(6, dtype=np.int32),
@@ -581,7 +581,7 @@ def test_fuse_rope_attention_keeps_outputs(norm):
            **{name: rng.standard_normal(p.type.shape).astype(np.float32) for name, p in before.params.items()
               if "norm" in name}}
     outs, pages = [], []
-    for graph in (before, fuse_rope_attention(before)):
+    for graph in (before, FuseRopeAttention()(before)):
         pages.append(np.zeros((3, 2, 1, 4, 4), np.float32))
         outs.append(interpret(graph, {**inputs, "kv_pages0": pages[-1]}, inv.__getitem__)["o"])
     # two independent references (rope + paged_attention, and paged_attention_fused's own walk):
@@ -598,5 +598,17 @@ def test_fuse_rope_attention_keeps_outputs(norm):
                          ids=["k-rotated-by-other-positions", "v-not-the-last-part", "only-q-normed",
                               "q-per-head-k-over-all", "q-and-k-norms-differ"])
 def test_fuse_rope_attention_near_miss(graph):
-    from kiln.passes.fuse_rope_attention import fuse_rope_attention
-    assert body(fuse_rope_attention(graph)) == body(graph)
+    from kiln.passes.fuse_rope_attention import FuseRopeAttention
+    assert body(FuseRopeAttention()(graph)) == body(graph)
+
+
+def test_every_pass_takes_the_one_form():
+    """A dataclass with a name of its own, as --print-after and --disable-pass call it."""
+    import dataclasses
+    from kiln.passes.graph_pass import GraphPass
+    from kiln.passes.pipeline import pipeline_for
+    for target, options in (("cpu", {"quant": "q4", "kv_dtype": "int8"}), ("cuda", {"quant": "fp8"})):
+        passes = pipeline_for(target, **options)
+        names = [p.name for p in passes]
+        assert all(isinstance(p, GraphPass) and dataclasses.is_dataclass(p) for p in passes)
+        assert "" not in names and len(set(names)) == len(names)

@@ -151,7 +151,7 @@ def test_quantize_embedding_near_miss():
 
 def test_pipeline_quantizes_the_embedding_only_when_asked():
     from kiln.passes.pipeline import pipeline_for
-    names = lambda **kw: [n for n, _ in pipeline_for("cpu", **kw)]   # noqa: E731
+    names = lambda **kw: [p.name for p in pipeline_for("cpu", **kw)]   # noqa: E731
     assert names(quant="q4")[-3:-1] == ["quantize", "quantize_embedding"]
     assert "quantize_embedding" not in names(quant="q4", quant_embedding=False)
     assert "quantize_embedding" not in names()

@@ -47,7 +47,7 @@ def planned_graph(model, manifest: Manifest):
                    else None,
                    int8_activations=quant.activation_block > 0 if quant.weights != "none" else None)
     ran = {p["name"] for p in manifest.passes}
-    passes = [(name, rewrite) for name, rewrite in pipeline_for(target, **options) if name in ran]
+    passes = [rewrite for rewrite in pipeline_for(target, **options) if rewrite.name in ran]
     graph, _ = run_pipeline(model.build_graph(manifest.dtype, manifest.kv.page_size), target, passes=passes)
     return graph
 
