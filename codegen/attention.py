@@ -39,12 +39,11 @@ def _masking(window: int, softcap: float) -> str:
 
 
 def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
-                        last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope, window, softcap):
+                        last_page_len, kv_scales, q_heads, spec, dtype, scale, rope, window, softcap):
     """kiln's CPU kernels over a fused qkv: append K/V (rope on k as `rope` says, if given), then attend."""
-    tokens, page_size, kv_dtype = qkv.ty.shape[0], int(pages.ty.shape[3]), pages.ty.dtype
-    scheme = kv_scheme_for(kv_dtype)
+    tokens, scheme = qkv.ty.shape[0], kv_scheme_for(spec.dtype)
     suffix = f"_{scheme.name}" if scheme else ""
-    append = ctx.add_kernel(cpu_kv_append(q_heads, kv_heads, head_dim, page_size, dtype, scheme, rope),
+    append = ctx.add_kernel(cpu_kv_append(q_heads, spec, dtype, rope),
                             f"kv_append{suffix}{'_rope' if rope else ''}", scheduled=True)
     if scheme is None:
         pages = ctx.bb.emit(relax.call_tir_inplace(append, [pages, qkv, positions, inv_freq, slots], [0],
@@ -55,12 +54,11 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
                                                      [0, 1], [pages.ty, kv_scales.ty]))
         pages = ctx.bb.emit(relax.TupleGetItem(written, 0))
         scales = [ctx.bb.emit(relax.TupleGetItem(written, 1))]
-    attn = ctx.add_kernel(cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, kv_dtype, rope,
-                                              window, softcap),
+    attn = ctx.add_kernel(cpu_paged_attention(q_heads, spec, dtype, scale, rope, window, softcap),
                           f"paged_attention{suffix}{'_rope' if rope else ''}{_masking(window, softcap)}", scheduled=True)
     return ctx.bb.emit(relax.call_tir(
         attn, [qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, *scales],
-        relax.TensorType((tokens, q_heads, head_dim), dtype)))
+        relax.TensorType((tokens, q_heads, spec.head_dim), dtype)))
 
 
 def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
@@ -71,7 +69,7 @@ def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots
                         f"(disable the fuse_rope_attention pass)")
     a = node.attrs
     return _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
-                               last_page_len, kv_scales, a["q_heads"], a["kv_heads"], a["head_dim"],
+                               last_page_len, kv_scales, a["q_heads"], ctx.graph.kv_specs[a["layer"]],
                                node.type.dtype, a["scale"], window=a["window"], softcap=a["softcap"],
                                rope=RotaryLoad(a["head_dim"], a["rotary_dim"] or a["head_dim"], a["mscale"]))
 
@@ -79,9 +77,8 @@ def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots
 def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
                          kv_scales=None):
     tokens, q_heads, head_dim = (q.ty.shape[0], int(q.ty.shape[1]), int(q.ty.shape[2]))
-    kv_heads, page_size = int(k.ty.shape[1]), int(pages.ty.shape[3])
-    dtype, scale = node.type.dtype, node.attrs["scale"]
-    kernel = kernel_of(ctx, node)
+    kernel, spec = kernel_of(ctx, node), ctx.graph.kv_specs[node.attrs["layer"]]
+    kv_heads, page_size, dtype, scale = spec.kv_heads, spec.page_size, node.type.dtype, node.attrs["scale"]
 
     def joined_qkv():      # kiln's kernels read one fused qkv: join the three (q, k, v already rotated)
         flat = [ctx.bb.emit(relax.op.reshape(t, (tokens, int(t.ty.shape[1]) * head_dim))) for t in (q, k, v)]
@@ -89,9 +86,8 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
                 relax.const(np.zeros(head_dim // 2, np.float32)))
     if kernel == "kiln_cpu":           # only graphs without fuse_rope_attention get here
         return _kiln_cpu_attention(ctx, *joined_qkv(), pages, slots, q_indptr, page_indptr, page_values,
-                                   last_page_len, kv_scales, q_heads, kv_heads, head_dim, dtype, scale, rope=None,
+                                   last_page_len, kv_scales, q_heads, spec, dtype, scale, rope=None,
                                    window=node.attrs["window"], softcap=node.attrs["softcap"])
-    spec = ctx.graph.kv_specs[node.attrs["layer"]]
     if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step, bool(node.attrs["softcap"])):
         raise KilnError(f"attention kernel {kernel} cannot run layer {node.attrs['layer']} "
                         f"({spec.describe()}, {ctx.step} steps) on {ctx.target.name}")
@@ -106,8 +102,8 @@ def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr
     paged = [pages, page_indptr, page_values, last_page_len, last_page_len, ctx.input("positions")]
     if kernel == "kiln_gpu_fallback":
         # kiln's attention, a thread block per (sequence, KV head): windows and soft-capping on GPUs
-        fallback = cpu_paged_attention(q_heads, kv_heads, head_dim, page_size, dtype, scale, None, None,
-                                       node.attrs["window"], node.attrs["softcap"], gpu=True)
+        fallback = cpu_paged_attention(q_heads, spec, dtype, scale, None, node.attrs["window"],
+                                       node.attrs["softcap"], gpu=True)
         attn = ctx.add_kernel(fallback, f"paged_attention_fallback{_masking(node.attrs['window'], node.attrs['softcap'])}",
                               scheduled=True)
         qkv, no_positions, no_freq = joined_qkv()
@@ -130,9 +126,9 @@ def _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr,
     pages, else by TVM's), then attention; decode steps split each token's keys over blocks."""
     from .gpu_attention import DECODE_SPLITS, append_kernel, attention_kernel
     from .gpu_attention_source import AttentionShape
-    tokens, q_heads, head_dim = q.ty.shape[0], int(q.ty.shape[1]), int(q.ty.shape[2])
-    kv_heads, page_size, dtype = int(k.ty.shape[1]), int(pages.ty.shape[3]), node.type.dtype
-    kv_dtype = str(pages.ty.dtype)
+    tokens, q_heads, dtype = q.ty.shape[0], int(q.ty.shape[1]), node.type.dtype
+    spec = ctx.graph.kv_specs[node.attrs["layer"]]
+    kv_heads, head_dim, page_size, kv_dtype = spec.kv_heads, spec.head_dim, spec.page_size, spec.dtype
     shape = AttentionShape(q_heads, kv_heads, head_dim, page_size, str(dtype), kv_dtype)
     if shape.problem():
         raise KilnError(f"kiln's GPU attention cannot run layer {node.attrs['layer']}: {shape.problem()}")

@@ -12,17 +12,18 @@ sequence's prefill gives every core work even where the model has few KV heads; 
 arithmetic is the same whichever task computes it.
 Queries are read from the fused projection qkv [T, (Hq + 2 Hkv) D] (q at column 0), rotated as
 they are read when `rope` is set (codegen/rope_load.py).
-Signature (kiln's page layout, pages: [num_pages, 2, kv_heads, page_size, head_dim]):
+Signature (the pages as the layer's KVSpec lays them out, `page_shape`):
     (qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, output)
-With quantised pages (int8 or float8, `kv_dtype`) the kernel also takes the row scales
-[num_pages, 2, kv_heads, page_size] after last_page_len and multiplies each row by its scale as it
-reads it.
+With quantised pages (int8 or float8 rows with scales) the kernel also takes the row scales (the
+page shape less head_dim) after last_page_len and multiplies each row by its scale as it reads it.
 """
 from __future__ import annotations
 
 import functools
 
 from tvm.script import tirx as T
+
+from kiln.ir.kv_spec import KVSpec
 
 from .rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle
 from .tir_values import LOWEST
@@ -32,14 +33,13 @@ TASKS_PER_SEQUENCE = 32            # CPU: at least this many tasks per sequence 
 
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
-def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str, scale: float,
-                        kv_dtype: str | None = None, rope: RotaryLoad | None = None, window: int = 0,
-                        softcap: float = 0.0, gpu: bool = False):
+def cpu_paged_attention(q_heads: int, spec: KVSpec, dtype: str, scale: float, rope: RotaryLoad | None = None,
+                        window: int = 0, softcap: float = 0.0, gpu: bool = False):
+    kv_heads, head_dim, page_size, kv_dtype = spec.kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    quantized = spec.scales == "row"
     group = q_heads // kv_heads
     freqs = (rope.rotary_dim if rope else head_dim) // 2
     width = (q_heads + 2 * kv_heads) * head_dim
-    quantized = kv_dtype is not None and kv_dtype != dtype
-    kv_dtype = kv_dtype or dtype
 
     def row_scale(scales, page, kind, kvh, row):      # evaluated while parsing: no scales, no multiply
         return T.float32(1) if scales is None else scales[page, kind, kvh, row]
@@ -222,7 +222,7 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
         inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
@@ -241,11 +241,11 @@ def cpu_paged_attention(q_heads: int, kv_heads: int, head_dim: int, page_size: i
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
         inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), kv_dtype)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
+        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
         output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
         body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
                batch)

@@ -5,7 +5,7 @@ it), with rope applied to k as it is read when `rope` is set. Pages are the mode
 quantised KV scheme (ir/quant.py KVScheme): each row (one token, one KV head, k or v) stored as
 q = x / scale with scale = max|x| / qmax (1 for an all-zero row), int8 rounding half to even and
 clipping to ±qmax, float8 converting. One task per (token, KV head).
-Signature, pages (and scales) written in place:
+Signature, pages (and scales) written in place, shaped by the layer's KVSpec (`page_shape`):
     (pages [P, 2, Hkv, S, D], [scales [P, 2, Hkv, S] f32,] qkv, positions [T] i32, inv_freq [D/2] f32,
      slot_mapping [T] i32)
 A negative slot means "no row to write" (a padding token).
@@ -16,7 +16,8 @@ import functools
 
 from tvm.script import tirx as T
 
-from kiln.ir.quant import KVScheme
+from kiln.ir.kv_spec import KVSpec
+from kiln.ir.quant import KVScheme, kv_scheme_for
 
 from .rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle
 
@@ -38,9 +39,9 @@ def row_encoder(scheme: KVScheme | None, dtype: str):
 
 
 @functools.cache                    # every layer asks for the same kernel: parse it once
-def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                  scheme: KVScheme | None, rope: RotaryLoad | None):
-    storage = scheme.storage_dtype if scheme else dtype
+def cpu_kv_append(q_heads: int, spec: KVSpec, dtype: str, rope: RotaryLoad | None):
+    kv_heads, head_dim, page_size, storage = spec.kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    scheme = kv_scheme_for(storage)
     qmax = scheme.qmax if scheme else 1.0
     encode = row_encoder(scheme, dtype)
     width = (q_heads + 2 * kv_heads) * head_dim
@@ -86,7 +87,7 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
                   var_slots: T.handle):
         T.func_attr({"tirx.noalias": True})
         num_pages, tokens, n_pos = T.int64(), T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), storage)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
         qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
         inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
@@ -98,8 +99,8 @@ def cpu_kv_append(q_heads: int, kv_heads: int, head_dim: int, page_size: int, dt
                          var_inv_freq: T.handle, var_slots: T.handle):
         T.func_attr({"tirx.noalias": True})
         num_pages, tokens, n_pos = T.int64(), T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 2, kv_heads, page_size, head_dim), storage)
-        scales = T.match_buffer(var_scales, (num_pages, 2, kv_heads, page_size), "float32")
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
+        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
         qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
         positions = T.match_buffer(var_positions, (n_pos,), "int32")
         inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")

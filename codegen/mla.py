@@ -26,7 +26,8 @@ from tvm import relax
 from tvm.script import tirx as T
 
 from kiln.errors import KilnError
-from kiln.ir.quant import KVScheme, kv_scheme_for
+from kiln.ir.kv_spec import KVSpec
+from kiln.ir.quant import kv_scheme_for
 
 from . import tvm_kernels
 from .kv_append import row_encoder
@@ -37,10 +38,11 @@ HEAD_BLOCKS = 4          # latent_attend splits a sequence's heads into this man
 
 
 @functools.cache
-def latent_append_kernel(rank: int, rope: int, page_size: int, dtype: str, scheme: KVScheme | None):
-    """(pages, [scales,] c_kv [T, R], k_pe [T, P], slot_mapping [T]): pages (and scales) in place."""
-    width = rank + rope
-    storage = scheme.storage_dtype if scheme else dtype
+def latent_append_kernel(spec: KVSpec, dtype: str):
+    """(pages, [scales,] c_kv [T, R], k_pe [T, P], slot_mapping [T]): pages (and scales) in place, shaped
+    by the layer's KVSpec (a latent row: width R + P, of which R is c_kv)."""
+    width, rank, page_size, storage = spec.k_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
+    rope, scheme = width - rank, kv_scheme_for(storage)
     qmax = scheme.qmax if scheme else 1.0
     encode = row_encoder(scheme, dtype)
 
@@ -73,7 +75,7 @@ def latent_append_kernel(rank: int, rope: int, page_size: int, dtype: str, schem
     def latent_append(var_pages: T.handle, var_c: T.handle, var_pe: T.handle, var_slots: T.handle):
         T.func_attr({"tirx.noalias": True})
         num_pages, tokens = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), storage)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
         c_kv = T.match_buffer(var_c, (tokens, rank), dtype)
         k_pe = T.match_buffer(var_pe, (tokens, rope), dtype)
         slots = T.match_buffer(var_slots, (tokens,), "int32")
@@ -84,8 +86,8 @@ def latent_append_kernel(rank: int, rope: int, page_size: int, dtype: str, schem
                              var_slots: T.handle):
         T.func_attr({"tirx.noalias": True})
         num_pages, tokens = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), storage)
-        scales = T.match_buffer(var_scales, (num_pages, 1, 1, page_size), "float32")
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
+        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
         c_kv = T.match_buffer(var_c, (tokens, rank), dtype)
         k_pe = T.match_buffer(var_pe, (tokens, rope), dtype)
         slots = T.match_buffer(var_slots, (tokens,), "int32")
@@ -95,11 +97,11 @@ def latent_append_kernel(rank: int, rope: int, page_size: int, dtype: str, schem
 
 
 @functools.cache
-def latent_attend_kernel(heads: int, rank: int, rope: int, page_size: int, dtype: str, scale: float,
-                         kv_dtype: str):
+def latent_attend_kernel(heads: int, spec: KVSpec, dtype: str, scale: float):
     """(q_latent [T, H, R], q_rope [T, H, P], q_indptr, pages, page_indptr, page_values,
-    last_page_len, [scales,] output [T, H, R])."""
-    width = rank + rope
+    last_page_len, [scales,] output [T, H, R]), the pages shaped by the layer's KVSpec."""
+    width, rank, page_size, kv_dtype = spec.k_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
+    rope = width - rank
     blocks = HEAD_BLOCKS if heads % HEAD_BLOCKS == 0 else 1
     group = heads // blocks
     quantized = kv_scheme_for(kv_dtype) is not None
@@ -168,7 +170,7 @@ def latent_attend_kernel(heads: int, rank: int, rope: int, page_size: int, dtype
         q_latent = T.match_buffer(var_ql, (total_len, heads, rank), dtype)
         q_rope = T.match_buffer(var_qr, (total_len, heads, rope), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), kv_dtype)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
@@ -184,11 +186,11 @@ def latent_attend_kernel(heads: int, rank: int, rope: int, page_size: int, dtype
         q_latent = T.match_buffer(var_ql, (total_len, heads, rank), dtype)
         q_rope = T.match_buffer(var_qr, (total_len, heads, rope), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), kv_dtype)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        scales = T.match_buffer(var_scales, (num_pages, 1, 1, page_size), "float32")
+        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
         output = T.match_buffer(var_output, (total_len, heads, rank), dtype)
         attend(q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output, batch)
 
@@ -246,8 +248,10 @@ def head_linear_kernel(heads: int, k_in: int, n_out: int, dtype: str, gpu: bool)
 
 
 @functools.cache
-def latent_gather_kernel(width: int, page_size: int, dtype: str, kv_dtype: str):
-    """(pages, kv_slots [L], [scales,] out [L, width]): the rows at kv_slots, dequantised."""
+def latent_gather_kernel(spec: KVSpec, dtype: str):
+    """(pages, kv_slots [L], [scales,] out [L, width]): the rows at kv_slots, dequantised; the pages
+    shaped by the layer's KVSpec."""
+    width, page_size, kv_dtype = spec.k_head_dim, spec.page_size, spec.dtype
     quantized = kv_scheme_for(kv_dtype) is not None
 
     def row_scale(scales, page, row):   # evaluated while parsing: no scales, no multiply
@@ -270,7 +274,7 @@ def latent_gather_kernel(width: int, page_size: int, dtype: str, kv_dtype: str):
     def latent_gather(var_pages: T.handle, var_slots: T.handle, var_out: T.handle):
         T.func_attr({"tirx.noalias": True})
         num_pages, rows = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), kv_dtype)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
         slots = T.match_buffer(var_slots, (rows,), "int32")
         out = T.match_buffer(var_out, (rows, width), dtype)
         gather(pages, slots, None, out, rows)
@@ -279,9 +283,9 @@ def latent_gather_kernel(width: int, page_size: int, dtype: str, kv_dtype: str):
     def latent_gather_scaled(var_pages: T.handle, var_slots: T.handle, var_scales: T.handle, var_out: T.handle):
         T.func_attr({"tirx.noalias": True})
         num_pages, rows = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, (num_pages, 1, 1, page_size, width), kv_dtype)
+        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
         slots = T.match_buffer(var_slots, (rows,), "int32")
-        scales = T.match_buffer(var_scales, (num_pages, 1, 1, page_size), "float32")
+        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
         out = T.match_buffer(var_out, (rows, width), dtype)
         gather(pages, slots, scales, out, rows)
 
@@ -350,12 +354,16 @@ def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: 
     return expanded_attend
 
 
-def _kernel(ctx, node) -> LatentKernel:
-    """The MLA kernel family of the node's layer (codegen/latent_kernels.py); expanded_attend, which
-    names no layer, reads the first latent layer's."""
+def _spec(ctx, node) -> KVSpec:
+    """The KVSpec of the node's layer; expanded_attend, which names no layer, reads the first latent
+    layer's."""
     specs = ctx.graph.kv_specs
-    layer = node.attrs.get("layer", next((i for i, spec in specs.items() if spec.kind == "latent"), None))
-    return choose_latent_kernel(ctx.target, specs[layer])
+    return specs[node.attrs.get("layer", next((i for i, spec in specs.items() if spec.kind == "latent"), None))]
+
+
+def _kernel(ctx, node) -> LatentKernel:
+    """The MLA kernel family of the node's layer (codegen/latent_kernels.py)."""
+    return choose_latent_kernel(ctx.target, _spec(ctx, node))
 
 
 def _latent_rows(ctx, pages):
@@ -377,7 +385,7 @@ def emit_latent_append(ctx, node, c_kv, k_pe, pages, slots, scales=None):
         return ctx.bb.emit(relax.call_tir_inplace(append, [rows, data, slots], [0], rows.ty))
     scheme = kv_scheme_for(pages.ty.dtype)
     suffix = f"_{scheme.name}" if scheme else ""
-    kernel = ctx.add_kernel(latent_append_kernel(rank, rope, page_size, dtype, scheme),
+    kernel = ctx.add_kernel(latent_append_kernel(_spec(ctx, node), dtype),
                             f"latent_append{suffix}_{rank}x{rope}_{dtype}", scheduled=True)
     if scales is None:
         return ctx.bb.emit(relax.call_tir_inplace(kernel, [pages, c_kv, k_pe, slots], [0], pages.ty))
@@ -401,8 +409,7 @@ def emit_latent_attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr
         out = ctx.bb.emit(relax.call_tir(attend, [query, q_indptr, rows, page_indptr, page_values, last_page_len],
                                          [out_ty, relax.TensorType((q_latent.ty.shape[0], heads), "float32")]))
         return ctx.bb.emit(relax.TupleGetItem(out, 0))
-    page_size = int(pages.ty.shape[3])
-    kernel = ctx.add_kernel(latent_attend_kernel(heads, rank, rope, page_size, dtype, scale, pages.ty.dtype),
+    kernel = ctx.add_kernel(latent_attend_kernel(heads, _spec(ctx, node), dtype, scale),
                             f"latent_attend_{pages.ty.dtype}_h{heads}_{rank}x{rope}_{dtype}", scheduled=True)
     args = [q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len]
     return ctx.bb.emit(relax.call_tir(kernel, args + ([scales] if scales is not None else []), out_ty))
@@ -426,8 +433,8 @@ def emit_latent_gather(ctx, node, pages, slots, scales=None):
     _cpu_only(ctx, node)
     if not isinstance(pages.ty, relax.TensorType):                 # a quantised append's (pages, scales)
         pages, scales = (ctx.bb.emit(relax.TupleGetItem(pages, i)) for i in range(2))
-    width, page_size, dtype = int(pages.ty.shape[4]), int(pages.ty.shape[3]), node.attrs["dtype"]
-    kernel = ctx.add_kernel(latent_gather_kernel(width, page_size, dtype, pages.ty.dtype),
+    width, dtype = int(pages.ty.shape[4]), node.attrs["dtype"]
+    kernel = ctx.add_kernel(latent_gather_kernel(_spec(ctx, node), dtype),
                             f"latent_gather_{pages.ty.dtype}_{width}_{dtype}", scheduled=True)
     out_ty = relax.TensorType((slots.ty.shape[0], width), dtype)
     return ctx.bb.emit(relax.call_tir(kernel, [pages, slots] + ([scales] if scales is not None else []), out_ty))
