@@ -161,7 +161,7 @@ def timed(torch, call, reps: int) -> float:
 def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None:
     import torch
     import tvm
-    from kiln.runtime.model import enable_cuda_runtime
+    from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     meta = json.loads((out / "kernels.json").read_text())
     library = tvm.runtime.load_module(str(out / "gemm_kernels.so"))

@@ -102,7 +102,7 @@ def q4_weight(torch, n: int, k: int, group: int, gen):
 def run(out: Path, batches: list[int], write_table: Path | None, reps: int) -> None:
     import torch
     import tvm
-    from kiln.runtime.model import enable_cuda_runtime
+    from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     meta = json.loads((out / "kernels.json").read_text())
     library = tvm.runtime.load_module(str(out / "gemv_kernels.so"))

@@ -1,7 +1,7 @@
 """The CUDA runtime library TVM's CUDA module links, found and called directly.
 
 TVM's runtime exposes no events and no asynchronous copy to the host; runtime/launch.py takes them
-from this library (the one TVM loaded: runtime/model.py's enable_cuda_runtime loads it first).
+from this library (the one TVM loaded: runtime/tvm_bridge.py's enable_cuda_runtime loads it first).
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY
 
 from .cuda_runtime import DEVICE_TO_HOST, CudaRuntime
 from .device_sampler import DeviceLogits, HostLogits
-from .step_buffers import host_array, pinned_device
+from .step_buffers import host_array
+from .tvm_bridge import empty, pinned_device
 
 ID_BYTES = 4            # the compiled samplers' ids are int32, as the token buffer is
 PINNED_SLOTS = 2        # read-back buffers in turn: a step's ids are read before the step after next launches
@@ -105,8 +106,8 @@ class Launcher:
             return Computed(host.sample(rows, states), host)
         groups = model.sampler.draw(logits, plan)
         if kind in (GRAPH_ENTRY, WIDE_GRAPH_ENTRY) and keep_logits:
-            import tvm                            # the graph's output buffer is overwritten at the next replay
-            kept = tvm.runtime.empty(tuple(logits.shape), logits.dtype, model.device)
+            # the graph's output buffer is overwritten at the next replay
+            kept = empty(logits.shape, logits.dtype, model.device)
             kept.copyfrom(logits)
             logits = kept
         return OnDevice(groups, len(states), DeviceLogits(logits, model.sampler), self._read_back(groups, len(states)))
@@ -131,11 +132,10 @@ class Launcher:
         (CUDA); None where a plain read serves (a CPU)."""
         if self.cuda is None or not count:
             return None
-        import tvm
         slot = self.turn % PINNED_SLOTS
         self.turn += 1
         if self.pinned[slot] is None or int(self.pinned[slot][0].shape[0]) < count:
-            buffer = tvm.runtime.empty((max(count, 64),), "int32", self.host_device)
+            buffer = empty((max(count, 64),), "int32", self.host_device)
             self.pinned[slot] = (buffer, host_array(buffer, int(buffer.shape[0]), np.int32))
         buffer, host = self.pinned[slot]
         offset = 0

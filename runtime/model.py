@@ -13,7 +13,6 @@ fixed, as the captured graph reads them where they were at capture.
 """
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -24,40 +23,20 @@ from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.step_forms import is_prefill_step
 
-from .cuda_runtime import cudart_candidates
 from .device_sampler import DeviceSampler
 from .launch import Launcher
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
+from .tvm_bridge import device as open_device
+from .tvm_bridge import empty, enable_cuda_runtime, host_bytes, load_vm
 
 DEVICES = ("cpu", "cuda", "rocm", "metal")
-
-
-def enable_cuda_runtime() -> None:
-    """Load TVM's CUDA runtime module when TVM's package did not (a runtime-only TVM does not)."""
-    import tvm
-    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
-        return
-    from tvm.base import _LOADED_LIBS
-    lib = Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent / "libtvm_runtime_cuda.so"
-    for cudart in cudart_candidates():
-        try:
-            ctypes.CDLL(cudart, mode=ctypes.RTLD_GLOBAL)
-            break
-        except OSError:
-            continue
-    try:
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise KilnError(f"TVM's CUDA runtime cannot be loaded ({e})") from None
 
 
 class CompiledModel:
     """The compiled forward of one artifact, with its weights loaded on the device."""
 
     def __init__(self, artifact_dir: str | Path, verify: bool = True):
-        import tvm
-        from tvm.runtime.vm import VirtualMachine
         self.dir = Path(artifact_dir)
         self.manifest = m = read_manifest(self.dir, verify=False)
         if m.weights_source == "absent":
@@ -70,7 +49,7 @@ class CompiledModel:
             raise KilnError(f"artifact targets device {device!r}, which this runtime cannot drive")
         if device == "cuda":
             enable_cuda_runtime()
-        self.device = tvm.device(device, 0)
+        self.device = open_device(device)
         if not self.device.exist:
             raise KilnError(f"artifact is built for {m.target.name} ({m.target.arch}), "
                             f"but this machine has no {device} device")
@@ -85,8 +64,7 @@ class CompiledModel:
         self.page_size = m.kv.page_size
         self.vocab_size = m.vocab_size
         self.max_context = m.max_context
-        lib = tvm.runtime.load_module(str(self.dir / m.library))
-        self.vm = VirtualMachine(lib, self.device)
+        self.vm = load_vm(self.dir / m.library, self.device)
         # step kind -> compiled function: "mixed" runs any step, "decode" (where built) decode-only
         # ones, "decode_graph" (where built) decode steps of up to max(graph_batches) sequences,
         # padded to a batch bucket and replayed as a CUDA graph
@@ -109,7 +87,6 @@ class CompiledModel:
         """The weights in argument order: views of the file's memory map on the CPU, uploads from it
         elsewhere. A tensor at an offset TVM cannot take as it is (artifacts written before weights
         were aligned) is copied instead."""
-        import tvm
         from kiln.safetensors_io import ALIGNMENT, map_file, read_header
         path = self.dir / WEIGHTS
         entries, _ = read_header(path)
@@ -125,12 +102,12 @@ class CompiledModel:
                 raise KilnError(f"weight {w.name} is {entry.dtype}{list(entry.shape)} in {WEIGHTS}, "
                                 f"the manifest says {w.dtype}{list(w.shape)}")
             raw = mapped[entry.begin:entry.end]
-            whole = tvm.runtime.tensor(np.array(raw)) if entry.begin % ALIGNMENT else tvm.runtime.from_dlpack(raw)
+            whole = host_bytes(raw, copy=bool(entry.begin % ALIGNMENT))
             host = whole._create_view(w.shape, w.dtype)        # the view keeps `whole`'s bytes
             if on_host:
                 tensors.append(host)
             else:
-                tensors.append(tvm.runtime.empty(w.shape, w.dtype, self.device))
+                tensors.append(empty(w.shape, w.dtype, self.device))
                 tensors[-1].copyfrom(host)
         return tensors
 
@@ -158,7 +135,6 @@ class CompiledModel:
 
     def allocate_kv(self, kv_memory_bytes: int) -> int:
         """Allocate the KV page tensors (one per layer) within the budget; return the page count."""
-        import tvm
         if self.kv_tensors and self.graph_batches:
             raise KilnError("allocate_kv runs once for an artifact with CUDA graphs: captured graphs keep "
                             "the pages' addresses")
@@ -173,7 +149,7 @@ class CompiledModel:
         for layer, spec in enumerate(self.kv_specs):
             for name, ty in spec.input_types(layer).items():
                 shape = tuple(tensor_pages if d == "pages" else d for d in ty.shape)
-                self.kv_tensors[name] = tvm.runtime.empty(shape, ty.dtype, self.device)
+                self.kv_tensors[name] = empty(shape, ty.dtype, self.device)
         if self.graph_batches:
             self.graph_buffers = StepBuffers(self.device, graph_step_capacities(
                 max(self.graph_batches), -(-self.max_context // self.page_size)), fixed=True)

@@ -20,16 +20,9 @@ import ctypes
 
 import numpy as np
 
-CUDA_HOST = 3          # DLPack's kDLCUDAHost: page-locked host memory
+from .tvm_bridge import empty, pinned_device
+
 STAGING_SLOTS = 2
-
-
-def pinned_device(device):
-    """The pinned host device for a CUDA device, or None where TVM has none (CPU, other GPUs)."""
-    import tvm
-    if device.dlpack_device_type() != tvm.cuda(0).dlpack_device_type():
-        return None
-    return tvm.device(CUDA_HOST, 0) if tvm.get_global_func("device_api.cuda_host", allow_missing=True) else None
 
 
 def host_array(tensor, count: int, dtype) -> np.ndarray:
@@ -56,12 +49,11 @@ class StepBuffers:
     def _allocate(self, name: str, capacity: int, dtype: str) -> None:
         """The device buffer, and its staging buffers each with a byte view numpy writes through
         (made once here: no per-step wrapping of the pinned memory)."""
-        import tvm
         staging = None
         if self.pinned:
-            slots = [tvm.runtime.empty((capacity,), dtype, self.pinned) for _ in range(STAGING_SLOTS)]
+            slots = [empty((capacity,), dtype, self.pinned) for _ in range(STAGING_SLOTS)]
             staging = [(slot, host_array(slot, capacity * np.dtype(dtype).itemsize, np.uint8)) for slot in slots]
-        self.buffers[name] = (tvm.runtime.empty((capacity,), dtype, self.device), staging)
+        self.buffers[name] = (empty((capacity,), dtype, self.device), staging)
 
     def capacity(self, name: str) -> int:
         return int(self.buffers[name][0].shape[0]) if name in self.buffers else 0

@@ -18,6 +18,8 @@ import os
 
 from kiln.errors import KilnError
 
+from .tvm_bridge import configure_threadpool
+
 _BIG_CORES = 1      # TVM's ThreadGroup::AffinityMode kBig: the default mode of its pools
 
 
@@ -53,10 +55,7 @@ def set_threads(threads: int | None = None) -> int:
         # using fewer threads than cores would crowd the same ones (and the children it starts
         # inherit the binding), so placement is left to the OS (unless TVM_BIND_THREADS says)
         os.environ.setdefault("TVM_BIND_THREADS", "0")
-    import tvm
-    configure = tvm.get_global_func("runtime.config_threadpool", allow_missing=True)
-    if configure is not None:
-        configure(_BIG_CORES, n)
+    configure_threadpool(_BIG_CORES, n)
     return n
 
 

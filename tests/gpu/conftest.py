@@ -17,7 +17,7 @@ def _cuda_arch() -> tuple[str | None, str]:
     """(arch, why not): the visible GPU's arch, or None and the reason there is none."""
     try:
         import tvm
-        from kiln.runtime.model import enable_cuda_runtime
+        from kiln.runtime.tvm_bridge import enable_cuda_runtime
         enable_cuda_runtime()
         dev = tvm.cuda(0)
         if not dev.exist:

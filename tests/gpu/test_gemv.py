@@ -30,7 +30,7 @@ ACTIVATIONS = {"silu": lambda torch, g: torch.nn.functional.silu(g),
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     import tvm
-    from kiln.runtime.model import enable_cuda_runtime
+    from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
     folder = kernel_folder("KILN_GEMV_KERNELS", "gemv_gpu.py", arch, tmp_path_factory)

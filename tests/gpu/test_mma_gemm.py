@@ -31,7 +31,7 @@ CASES = sorted({(s["tile"], s["weight"], s["group"], s["bias"])
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     import tvm
-    from kiln.runtime.model import enable_cuda_runtime
+    from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
     folder = kernel_folder("KILN_GEMM_KERNELS", "gemm_gpu.py", arch, tmp_path_factory)
