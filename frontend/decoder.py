@@ -140,9 +140,9 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
     """The forward of one ragged engine step: new tokens of many sequences in, last-token logits out."""
     b = GraphBuilder(c.architecture)
     H, D, HQ, HKV, FF = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
-    # the step's inputs, in kiln/interface.py's order
-    (tokens, positions, q_indptr, page_indptr, page_values, last_page_len, slot_mapping,
-     logit_rows) = (b.input(i.name, (i.length,), "int32") for i in STEP_INPUTS)
+    step = {i.name: b.input(i.name, (i.length,), "int32") for i in STEP_INPUTS}     # kiln/interface.py's
+    tokens, positions, slot_mapping = step["tokens"], step["positions"], step["slot_mapping"]
+    paging = [step[name] for name in ("q_indptr", "page_indptr", "page_values", "last_page_len")]
     specs = [c.kv_spec(i, dtype, page_size) for i in range(c.num_layers)]
     kv_pages = [b.kv_cache(i, spec)[0] for i, spec in enumerate(specs)]
     rope_params = {name: b.param(name, (c.rope_dim // 2,), "float32") for name in c.computed_weights()}
@@ -193,7 +193,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         scale = float(c.attn_scale or D ** -0.5)
         if c.mla is not None:
             attn = build_mla(b, c.mla, x, p, HQ, H, dtype, positions, inv, mscale, kv_pages[i], slot_mapping,
-                             [q_indptr, page_indptr, page_values, last_page_len], i, scale, norm)
+                             paging, i, scale, norm)
             return linear(attn, f"{p}.self_attn.o_proj", H, HQ * c.mla.v_dim, c.o_bias)
         if c.fused_projections:
             qkv = linear(x, f"{p}.self_attn.qkv_proj", (HQ + 2 * HKV) * D, H, c.qkv_bias)
@@ -209,7 +209,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         k = b.op("reshape", b.op("rope", k, positions, inv, **turn), shape=("tokens", HKV, D))
         v = b.op("reshape", v, shape=("tokens", HKV, D))
         written = b.op("kv_append", k, v, kv_pages[i], slot_mapping, layer=i)
-        attn = b.op("paged_attend", q, written, q_indptr, page_indptr, page_values, last_page_len, layer=i,
+        attn = b.op("paged_attend", q, written, *paging, layer=i,
                     scale=scale, window=specs[i].window or 0, softcap=float(c.attn_softcap or 0.0))
         return linear(b.op("reshape", attn, shape=("tokens", HQ * D)), f"{p}.self_attn.o_proj", H, HQ * D, c.o_bias)
 
@@ -222,7 +222,7 @@ def build_graph(c: DecoderConfig, dtype: str, page_size: int) -> Graph:
         else:
             mlp_out = dense_mlp(x, f"{p}.mlp", FF, c.fused_projections)
         h = residual_add(h, block_norm(mlp_out, p, "mlp_out"))
-    last = norm(b.op("take_rows", h, logit_rows), "model.norm.weight")
+    last = norm(b.op("take_rows", h, step["logit_rows"]), "model.norm.weight")
     head = embed_name if c.tie_word_embeddings else b.param("lm_head.weight", (c.vocab_size, H), dtype)
     logits = b.op("linear", last, head)
     if c.logits_divisor != 1.0:
