@@ -20,15 +20,14 @@ from kiln.ir import Graph
 from kiln.ir.ops import OPS
 
 from .graph_pass import GraphPass
-from .rewrite import drop_dead_nodes, editable_copy, users
+from .rewrite import drop_dead_nodes, users
 
 
 @dataclass(frozen=True)
 class FuseAppendAttend(GraphPass):
     name: ClassVar[str] = "fuse_append_attend"
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         producers = {n.output: n for n in graph.nodes}
         readers = users(graph)
         merged: set[str] = set()                     # appends now inside a paged_attention

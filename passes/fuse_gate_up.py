@@ -19,7 +19,7 @@ from kiln.ir.ops import GATED_OPS
 
 from .fuse_qkv import _fused_param
 from .graph_pass import GraphPass
-from .rewrite import drop_unused_params, editable_copy, fresh_name, users
+from .rewrite import drop_unused_params, fresh_name, users
 
 
 
@@ -52,8 +52,7 @@ def _match(graph: Graph, mul: Node, use: dict):
 class FuseGateUp(GraphPass):
     name: ClassVar[str] = "fuse_gate_up"
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         use = users(graph)
         for mul in [n for n in graph.nodes if n.op == "mul"]:
             found = _match(graph, mul, use)

@@ -18,7 +18,7 @@ from typing import ClassVar
 from kiln.ir import Graph, Node, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
 
 from .graph_pass import GraphPass
-from .rewrite import drop_unused_params, editable_copy, fresh_name, fused_param_name, users
+from .rewrite import drop_unused_params, fresh_name, fused_param_name, users
 
 
 def _sibling_linears(graph: Graph) -> list[list[Node]]:
@@ -52,8 +52,7 @@ def _fused_param(graph: Graph, names: list[str], parts, fused: str) -> str:
 class FuseQKV(GraphPass):
     name: ClassVar[str] = "fuse_qkv"
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         for group in _sibling_linears(graph):
             parts = ("q_proj", "k_proj", "v_proj")
             weight = _fused_param(graph, [input_of(n, "weight") for n in group], parts, "qkv_proj")

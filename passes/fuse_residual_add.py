@@ -16,15 +16,14 @@ from typing import ClassVar
 from kiln.ir import Graph, input_of, named_inputs
 
 from .graph_pass import GraphPass
-from .rewrite import editable_copy, users
+from .rewrite import users
 
 
 @dataclass(frozen=True)
 class FuseResidualAdd(GraphPass):
     name: ClassVar[str] = "fuse_residual_add"
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         use = users(graph)
         producers = {n.output: n for n in graph.nodes}
         for add in [n for n in graph.nodes if n.op == "add"]:

@@ -30,7 +30,7 @@ from typing import ClassVar
 from kiln.ir import Graph, Node
 
 from .graph_pass import GraphPass
-from .rewrite import drop_dead_nodes, editable_copy, fresh_name
+from .rewrite import drop_dead_nodes, fresh_name
 
 NORM_CHAINS = {          # how rope's input reaches the slice: none, per-head norm, all-head norm
     None: ("slice",), True: ("reshape", "rms_norm", "reshape", "slice"), False: ("rms_norm", "slice")}
@@ -63,8 +63,7 @@ def _rotated_part(producers, name: str):
 class FuseRopeAttention(GraphPass):
     name: ClassVar[str] = "fuse_rope_attention"
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         producers = {n.output: n for n in graph.nodes}
         types = graph.value_types()
         for node in list(graph.nodes):

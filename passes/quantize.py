@@ -29,7 +29,7 @@ from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, name
 from kiln.ir.quant import SCHEMES
 
 from .graph_pass import GraphPass
-from .rewrite import drop_unused_params, editable_copy
+from .rewrite import drop_unused_params
 
 
 def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> tuple[str, str]:
@@ -78,8 +78,7 @@ class Quantize(GraphPass):
                 heads.add(node.output)
         return heads
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         scheme = SCHEMES[self.mode]
         skip = self._linears_feeding(graph, [n.inputs[0] for n in graph.nodes if n.op == "moe_router"])
         skip |= self._linears_feeding(graph, [n.inputs[2] for n in graph.nodes if n.op == "expanded_attend"])

@@ -23,7 +23,7 @@ from kiln.ir.quant import SCHEMES
 
 from .graph_pass import GraphPass
 from .quantize import add_quantized_params
-from .rewrite import drop_unused_params, editable_copy
+from .rewrite import drop_unused_params
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class QuantizeEmbedding(GraphPass):
         if self.mode not in SCHEMES:
             raise ValueError(f"unknown quantisation mode {self.mode!r} (known: {', '.join(SCHEMES)})")
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         grouped = SCHEMES[self.mode].grouped
         for node in graph.nodes:
             if node.op != "embed" or weight_format(node) != "none" or input_of(node, "table") not in graph.params:

@@ -25,7 +25,7 @@ from kiln.ir.ops import APPEND_OPS, KV_OPS
 from kiln.ir.quant import KV_SCHEMES
 
 from .graph_pass import GraphPass
-from .rewrite import editable_copy, users
+from .rewrite import users
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,7 @@ class QuantizeKV(GraphPass):
         if self.mode not in KV_SCHEMES:
             raise ValueError(f"unknown KV cache dtype {self.mode!r} (known: {', '.join(KV_SCHEMES)})")
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         storage = KV_SCHEMES[self.mode].storage_dtype
         readers = users(graph)
         for layer, spec in list(graph.kv_specs.items()):

@@ -24,7 +24,6 @@ from kiln.ir import Graph
 from kiln.ir.ops import ATTENTION_OPS
 
 from .graph_pass import GraphPass
-from .rewrite import editable_copy
 
 
 def variant_for(q_heads: int, kv_heads: int) -> str:
@@ -40,8 +39,7 @@ class SpecializeAttention(GraphPass):
     name: ClassVar[str] = "specialize_attention"
     target: object                  # the Target whose attention_kernels are chosen from
 
-    def __call__(self, graph: Graph) -> Graph:
-        graph = editable_copy(graph)
+    def rewrite(self, graph: Graph) -> Graph:
         types = graph.value_types()
         for node in graph.nodes:
             if node.op not in ATTENTION_OPS:

@@ -35,7 +35,7 @@ from kiln.ir import Graph, Node, Param, TensorType, attrs_for
 from kiln.ir.step_forms import CONTEXT_INPUTS
 
 from .graph_pass import GraphPass
-from .rewrite import drop_unused_params, editable_copy
+from .rewrite import drop_unused_params
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class SpecializeMLA(GraphPass):
             raise KilnError(f"the expanded MLA form starts at 2 or more new tokens per sequence (0: never), "
                             f"not {self.expanded_from}: decode steps always run the absorbed form")
 
-    def __call__(self, graph: Graph) -> Graph:
+    def rewrite(self, graph: Graph) -> Graph:
         return _specialize(graph, self.expanded_from)
 
 
@@ -69,7 +69,6 @@ def _expanded(node: Node, types, rank: int) -> list[Node]:
 
 
 def _specialize(graph: Graph, expanded_from: int) -> Graph:
-    graph = editable_copy(graph)
     types = graph.value_types()
     nodes: list[Node] = []
     for node in graph.nodes:
