@@ -59,8 +59,12 @@ class Engine:
 
     def room(self, prompt_tokens: int) -> int:
         """How many tokens a prompt of `prompt_tokens` leaves: what the model's context and the KV
-        cache allow beyond it."""
-        return min(self.model.max_context, self.pool.num_pages * self.pool.page_size) - prompt_tokens
+        cache allow beyond it, by the pages a sequence holds at once (check_request's count: with
+        sliding windows, only those in the window)."""
+        context = self.model.max_context
+        if self.pool.live_pages_for(context, self.scheduler.max_batched_tokens) <= self.pool.num_pages:
+            return context - prompt_tokens        # a sequence of any length fits (its window does)
+        return min(context, self.pool.num_pages * self.pool.page_size) - prompt_tokens
 
     def max_tokens_for(self, prompt_tokens: int, asked: int | None, default: int | None = None,
                        prompt_param: str = "prompt") -> int:

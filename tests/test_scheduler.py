@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fake_runner import FakeRunner, reference_greedy
+from kiln.errors import ParamError
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
 
@@ -302,6 +303,22 @@ def test_the_engine_says_what_fits_the_context_and_the_kv_cache():
     assert e.value.param == "messages"
     with pytest.raises(ContextLengthError, match="context is 512"):
         engine.max_tokens_for(512, 1)
+
+
+def test_a_window_gives_the_server_the_room_the_engine_accepts():
+    """With a sliding window a sequence holds only the pages in its window, so the room is the
+    model's context even where the pool is smaller: the server's admission (max_tokens_for) and the
+    engine's own check (check_request) agree, and the long generation runs."""
+    engine, _ = windowed_engine(window=6, num_pages=8)
+    context = engine.model.max_context
+    assert context > 8 * 4 and engine.room(10) == context - 10
+    assert engine.max_tokens_for(10, context - 10) == context - 10
+    req = engine.check_request(list(range(3, 13)), greedy(context - 10))
+    assert req.params.max_tokens == context - 10
+    tight, _ = engine_for(num_pages=16)                 # no window: the pool bounds it, for both
+    assert tight.room(10) == 54
+    with pytest.raises(ParamError):
+        tight.check_request(list(range(3, 13)), greedy(55))
 
 
 def test_the_async_engine_refuses_requests_beyond_its_waiting_limit():
