@@ -64,6 +64,11 @@ def hf_ttft(torch, model, length: int, repeats: int) -> float | None:
         return None
 
 
+
+def speed_ratio(ratio: float) -> str:
+    """kiln's speed over HF's, with two decimals, or two significant digits below 0.01 (not 0.00)."""
+    return f"{ratio:.2f}×" if ratio >= 0.01 else f"{ratio:.1e}×"
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact", type=Path)
@@ -106,7 +111,7 @@ def main() -> None:
         kiln, hf = kiln_times[length], hf_times.get(length)
         flops = f"{2 * params * length / kiln / 1e12:.1f}" if params else ""
         print(f"| {length} | {kiln * 1e3:.1f} | {length / kiln:.0f} | {flops} | "
-              f"{'' if hf is None else f'{hf * 1e3:.1f}'} | {'' if hf is None else f'{hf / kiln:.2f}×'} |",
+              f"{'' if hf is None else f'{hf * 1e3:.1f}'} | {'' if hf is None else speed_ratio(hf / kiln)} |",
               flush=True)
 
 
