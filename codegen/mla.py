@@ -355,10 +355,8 @@ def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: 
 
 
 def _spec(ctx, node) -> KVSpec:
-    """The KVSpec of the node's layer; expanded_attend, which names no layer, reads the first latent
-    layer's."""
-    specs = ctx.graph.kv_specs
-    return specs[node.attrs.get("layer", next((i for i, spec in specs.items() if spec.kind == "latent"), None))]
+    """The KVSpec of the node's layer."""
+    return ctx.graph.kv_specs[node.attrs["layer"]]
 
 
 def _kernel(ctx, node) -> LatentKernel:

@@ -184,7 +184,8 @@ def _latent_gather():
     return rule, ref
 
 
-@op("expanded_attend", ["q_nope", "q_rope", "kv", "rows", "q_indptr", "kv_indptr"], {"scale": REQUIRED})
+@op("expanded_attend", ["q_nope", "q_rope", "kv", "rows", "q_indptr", "kv_indptr"],
+    {"layer": REQUIRED, "scale": REQUIRED})
 def _expanded_attend():
     """Causal attention per head over keys and values rebuilt from latent rows. Sequence s's context
     is rows kv_indptr[s]:kv_indptr[s + 1] of rows [kv_tokens, R + P] (from latent_gather) and of kv

@@ -17,7 +17,7 @@ With `expanded_from` = n (a target's choice: where its kernels make the expanded
 prefill steps whose every sequence brings at least n new tokens run the expanded form instead:
     %rows       = latent_gather(%pages, %kv_slots) {layer, dtype}           every context row
     %kv         = linear(slice(%rows, 0:R), @kv_b)                          K_nope and V, rebuilt
-    %o_expanded = expanded_attend(%q_nope, %q_rope, %kv, %rows, %q_indptr, %kv_indptr) {scale}
+    %o_expanded = expanded_attend(%q_nope, %q_rope, %kv, %rows, %q_indptr, %kv_indptr) {layer, scale}
     %o          = step_choice(%o_absorbed, %o_expanded, %q_indptr) {min_tokens=n}
 (ir/step_forms.py; kv_slots and kv_indptr become graph inputs). Expanded, kv_b is applied once per
 context row instead of twice per query token, and attention runs at N + P and V wide instead of
@@ -63,7 +63,8 @@ def _expanded(node: Node, types, rank: int) -> list[Node]:
              TensorType(("kv_tokens", width), dtype)),
         Node("slice", [rows], {"begin": 0, "end": rank}, latent, TensorType(("kv_tokens", rank), dtype)),
         Node("linear", [latent, kv_b], attrs_for("linear"), kv, TensorType(("kv_tokens", types[kv_b].shape[0]), dtype)),
-        Node("expanded_attend", [q_nope, q_rope, kv, rows, q_indptr, "kv_indptr"], {"scale": node.attrs["scale"]},
+        Node("expanded_attend", [q_nope, q_rope, kv, rows, q_indptr, "kv_indptr"],
+             {"layer": layer, "scale": node.attrs["scale"]},
              f"o_expanded{layer}", node.type),
     ]
 

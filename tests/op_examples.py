@@ -207,7 +207,7 @@ def _expanded_attend():
     qn, qr = b.input("q_nope", ("tokens", H, N), "float32"), b.input("q_rope", ("tokens", H, P), "float32")
     kv, rows = b.input("kv", ("kv_tokens", H * (N + V)), "float32"), b.input("rows", ("kv_tokens", R + P), "float32")
     qi, ki = b.input("q_indptr", ("seqs1",), "int32"), b.input("kv_indptr", ("seqs1",), "int32")
-    return verify(b.output(b.op("expanded_attend", qn, qr, kv, rows, qi, ki, scale=SCALE, name="y")))
+    return verify(b.output(b.op("expanded_attend", qn, qr, kv, rows, qi, ki, layer=0, scale=SCALE, name="y")))
 
 
 def _expanded_attend_expect(a):
