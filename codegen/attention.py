@@ -69,7 +69,7 @@ def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots
                         f"(disable the fuse_rope_attention pass)")
     a = node.attrs
     return _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
-                               last_page_len, kv_scales, a["q_heads"], ctx.graph.kv_specs[a["layer"]],
+                               last_page_len, kv_scales, a["q_heads"], ctx.kv_spec(node),
                                node.type.dtype, a["scale"], window=a["window"], softcap=a["softcap"],
                                rope=RotaryLoad(a["head_dim"], a["rotary_dim"] or a["head_dim"], a["mscale"]))
 
@@ -77,7 +77,7 @@ def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots
 def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
                          kv_scales=None):
     tokens, q_heads, head_dim = (q.ty.shape[0], int(q.ty.shape[1]), int(q.ty.shape[2]))
-    kernel, spec = kernel_of(ctx, node), ctx.graph.kv_specs[node.attrs["layer"]]
+    kernel, spec = kernel_of(ctx, node), ctx.kv_spec(node)
     kv_heads, page_size, dtype, scale = spec.kv_heads, spec.page_size, node.type.dtype, node.attrs["scale"]
 
     def joined_qkv():      # kiln's kernels read one fused qkv: join the three (q, k, v already rotated)
@@ -127,7 +127,7 @@ def _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr,
     from .gpu_attention import DECODE_SPLITS, append_kernel, attention_kernel
     from .gpu_attention_source import AttentionShape
     tokens, q_heads, dtype = q.ty.shape[0], int(q.ty.shape[1]), node.type.dtype
-    spec = ctx.graph.kv_specs[node.attrs["layer"]]
+    spec = ctx.kv_spec(node)
     kv_heads, head_dim, page_size, kv_dtype = spec.kv_heads, spec.head_dim, spec.page_size, spec.dtype
     shape = AttentionShape(q_heads, kv_heads, head_dim, page_size, str(dtype), kv_dtype)
     if shape.problem():

@@ -20,6 +20,7 @@ from tvm.relax.utils import copy_with_new_vars
 from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, StoredWeight
 from kiln.errors import KilnError
 from kiln.ir import Graph
+from kiln.ir.kv_spec import KVSpec
 from kiln.ir.opdef import input_of
 from kiln.ir.ops import ATTENTION_OPS, OPS, weight_format
 from kiln.ir.step_forms import for_step, prefill_min_tokens
@@ -81,6 +82,10 @@ class _Context:
             var = relax.Var(name, relax.TensorType(shape, ty.dtype))
             self.weights[key] = (StoredWeight(name, param, layout, shape, ty.dtype), var)
         return self.weights[key][1]
+
+    def kv_spec(self, node) -> KVSpec:
+        """How the KV cache of the layer `node` names (its `layer` attribute) is stored."""
+        return self.graph.kv_specs[node.attrs["layer"]]
 
     def layout(self, node, pos: int) -> str:
         """The stored layout of the param at input `pos` of `node`."""

@@ -354,14 +354,9 @@ def expanded_attend_kernel(heads: int, nope: int, rope: int, value: int, width: 
     return expanded_attend
 
 
-def _spec(ctx, node) -> KVSpec:
-    """The KVSpec of the node's layer."""
-    return ctx.graph.kv_specs[node.attrs["layer"]]
-
-
 def _kernel(ctx, node) -> LatentKernel:
     """The MLA kernel family of the node's layer (codegen/latent_kernels.py)."""
-    return choose_latent_kernel(ctx.target, _spec(ctx, node))
+    return choose_latent_kernel(ctx.target, ctx.kv_spec(node))
 
 
 def _latent_rows(ctx, pages):
@@ -383,7 +378,7 @@ def emit_latent_append(ctx, node, c_kv, k_pe, pages, slots, scales=None):
         return ctx.bb.emit(relax.call_tir_inplace(append, [rows, data, slots], [0], rows.ty))
     scheme = kv_scheme_for(pages.ty.dtype)
     suffix = f"_{scheme.name}" if scheme else ""
-    kernel = ctx.add_kernel(latent_append_kernel(_spec(ctx, node), dtype),
+    kernel = ctx.add_kernel(latent_append_kernel(ctx.kv_spec(node), dtype),
                             f"latent_append{suffix}_{rank}x{rope}_{dtype}", scheduled=True)
     if scales is None:
         return ctx.bb.emit(relax.call_tir_inplace(kernel, [pages, c_kv, k_pe, slots], [0], pages.ty))
@@ -407,7 +402,7 @@ def emit_latent_attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr
         out = ctx.bb.emit(relax.call_tir(attend, [query, q_indptr, rows, page_indptr, page_values, last_page_len],
                                          [out_ty, relax.TensorType((q_latent.ty.shape[0], heads), "float32")]))
         return ctx.bb.emit(relax.TupleGetItem(out, 0))
-    kernel = ctx.add_kernel(latent_attend_kernel(heads, _spec(ctx, node), dtype, scale),
+    kernel = ctx.add_kernel(latent_attend_kernel(heads, ctx.kv_spec(node), dtype, scale),
                             f"latent_attend_{pages.ty.dtype}_h{heads}_{rank}x{rope}_{dtype}", scheduled=True)
     args = [q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len]
     return ctx.bb.emit(relax.call_tir(kernel, args + ([scales] if scales is not None else []), out_ty))
@@ -432,7 +427,7 @@ def emit_latent_gather(ctx, node, pages, slots, scales=None):
     if not isinstance(pages.ty, relax.TensorType):                 # a quantised append's (pages, scales)
         pages, scales = (ctx.bb.emit(relax.TupleGetItem(pages, i)) for i in range(2))
     width, dtype = int(pages.ty.shape[4]), node.attrs["dtype"]
-    kernel = ctx.add_kernel(latent_gather_kernel(_spec(ctx, node), dtype),
+    kernel = ctx.add_kernel(latent_gather_kernel(ctx.kv_spec(node), dtype),
                             f"latent_gather_{pages.ty.dtype}_{width}_{dtype}", scheduled=True)
     out_ty = relax.TensorType((slots.ty.shape[0], width), dtype)
     return ctx.bb.emit(relax.call_tir(kernel, [pages, slots] + ([scales] if scales is not None else []), out_ty))

@@ -21,10 +21,9 @@ import re
 from .graph import Graph, Node, Param
 from .kv_spec import KVSpec
 from .opdef import OPS
-from .types import IRError, TensorType
+from .types import SHORT_DTYPES, IRError, TensorType
 
-SHORT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i32": "int32", "i64": "int64",
-                "i8": "int8", "u8": "uint8", "f8e4m3": "float8_e4m3fn"}
+DTYPES_BY_SHORT = {short: dtype for dtype, short in SHORT_DTYPES.items()}
 _TYPE = re.compile(r"(\w+)\[(.*)\]$")
 _NODE = re.compile(r"%(\S+) = (\w+)\((.*?)\)(?: (\{.*\}))? : (\S+\[.*\])$")
 _PARAM = re.compile(r"@(\S+): (\S+\[[^\]]*\])(?: = (.*))?$")
@@ -34,10 +33,10 @@ _KV = re.compile(r"kv (\d+) = (KVSpec\(.*\))$")
 def parse_type(text: str) -> TensorType:
     """`f32[tokens, 64]` -> TensorType(("tokens", 64), "float32")."""
     match = _TYPE.match(text.strip())
-    if not match or match[1] not in SHORT_DTYPES:
-        raise IRError(f"bad type {text!r}: expected e.g. f32[tokens, 64] with a dtype of {', '.join(SHORT_DTYPES)}")
+    if not match or match[1] not in DTYPES_BY_SHORT:
+        raise IRError(f"bad type {text!r}: expected e.g. f32[tokens, 64] with a dtype of {', '.join(DTYPES_BY_SHORT)}")
     dims = [d.strip() for d in match[2].split(",") if d.strip()]
-    return TensorType(tuple(int(d) if d.isdigit() else d for d in dims), SHORT_DTYPES[match[1]])
+    return TensorType(tuple(int(d) if d.isdigit() else d for d in dims), DTYPES_BY_SHORT[match[1]])
 
 
 def _call(text: str, names: bool = False) -> tuple[str, list, dict]:

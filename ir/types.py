@@ -9,6 +9,9 @@ Dim = int | str  # a static size, or a symbolic one such as "tokens"
 
 DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "float8_e4m3fn")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# how the IR's text form writes each dtype (ir/printer.py, ir/parser.py)
+SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32", "int64": "i64", "int8": "i8",
+                "uint8": "u8", "float8_e4m3fn": "f8e4m3"}
 
 
 class IRError(ValueError):
@@ -33,9 +36,7 @@ class TensorType:
         return len(self.shape)
 
     def __str__(self) -> str:
-        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
-                 "int64": "i64", "int8": "i8", "uint8": "u8", "float8_e4m3fn": "f8e4m3"}[self.dtype]
-        return f"{short}[{', '.join(str(d) for d in self.shape)}]"
+        return f"{SHORT_DTYPES[self.dtype]}[{', '.join(str(d) for d in self.shape)}]"
 
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "dtype": self.dtype}

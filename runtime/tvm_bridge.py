@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
+
 from kiln.errors import KilnError
 
 from .cuda_runtime import cudart_candidates
@@ -58,7 +60,6 @@ def empty(shape, dtype: str, on_device):
 def host_bytes(raw, copy: bool):
     """A CPU tensor over the bytes `raw` (a uint8 memoryview or array), shared without a copy unless
     `copy` (TVM takes only aligned memory as it is)."""
-    import numpy as np
     import tvm
     return tvm.runtime.tensor(np.array(raw)) if copy else tvm.runtime.from_dlpack(raw)
 
