@@ -16,11 +16,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kiln.ir import Graph
-from kiln.ir.ops import OPS
+from kiln.ir import Graph, attrs_for, input_of, named_inputs
 
 from .graph_pass import GraphPass
-from .rewrite import drop_dead_nodes, users
+from .pattern import Match, Pat, Rule, apply_rules
+from .rewrite import drop_dead_nodes
+
+APPEND_THEN_ATTEND = Pat("paged_attend", {
+    "kv_pages": Pat("kv_append", {"kv_scales": "kv_scales"}, name="append", sole=True),
+    "kv_scales": "kv_scales"}, name="attend")
+INDEX_INPUTS = ("q_indptr", "page_indptr", "page_values", "last_page_len")
+
+
+def _same_layer(graph: Graph, found: Match) -> bool:
+    return found["append"].attrs["layer"] == found["attend"].attrs["layer"]
+
+
+def _merge(graph: Graph, found: Match) -> None:
+    attend, append = found["attend"], found["append"]
+    attend.inputs = named_inputs(
+        "paged_attention", q=input_of(attend, "q"), k=input_of(append, "k"), v=input_of(append, "v"),
+        kv_pages=input_of(append, "kv_pages"), slot_mapping=input_of(append, "slot_mapping"),
+        **{name: input_of(attend, name) for name in INDEX_INPUTS}, kv_scales=found["kv_scales"])
+    attend.op = "paged_attention"
+    attend.attrs = attrs_for("paged_attention", **attend.attrs)
+    graph.nodes.remove(append)
 
 
 @dataclass(frozen=True)
@@ -28,26 +48,5 @@ class FuseAppendAttend(GraphPass):
     name: ClassVar[str] = "fuse_append_attend"
 
     def rewrite(self, graph: Graph) -> Graph:
-        producers = {n.output: n for n in graph.nodes}
-        readers = users(graph)
-        merged: set[str] = set()                     # appends now inside a paged_attention
-        for attend in graph.nodes:
-            if attend.op != "paged_attend":
-                continue
-            a = OPS["paged_attend"]
-            append = producers.get(a.input_of(attend, "kv_pages"))
-            if append is None or append.op != "kv_append" or len(readers[append.output]) != 1:
-                continue
-            w = OPS["kv_append"]
-            scales = w.input_of(append, "kv_scales")
-            if append.attrs["layer"] != attend.attrs["layer"] or a.input_of(attend, "kv_scales") != scales:
-                continue
-            index = [a.input_of(attend, name) for name in ("q_indptr", "page_indptr", "page_values", "last_page_len")]
-            attend.op = "paged_attention"
-            attend.inputs = [a.input_of(attend, "q"), w.input_of(append, "k"), w.input_of(append, "v"),
-                             w.input_of(append, "kv_pages"), w.input_of(append, "slot_mapping"), *index,
-                             *([scales] if scales else [])]
-            attend.attrs = OPS["paged_attention"].complete_attrs(attend.attrs, f"%{attend.output}")
-            merged.add(append.output)
-        graph.nodes = [n for n in graph.nodes if n.output not in merged]
+        apply_rules(graph, [Rule(APPEND_THEN_ATTEND, _merge, where=_same_layer)])
         return drop_dead_nodes(graph)

@@ -15,17 +15,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kiln.ir import Graph, Node, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
+from kiln.ir import Graph, Node, TensorType, attrs_for, input_of, named_inputs, weight_format
 
 from .graph_pass import GraphPass
-from .rewrite import drop_unused_params, fresh_name, fused_param_name, users
+from .pattern import GraphIndex, Pat, match
+from .rewrite import concat_params, drop_unused_params, fresh_name
+
+PLAIN_PROJECTION = Pat("linear", {"residual": None}, test=lambda node: weight_format(node) == "none")
 
 
 def _sibling_linears(graph: Graph) -> list[list[Node]]:
+    """Groups of exactly three plain projections of one value, with like weights and biases."""
+    index = GraphIndex(graph)
     groups = []
-    for value, nodes in users(graph).items():
-        lin = [n for n in nodes if n.op == "linear" and input_of(n, "x") == value and weight_format(n) == "none"
-               and input_of(n, "residual") is None]
+    for value, nodes in index.readers.items():
+        lin = [n for n in nodes if match(PLAIN_PROJECTION, n, index) and input_of(n, "x") == value]
         if len(lin) != 3:
             continue
         weights = [graph.params.get(input_of(n, "weight")) for n in lin]
@@ -40,14 +44,6 @@ def _sibling_linears(graph: Graph) -> list[list[Node]]:
     return groups
 
 
-def _fused_param(graph: Graph, names: list[str], parts, fused: str) -> str:
-    params = [graph.params[n] for n in names]
-    name = fused_param_name(names, parts, fused)
-    shape = (sum(p.type.shape[0] for p in params),) + params[0].type.shape[1:]
-    graph.params[name] = Param(name, TensorType(shape, params[0].type.dtype), {"concat": names, "axis": 0})
-    return name
-
-
 @dataclass(frozen=True)
 class FuseQKV(GraphPass):
     name: ClassVar[str] = "fuse_qkv"
@@ -55,8 +51,8 @@ class FuseQKV(GraphPass):
     def rewrite(self, graph: Graph) -> Graph:
         for group in _sibling_linears(graph):
             parts = ("q_proj", "k_proj", "v_proj")
-            weight = _fused_param(graph, [input_of(n, "weight") for n in group], parts, "qkv_proj")
-            bias = (_fused_param(graph, [input_of(n, "bias") for n in group], parts, "qkv_proj")
+            weight = concat_params(graph, [input_of(n, "weight") for n in group], parts, "qkv_proj")
+            bias = (concat_params(graph, [input_of(n, "bias") for n in group], parts, "qkv_proj")
                     if input_of(group[0], "bias") is not None else None)
             inputs = named_inputs("linear", x=input_of(group[0], "x"), weight=weight, bias=bias)
             widths = [n.type.shape[-1] for n in group]

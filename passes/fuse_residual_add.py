@@ -16,7 +16,18 @@ from typing import ClassVar
 from kiln.ir import Graph, input_of, named_inputs
 
 from .graph_pass import GraphPass
-from .rewrite import users
+from .pattern import Match, Pat, Rule, apply_rules
+
+PROJECTION_THEN_ADD = Pat("add", {"a": Pat("linear", {"residual": None}, name="proj", sole=True), "b": "residual"},
+                          name="add", either_order=True)
+
+
+def _into_epilogue(graph: Graph, found: Match) -> None:
+    add, proj = found["add"], found["proj"]
+    add.op, add.attrs = "linear", dict(proj.attrs)
+    add.inputs = named_inputs("linear", x=input_of(proj, "x"), weight=input_of(proj, "weight"),
+                              scale=input_of(proj, "scale"), bias=input_of(proj, "bias"), residual=found["residual"])
+    graph.nodes.remove(proj)
 
 
 @dataclass(frozen=True)
@@ -24,16 +35,5 @@ class FuseResidualAdd(GraphPass):
     name: ClassVar[str] = "fuse_residual_add"
 
     def rewrite(self, graph: Graph) -> Graph:
-        use = users(graph)
-        producers = {n.output: n for n in graph.nodes}
-        for add in [n for n in graph.nodes if n.op == "add"]:
-            for proj_name, residual in (add.inputs, add.inputs[::-1]):
-                proj = producers.get(proj_name)
-                if not proj or proj.op != "linear" or len(use[proj_name]) != 1 or input_of(proj, "residual"):
-                    continue
-                add.op, add.attrs = "linear", dict(proj.attrs)
-                add.inputs = named_inputs("linear", x=input_of(proj, "x"), weight=input_of(proj, "weight"),
-                                          scale=input_of(proj, "scale"), bias=input_of(proj, "bias"), residual=residual)
-                graph.nodes.remove(proj)
-                break
+        apply_rules(graph, [Rule(PROJECTION_THEN_ADD, _into_epilogue)])
         return graph

@@ -30,33 +30,78 @@ from typing import ClassVar
 from kiln.ir import Graph, Node
 
 from .graph_pass import GraphPass
+from .pattern import Match, Pat, Rule, apply_rules
 from .rewrite import drop_dead_nodes, fresh_name
 
-NORM_CHAINS = {          # how rope's input reaches the slice: none, per-head norm, all-head norm
-    None: ("slice",), True: ("reshape", "rms_norm", "reshape", "slice"), False: ("rms_norm", "slice")}
+
+def _head_part(part: str, per_head: bool | None) -> Pat:
+    """reshape(rope(…)) of q or k, where rope's input is the slice of `source` directly
+    (per_head None), through a per-head RMSNorm over head reshapes (True), or through an RMSNorm
+    over all heads (False)."""
+    piece = Pat("slice", {"x": "source"}, name=f"{part}_slice")
+    if per_head is not None:
+        if per_head:
+            piece = Pat("reshape", {"x": piece})
+        piece = Pat("rms_norm", {"x": piece}, name=f"{part}_norm")
+        if per_head:
+            piece = Pat("reshape", {"x": piece})
+    rope = Pat("rope", {"x": piece, "positions": "positions", "inv_freq": "inv_freq"}, name=f"{part}_rope")
+    return Pat("reshape", {"x": rope})
 
 
-def _producer_chain(producers: dict[str, Node], name: str, ops: tuple[str, ...]) -> list[Node] | None:
-    """The nodes producing `name` through exactly `ops` (outermost first), or None."""
-    chain = []
-    for op in ops:
-        node = producers.get(name)
-        if node is None or node.op != op:
-            return None
-        chain.append(node)
-        name = node.inputs[0]
-    return chain
+def _attention_over(per_head: bool | None) -> Pat:
+    return Pat("paged_attention", {"q": _head_part("q", per_head), "k": _head_part("k", per_head),
+                                   "v": Pat("reshape", {"x": Pat("slice", {"x": "source"}, name="v_slice")})},
+               name="attention")
 
 
-def _rotated_part(producers, name: str):
-    """(rope node, its norm or None, per_head, slice) when `name` is reshape(rope(…)) over a slice,
-    directly or through an RMSNorm."""
-    for per_head, chain in NORM_CHAINS.items():
-        nodes = _producer_chain(producers, name, ("reshape", "rope", *chain))
-        if nodes:
-            norm = next((n for n in nodes[2:] if n.op == "rms_norm"), None)
-            return nodes[1], norm, per_head, nodes[-1]
-    return None
+def _heads(graph: Graph, found: Match) -> tuple[int, int, int]:
+    """(Hq, Hkv, D) from the attention's q and k."""
+    types = graph.value_types()
+    attention = found["attention"]
+    _, hq, d = types[attention.inputs[0]].shape
+    return hq, types[attention.inputs[1]].shape[1], d
+
+
+def _fusable(per_head: bool | None):
+    def where(graph: Graph, found: Match) -> bool:
+        types = graph.value_types()
+        hq, hkv, d = _heads(graph, found)
+        bounds = [(0, hq * d), (hq * d, (hq + hkv) * d), ((hq + hkv) * d, (hq + 2 * hkv) * d)]
+        slices = [found["q_slice"], found["k_slice"], found["v_slice"]]
+        if any((s.attrs["begin"], s.attrs["end"]) != b for s, b in zip(slices, bounds)):
+            return False
+        q_rope, k_rope = found["q_rope"], found["k_rope"]
+        if types[found["source"]].shape[1:] != ((hq + 2 * hkv) * d,) or q_rope.attrs != k_rope.attrs \
+                or q_rope.attrs["head_dim"] != d:
+            return False
+        if per_head is None:
+            return True
+        q_norm, k_norm = found["q_norm"], found["k_norm"]
+        widths = ((d,), (d,)) if per_head else ((hq * d,), (hkv * d,))
+        return q_norm.attrs == k_norm.attrs and (types[q_norm.inputs[1]].shape, types[k_norm.inputs[1]].shape) == widths
+    return where
+
+
+def _fuse(per_head: bool | None):
+    def rewrite(graph: Graph, found: Match) -> None:
+        attention, q_rope, source = found["attention"], found["q_rope"], found["source"]
+        hq, hkv, d = _heads(graph, found)
+        if per_head is not None:
+            q_norm, k_norm = found["q_norm"], found["k_norm"]
+            normed = Node("qk_norm", [source, q_norm.inputs[1], k_norm.inputs[1]],
+                          {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "per_head": per_head, **q_norm.attrs},
+                          fresh_name(graph, "qk_norm"), graph.value_types()[source])
+            graph.nodes.insert(graph.nodes.index(attention), normed)
+            source = normed.output
+        attention.op = "paged_attention_fused"
+        attention.inputs = [source, *q_rope.inputs[1:], *attention.inputs[3:]]
+        attention.attrs = {**attention.attrs, "mscale": q_rope.attrs["mscale"],
+                           "rotary_dim": q_rope.attrs["rotary_dim"], "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+    return rewrite
+
+
+RULES = [Rule(_attention_over(per_head), _fuse(per_head), where=_fusable(per_head)) for per_head in (None, True, False)]
 
 
 @dataclass(frozen=True)
@@ -64,39 +109,5 @@ class FuseRopeAttention(GraphPass):
     name: ClassVar[str] = "fuse_rope_attention"
 
     def rewrite(self, graph: Graph) -> Graph:
-        producers = {n.output: n for n in graph.nodes}
-        types = graph.value_types()
-        for node in list(graph.nodes):
-            if node.op != "paged_attention":
-                continue
-            q_part, k_part = _rotated_part(producers, node.inputs[0]), _rotated_part(producers, node.inputs[1])
-            v_chain = _producer_chain(producers, node.inputs[2], ("reshape", "slice"))
-            if not (q_part and k_part and v_chain):
-                continue
-            (q_rope, q_norm, per_head, q_slice), (k_rope, k_norm, k_per_head, k_slice) = q_part, k_part
-            if per_head != k_per_head or (q_norm and q_norm.attrs != k_norm.attrs):
-                continue
-            slices = [q_slice, k_slice, v_chain[1]]
-            source = slices[0].inputs[0]
-            tokens, hq, d = types[node.inputs[0]].shape
-            hkv = types[node.inputs[1]].shape[1]
-            bounds = [(0, hq * d), (hq * d, (hq + hkv) * d), ((hq + hkv) * d, (hq + 2 * hkv) * d)]
-            if any(s.inputs[0] != source or (s.attrs["begin"], s.attrs["end"]) != b for s, b in zip(slices, bounds)):
-                continue
-            if types[source].shape[1:] != ((hq + 2 * hkv) * d,) or q_rope.inputs[1:] != k_rope.inputs[1:] \
-                    or q_rope.attrs != k_rope.attrs or q_rope.attrs["head_dim"] != d:
-                continue
-            if q_norm:
-                widths = ((d,), (d,)) if per_head else ((hq * d,), (hkv * d,))
-                if (types[q_norm.inputs[1]].shape, types[k_norm.inputs[1]].shape) != widths:
-                    continue
-                normed = Node("qk_norm", [source, q_norm.inputs[1], k_norm.inputs[1]],
-                              {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "per_head": per_head, **q_norm.attrs},
-                              fresh_name(graph, "qk_norm"), types[source])
-                graph.nodes.insert(graph.nodes.index(node), normed)
-                source = normed.output
-            node.op = "paged_attention_fused"
-            node.inputs = [source, *q_rope.inputs[1:], *node.inputs[3:]]
-            node.attrs = {**node.attrs, "mscale": q_rope.attrs["mscale"], "rotary_dim": q_rope.attrs["rotary_dim"],
-                          "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+        apply_rules(graph, RULES)
         return drop_dead_nodes(graph)

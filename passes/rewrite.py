@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 
-from kiln.ir import Graph, Node
+from kiln.ir import Graph, Node, Param, TensorType
 from kiln.ir.weights import recipe_sources
 
 
@@ -54,6 +54,15 @@ def fused_param_name(names: list[str], parts: tuple[str, ...], fused: str) -> st
     if parts[0] in names[0] and all(n == names[0].replace(parts[0], p) for n, p in zip(names, parts)):
         return names[0].replace(parts[0], fused)
     return "+".join(names)
+
+
+def concat_params(graph: Graph, names: list[str], parts: tuple[str, ...], fused: str) -> str:
+    """Add the param whose data is `names` concatenated on axis 0 (made when weights load); its name."""
+    params = [graph.params[n] for n in names]
+    name = fused_param_name(names, parts, fused)
+    shape = (sum(p.type.shape[0] for p in params),) + params[0].type.shape[1:]
+    graph.params[name] = Param(name, TensorType(shape, params[0].type.dtype), {"concat": names, "axis": 0})
+    return name
 
 
 def drop_dead_nodes(graph: Graph) -> Graph:
