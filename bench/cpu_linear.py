@@ -4,11 +4,11 @@
 
 Kernels (on the same random weights, stored as the CPU target stores them):
 - bf16 weights, bf16 x: the packed GEMV schedule (decode steps) and the register-blocked GEMM
-  (codegen/gemm.py), both in fp32 FMAs, and on AVX-512 BF16 codegen/bf16_linear.py (vdpbf16ps,
+  (codegen/kernels/cpu/gemm.py), both in fp32 FMAs, and on AVX-512 BF16 codegen/kernels/cpu/bf16_linear.py (vdpbf16ps,
   every step), which a default CPU artifact runs there;
 - q8 and q4 weights, float32 x: the GEMV and GEMM with float activations, and the int8-activation
-  GEMM (codegen/int8_gemm.py, vpmaddwd: steps with chunks) and GEMV (codegen/int8_gemv.py: decode
-  steps), which a default CPU artifact runs on AVX2; on AVX-512 VNNI, codegen/vnni_linear.py (vpdpbusd,
+  GEMM (codegen/kernels/cpu/int8_gemm.py, vpmaddwd: steps with chunks) and GEMV (codegen/kernels/cpu/int8_gemv.py: decode
+  steps), which a default CPU artifact runs on AVX2; on AVX-512 VNNI, codegen/kernels/cpu/vnni_linear.py (vpdpbusd,
   every step), which it runs there.
 Peaks, measured here on registers only (no memory): fp32 FMA (12 independent 8-lane FMA chains),
 vpmaddwd (12 independent chains of a pair dot and its int32 add, each dot reading its chain's
@@ -28,7 +28,7 @@ CHAINS, STEPS = 12, 1 << 20     # independent accumulators and steps per thread 
 
 def _bf16_dot_peak_ir(triple: str, cpu: str) -> str:
     """LLVM IR of `void bf16_dot_peak(ptr out, i64 steps)`: CHAINS vdpbf16ps accumulators, registers only."""
-    from kiln.codegen.bf16_micro import DOT
+    from kiln.codegen.kernels.cpu.bf16_micro import DOT
     vec, bvec = "<16 x float>", "<32 x bfloat>"
     lines = [f'target triple = "{triple}"', f"declare {vec} @{DOT}({vec}, {bvec}, {bvec})",
              "define void @bf16_dot_peak(ptr %out, i64 %steps) #0 {", "entry:",
@@ -60,8 +60,8 @@ def _peak(threads: int, kind: str) -> float:
     import numpy as np
     import tvm
     from tvm.script import tirx as T
-    from kiln.codegen.int8_gemm import PAIR_DOT
-    from kiln.codegen.vnni_linear import QUAD_DOT
+    from kiln.codegen.kernels.cpu.int8_gemm import PAIR_DOT
+    from kiln.codegen.kernels.cpu.vnni_linear import QUAD_DOT
     from kiln.targets.cpu import host_cpu_target
 
     @T.prim_func(s_tir=True)
@@ -143,17 +143,17 @@ def _kernels(n_out: int, n_in: int):
     import numpy as np
     import tvm
     from tvm import tirx
-    from kiln.codegen.bf16_linear import bf16_linear_kernel, micro_kernels
-    from kiln.codegen.bf16_micro import micro_module
+    from kiln.codegen.kernels.cpu.bf16_linear import bf16_linear_kernel, micro_kernels
+    from kiln.codegen.kernels.cpu.bf16_micro import micro_module
     from kiln.host_cpu import has_bf16_dot, has_quad_dot
-    from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
-    from kiln.codegen.int8_gemm import int8_gemm_kernel
-    from kiln.codegen.int8_gemv import int8_gemv_kernel
-    from kiln.codegen.layouts import apply_layout, q4_scale_layout
-    from kiln.codegen.linear import packed_linear_kernel
-    from kiln.codegen.linear_layouts import linear_layout
-    from kiln.codegen.weight_format import WeightFormat
-    from kiln.codegen.vnni_linear import vnni_linear_kernel
+    from kiln.codegen.kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
+    from kiln.codegen.kernels.cpu.int8_gemm import int8_gemm_kernel
+    from kiln.codegen.kernels.cpu.int8_gemv import int8_gemv_kernel
+    from kiln.codegen.kernels.layouts import apply_layout, q4_scale_layout
+    from kiln.codegen.kernels.cpu.packed_linear import packed_linear_kernel
+    from kiln.codegen.lowering.linear_layouts import linear_layout
+    from kiln.codegen.kernels.weight_format import WeightFormat
+    from kiln.codegen.kernels.cpu.vnni_linear import vnni_linear_kernel
     from kiln.ir.quant import SCHEMES
     from kiln.targets.cpu import CPUTarget, host_cpu_target
     target, nb = host_cpu_target(), 64

@@ -1,11 +1,11 @@
-"""kiln's decode GEMV (codegen/gemv.py) at the memory's speed: each kernel's weight GB/s against the
+"""kiln's decode GEMV (codegen/kernels/gpu/gemv.py) at the memory's speed: each kernel's weight GB/s against the
 device's copy rate, beside torch.matmul (cuBLAS) on the same device, and the tuning table.
 
     python bench/gemv_gpu.py build OUT [--arch sm_90] [--tests-only]     (here: TVM's compiler)
     python bench/gemv_gpu.py run OUT [--m 1 8] [--write-table FILE]      (the GPU machine)
 
 `build` compiles, for every Llama-3.1-8B and Llama-3.2-1B linear in bf16 and q4 (groups of 32), one
-kernel per candidate (rows a block x threads, codegen/gemv.py) and one with the compiler's present
+kernel per candidate (rows a block x threads, codegen/kernels/gpu/gemv.py) and one with the compiler's present
 choice ("default"), plus the small kernels tests/gpu/test_gemv.py checks (every format, bias and
 residual, the gated activation), into OUT/gemv_kernels.so with OUT/kernels.json. `run` needs only
 TVM's runtime and torch: weights rotated through copies that exceed the L2 cache, median of
@@ -39,8 +39,8 @@ def _spec(n, k, dtype, weight, group, bias, residual, label, configs, activation
 
 
 def kernel_specs(tests_only: bool, arch: str = "sm_90") -> list[dict]:
-    from kiln.codegen.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, default_configs, supports
-    from kiln.codegen.gemv_source import GemvConfig
+    from kiln.codegen.kernels.gpu.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, default_configs, supports
+    from kiln.codegen.kernels.gpu.gemv_source import GemvConfig
     specs = []
     shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
     for n, k in shapes:
@@ -71,8 +71,8 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
     from kiln.targets.cuda import make_target
     target = make_target(arch)          # before TVM loads: else the module holds CUDA source, not a fatbin
     import tvm
-    from kiln.codegen.gemv import gemv_kernel
-    from kiln.codegen.gemv_source import GemvConfig
+    from kiln.codegen.kernels.gpu.gemv import gemv_kernel
+    from kiln.codegen.kernels.gpu.gemv_source import GemvConfig
     specs = kernel_specs(tests_only, arch)
     funcs = {}
     for spec in specs:
@@ -147,7 +147,7 @@ def run(out: Path, batches: list[int], write_table: Path | None, reps: int) -> N
 
 
 def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
-    """The fastest correct candidate per (shape, format, batch): codegen/gemv.py's table."""
+    """The fastest correct candidate per (shape, format, batch): codegen/kernels/gpu/gemv.py's table."""
     table = json.loads(path.read_text()) if path.exists() else {}
     for n, k, weight, group in sorted({(r["n"], r["k"], r["weight"], r["group"]) for r in results}):
         for m in sorted({r["m"] for r in results}):

@@ -123,7 +123,7 @@ def fingerprint(case: str) -> dict[str, str]:
     lowered = lower_graph(graph, target)
     module = lowered.module
     if target.device_sampling:
-        from kiln.codegen.sampling import add_sampling_functions
+        from kiln.codegen.lowering.sampling import add_sampling_functions
         module = add_sampling_functions(module, model.config.vocab_size)
     with target.tvm_target(), tvm.transform.PassContext(config=target.pass_config()):
         mod = relax_pipeline(target)(module)

@@ -7,7 +7,7 @@ The preset's random checkpoint (kiln/tiny.py PRESETS) is compiled by kiln per mo
 weights in a float32 model) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_model.py).
 - prefill: one step of --prompt-len new tokens for one sequence (CompiledModel.forward, median of
   --repeats) against `llama-bench -p N -n 0`'s pp. kiln is measured twice: as compiled (steps with
-  chunks run codegen/gemm.py's GEMM; q8/q4 linears take int8 activations, codegen/int8_gemm.py) and
+  chunks run codegen/kernels/cpu/gemm.py's GEMM; q8/q4 linears take int8 activations, codegen/kernels/cpu/int8_gemm.py) and
   as before those kernels (the target's `chunk_gemm` off, float activations: every step on the GEMV
   schedule), so their gain is measured in the same run;
 - decode, batch 1: `llama-bench -n 64`'s tg against kiln's engine decoding 64 tokens, in --repeats

@@ -1,7 +1,7 @@
 """Lower an IR graph to a TVM IRModule with one Relax function per step kind.
 
 `forward` runs any step; `decode` runs steps of one new token per sequence and is emitted only
-where some layer's decode kernel differs from its mixed-step kernel (codegen/attention_kernels.py);
+where some layer's decode kernel differs from its mixed-step kernel (codegen/lowering/attention_kernels.py);
 `prefill` runs the graph's alternative forms (ir/step_forms.py) and is emitted where it has some.
 Every entry runs the graph's nodes for its step kind (`for_step`).
 Both take the graph's inputs (in order) followed by the stored weights (in `LoweredModel.weights`
@@ -25,13 +25,14 @@ from kiln.ir.opdef import input_of
 from kiln.ir.ops import ATTENTION_OPS, OPS, weight_format
 from kiln.ir.step_forms import for_step, prefill_min_tokens
 
-from . import elementwise, mla, moe
-from .attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
-from .embed import emit_embed
-from .layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
-from .linear import emit_linear, mma_tiles
-from .linear_layouts import linear_layout
-from .weight_format import WeightFormat
+from .kernels.cpu.bf16_micro import micro_module
+from .kernels.layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
+from .kernels.weight_format import WeightFormat
+from .lowering import elementwise, mla, moe
+from .lowering.attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
+from .lowering.embed import emit_embed
+from .lowering.linear import emit_linear, mma_tiles
+from .lowering.linear_layouts import linear_layout
 
 
 ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill",     # step kind -> Relax function
@@ -136,7 +137,7 @@ def gate_of(node, graph: Graph, target) -> str | None:
 
 
 def _on_tensor_cores(node, graph: Graph, target) -> bool:
-    """Whether a linear of stored weights runs the tensor-core kernel (codegen/linear.py: mma_tiles)."""
+    """Whether a linear of stored weights runs the tensor-core kernel (codegen/lowering/linear.py: mma_tiles)."""
     if node.op != "linear" or input_of(node, "weight") not in graph.params:
         return False
     n_in = graph.value_types()[input_of(node, "x")].shape[-1]
@@ -270,8 +271,7 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
         _emit_entry(ctx, name)
     module = bb.get()
     if micro_kernels:
-        # LLVM IR kiln writes itself (codegen/bf16_micro.py): the Relax build links it into the library
-        from .bf16_micro import micro_module
+        # LLVM IR kiln writes itself (codegen/kernels/cpu/bf16_micro.py): the Relax build links it into the library
         module = module.with_attr("external_mods", [micro_module(sorted(micro_kernels), target.tvm_target())])
     if target.graph_batches:
         # the decode-step function again (a copy with fresh variables), marked for capture

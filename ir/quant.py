@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
+
+from .types import numpy_dtype
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,6 @@ FP8_MAX = 448.0          # largest finite float8_e4m3fn
 
 def _fp8_quantize(w: np.ndarray) -> dict[str, np.ndarray]:
     """float8 e4m3 per output channel: w ≈ q * scale[:, None], the channel's peak mapped to 448."""
-    import ml_dtypes
     w = np.asarray(w, np.float32)
     amax = np.abs(w).max(axis=1)
     scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
@@ -147,7 +149,6 @@ class KVScheme:
 
     def quantize_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x [..., head_dim] -> (q [..., head_dim], scale [...] float32)."""
-        from .types import numpy_dtype
         x = np.asarray(x, np.float32)
         amax = np.abs(x).max(axis=-1)
         scale = np.where(amax > 0, amax / np.float32(self.qmax), np.float32(1)).astype(np.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .graph import Graph
-from .opdef import REQUIRED, check_indices, op
+from .opdef import OPS, REQUIRED, check_indices, op
 from .types import TensorType
 
 CONTEXT_INPUTS = {"kv_slots": TensorType(("kv_tokens",), "int32"), "kv_indptr": TensorType(("seqs1",), "int32")}
@@ -57,7 +57,6 @@ def for_step(graph: Graph, step: str) -> tuple[list, list[str]]:
     """The nodes a step of kind `step` runs, in order, and its outputs: each step_choice's chosen
     input stands for it (alternatives in "prefill" steps, defaults otherwise), and nodes that only
     the other form needed are left out (a node that writes in place always stays)."""
-    from .opdef import OPS
     choice = {n.output: n.inputs[1 if step == "prefill" else 0] for n in graph.nodes if n.op == "step_choice"}
     nodes = []
     for node in graph.nodes:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 Dim = int | str  # a static size, or a symbolic one such as "tokens"
@@ -49,7 +50,6 @@ class TensorType:
 def numpy_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype of an IR dtype (bfloat16 and float8_e4m3fn through ml_dtypes)."""
     if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        import ml_dtypes
         return np.dtype(getattr(ml_dtypes, dtype))
     return np.dtype(dtype)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .graph import Graph
 from .kv_spec import pages_name, scales_name
-from .ops import OPS
+from .ops import APPEND_OPS, KV_OPS, LATENT_OPS, OPS
 from .types import IRError
 
 
@@ -44,7 +44,6 @@ def _verify_kv_caches(graph: Graph) -> None:
     """Each KV op reads its layer's declared cache, typed as that layer's KVSpec says: the pages
     themselves, or (paged_attend, mla_attend, latent_attend) the pages an append of the same layer
     has just written. Latent ops read latent specs only, the others anything else."""
-    from .ops import APPEND_OPS, KV_OPS, LATENT_OPS
     appended: dict[str, int] = {}                # kv_append result -> its layer
     for node in graph.nodes:
         if node.op not in KV_OPS:

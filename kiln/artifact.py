@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
+import blake3
+
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.interface import INTERFACE_VERSION, MANIFEST, WEIGHTS, Manifest
@@ -45,7 +47,6 @@ def file_digest(path: Path, algorithm: str = "blake3") -> str:
 
 def new_hasher():
     """A BLAKE3 hasher on every core."""
-    import blake3
     return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 

@@ -58,9 +58,9 @@ def _embedding_storage(graph) -> tuple[str, bool]:
 
 def _attention_layers(graph, target) -> list[dict]:
     """Per layer: the kernel variant and the attention kernel of each step kind. A latent (MLA) layer
-    runs one kernel family in every step (codegen/latent_kernels.py)."""
-    from kiln.codegen.attention import step_kernel
-    from kiln.codegen.latent_kernels import choose_latent_kernel
+    runs one kernel family in every step (codegen/lowering/latent_kernels.py)."""
+    from kiln.codegen.lowering.attention import step_kernel
+    from kiln.codegen.lowering.latent_kernels import choose_latent_kernel
     layers = []
     for n in graph.nodes:
         if n.op in ATTENTION_OPS:
@@ -83,7 +83,7 @@ def _launch_counts(launches: dict) -> dict:
                         for step, (kernels, host) in launches.items()}}
 
 
-# kernel-name prefixes of codegen/linear.py: kiln's tensor-core GEMM, kiln's streaming GEMV, dlight's GEMV
+# kernel-name prefixes of codegen/lowering/linear.py: kiln's tensor-core GEMM, kiln's streaming GEMV, dlight's GEMV
 LINEAR_FAMILIES = {"mma": "tensor cores", "gemv": "GEMV", "dlgemv": "GEMV (dlight)"}
 
 
@@ -146,7 +146,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         import tvm
         module = lowered.module
         if tgt.device_sampling:
-            from kiln.codegen.sampling import add_sampling_functions
+            from kiln.codegen.lowering.sampling import add_sampling_functions
             module = add_sampling_functions(module, model.config.vocab_size)
         with tgt.tvm_target(), tvm.transform.PassContext(config=tgt.pass_config()):
             mod = relax_pipeline(tgt)(module)

@@ -103,15 +103,15 @@ def x86_has(target: tvm.target.Target, features: list[str]) -> bool:
 
 
 def has_pair_dot(target: tvm.target.Target) -> bool:
-    """AVX2's vpmaddwd: int16 pairs into int32 lanes (codegen/int8_gemm.py, int8_gemv.py)."""
+    """AVX2's vpmaddwd: int16 pairs into int32 lanes (codegen/kernels/cpu/int8_gemm.py, int8_gemv.py)."""
     return x86_has(target, ["avx2"])
 
 
 def has_quad_dot(target: tvm.target.Target) -> bool:
-    """AVX-512 VNNI's vpdpbusd: byte quads into int32 lanes (codegen/vnni_linear.py)."""
+    """AVX-512 VNNI's vpdpbusd: byte quads into int32 lanes (codegen/kernels/cpu/vnni_linear.py)."""
     return x86_has(target, ["avx512vnni", "avx512bw"])
 
 
 def has_bf16_dot(target: tvm.target.Target) -> bool:
-    """AVX-512 BF16's vdpbf16ps: bf16 pairs into float32 lanes (codegen/bf16_micro.py)."""
+    """AVX-512 BF16's vdpbf16ps: bf16 pairs into float32 lanes (codegen/kernels/cpu/bf16_micro.py)."""
     return x86_has(target, ["avx512bf16", "avx512f"])

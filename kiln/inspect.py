@@ -1,6 +1,9 @@
 """`kiln inspect`: a readable summary of an artifact's manifest."""
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from kiln.artifact import WEIGHTS, read_manifest, verify_files
 from kiln.interface import Manifest
 from kiln.ir.kv_spec import KVSpec
@@ -153,8 +156,6 @@ def _digest(info: dict) -> str:
 
 def verify(artifact_dir) -> str:
     """Check every file of the artifact against its manifest digest; a line saying what was checked."""
-    import time
-    from pathlib import Path
     t0 = time.perf_counter()
     m = read_manifest(artifact_dir, verify=False)
     hashed = verify_files(Path(artifact_dir), m)

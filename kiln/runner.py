@@ -7,15 +7,17 @@ import time
 
 import click
 
+from kiln.artifact import read_manifest
 from kiln.errors import KilnError, NoChatTemplate
+from kiln.runtime.llm import LLM
 from kiln.runtime.threads import describe_threads
+from kiln.runtime.tokenizer import Tokenizer
 
 
 CHAT_CONTEXT = 8192      # tokens of KV cache a chat gets (a conversation's length is not known)
 
 
 def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, tokenizer=None):
-    from kiln.runtime.llm import LLM
     return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, size_kv_for=size_kv_for,
                tokenizer=tokenizer)
 
@@ -62,8 +64,6 @@ def _generate_streaming(llm, prompt_ids, params, echo: bool):
 
 
 def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads: int | None = None) -> None:
-    from kiln.artifact import read_manifest
-    from kiln.runtime.tokenizer import Tokenizer
     t0 = time.perf_counter()
     read_manifest(artifact, verify=False)       # a missing or broken artifact is named as such first
     tokenizer = Tokenizer(artifact)

@@ -13,6 +13,7 @@ as the format allows, and each gap before a tensor is filled by a small uint8 te
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -152,7 +153,6 @@ def read_tensor(path: str | Path, entry: Entry) -> np.ndarray:
 def map_file(path: str | Path):
     """A private, copy-on-write memory map of the whole file as a writable uint8 array: its pages are
     the page cache's until written, and nothing kiln does writes them."""
-    import mmap
     fd = os.open(path, os.O_RDONLY)
     try:
         mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kiln.codegen.lowering.attention_kernels import KERNELS
+from kiln.errors import KilnError
 from kiln.ir import Graph, print_graph, verify
+from kiln.targets import target_defaults
 
 from .fuse_append_attend import FuseAppendAttend
 from .fuse_gate_up import FuseGateUp
@@ -67,7 +70,6 @@ def _record(name: str, seconds: float, signatures: Counter, after: Graph) -> tup
 
 def _kernels_fuse_rope(target) -> bool:
     """Whether every attention kernel the target prefers runs the fused rope + attention form."""
-    from kiln.codegen.attention_kernels import KERNELS
     return all(KERNELS[names[0]].fused_qkv for names in target.attention_kernels.values())
 
 
@@ -81,7 +83,6 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
     form from `mla_expanded_from` new tokens per sequence (default: the target's; 0: never). q8/q4
     linears take int8 activations in the target's blocks unless `int8_activations` is False (None:
     the target's choice; True where the target has no such kernel is refused)."""
-    from kiln.targets import target_defaults
     target = target_defaults(target) if isinstance(target, str) else target
     passes: list[GraphPass] = [
         FuseAppendAttend(),               # every kernel runs append and attention together
@@ -95,7 +96,6 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
         passes.append(FuseRopeAttention())
     if quant:
         if int8_activations and not target.activation_block:
-            from kiln.errors import KilnError
             raise KilnError(f"--activations int8 is not supported on target {target.name}: it has no integer "
                             "dot-product linear kernel (the cpu target has one where the CPU has AVX2)")
         act_block = target.activation_block if int8_activations is not False else 0
@@ -115,7 +115,6 @@ def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None
     passes = pipeline_for(target, **options) if passes is None else passes
     unknown = set(disable) - {p.name for p in passes}
     if unknown:
-        from kiln.errors import KilnError
         raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(p.name for p in passes)})")
     verify(graph)
     if dump:

@@ -5,6 +5,7 @@ import copy
 from collections import defaultdict
 
 from kiln.ir import Graph, Node, Param, TensorType
+from kiln.ir.ops import OPS
 from kiln.ir.weights import recipe_sources
 
 
@@ -67,7 +68,6 @@ def concat_params(graph: Graph, names: list[str], parts: tuple[str, ...], fused:
 
 def drop_dead_nodes(graph: Graph) -> Graph:
     """Remove nodes whose result nothing reads (a node that writes an input in place stays)."""
-    from kiln.ir.ops import OPS
     live = set(graph.outputs)
     kept = []
     for node in reversed(graph.nodes):

@@ -8,7 +8,7 @@ Rewrite (paged_attention or paged_attention_fused), for a target whose kernels a
 `variant` is the head ratio's family: 'mha' (ratio 1), 'gqaN' (1 < N < q heads), 'mqa' (one KV
 head). `kernel` runs steps with prefill tokens, `decode_kernel` decode-only steps: for each, the
 first of the target's kernels for that step kind that supports the op and the layer's KVSpec
-(page dtype, sliding window; codegen/attention_kernels.py). Codegen emits what is recorded; the compiler gives decode
+(page dtype, sliding window; codegen/lowering/attention_kernels.py). Codegen emits what is recorded; the compiler gives decode
 its own entry function where the two differ. Attributes already chosen are kept. The kernels
 are recorded in the manifest and shown by `kiln inspect`.
 Requires: quantize_kv already run (the page dtype decides which kernels can read the pages).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kiln.codegen.attention_kernels import choose_kernel
+from kiln.codegen.lowering.attention_kernels import choose_kernel
 from kiln.ir import Graph
 from kiln.ir.ops import ATTENTION_OPS
 

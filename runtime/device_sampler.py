@@ -1,6 +1,6 @@
 """Sampling on the device that holds the logits: only token ids (and asked-for logprobs) come back.
 
-The compiled functions (codegen/sampling.py) compute the draw runtime/sampler.py defines. The host
+The compiled functions (codegen/lowering/sampling.py) compute the draw runtime/sampler.py defines. The host
 keeps what is per request: each sequence's generator draws its one uniform number here, exactly as
 the NumPy sampler would (one per sampled row, none for a greedy row), and the penalties and bias
 become a short list of (row, token) entries from the rows that use them (`penalty_entries`). One

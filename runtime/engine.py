@@ -26,6 +26,7 @@ from .device_sampler import DeviceLogits, HostLogits
 from .sampler import SamplerState, SamplingParams
 from .scheduler import Scheduler
 from .step import SeqChunk, output_offsets, step_inputs
+from .tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -131,7 +132,6 @@ class Engine:
     def _new_sequence(self, req: Request, index: int, state: SamplerState) -> Sequence:
         detok = None
         if self.tokenizer is not None:
-            from .tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.prompt_ids)
         seq = Sequence(req, index, state, detok)
         req.sequences.append(seq)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kiln.errors import KilnError
 
 from .engine import Engine
@@ -107,7 +109,6 @@ class LLM:
             reqs.append(self.engine.add_request(ids, sp, prompt=text))
         bar = None
         if use_tqdm and len(reqs) > 1:
-            from tqdm import tqdm
             bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True)
         final = self.engine.run_to_completion(lambda out: bar.update(1) if bar and out.finished else None)
         if bar:

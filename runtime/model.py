@@ -22,6 +22,7 @@ from kiln.errors import KilnError
 from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY
 from kiln.ir.kv_spec import KVSpec
 from kiln.ir.step_forms import is_prefill_step
+from kiln.safetensors_io import ALIGNMENT, map_file, read_header
 
 from .device_sampler import DeviceSampler
 from .launch import Launcher
@@ -87,7 +88,6 @@ class CompiledModel:
         """The weights in argument order: views of the file's memory map on the CPU, uploads from it
         elsewhere. A tensor at an offset TVM cannot take as it is (artifacts written before weights
         were aligned) is copied instead."""
-        from kiln.safetensors_io import ALIGNMENT, map_file, read_header
         path = self.dir / WEIGHTS
         entries, _ = read_header(path)
         mapped = map_file(path)

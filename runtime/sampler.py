@@ -9,7 +9,7 @@ u in [0, 1) from its own generator, a greedy row none. Sample i > 0 of a
 request with n > 1 seeds its generator with (seed, i).
 
 The definition (runtime/device_sampler.py computes the same on the device from
-the same u, with the kernels of codegen/sampling.py):
+the same u, with the kernels of codegen/lowering/sampling.py):
 
 1. Processed logits x (float32): each token of the row that a penalty or bias
    touches (`penalty_entries`) becomes, computed in float64 and rounded to

@@ -20,27 +20,27 @@ class Target:
     dtypes: tuple[str, ...] = ("float32",)
     runs_here: bool = True           # False where this machine cannot execute the artifact
     note: str = ""                   # what the manifest should tell about where/how the artifact runs
-    # step kind -> attention kernels in order of preference (codegen/attention.py KERNELS)
+    # step kind -> attention kernels in order of preference (codegen/lowering/attention.py KERNELS)
     attention_kernels: dict[str, tuple[str, ...]] = field(
         default_factory=lambda: {"mixed": ("kiln_cpu",), "decode": ("kiln_cpu",)})
     kv_dtypes: tuple[str, ...] = ()  # quantised KV caches its attention kernel reads (ir/quant.py KV_SCHEMES)
     graph_batches: tuple[int, ...] = ()   # decode batch buckets replayed as CUDA graphs (none: no graphs)
-    device_sampling: bool = False    # compile the sampler into the artifact (codegen/sampling.py)
+    device_sampling: bool = False    # compile the sampler into the artifact (codegen/lowering/sampling.py)
     # MLA prefill steps whose every sequence brings at least this many new tokens run the expanded
     # form (passes/specialize_mla.py); 0: the absorbed form in every step
     mla_expanded_from: int = 0
-    # packed linears in steps that bring chunks run codegen/gemm.py's GEMM, decode steps the GEMV
+    # packed linears in steps that bring chunks run codegen/kernels/cpu/gemm.py's GEMM, decode steps the GEMV
     # schedule: a "decode" entry is built for them
     chunk_gemm: bool = False
     # with chunk_gemm: decode steps of at least this many sequences run the mixed entry (its GEMMs
     # beat the GEMV from there); 0: every decode step runs the decode entry
     decode_gemm_from: int = 0
-    # linears on tensor cores (codegen/mma_gemm.py), and decode steps of at least this many
+    # linears on tensor cores (codegen/kernels/gpu/mma_gemm.py), and decode steps of at least this many
     # sequences run them (the "decode_wide" entry); 0: decode steps keep the GEMV
     tensor_cores: bool = False
     decode_mma_from: int = 0
     # > 0: q8/q4 linears quantise their input rows to int8 in blocks of this many inputs and
-    # multiply in integer dot products (codegen/int8_gemm.py); 0: float activations
+    # multiply in integer dot products (codegen/kernels/cpu/int8_gemm.py); 0: float activations
     activation_block: int = 0
 
     @classmethod

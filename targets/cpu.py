@@ -30,14 +30,14 @@ def named_cpu_target(cpu: str) -> tvm.target.Target:
 
 def _int8_dot(target: tvm.target.Target) -> str:
     """The integer dot kiln's int8-activation kernels use on `target`'s CPU: "vnni" (AVX-512 VNNI,
-    codegen/vnni_linear.py), "avx2" (vpmaddwd, codegen/int8_gemm.py and int8_gemv.py), or "" (none:
+    codegen/kernels/cpu/vnni_linear.py), "avx2" (vpmaddwd, codegen/kernels/cpu/int8_gemm.py and int8_gemv.py), or "" (none:
     linears keep float activations)."""
     return "vnni" if has_quad_dot(target) else "avx2" if has_pair_dot(target) else ""
 
 
 def _bf16_dot(target: tvm.target.Target) -> bool:
     """Whether `target`'s CPU multiplies bf16 pairs (AVX-512 BF16): bf16 linears then run
-    codegen/bf16_linear.py."""
+    codegen/kernels/cpu/bf16_linear.py."""
     return has_bf16_dot(target)
 
 

@@ -1,4 +1,4 @@
-"""Cases of kiln's GPU paged attention (codegen/gpu_attention_source.py) and their reference, for the
+"""Cases of kiln's GPU paged attention (codegen/kernels/gpu/attention_source.py) and their reference, for the
 emulated test (tests/test_gpu_attention_emulated.py) and the GPU's (tests/gpu/test_gpu_attention.py):
 ragged steps (a decode beside prefill chunks, cached context, shuffled pages), sliding windows
 shorter and longer than the prompt, soft-capped scores, int8 and e4m3 pages, head ratios from MHA
@@ -29,7 +29,7 @@ def case_id(case) -> str:
 
 
 def shape_of(case):
-    from kiln.codegen.gpu_attention_source import AttentionShape
+    from kiln.codegen.kernels.gpu.attention_source import AttentionShape
     dtype, kv, hq, hkv, d = case[:5]
     return AttentionShape(hq, hkv, d, PAGE, dtype, kv)
 

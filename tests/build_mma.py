@@ -1,4 +1,4 @@
-"""Build every tensor-core tile of codegen/mma_tuning.py for one arch in a fresh process (TVM must
+"""Build every tensor-core tile of codegen/kernels/gpu/mma_tuning.py for one arch in a fresh process (TVM must
 see a CUDA loader before it is imported) and write the CUDA source TVM generated.
 
     python tests/build_mma.py ARCH OUT      prints the kernels' names; writes OUT/kernels.cu
@@ -13,8 +13,8 @@ def main(arch: str, out: Path) -> None:
     from kiln.targets.cuda import make_target
     target = make_target(arch)
     import tvm
-    from kiln.codegen.mma_gemm import mma_linear_kernel
-    from kiln.codegen.mma_tuning import CANDIDATES
+    from kiln.codegen.kernels.gpu.mma_gemm import mma_linear_kernel
+    from kiln.codegen.kernels.gpu.mma_tuning import CANDIDATES
     from kiln.targets.cuda import FP8_ARCHS
     formats = (("q8", 0), ("q4", 32), ("q4", 128)) + ((("fp8", 0),) if arch in FP8_ARCHS else ())
     # each tile in bf16; fp16, the bias + residual epilogue and a gated MLP's activations on the
@@ -35,7 +35,7 @@ def main(arch: str, out: Path) -> None:
         func, _ = mma_linear_kernel(512, 512, dtype, epilogue, epilogue, [(0, tile)], weight, group)
         funcs[name] = func.with_attr("global_symbol", name)
     # a mixture of experts' grouped GEMMs: gathered rows, weighted rows, each weight format
-    from kiln.codegen.mma_gemm import mma_experts_kernel
+    from kiln.codegen.kernels.gpu.mma_gemm import mma_experts_kernel
     experts = [("bfloat16", "float", 0, True), ("float16", "float", 0, False), ("float16", "q8", 0, True),
                ("float16", "q4", 32, True), ("bfloat16", "q4", 128, False)]
     for dtype, weight, group, gather in experts + ([("bfloat16", "fp8", 0, False)] if arch in FP8_ARCHS else []):

@@ -43,7 +43,7 @@ def test_family_prefill_and_decode(make_model, compiled_family, family):
 def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, compiled_family):
     """A bfloat16 artifact: close to transformers (float32), and to the interpreter on the same
     bfloat16 graph in a prefill and the decode steps after it. Its linears are the bf16 dot kernel
-    (codegen/bf16_linear.py) in every entry on a CPU with AVX-512 BF16, else the float32 GEMM and GEMV."""
+    (codegen/kernels/cpu/bf16_linear.py) in every entry on a CPU with AVX-512 BF16, else the float32 GEMM and GEMV."""
     from kiln.targets.cpu import CPUTarget
     model_dir = make_model("llama")
     model = open_artifact(compiled_family("llama", dtype="bfloat16"))

@@ -1,4 +1,4 @@
-"""codegen/cpu_schedule.py: the kernels TVM legalises for the CPU get a parallel, vectorised
+"""codegen/kernels/cpu/schedule.py: the kernels TVM legalises for the CPU get a parallel, vectorised
 schedule after fusion, compute what they computed before (against NumPy), and kiln's own
 scheduled kernels are left as they are."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _swiglu_module(tokens: int, width: int):
 @pytest.mark.build
 def test_a_fused_elementwise_kernel_runs_parallel_and_vectorised_and_equals_numpy():
     from tvm import relax
-    from kiln.codegen.cpu_schedule import schedule_cpu_kernels
+    from kiln.codegen.kernels.cpu.schedule import schedule_cpu_kernels
     from kiln.codegen.pipelines import relax_pipeline
     from kiln.targets.cpu import CPUTarget
     target = CPUTarget()
@@ -49,7 +49,7 @@ def test_a_fused_elementwise_kernel_runs_parallel_and_vectorised_and_equals_nump
 
 def test_kilns_own_scheduled_kernels_are_left_alone():
     from tvm.script import tirx as T
-    from kiln.codegen.cpu_schedule import schedule_cpu_kernels
+    from kiln.codegen.kernels.cpu.schedule import schedule_cpu_kernels
     from kiln.targets.cpu import CPUTarget
 
     @T.prim_func(private=True, s_tir=True)

@@ -31,7 +31,7 @@ def test_cuda_artifact_is_built_with_its_kernels():
     # a second one whose kernels TVM's RewriteCUDAGraph captured: all but the LM head (which writes the
     # step's output) replay as one CUDA graph
     # ... and wide decode steps a third, whose linears run on tensor cores as the mixed steps' do
-    # (codegen/mma_gemm.py), also captured
+    # (codegen/kernels/gpu/mma_gemm.py), also captured
     assert manifest["entries"] == {"mixed": "forward", "decode": "decode", "decode_graph": "decode_graph",
                                    "decode_wide": "decode_wide", "decode_wide_graph": "decode_wide_graph"}
     assert manifest["decode_mma_from"] == 16
@@ -47,7 +47,7 @@ def test_cuda_artifact_is_built_with_its_kernels():
     assert manifest["attention_kernels"] == {"mixed": ["tvm_prefill"], "decode": ["kiln_gpu"]}
     launches = manifest["launches_per_step"]["entries"]
     assert launches["decode"]["kernels"] == launches["decode"]["host_launches"]
-    # decode steps' linears are kiln's streaming GEMVs (codegen/gemv.py), one per shape; the gate/up
+    # decode steps' linears are kiln's streaming GEMVs (codegen/kernels/gpu/gemv.py), one per shape; the gate/up
     # one applies the SwiGLU as the tensor-core kernel does
     assert {k for k in manifest["kernels"] if k.startswith("gemv_")} == {
         "gemv_512x256", "gemv_256x256_residual", "gemv_1024x256_silu", "gemv_256x512_residual", "gemv_384x256"}

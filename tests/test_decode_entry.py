@@ -2,7 +2,7 @@
 
 GPU targets prefer TVM's decode kernel for steps of one new token per sequence and its prefill
 kernel otherwise. The CPU target can be given the same kernel table: TVM's CPU kernels take the
-very parameters its GPU kernels do, bound by codegen/tvm_kernels.py. So here, on the CPU, the
+very parameters its GPU kernels do, bound by codegen/kernels/tvm_kernels.py. So here, on the CPU, the
 decode entry, its choice by the step's shape and the kernels' binding are run and checked against
 the reference interpreter; tests/gpu repeats it on CUDA.
 """
@@ -55,7 +55,7 @@ def test_manifest_records_the_decode_entry_and_its_kernels(artifact):
 
 def test_default_cpu_target_decodes_with_gemv_and_prefills_with_gemm(llama_cpu):
     """One attention kernel for every step, but two linear kernels per projection shape: the
-    register-blocked GEMM (codegen/gemm.py) for steps with chunks, the GEMV schedule for decode."""
+    register-blocked GEMM (codegen/kernels/cpu/gemm.py) for steps with chunks, the GEMV schedule for decode."""
     from kiln.artifact import read_manifest
     m = read_manifest(llama_cpu[0]).to_json()
     assert m["entries"] == {"mixed": "forward", "decode": "decode"}

@@ -1,4 +1,4 @@
-"""Device sampling (codegen/sampling.py, runtime/device_sampler.py) built for this CPU: the compiled
+"""Device sampling (codegen/lowering/sampling.py, runtime/device_sampler.py) built for this CPU: the compiled
 functions pick what the NumPy sampler (runtime/sampler.py) picks on the same logits and seeds, and
 the same module builds for CUDA."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ VOCAB = 3000
 def vm():
     from tvm import relax
     from kiln.codegen.pipelines import relax_pipeline
-    from kiln.codegen.sampling import add_sampling_functions
+    from kiln.codegen.lowering.sampling import add_sampling_functions
     from kiln.targets.cpu import CPUTarget
     target = CPUTarget()
     mod = add_sampling_functions(tvm.IRModule())
@@ -249,7 +249,7 @@ def test_sampling_functions_build_for_cuda(tmp_path):
         target = make_target("sm_90")
         import tvm
         from kiln.codegen.pipelines import relax_pipeline
-        from kiln.codegen.sampling import add_sampling_functions
+        from kiln.codegen.lowering.sampling import add_sampling_functions
         start = time.perf_counter()
         with target.tvm_target():
             mod = relax_pipeline(target)(add_sampling_functions(tvm.IRModule()))

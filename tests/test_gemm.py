@@ -1,8 +1,8 @@
 """kiln's register-blocked CPU GEMMs against the reference interpreter's linear ops, on the same
 (quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
-codegen/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/int8_gemm.py,
-int8_gemv.py, vnni_linear.py (and the TE form codegen/linear.py uses for unpacked weights) on q8 and
-q4 weights with int8 activations, codegen/bf16_linear.py on bfloat16; with bias and residual."""
+codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/kernels/cpu/int8_gemm.py,
+int8_gemv.py, vnni_linear.py (and the TE form codegen/kernels/te_linear.py gives unpacked weights) on q8 and
+q4 weights with int8 activations, codegen/kernels/cpu/bf16_linear.py on bfloat16; with bias and residual."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -42,7 +42,7 @@ INT8_CASES = [  # (op, dtype, bias, residual)
 
 @pytest.mark.parametrize("op,dtype,bias,residual", CASES)
 def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
-    from kiln.codegen.gemm import packed_gemm_kernel, vector_lanes
+    from kiln.codegen.kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
     from kiln.targets.cpu import host_cpu_target
     check_against_interpreter(op, dtype, bias, residual, {}, lambda fmt, weight_dtype: packed_gemm_kernel(
         N_OUT, N_IN, NB, dtype, fmt, weight_dtype, bias, residual, vector_lanes(host_cpu_target())))
@@ -62,7 +62,7 @@ def pair_dot_or_skip():
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
 def test_int8_gemm_equals_the_interpreter(op, dtype, bias, residual):
-    from kiln.codegen.int8_gemm import int8_gemm_kernel
+    from kiln.codegen.kernels.cpu.int8_gemm import int8_gemm_kernel
     pair_dot_or_skip()
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: int8_gemm_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=int8_layout(op))
@@ -70,7 +70,7 @@ def test_int8_gemm_equals_the_interpreter(op, dtype, bias, residual):
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
 def test_int8_gemv_equals_the_interpreter(op, dtype, bias, residual):
-    from kiln.codegen.int8_gemv import int8_gemv_kernel
+    from kiln.codegen.kernels.cpu.int8_gemv import int8_gemv_kernel
     pair_dot_or_skip()
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: int8_gemv_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=int8_layout(op))
@@ -78,8 +78,8 @@ def test_int8_gemv_equals_the_interpreter(op, dtype, bias, residual):
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
 def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
-    """codegen/vnni_linear.py (every step on AVX-512 VNNI CPUs), weights in byte quads."""
-    from kiln.codegen.vnni_linear import vnni_linear_kernel
+    """codegen/kernels/cpu/vnni_linear.py (every step on AVX-512 VNNI CPUs), weights in byte quads."""
+    from kiln.codegen.kernels.cpu.vnni_linear import vnni_linear_kernel
     from kiln.host_cpu import has_quad_dot
     from kiln.targets.cpu import host_cpu_target
     if not has_quad_dot(host_cpu_target()):
@@ -93,7 +93,7 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
 def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residual):
     """The TE stages for unpacked weights (nk layout): same scheme, generic loops."""
     from tvm import te, tirx
-    from kiln.codegen.linear import _nt_matmul
+    from kiln.codegen.kernels.te_linear import nt_matmul
 
     def kernel(fmt, weight_dtype):
         m = tirx.Var("m", "int64")
@@ -103,7 +103,7 @@ def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residua
         scale = te.placeholder(scale_shape, scale_dtype)
         b = te.placeholder((N_OUT,), dtype) if bias else None
         r = te.placeholder((m, N_OUT), dtype) if residual else None
-        y = _nt_matmul(x, w, scale, b, r, dtype, fmt)
+        y = nt_matmul(x, w, scale, b, r, dtype, fmt)
         return te.create_prim_func([t for t in (x, w, scale, b, r, y) if t is not None])
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, kernel, layout="nk")
 
@@ -113,10 +113,10 @@ BF16_CASES = [(False, False), (True, False), (False, True), (True, True)]   # (b
 
 @pytest.mark.parametrize("bias,residual", BF16_CASES)
 def test_bf16_dot_kernel_equals_the_interpreter(bias, residual, tmp_path):
-    """codegen/bf16_linear.py (every step on AVX-512 BF16 CPUs), weights in input pairs, its
-    micro-kernels (codegen/bf16_micro.py) linked in as the artifact links them."""
-    from kiln.codegen.bf16_linear import bf16_linear_kernel, micro_kernels
-    from kiln.codegen.bf16_micro import micro_module
+    """codegen/kernels/cpu/bf16_linear.py (every step on AVX-512 BF16 CPUs), weights in input pairs, its
+    micro-kernels (codegen/kernels/cpu/bf16_micro.py) linked in as the artifact links them."""
+    from kiln.codegen.kernels.cpu.bf16_linear import bf16_linear_kernel, micro_kernels
+    from kiln.codegen.kernels.cpu.bf16_micro import micro_module
     from kiln.host_cpu import has_bf16_dot
     from kiln.targets.cpu import host_cpu_target
     if not has_bf16_dot(host_cpu_target()):
@@ -131,7 +131,7 @@ def test_bf16_micro_kernels_select_vdpbf16ps_for_a_bf16_cpu():
     on a CPU with AVX-512 BF16 (Zen 4), whichever x86 CPU runs the test: rows × vectors dots per pair."""
     import platform
     import tvm
-    from kiln.codegen.bf16_micro import micro_module, micro_name
+    from kiln.codegen.kernels.cpu.bf16_micro import micro_module, micro_name
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 only: the micro-kernels are AVX-512 BF16 code")
     target = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": "znver4"})
@@ -149,8 +149,8 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     `scale_layout`), against interpret().
     link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
     import tvm
-    from kiln.codegen.layouts import apply_layout
-    from kiln.codegen.weight_format import WeightFormat
+    from kiln.codegen.kernels.layouts import apply_layout
+    from kiln.codegen.kernels.weight_format import WeightFormat
     from kiln.ir import GraphBuilder, interpret
     from kiln.ir.types import numpy_dtype
     from kiln.targets.cpu import host_cpu_target

@@ -1,6 +1,6 @@
-"""The decode GEMV's own source (codegen/gemv_source.py) compiled for the CPU with g++ and run
+"""The decode GEMV's own source (codegen/kernels/gpu/gemv_source.py) compiled for the CPU with g++ and run
 over tests/mma_emulator.h's threads (its one PTX load read plainly), against NumPy's float32
-product with codegen/linear.py's epilogue: every weight format, both activation types, 1 to 8 rows
+product with codegen/kernels/weight_format.py's epilogue: every weight format, both activation types, 1 to 8 rows
 a block, 32 to 256 threads, batches of x that do not fill the last pass, bias and residual, and the
 gated MLP's act(gate) * up. tests/gpu/test_gemv.py runs the built kernels on a GPU."""
 from __future__ import annotations
@@ -42,8 +42,8 @@ def case_id(case) -> str:
 
 @pytest.fixture(scope="module")
 def gemv_library(tmp_path_factory):
-    from kiln.codegen.gemv_source import GEMV_TEMPLATE, GemvConfig, gemv_source
-    from kiln.codegen.mma_source import KERNEL_TEMPLATES
+    from kiln.codegen.kernels.gpu.gemv_source import GEMV_TEMPLATE, GemvConfig, gemv_source
+    from kiln.codegen.kernels.gpu.mma_source import KERNEL_TEMPLATES
     parts = ['#include "mma_emulator.h"', "namespace kiln_mma {", KERNEL_TEMPLATES, "}",
              GEMV_EMULATED, GEMV_TEMPLATE, "}"]
     for index, (dtype, weight, group, epilogue, activation, shape) in enumerate(CASES):
@@ -60,7 +60,7 @@ def gemv_library(tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
 def test_emulated_gemv_matches_numpy(gemv_library, index):
-    from kiln.codegen.layouts import GATED, GATED_COLUMNS, apply_layout
+    from kiln.codegen.kernels.layouts import GATED, GATED_COLUMNS, apply_layout
     dtype, weight, group, epilogue, activation, _ = CASES[index]
     rng = np.random.default_rng(300 + index)
     if weight == "float":
@@ -87,9 +87,9 @@ def test_emulated_gemv_matches_numpy(gemv_library, index):
 
 
 def test_tuning_table_names_candidates_the_bench_builds():
-    """Each entry of codegen/gemv_tuning.json is one of the candidates bench/gemv_gpu.py times, and
+    """Each entry of codegen/kernels/gpu/gemv_tuning.json is one of the candidates bench/gemv_gpu.py times, and
     every configuration the compiler takes from it (gated ones included) is one the kernel accepts."""
-    from kiln.codegen.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, _table, default_configs
+    from kiln.codegen.kernels.gpu.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, _table, default_configs
     for key, name in _table().items():
         arch, form, shape, batch = key.split()
         rows, threads = (int(v) for v in name[1:].split("t"))

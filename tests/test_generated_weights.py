@@ -149,7 +149,7 @@ def _stored(param, shape, dtype, layout="nk"):
 
 
 def _unpack(arr, layout):
-    """[n / NB, k, NB] -> [n, k] (codegen/layouts.py's packing, undone)."""
+    """[n / NB, k, NB] -> [n, k] (codegen/kernels/layouts.py's packing, undone)."""
     return arr if layout == "nk" else arr.transpose(0, 2, 1).reshape(-1, arr.shape[1])
 
 

@@ -1,4 +1,4 @@
-"""kiln's GPU paged attention (codegen/gpu_attention_source.py) compiled for the CPU with g++ and run
+"""kiln's GPU paged attention (codegen/kernels/gpu/attention_source.py) compiled for the CPU with g++ and run
 over tests/mma_emulator.h's threads, against the `paged_attention` op's reference (ir/kv_ops.py) on
 the same pages, over tests/attention_cases.py's cases; the quantising append's pages and scales
 must equal the reference's exactly. tests/gpu/test_gpu_attention.py runs the same cases on a GPU."""
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    from kiln.codegen.gpu_attention_source import NAMESPACE, WARPS, append_source, attention_source
+    from kiln.codegen.kernels.gpu.attention_source import NAMESPACE, WARPS, append_source, attention_source
     parts = ['#include "mma_emulator.h"', NAMESPACE]
     for index, case in enumerate(CASES):
         shape, (window, cap, splits) = shape_of(case), case[5:]

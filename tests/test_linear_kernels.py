@@ -1,4 +1,4 @@
-"""The linear kernel registry (codegen/linear.py LINEAR_KERNELS): which kernel a linear gets, by
+"""The linear kernel registry (codegen/lowering/linear.py LINEAR_KERNELS): which kernel a linear gets, by
 target, step, layout and format, as docs/kernels.md describes the choice."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.codegen.linear import LINEAR_KERNELS, LinearSite
-from kiln.codegen.weight_format import WeightFormat
+from kiln.codegen.lowering.linear import LINEAR_KERNELS, LinearSite
+from kiln.codegen.kernels.weight_format import WeightFormat
 from kiln.targets import target_defaults
 
 
@@ -41,3 +41,24 @@ def test_cpu_linears_by_layout_and_step():
     assert chosen(cpu, "mixed", "packed16x4", int8, dtype="float32") == "vnni"
     assert chosen(cpu, "mixed", "packed16", int8, dtype="float32") == "int8_gemm"
     assert chosen(cpu, "mixed", "", dtype="float32") == "te_linear"
+
+
+def expert_gemm(target, layout, dtype="bfloat16", fmt=WeightFormat()):
+    from kiln.codegen.lowering.moe import MOE_GEMM_KERNELS, ExpertGemm
+    weight = SimpleNamespace(ty=SimpleNamespace(dtype=dtype, shape=(8, 2048, 2048)))
+    gemm = ExpertGemm(SimpleNamespace(target=target), "moe_down", [None, None, weight], 2048, 2048, layout, dtype,
+                      fmt, gather=False, weighted=True)
+    return [k.name for k in MOE_GEMM_KERNELS if k.supports(gemm)][0]
+
+
+def test_moe_grouped_gemms_by_target_and_layout():
+    cuda = replace(target_defaults("cuda"), arch="sm_90")
+    assert expert_gemm(cuda, "") == "mma"
+    assert expert_gemm(target_defaults("rocm"), "") == "te"
+    assert expert_gemm(target_defaults("cpu"), "packed16", dtype="float32") == "packed"
+
+
+def test_every_attention_and_latent_kernel_has_an_emitter():
+    from kiln.codegen.lowering import attention, attention_kernels, latent_kernels, mla
+    assert set(attention.EMITTERS) == set(attention_kernels.KERNELS)
+    assert set(mla.EMITTERS) == set(latent_kernels.KERNELS)

@@ -132,7 +132,7 @@ def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tm
 def test_each_target_chooses_the_latent_kernels_that_read_its_cache():
     """kiln's CPU kernels read int8 rows and have the expanded form; TVM's MLA kernels on GPUs read
     unquantised rows only, so a GPU with a quantised latent cache is refused by name."""
-    from kiln.codegen.latent_kernels import choose_latent_kernel
+    from kiln.codegen.lowering.latent_kernels import choose_latent_kernel
     from kiln.errors import KilnError
     from kiln.ir.kv_spec import KVSpec
     from kiln.targets import planned_target

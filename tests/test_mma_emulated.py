@@ -1,4 +1,4 @@
-"""The tensor-core kernel's own source (codegen/mma_source.py) compiled for the CPU with g++ and run
+"""The tensor-core kernel's own source (codegen/kernels/gpu/mma_source.py) compiled for the CPU with g++ and run
 there, its PTX primitives emulated as the PTX ISA specifies them (tests/mma_emulator.h), against
 NumPy's float32 product with the same epilogue: every format, tiles of both input widths and of 2,
 3 and 4 stages, ragged row counts, bias and residual, and the experts' grouped form. What this
@@ -44,8 +44,8 @@ def case_name(index: int, experts: bool) -> str:
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     """Every case's kernel and a C entry point that launches it over the emulated grid."""
-    from kiln.codegen.mma_source import KERNEL_TEMPLATES, experts_kernel_source, kernel_source
-    from kiln.codegen.mma_tuning import parse_tile
+    from kiln.codegen.kernels.gpu.mma_source import KERNEL_TEMPLATES, experts_kernel_source, kernel_source
+    from kiln.codegen.kernels.gpu.mma_tuning import parse_tile
     parts = ['#include "mma_emulator.h"', "namespace kiln_mma {", KERNEL_TEMPLATES, "}"]
     for index, (dtype, weight, group, epilogue, tile_name) in enumerate(CASES):
         tile, name = parse_tile(tile_name), case_name(index, False)
@@ -104,7 +104,7 @@ def stored(rng, weight: str, group: int, shape: tuple[int, int]):
 
 
 def expected(x, values, scale, bias, residual, dtype):
-    """codegen/linear.py's epilogue: float32 sum, * scale, + bias, round, + residual, round."""
+    """codegen/kernels/weight_format.py's epilogue: float32 sum, * scale, + bias, round, + residual, round."""
     y = x.astype(np.float32) @ values.T
     if scale is not None:
         y = y * scale
@@ -186,9 +186,9 @@ ACTIVATIONS = {"silu": lambda g: g / (1 + np.exp(-g)),
 @pytest.mark.parametrize("index", range(len(GATED_CASES)), ids=[f"{c[0]}-{c[1]}{c[2] or ''}-{c[3]}-{c[4]}"
                                                                  for c in GATED_CASES])
 def test_emulated_gated_kernel_matches_the_gated_op(library, index):
-    """Weights stored 'gated' (gate and up rows interleaved, codegen/layouts.py); the output is
+    """Weights stored 'gated' (gate and up rows interleaved, codegen/kernels/layouts.py); the output is
     act(gate) * up, rounded as ir/ops.py's swiglu / geglu round it, half as wide."""
-    from kiln.codegen.layouts import GATED, GATED_COLUMNS, apply_layout
+    from kiln.codegen.kernels.layouts import GATED, GATED_COLUMNS, apply_layout
     dtype, weight, group, activation, tile = GATED_CASES[index]
     rng = np.random.default_rng(200 + index)
     if weight == "float":

@@ -1,4 +1,4 @@
-"""kiln's compiled MoE kernels (codegen/moe.py) against the reference interpreter: every router
+"""kiln's compiled MoE kernels (codegen/lowering/moe.py) against the reference interpreter: every router
 scheme, float and quantised experts, prefill-sized and decode-sized steps, a token routed to
 fewer experts than top_k."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ def compiled(graph, load):
     from tvm.runtime.vm import VirtualMachine
 
     from kiln.codegen import lower_graph
-    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.kernels.layouts import apply_layout
     from kiln.codegen.pipelines import relax_pipeline
     from kiln.targets.cpu import CPUTarget
     target = CPUTarget()

@@ -55,7 +55,7 @@ def _recipe_value(graph, model, name, dtype):
 def _old_writer(model, graph, stored, dtype, path):
     """What compile wrote before streaming: every tensor in memory (reference quantisers), one save_file."""
     from safetensors.numpy import save_file
-    from kiln.codegen.layouts import apply_layout
+    from kiln.codegen.kernels.layouts import apply_layout
     tensors = {w.name: apply_layout(w.layout, _recipe_value(graph, model, w.param, dtype)) for w in stored}
     save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
               str(path))

@@ -1,4 +1,4 @@
-"""kiln's decode GEMV (codegen/gemv.py) on the GPU against torch's float32 product.
+"""kiln's decode GEMV (codegen/kernels/gpu/gemv.py) on the GPU against torch's float32 product.
 
 Every weight format (bf16/fp16, q8, fp8, q4 in groups of 32 and 128), plain, with bias and
 residual, and gated (act(gate) * up from rows stored interleaved), on a shape whose blocks hold
@@ -43,7 +43,7 @@ def test_gemv_matches_the_float32_product(kernels, spec):
     dtype, n, k, weight, group = getattr(torch, spec["dtype"]), spec["n"], spec["k"], spec["weight"], spec["group"]
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     weights, values, scale = weights_of(torch, weight, group, n, k, dtype, gen)
-    if spec["activation"]:          # stored 'gated' (codegen/layouts.py): gate and up rows interleaved
+    if spec["activation"]:          # stored 'gated' (codegen/kernels/layouts.py): gate and up rows interleaved
         order = torch.stack([torch.arange(n // 2), torch.arange(n // 2) + n // 2], dim=1).reshape(-1).cuda()
         weights = [weights[0][order]] + [s[:, order] if s.dim() == 2 else s[order] for s in weights[1:]]
     bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if spec["bias"] else None

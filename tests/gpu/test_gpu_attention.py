@@ -1,4 +1,4 @@
-"""kiln's GPU paged attention (codegen/gpu_attention_source.py) on the GPU: each case of
+"""kiln's GPU paged attention (codegen/kernels/gpu/attention_source.py) on the GPU: each case of
 tests/attention_cases.py compiled (CuPy, with nvcc where it is installed) and run against the
 `paged_attention` op's reference (ir/kv_ops.py) on the same pages; the quantising append's pages and
 scales must equal the reference's exactly. The emulated test runs the same cases on the CPU."""
@@ -19,7 +19,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy (the GPU extra) is not installed
 
 def module(case):
     """The case's kernels behind __global__ entry points: run_attention, run_merge, run_append."""
-    from kiln.codegen.gpu_attention_source import append_source, attention_source
+    from kiln.codegen.kernels.gpu.attention_source import append_source, attention_source
     shape, (window, cap, splits) = shape_of(case), case[5:]
     quantized = shape.kv_code != 0
     params = ["const void* q", "const void* pages"] + (["const void* scales"] if quantized else []) + [

@@ -1,6 +1,6 @@
-"""kiln's tensor-core GEMM (codegen/mma_gemm.py) on the GPU against torch's float32 product.
+"""kiln's tensor-core GEMM (codegen/kernels/gpu/mma_gemm.py) on the GPU against torch's float32 product.
 
-Every candidate tile of codegen/mma_tuning.py, and the compiler's choice by rows, in bf16 and fp16,
+Every candidate tile of codegen/kernels/gpu/mma_tuning.py, and the compiler's choice by rows, in bf16 and fp16,
 plain and with bias and residual; q8, fp8 and q4 (groups of 32 and 128) weights on three tiles; at
 the row counts that cross the tiles' edges (1, 7, 16, 17, 64, 100, 1000). The kernels come from
 KILN_GEMM_KERNELS (`bench/gemm_gpu.py build DIR --tests-only` on a build machine) or are built here.
@@ -166,7 +166,7 @@ def test_gated_kernel_applies_the_activation(kernels, dtype, tile, weight, group
     """gate/up weights stored 'gated' (rows interleaved); y = act(gate) * up, half as wide, each
     step rounded as ir/ops.py's swiglu / geglu."""
     import torch
-    from kiln.codegen.layouts import GATED, GATED_COLUMNS, apply_layout
+    from kiln.codegen.kernels.layouts import GATED, GATED_COLUMNS, apply_layout
     library, specs = kernels
     torch_dtype = getattr(torch, dtype)
     spec = next(s for s in specs if (s["dtype"], s["tile"], s["weight"], s["group"], s.get("activation"))

@@ -1,0 +1,172 @@
+"""kiln's int8-activation kernel for q8 and q4 linears on CPUs with AVX-512 VNNI, for every step.
+
+The scheme and the float steps are codegen/kernels/cpu/int8_gemm.py's (x quantised per block inside the kernel,
+exact integer dots per block, then acc + dot · block scale in block order), so the outputs equal
+that kernel's and the interpreter's. The dots run on vpdpbusd: four unsigned bytes times four signed
+bytes, summed into each int32 lane, 64 products per instruction with nothing to widen. The weights
+are stored four bytes per output column side by side (layout packedNBx4 over the stored columns),
+so one 64-byte row of a panel is the operand for 16 columns:
+  - q8: four levels; XOR 0x80 makes them unsigned (level + 128), so a block's dots start from
+    -128 · Σx (x_block_sums computes it with the sums);
+  - q4: weights in layout packedNBx4nB (B the activation block): byte i of a pair of blocks'
+    stored rows holds input i of the first block in its low nibble and input i of the second in
+    its high one, both level + 8. An AND with 0x0F gives the first block's operand, an AND with
+    0xF0 sixteen times the second's, whose dots then start from -16 · 8 · Σx and take x's scale
+    / 16 (the quantiser stores it so; a power of two: the products round as the scheme's). No
+    shift is needed: on Zen 4 a byte shift (vgf2p8affineqb) takes a slot of vpdpbusd's pipes,
+    an AND does not (bench/zen4_ports.c, docs/BENCHMARKS.md). x's levels stay in input order.
+    q4's group scales are stored by panel (layout panelsNB): a task reads them as one run beside
+    its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8% faster on
+    Zen 4, docs/BENCHMARKS.md).
+A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block (read from
+memory once, then from cache by every micro-tile) a micro-kernel runs MICRO_ROWS rows × 2 vectors
+of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in registers for one activation
+block (a single row: q4's two blocks of a stored row at once, so each row is loaded once), their
+scaled float sums in registers for the K block. A decode step is the same kernel
+with a tile of one row. Nothing is prefetched in software: on Zen 4 prefetching the next K block's
+weights halved a decode GEMV's rate; prefetching a few blocks ahead, or the q4 scales, was slower
+or gained nothing measurable (docs/BENCHMARKS.md). The epilogue (q8 scale, bias, rounding,
+residual) is codegen/kernels/weight_format.py's.
+"""
+from __future__ import annotations
+
+import functools
+
+from tvm.script import tirx as T
+
+from .gemm import panel_and_tile, signature, tile_output
+from .int8_gemm import x_block_sums, x_quantizer
+from ..weight_format import WeightFormat
+
+QUAD_DOT = "llvm.x86.avx512.vpdpbusd.512"  # unsigned × signed bytes, four per int32 lane summed in
+LANES = 16                                 # int32 lanes of a 512-bit register: 16 output columns
+QUAD = 4                                   # stored bytes per column in a row of the layout
+ROWS, K_BLOCK, MICRO_ROWS = 48, 512, 6
+MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
+
+
+
+def supports(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
+    paired = 2 if fmt.kind == "q4" else 1            # blocks whose inputs share stored bytes
+    return (fmt.kind in ("q8", "q4") and fmt.act_block % QUAD == 0 and n_in % (paired * fmt.act_block) == 0
+            and nb % LANES == 0)
+
+
+@functools.cache
+def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
+                       has_residual: bool):
+    """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]), w stored in layout packedNBx4:
+    [n_out/nb, n_in/4, 4 nb] int8 (q8), or in packedNBx4nB [n_out/nb, n_in/8, 4 nb] bytes of two
+    nibbles (q4, B the activation block); q4's group scales in layout panelsNB: [n_out/nb, n_in/group, nb]."""
+    if not supports(n_out, n_in, nb, fmt):
+        raise ValueError(f"the VNNI kernel takes q8/q4 with panels of a multiple of {LANES} columns and "
+                         f"activation blocks of whole stored rows, not nb={nb}, {fmt}")
+    block, q4 = fmt.act_block, fmt.kind == "q4"
+    parts = 2 if q4 else 1                             # blocks a stored row holds (q4: one per nibble)
+    unit = parts * block                               # inputs of one run of stored rows
+    unit_rows = block // QUAD                          # its stored rows
+    k_block = next((b for b in (K_BLOCK, 256, 128, 64, 32) if n_in % b == 0 and b % unit == 0), unit)
+    blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
+    micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
+    w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
+    scale_shape = (panels, n_in // fmt.group_size, nb) if q4 else (n_out,)      # q4: layout panelsNB
+    quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % parts)) if q4 else None)
+    sum_blocks = x_block_sums(n_in, block, times=lambda b: -offset(b % parts))    # each block's dots start there
+
+    def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
+        stored = w[jo, row, T.ramp(v * QUAD * LANES, 1, QUAD * LANES)]
+        if not q4:
+            return stored ^ T.broadcast(T.int8(-128), QUAD * LANES)
+        mask = T.Cast("uint8", 15 << 4 * part)                                      # part: low, high nibbles
+        return T.reinterpret("int8x64", stored & T.broadcast(mask, QUAD * LANES))
+
+    def offset(part):                      # evaluated while parsing: the unsigned operand's excess over a level
+        return 8 << 4 * part if q4 else 128
+
+    def together(count):                   # evaluated while parsing: blocks a step takes at once
+        return parts if count == 1 else 1  # a single row: q4's two blocks of each stored row it loads
+
+    def kb(kbo, step, q, count):           # evaluated while parsing: the activation block of a step's q-th
+        return kbo * (k_block // block) + step * together(count) + q
+
+    def part(kbo, step, q, count):         # evaluated while parsing: which nibbles of its stored rows hold it
+        return kb(kbo, step, q, count) % parts
+
+    def x_quad(xq, row, k):                # evaluated while parsing: levels k .. k + 3 in every int32 lane
+        return T.reinterpret("int8x64", T.broadcast(T.reinterpret("int32", xq[row, T.ramp(k, 1, QUAD)]), LANES))
+
+    def block_scale(sx, scale, row, b, jo, vector):   # evaluated while parsing: float32x16, the GEMM's rounding
+        x_scale = T.broadcast(sx[row, b], LANES)
+        if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
+            return x_scale
+        columns = T.ramp(vector * LANES, 1, LANES)
+        return x_scale * T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns])
+
+    @T.macro
+    def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
+        """acc[r0 : r0 + count, vectors s·width ...] += the block-scaled dots over K block kbo,
+        summed in registers (sums) for the K block."""
+        for r in T.unroll(count):
+            for v in T.unroll(width):
+                sums[r, T.ramp(v * LANES, 1, LANES)] = acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)]
+        for step in range(k_block // block // together(count)):
+            for q in T.unroll(together(count)):
+                for r in T.unroll(count):
+                    for v in T.unroll(width):
+                        dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = T.broadcast(
+                            x_sums[row0 + r0 + r, kb(kbo, step, q, count)], LANES)
+            for kr in T.unroll(unit_rows):
+                for v in T.unroll(width):
+                    for q in T.unroll(together(count)):
+                        for r in T.unroll(count):
+                            dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = T.call_llvm_pure_intrin(
+                                "int32x16", QUAD_DOT, dots[q * count + r, T.ramp(v * LANES, 1, LANES)],
+                                unsigned(w, jo, kb(kbo, step, q, count) // parts * unit_rows + kr, s * width + v,
+                                         part(kbo, step, q, count)),
+                                x_quad(xq, row0 + r0 + r, kb(kbo, step, q, count) * block + kr * QUAD))
+            for q in T.unroll(together(count)):
+                for r in T.unroll(count):
+                    for v in T.unroll(width):
+                        sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
+                            "float32x16", dots[q * count + r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
+                                sx, scale, row0 + r0 + r, kb(kbo, step, q, count), jo, s * width + v)
+        for r in T.unroll(count):
+            for v in T.unroll(width):
+                acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)]
+
+    @T.macro
+    def vnni(x, w, scale, bias, residual, y, m):
+        xq = T.alloc_buffer((m, n_in), "int8")
+        sx = T.alloc_buffer((m, blocks), "float32")
+        x_sums = T.alloc_buffer((m, blocks), "int32")
+        quantize(x, xq, sx, m)
+        sum_blocks(xq, x_sums, m)
+        for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
+            with T.sblock("tile"):
+                jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
+                io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
+                T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:blocks],
+                        x_sums[io * ROWS:io * ROWS + ROWS, 0:blocks], w[jo, 0:w_shape[1], 0:w_shape[2]])
+                T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
+                acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
+                dots = T.sblock_alloc_buffer((max(MICRO_ROWS, parts), SINGLE_VECTORS * LANES), "int32", scope="local")
+                sums = T.sblock_alloc_buffer((MICRO_ROWS, SINGLE_VECTORS * LANES), "float32", scope="local")
+                rows = T.min(ROWS, m - io * ROWS)
+                full = rows // MICRO_ROWS
+                for r in range(rows):
+                    for c in T.vectorized(nb):
+                        acc[r, c] = T.float32(0)
+                for kbo in range(n_in // k_block):
+                    for t, s in T.grid(full, vectors // micro_vectors):
+                        micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s,
+                              MICRO_ROWS, micro_vectors)
+                    for r, s in T.grid(rows - full * MICRO_ROWS, vectors // single_vectors):
+                        micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s,
+                              1, single_vectors)
+                for r in range(rows):
+                    for c in T.vectorized(nb):
+                        y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
+                                                                    io * ROWS, jo * nb, r, c)
+
+    return signature(vnni, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
+                     "float16" if q4 else "float32", has_bias, has_residual)
