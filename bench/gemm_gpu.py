@@ -117,7 +117,7 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
 
 
 def reference(x, w, bias, residual, scale=None):
-    """The epilogue of codegen/lowering/linear.py in torch: float32 sum, (* scale), + bias, round, + residual,
+    """The epilogue of codegen/kernels/weight_format.py in torch: float32 sum, (* scale), + bias, round, + residual,
     round. `w`: float32 values (q4: level x group scale), `scale`: q8/fp8's per-output scale."""
     y = x.float() @ w.float().T
     if scale is not None:
