@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	    "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "openai>=1.40" \
 	    "schemathesis>=3.30" "setuptools>=68" "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0" \
 	    "nvidia-cuda-nvdisasm>=13"
+	# xgrammar (structured output) without its declared triton: kiln masks logits with NumPy
+	$(PY) -m pip install -q -c constraints.txt --no-deps "xgrammar==0.2.8"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -221,14 +221,19 @@ def attach_weights(artifact, model_dir, force):
               help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
-def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json, threads):
+@click.option("--json-schema", "json_schema", default=None, type=click.File("r"), metavar="FILE",
+              help="Constrain the output to JSON that validates against the schema in FILE.")
+def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json, threads, json_schema):
     """Generate text with a compiled ARTIFACT."""
     # tvm_ffi imports torch whenever it is installed (seconds of start-up) though the runtime never
     # uses it; keep it out of this process.
     sys.modules.setdefault("torch", None)
     from kiln.runner import chat, run_prompt
+    from kiln.runtime.grammar import GrammarSpec
     from kiln.runtime.sampler import SamplingParams
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    structured = GrammarSpec("json_schema", json_schema.read(), "--json-schema") if json_schema else None
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+                            structured=structured)
     if prompt is None:
         chat(artifact, params, kv_memory, threads)
     else:

@@ -17,9 +17,10 @@ from kiln.runtime.tokenizer import Tokenizer
 CHAT_CONTEXT = 8192      # tokens of KV cache a chat gets (a conversation's length is not known)
 
 
-def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, tokenizer=None):
+def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, params, tokenizer=None):
+    # a structured output's next mask needs the token before it: no running one step ahead
     return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, size_kv_for=size_kv_for,
-               tokenizer=tokenizer)
+               tokenizer=tokenizer, overlap=False if params.structured is not None else None)
 
 
 def _timings(out, load_seconds: float, threads: int) -> dict:
@@ -69,7 +70,7 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
     tokenizer = Tokenizer(artifact)
     prompt_ids = tokenizer.encode(prompt)
     # The cache this one request needs (its prompt and every token it may write), not a server's.
-    llm = _open(artifact, kv_memory, threads, len(prompt_ids) + params.max_tokens, tokenizer)
+    llm = _open(artifact, kv_memory, threads, len(prompt_ids) + params.max_tokens, params, tokenizer)
     load_seconds = time.perf_counter() - t0
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
@@ -96,7 +97,7 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
 def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
     """Read a line, answer it, repeat, through the model's chat template (a model without one is
     refused: joining the turns by hand would feed it text in a format it was never trained on)."""
-    llm = _open(artifact, kv_memory, threads, CHAT_CONTEXT)
+    llm = _open(artifact, kv_memory, threads, CHAT_CONTEXT, params)
     tok = llm.tokenizer
     if tok.chat_template is None:
         raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "

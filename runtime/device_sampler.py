@@ -170,7 +170,16 @@ class DeviceLogits:
         self.tensor, self.sampler = tensor, sampler
 
     def sample(self, rows: list[int], states: Sequence[SamplerState]) -> np.ndarray:
-        return self.sampler.sample(self.tensor, states, rows)
+        constrained = [i for i, st in enumerate(states) if st.grammar is not None]
+        if not constrained:
+            return self.sampler.sample(self.tensor, states, rows)
+        # a grammar's mask is the host's: those rows are read back and drawn by the NumPy sampler
+        free = [i for i in range(len(states)) if states[i].grammar is None]
+        out = np.empty(len(states), np.int64)
+        out[free] = self.sampler.sample(self.tensor, [states[i] for i in free], [rows[i] for i in free])
+        host = self.tensor.numpy()
+        out[constrained] = sample(host[[rows[i] for i in constrained]], [states[i] for i in constrained])
+        return out
 
     def logprobs(self, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
         return self.sampler.top_logprobs(self.tensor, rows, tokens, ks)

@@ -23,6 +23,7 @@ from kiln.errors import ContextLengthError, ParamError
 from .kv_pool import PagePool
 from .request import Request, RequestOutput, Sequence
 from .device_sampler import DeviceLogits, HostLogits
+from .grammar import Grammars
 from .sampler import SamplerState, SamplingParams
 from .scheduler import Scheduler
 from .step import SeqChunk, output_offsets, step_inputs
@@ -51,6 +52,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.grammars = Grammars(tokenizer, model.vocab_size, self.eos_ids) if tokenizer is not None else None
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -114,6 +116,10 @@ class Engine:
                              "(give more KV memory)")
         if params.stop and self.tokenizer is None:
             raise ParamError("stop", "stop strings need a tokenizer")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ParamError(params.structured.param, "structured output needs the model's tokenizer")
+            self.grammars.compile(params.structured)          # a 400 now, not an error mid-generation
         if request_id is not None and request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         return Request(str(next(self._ids)) if request_id is None else request_id, list(prompt_ids), params,
@@ -124,7 +130,8 @@ class Engine:
         if req.request_id in self.requests:
             raise ParamError("request_id", f"request id {req.request_id!r} is already running")
         stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
-        seq = self._new_sequence(req, 0, SamplerState(req.params, req.prompt_ids, stop_ids))
+        grammar = self.grammars.matcher(req.params.structured) if req.params.structured is not None else None
+        seq = self._new_sequence(req, 0, SamplerState(req.params, req.prompt_ids, stop_ids, grammar=grammar))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
         return req
@@ -170,6 +177,10 @@ class Engine:
         inputs = [self._step_chunk(c, now) for c in schedule.chunks]
         tf = time.perf_counter()
         logits = self._run(step_inputs(inputs, self.model.page_size))
+        # (the device's forward is still running: the grammars' masks are computed meanwhile)
+        for c in schedule.chunks:
+            if c.start + c.num_tokens == c.seq.num_tokens:
+                c.seq.state.prepare()
         self.stats.forward_seconds += time.perf_counter() - tf
         offsets = output_offsets(inputs)
         rows, ready = [], []
@@ -281,6 +292,8 @@ class Engine:
         if not seq.finished:                              # (a stop string may have ended it already)
             if stopped_by_token:
                 seq.finish_reason, seq.stop_reason = "stop", tok
+            elif seq.state.grammar is not None and seq.state.grammar.terminated:
+                seq.finish_reason = "stop"                # the structured output is complete
             elif count >= p.max_tokens:
                 seq.finish_reason = "length"
         if seq.finished:

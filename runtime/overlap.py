@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kiln.errors import ParamError
+
 from .engine import Engine
 from .request import RequestOutput, Sequence
 from .scheduler import ScheduledChunk
@@ -53,6 +55,14 @@ class OverlapEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return self.inflight is not None or super().has_unfinished()
+
+    def check_request(self, prompt_ids, params=None, *args, **kwargs):
+        if params is not None and params.structured is not None:
+            # the next step's mask needs the token the step in flight is still drawing
+            raise ParamError(params.structured.param, "structured output does not run one step ahead: "
+                                                      "serve it with an engine that does not overlap steps "
+                                                      "(kiln.LLM(..., overlap=False))")
+        return super().check_request(prompt_ids, params, *args, **kwargs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

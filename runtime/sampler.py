@@ -18,7 +18,8 @@ the same u, with the kernels of codegen/lowering/sampling.py):
    min_tokens are generated; rep = repetition_penalty for tokens of the prompt
    or output, else 1; sub = frequency_penalty * count + presence_penalty for
    tokens of the output, else 0 (vLLM's order: bias, min_tokens, repetition,
-   frequency/presence).
+   frequency/presence). Then, for a structured output, every token its grammar
+   does not allow next becomes -inf (runtime/grammar.py).
 2. Greedy (temperature 0): argmax of x, ties -> lowest id.
 3. Otherwise, in float64: z = x / temperature, zmax = max z, and each token's
    weight e = exp(z - zmax), exactly 1 where z == zmax (+inf included; 0 if
@@ -53,6 +54,8 @@ import numpy as np
 
 from kiln.errors import ParamError
 
+from .grammar import GrammarSpec, TokenMatcher
+
 
 @dataclass
 class SamplingParams:
@@ -76,6 +79,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
     prompt_logprobs: int | None = None  # as logprobs, for every prompt token after the first
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # what the output must match (runtime/grammar.py)
 
     def __post_init__(self) -> None:
         _check(_is_number(self.temperature) and math.isfinite(self.temperature)
@@ -111,6 +115,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, value, "None or an int in [0, 20]")
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens, "a bool")
+        _check(self.structured is None or isinstance(self.structured, GrammarSpec), "structured", self.structured,
+               "a GrammarSpec or None")
         self.stop_token_ids = list(self.stop_token_ids)
         self.stop = list(self.stop)
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -152,6 +158,7 @@ class SamplerState:
     prompt_ids: Sequence[int] = ()
     stop_ids: frozenset[int] = frozenset()       # EOS ids (unless ignore_eos) and stop_token_ids
     index: int = 0                               # which of the request's n samples
+    grammar: TokenMatcher | None = None          # where a structured output stands in its grammar
     rng: np.random.Generator = field(init=False, repr=False)
     output_counts: dict[int, int] = field(init=False, repr=False)
     num_output: int = field(init=False, default=0)
@@ -161,15 +168,30 @@ class SamplerState:
         self.rng = np.random.default_rng(seed if self.index == 0 or seed is None else [seed, self.index])
         self.output_counts = {}
         self.seen = np.unique(np.asarray(self.prompt_ids, np.int64))   # for the repetition penalty
+        self._allowed, self._prepared = None, False
 
     def append(self, token: int) -> None:
         """Record a generated token (penalties and min_tokens read the counts)."""
         self.output_counts[token] = self.output_counts.get(token, 0) + 1
         self.num_output += 1
+        if self.grammar is not None:
+            self.grammar.accept(token)
+            self._allowed, self._prepared = None, False
+
+    def prepare(self) -> None:
+        """Compute the grammar's mask for the next draw now (the engine does while the forward runs)."""
+        if self.grammar is not None and not self._prepared:
+            self._allowed, self._prepared = self.grammar.allowed(), True
+
+    def allowed(self) -> np.ndarray | None:
+        """bool [vocab] of the tokens the grammar lets come next; None when every token may."""
+        self.prepare()
+        return self._allowed
 
     def fork(self, index: int) -> "SamplerState":
         """The state of sample `index` of the same request, before any output."""
-        return SamplerState(self.params, self.prompt_ids, self.stop_ids, index)
+        return SamplerState(self.params, self.prompt_ids, self.stop_ids, index,
+                            self.grammar.fresh() if self.grammar is not None else None)
 
 
 def penalty_entries(state: SamplerState, vocab: int) -> tuple[np.ndarray, ...]:
@@ -213,6 +235,9 @@ def process_logits(logits: np.ndarray, state: SamplerState) -> np.ndarray:
         y = x[tokens].astype(np.float64) + bias
         with np.errstate(over="ignore"):        # beyond float32's range a value becomes ±inf, as on the device
             x[tokens] = np.where(y > 0, y / rep, y * rep) - sub
+    allowed = state.allowed()
+    if allowed is not None:
+        x[~allowed] = -np.inf                           # what the grammar does not allow cannot be drawn
     return x
 
 

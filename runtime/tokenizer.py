@@ -88,6 +88,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token as tokenizer.json spells it (added tokens too) -> its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def special_ids(self) -> set[int]:
+        """The added tokens marked special (bos, eos, pads, chat markers): not text."""
+        return {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def backend_json(self) -> str:
+        """tokenizer.json as the tokenizers library holds it (with the specials added on load)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -4,16 +4,19 @@ Field names and ranges follow OpenAI's API; the extensions vLLM users expect (to
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority) sit beside them. As in
 OpenAI's schema every optional field is nullable: an explicit `null` means the default. Unknown
 fields are ignored, as OpenAI's server does; fields kiln knows but does not implement (`suffix`,
-`tools`, a JSON `response_format`, image or audio content, ...) are refused by name rather than
-silently dropped. A value out of range fails validation, which the app turns into a 400 naming
+`tools`, image or audio content, ...) are refused by name rather than silently dropped. A JSON
+`response_format`, vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` constrain the output (runtime/grammar.py); a body gives one. A value out of range fails validation, which the app turns into a 400 naming
 the parameter.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kiln.runtime.grammar import GrammarSpec
 from kiln.runtime.sampler import SamplingParams
 
 
@@ -31,6 +34,32 @@ def _no_lone_surrogates(value: Any) -> None:
     elif isinstance(value, list):
         for v in value:
             _no_lone_surrogates(v)
+
+
+# vLLM's structured_outputs keys: a JSON schema, a regex, a choice of strings, an EBNF grammar, any JSON
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _spec(kind: str, value, param: str) -> GrammarSpec:
+    """A structured_outputs / guided_* constraint as a GrammarSpec."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{param}: the schema is not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{param}: a JSON schema is an object")
+        return GrammarSpec("json_schema", json.dumps(value), param)
+    if kind == "json_object":
+        return GrammarSpec("json_object", param=param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"{param}: choice is a non-empty list of non-empty strings")
+        return GrammarSpec.choice(value, param)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{param}: {kind} is a non-empty string")
+    return GrammarSpec("regex" if kind == "regex" else "ebnf", value, param)
 
 
 def _unsupported(name: str, what: str) -> ValueError:
@@ -75,7 +104,12 @@ class _Sampling(_Request):
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
-    # extensions
+    # extensions: vLLM's structured output, and its older guided_* names
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
@@ -120,10 +154,53 @@ class _Sampling(_Request):
 
     @field_validator("response_format")
     @classmethod
-    def _text_format(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise _unsupported("response_format", f"type {v.get('type')!r}; only 'text'")
+    def _format(cls, v):
+        kind = (v or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+        if kind == "json_schema" and not isinstance((v.get("json_schema") or {}).get("schema", {}), dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
         return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured(cls, v):
+        given = [k for k in STRUCTURED_KINDS if (v or {}).get(k) not in (None, False)]
+        if v is not None and len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}"
+                             f"{f' (got {given})' if given else ''}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = self._constraints()
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(name for name, _ in given)}")
+        return self
+
+    def _constraints(self) -> list[tuple[str, GrammarSpec]]:
+        """(request field, its constraint) for every constraint the body gives."""
+        out = []
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_object":
+            out.append(("response_format", GrammarSpec("json_object", param="response_format")))
+        elif fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema", {})
+            out.append(("response_format", GrammarSpec("json_schema", json.dumps(schema), "response_format")))
+        if self.structured_outputs:
+            kind, value = next((k, v) for k, v in self.structured_outputs.items()
+                               if k in STRUCTURED_KINDS and v not in (None, False))
+            out.append(("structured_outputs", _spec(kind, value, "structured_outputs")))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                out.append((f"guided_{kind}", _spec(kind, value, f"guided_{kind}")))
+        return out
+
+    def structured(self) -> GrammarSpec | None:
+        """What the output must match, if the body constrains it."""
+        given = self._constraints()
+        return given[0][1] if given else None
 
     @field_validator("best_of")
     @classmethod
@@ -140,7 +217,7 @@ class _Sampling(_Request):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {}, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured=self.structured())
 
 
 class CompletionRequest(_Sampling):

@@ -113,6 +113,22 @@ def test_run_json(artifact):
     assert out["kv_bytes_per_token"] == c["num_layers"] * 2 * c["num_kv_heads"] * c["head_dim"] * width
 
 
+def test_run_json_schema(artifact, tmp_path):
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rain"],
+              "properties": {"city": {"type": "string", "maxLength": 10}, "rain": {"type": "boolean"}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    proc = kiln("run", artifact, "--prompt", "Weather?", "--max-tokens", "80", "--temperature", "1", "--seed", "1",
+                "--json-schema", str(tmp_path / "schema.json"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    answer = json.loads(out["text"])
+    assert out["finish_reason"] == "stop" and set(answer) == {"city", "rain"} and len(answer["city"]) <= 10
+    (tmp_path / "bad.json").write_text('{"type": "strin"}')
+    assert_clean_error(kiln("run", artifact, "--prompt", "x", "--json-schema", str(tmp_path / "bad.json")),
+                       "json schema", "strin")
+
+
 def _run_threads(artifact, *flags, **env) -> int:
     environ = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"} | env
     proc = kiln("run", artifact, "--prompt", "def", "--max-tokens", "2", "--json", *flags, env=environ)

@@ -278,9 +278,11 @@ UNSUPPORTED = [
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
     ("tool_choice", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                              "tool_choice": "required"}, "tool_choice", "tool"),
-    ("json response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                      "response_format": {"type": "json_object"}},
-     "response_format", "json_object"),
+    ("unknown response_format", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "response_format": {"type": "xml"}},
+     "response_format", "xml"),
+    ("two constraints", "/v1/completions", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["b"]},
+     None, "guided_regex and guided_choice"),
     ("lone surrogate", "/v1/completions", b'{"prompt": "\\ud800abc"}', "prompt", "surrogate"),
 ]
 
@@ -297,11 +299,55 @@ def test_what_kiln_does_not_support_is_refused_by_name(server, name, path, body,
     assert err["param"] == param and word in err["message"], err
 
 
+def test_structured_output_through_the_openai_sdk(client):
+    """`chat.completions.parse` sends a strict json_schema response_format and parses the reply into
+    the model class: it must, from a random-weight model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no", "maybe"]
+        score: int = Field(ge=0, le=10)
+        tags: list[Literal["a", "b c"]] = Field(max_length=2)
+
+    for seed in range(3):
+        done = client.chat.completions.parse(model="tiny-llama", messages=[{"role": "user", "content": "Judge."}],
+                                             response_format=Verdict, temperature=1, seed=seed, max_tokens=200)
+        assert isinstance(done.choices[0].message.parsed, Verdict), done.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("field,value,check", [
+    ("guided_choice", ["alpha", "beta gamma"], lambda t: t in ("alpha", "beta gamma")),
+    ("structured_outputs", {"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+    ("structured_outputs", {"json": {"type": "object", "required": ["n"], "additionalProperties": False,
+                                     "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+     lambda t: 1 <= json.loads(t)["n"] <= 9),
+], ids=["choice", "regex", "json"])
+def test_vllm_constraint_fields(server, field, value, check, stream):
+    body = {"prompt": "Say:", "max_tokens": 60, "temperature": 1, "seed": 4, "n": 2, field: value, "stream": stream}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        texts = ["", ""]
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    else:
+        texts = [c["text"] for c in r.json()["choices"]]
+    assert all(check(t) for t in texts), texts
+
+
 ENGINE_REJECTS = [       # requests the protocol layer lets through and the engine refuses
     ("token outside the vocabulary", {"prompt": [3, 10**6]}, "prompt"),
     ("min_tokens above max_tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 9}, "min_tokens"),
     ("negative stop token id", {"prompt": "x", "max_tokens": 2, "stop_token_ids": [-4]}, "stop_token_ids"),
     ("one bad prompt of two", {"prompt": [[5, 6], [7, 10**7]], "max_tokens": 2}, "prompt"),
+    ("a schema xgrammar cannot compile", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format"),
+    ("a regex that does not parse", {"prompt": "x", "structured_outputs": {"regex": "([a-"}}, "structured_outputs"),
 ]
 
 
