@@ -2,12 +2,12 @@
 unconstrained, in the same run, at batch 1 and 8; the grammar's compile time and the mask time per
 token.
 
-    python bench/structured_cpu.py [--preset llama-3.2-1b] [--mode q8] [--vocab 32000]
+    python bench/structured_cpu.py [--preset llama-3.2-1b] [--mode q8] [--vocab 128000]
                                    [--batches 1,8] [--new-tokens 64] [--repeats 3]
 
-The preset's random-weight model gets a byte-level BPE tokenizer of --vocab tokens trained here
-(kiln.tiny's corpus), so xgrammar masks a vocabulary of a real model's order of size; the model's
-embedding keeps the preset's rows. Both runs are greedy. The constrained one asks for a JSON array
+The preset's random-weight model gets a byte-level BPE tokenizer of up to --vocab tokens trained
+here on the Python sources of this interpreter's library (stdlib and site-packages), so xgrammar
+masks a vocabulary of a real model's size; the model's embedding keeps the preset's rows. Both runs are greedy. The constrained one asks for a JSON array
 of --items integers (0-999): random weights fill it to the end, so it decodes about as many tokens
 as the free run, which ignores EOS. tok/s counts decode tokens (after the first) over the decode
 time, median of --repeats. The mask time is each output's tokens replayed through a fresh matcher,
@@ -26,12 +26,29 @@ from pathlib import Path
 MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8"), "q4": ("float32", "q4")}
 
 
+def library_sources(limit_bytes: int = 60 << 20):
+    """The .py files under this interpreter's library directories, up to `limit_bytes` of text."""
+    import sysconfig
+    seen = 0
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib")}
+    for root in sorted(roots):
+        for path in sorted(Path(root).rglob("*.py")):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            seen += len(text)
+            if seen > limit_bytes:
+                return
+            yield text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     from kiln.tiny import PRESETS
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
     ap.add_argument("--mode", default="q8", choices=sorted(MODES))
-    ap.add_argument("--vocab", type=int, default=32000, help="tokens of the trained tokenizer")
+    ap.add_argument("--vocab", type=int, default=128000, help="tokens of the trained tokenizer (at most)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--items", type=int, default=24, help="integers in the constrained JSON array")
     ap.add_argument("--new-tokens", type=int, default=64, help="the free run's tokens")
@@ -54,7 +71,7 @@ def main() -> None:
     vocab_dir = work / f"model-vocab{args.vocab}"
     if not (vocab_dir / "tokenizer.json").exists():
         shutil.copytree(model_dir, vocab_dir, dirs_exist_ok=True)
-        train_tokenizer(vocab_dir, args.vocab)
+        train_tokenizer(vocab_dir, args.vocab, library_sources())
     dtype, quant = MODES[args.mode]
     artifact = work / f"artifact-{args.mode}-vocab{args.vocab}"
     if not (artifact / "manifest.json").exists():

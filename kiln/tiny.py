@@ -208,8 +208,9 @@ def corpus() -> list[str]:
     return sorted(docs)
 
 
-def train_tokenizer(out_dir, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE on `corpus()`; write tokenizer.json and the transformers configs."""
+def train_tokenizer(out_dir, vocab_size: int = 512, texts=None) -> None:
+    """Train a byte-level BPE on `texts` (default `corpus()`); write tokenizer.json and the
+    transformers configs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     out = Path(out_dir)
@@ -219,7 +220,7 @@ def train_tokenizer(out_dir, vocab_size: int = 512) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer)
     # Like Llama 3: plain encodes start with <s>; the chat template writes its own.
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,6 +54,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.grammars = Grammars(tokenizer, model.vocab_size, self.eos_ids) if tokenizer is not None else None
+        self._mask_worker: ThreadPoolExecutor | None = None       # started by the first constrained step
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -175,12 +177,11 @@ class Engine:
             for s in req.sequences:
                 s.new_text, s.new_token_ids = "", []
         inputs = [self._step_chunk(c, now) for c in schedule.chunks]
+        masks = self._prepare_masks(schedule.chunks)
         tf = time.perf_counter()
         logits = self._run(step_inputs(inputs, self.model.page_size))
-        # (the device's forward is still running: the grammars' masks are computed meanwhile)
-        for c in schedule.chunks:
-            if c.start + c.num_tokens == c.seq.num_tokens:
-                c.seq.state.prepare()
+        if masks is not None:
+            masks.result()
         self.stats.forward_seconds += time.perf_counter() - tf
         offsets = output_offsets(inputs)
         rows, ready = [], []
@@ -219,6 +220,17 @@ class Engine:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
+
+    def _prepare_masks(self, chunks):
+        """The grammar masks of the constrained sequences this step samples, computed on a worker
+        thread while the forward runs (both release the GIL); None when there are none."""
+        states = [c.seq.state for c in chunks if c.seq.state.grammar is not None
+                  and c.start + c.num_tokens == c.seq.num_tokens]
+        if not states:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
+        return self._mask_worker.submit(lambda: [state.prepare() for state in states])
 
     def _step_chunk(self, c, now: float) -> SeqChunk:
         """A scheduled chunk as the step's input (its tokens, pages and slots), counted in the stats."""

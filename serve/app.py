@@ -32,6 +32,7 @@ from kiln.runtime.threads import describe_threads
 from . import responses
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses_api import ResponseFormat, ResponsesRequest
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ServerConfig:
     max_waiting: int = 512                 # requests queued beyond this get a 429
     max_body_bytes: int = 4 << 20
     threads: int | None = None             # CPU threads for the kernels (None: kiln.runtime.threads decides)
+    reasoning_parser: str | None = None    # serve/reasoning.py: thinking into reasoning_content
 
     @property
     def model_name(self) -> str:
@@ -347,21 +349,38 @@ async def completions(body: CompletionRequest, s: Server):
                          responses.Completion(llm.tokenizer, body, ids, texts, stream.request_ids))
 
 
+def render_chat(tok, messages: list[dict], param: str, add_generation_prompt: bool = True, **variables):
+    """The chat template's text for `messages`; a 400 naming `param` when it cannot render them."""
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **variables)
+    except KilnError as e:
+        raise APIError(400, str(e), param) from None
+    except Exception as e:          # the template itself failed on these messages (raise_exception, ...)
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param) from None
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, s: Server):
     llm, engine = s.ready()
     check_model(s, body.model)
     tok = llm.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    except KilnError as e:
-        raise APIError(400, str(e), "messages") from None
-    except Exception as e:          # the template itself failed on these messages (raise_exception, ...)
-        raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from None
+    text = render_chat(tok, messages, "messages", body.add_generation_prompt, **(body.chat_template_kwargs or {}))
     ids = tok.encode(text, add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs,
                       prompt_param="messages")
     request_id, stream = submit(engine, body, [ids], [params], [text], "chatcmpl", prompt_param="messages")
-    return await respond(s, request_id, stream, body, responses.Chat(tok, body, [ids], [text], stream.request_ids))
+    return await respond(s, request_id, stream, body, responses.Chat(tok, body, [ids], [text], stream.request_ids,
+                                                                      reasoning_parser=s.config.reasoning_parser))
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, s: Server):
+    llm, engine = s.ready()
+    check_model(s, body.model)
+    text = render_chat(llm.tokenizer, body.messages(), "input")
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    params = sampling(body, llm, ids, body.max_output_tokens, None, None, prompt_param="input")
+    request_id, stream = submit(engine, body, [ids], [params], [text], "resp", prompt_param="input")
+    return await respond(s, request_id, stream, body, ResponseFormat(body, ids))

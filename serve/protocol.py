@@ -279,6 +279,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None       # vLLM's: variables for the template (enable_thinking, ...)
     audio: dict | None = None
     modalities: list[str] | None = None
 

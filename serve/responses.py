@@ -7,6 +7,8 @@ counted once) and over every choice's completion tokens.
 """
 from __future__ import annotations
 
+from .reasoning import ReasoningStream, split
+
 
 class _Format:
     prefix = ""
@@ -116,6 +118,11 @@ class Completion(_Format):
 class Chat(_Format):
     prefix, object_name, chunk_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args, reasoning_parser: str | None = None):
+        super().__init__(*args)
+        self.reasoning_parser = reasoning_parser
+        self._reasoning: dict[int, ReasoningStream] = {}      # per streamed choice
+
     def logprobs(self, out, tokens, lps, first: bool, stream_index: int | None = None) -> dict:
         def entry(token, value):
             text = self.token_text(token)
@@ -127,13 +134,21 @@ class Chat(_Format):
                             for t, lp in zip(tokens, lps)]}
 
     def choice(self, out, c) -> dict:
-        return {"index": self.choice_index(out, c), "message": {"role": "assistant", "content": c.text},
+        message = {"role": "assistant", "content": c.text}
+        if self.reasoning_parser:
+            reasoning, message["content"] = split(self.reasoning_parser, c.text)
+            message["reasoning_content"] = reasoning
+        return {"index": self.choice_index(out, c), "message": message,
                 "logprobs": self._new_logprobs(out, c, False), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
     def stream_choice(self, out, c) -> dict:
         index = self.choice_index(out, c)
         delta = {"content": c.new_text}
+        if self.reasoning_parser:
+            parts = self._reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
+            reasoning, content = parts.feed(c.new_text, final=c.finish_reason is not None)
+            delta = {"content": content, **({"reasoning_content": reasoning} if reasoning else {})}
         if index not in self._sent_tokens:            # the first chunk of a choice names the role
             delta = {"role": "assistant", **delta}
         logprobs = self._new_logprobs(out, c, True)

@@ -340,6 +340,49 @@ def test_vllm_constraint_fields(server, field, value, check, stream):
     assert all(check(t) for t in texts), texts
 
 
+def test_responses_api_through_the_openai_sdk(client, offline):
+    """client.responses.create, whole and streamed: the same greedy text as the offline API on the
+    same chat-template rendering (instructions as the system message)."""
+    from kiln.runtime.sampler import SamplingParams
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    text = offline.tokenizer.apply_chat_template(messages)
+    ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    whole = client.responses.create(model="tiny-llama", input="Hello", instructions="Be brief.", temperature=0,
+                                    max_output_tokens=8)
+    assert whole.output_text == want and whole.usage.input_tokens == len(ids)
+    assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 8
+    events = list(client.responses.create(model="tiny-llama", input=[{"role": "user", "content": "Hello"}],
+                                          instructions="Be brief.", temperature=0, max_output_tokens=8,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_api_text_format_json_schema(client):
+    schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"}}}
+    done = client.responses.create(model="tiny-llama", input="Fine?", temperature=1, max_output_tokens=40,
+                                   text={"format": {"type": "json_schema", "name": "ok", "schema": schema}})
+    assert isinstance(json.loads(done.output_text)["ok"], bool)
+
+
+@pytest.mark.parametrize("body,param,word", [
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tool"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text", "xml"),
+])
+def test_responses_api_refuses_by_name(server, body, param, word):
+    r = post(server, "/v1/responses", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and word in r.json()["error"]["message"], r.text
+
+
 ENGINE_REJECTS = [       # requests the protocol layer lets through and the engine refuses
     ("token outside the vocabulary", {"prompt": [3, 10**6]}, "prompt"),
     ("min_tokens above max_tokens", {"prompt": "x", "max_tokens": 2, "min_tokens": 9}, "min_tokens"),
