@@ -15,6 +15,9 @@ import click
 import kiln
 from kiln.errors import KilnError
 from kiln.serve.reasoning import PARSERS as REASONING_PARSERS
+from kiln.serve.tool_calls import FORMATS as TOOL_FORMATS
+
+TOOL_CALL_PARSERS = list(TOOL_FORMATS)
 
 
 THREADS_HELP = ("CPU threads for the model's kernels (default: $TVM_NUM_THREADS if set, else every core this "
@@ -262,8 +265,10 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
 @click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
 @click.option("--reasoning-parser", default=None, type=click.Choice(REASONING_PARSERS),
               help="Put a reasoning model's <think>...</think> text into reasoning_content.")
+@click.option("--tool-call-parser", default=None, type=click.Choice(TOOL_CALL_PARSERS),
+              help="The model's tool-call syntax (default: what its chat template writes).")
 def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
-          prefix_caching, max_waiting, drain_timeout, threads, reasoning_parser):
+          prefix_caching, max_waiting, drain_timeout, threads, reasoning_parser, tool_call_parser):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
     from kiln.artifact import read_manifest
@@ -271,7 +276,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_s
     from kiln.serve.server import serve as run_server
     read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
     run_server(ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
-                            prefix_caching, max_waiting, threads=threads, reasoning_parser=reasoning_parser),
+                            prefix_caching, max_waiting, threads=threads, reasoning_parser=reasoning_parser,
+                            tool_call_parser=tool_call_parser),
                host, port, drain_timeout)
 
 

@@ -1,7 +1,8 @@
 """Structured output: what a constrained sequence may generate, as a grammar xgrammar compiles.
 
 A request names its constraint with a `GrammarSpec`: a JSON schema, any JSON object, a regex, one
-of a list of strings, or an EBNF grammar. `Grammars` compiles each spec once against the model's
+of a list of strings, an EBNF grammar, or an xgrammar structural tag (what tool calls compile to,
+serve/tool_calls.py). `Grammars` compiles each spec once against the model's
 vocabulary (cached by spec) and hands each constrained sequence a `TokenMatcher`: before a draw it
 gives the tokens that keep the output a prefix of the language, after it accepts the drawn token.
 The sampler masks the others to -inf (runtime/sampler.py), so what a sequence generates always
@@ -25,7 +26,7 @@ import numpy as np
 
 from kiln.errors import ParamError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag")
 # A JSON string's characters as xgrammar 0.2.8 writes them in EBNF: a length-bounded string's
 # class lets raw control characters in, which JSON forbids, and neither keeps out UTF-8-encoded
 # surrogates (U+D800-U+DFFF), which are no characters: decoded, each becomes three U+FFFD, and a
@@ -37,7 +38,7 @@ JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str                  # one of KINDS
-    source: str = ""           # the schema's JSON text, the regex, the EBNF, or the choices as a JSON list
+    source: str = ""           # the schema's JSON text, the regex, the EBNF, the choices or structural tag as JSON
     param: str = field(default="structured_outputs", compare=False)   # the request field, named in errors
 
     def __post_init__(self):
@@ -134,6 +135,8 @@ class Grammars:
             return c.compile_grammar(_json_strings(str(grammar.from_json_schema(spec.source, any_whitespace=False))))
         if spec.kind == "regex":
             return c.compile_regex(spec.source)
+        if spec.kind == "structural_tag":
+            return c.compile_grammar(_json_strings(str(grammar.from_structural_tag(spec.source))))
         if spec.kind == "choice":
             return c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(o) for o in json.loads(spec.source)))
         return c.compile_grammar(spec.source)

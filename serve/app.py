@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -33,6 +34,7 @@ from . import responses
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_api import ResponseFormat, ResponsesRequest
+from .tool_calls import FORMATS, ToolFormat, detect, structural_tag
 
 
 @dataclass
@@ -48,6 +50,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     threads: int | None = None             # CPU threads for the kernels (None: kiln.runtime.threads decides)
     reasoning_parser: str | None = None    # serve/reasoning.py: thinking into reasoning_content
+    tool_call_parser: str | None = None    # serve/tool_calls.py FORMATS (None: the chat template's)
 
     @property
     def model_name(self) -> str:
@@ -364,15 +367,33 @@ async def chat_completions(body: ChatCompletionRequest, s: Server):
     llm, engine = s.ready()
     check_model(s, body.model)
     tok = llm.tokenizer
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = render_chat(tok, messages, "messages", body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+    messages = [m.for_template() for m in body.messages]
+    variables = {**({"tools": body.tools} if body.tools else {}), **(body.chat_template_kwargs or {})}
+    text = render_chat(tok, messages, "messages", body.add_generation_prompt, **variables)
     ids = tok.encode(text, add_special_tokens=False)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs,
                       prompt_param="messages")
+    tool_format = None
+    if body.tools_in_force():
+        tool_format = tool_format_for(s.config, tok)
+        params = dataclasses.replace(params, skip_special_tokens=params.skip_special_tokens and not tool_format.special)
+        if body.tool_choice not in (None, "auto"):      # "required" or a named function: only calls
+            params = dataclasses.replace(params, structured=structural_tag(
+                tool_format, body.tools, body.forced_tool(), body.parallel_tool_calls))
     request_id, stream = submit(engine, body, [ids], [params], [text], "chatcmpl", prompt_param="messages")
-    return await respond(s, request_id, stream, body, responses.Chat(tok, body, [ids], [text], stream.request_ids,
-                                                                      reasoning_parser=s.config.reasoning_parser))
+    return await respond(s, request_id, stream, body, responses.Chat(
+        tok, body, [ids], [text], stream.request_ids, reasoning_parser=s.config.reasoning_parser,
+        tool_format=tool_format))
+
+
+def tool_format_for(config: ServerConfig, tok) -> ToolFormat:
+    """The tool-call syntax of the served model: --tool-call-parser's, else its chat template's."""
+    found = FORMATS[config.tool_call_parser] if config.tool_call_parser else detect(tok.chat_template)
+    if found is None:
+        raise APIError(400, "this model's chat template shows no tool-call format kiln knows; start the server "
+                            f"with --tool-call-parser ({', '.join(FORMATS)})", "tools")
+    return found
 
 
 @router.post("/v1/responses")

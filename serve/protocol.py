@@ -12,6 +12,7 @@ the parameter.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,7 @@ def _no_lone_surrogates(value: Any) -> None:
             _no_lone_surrogates(v)
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # vLLM's structured_outputs keys: a JSON schema, a regex, a choice of strings, an EBNF grammar, any JSON
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -253,6 +255,39 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None       # an assistant turn's calls
+    tool_call_id: str | None = None            # a tool turn: the call it answers
+    name: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v):
+        for i, call in enumerate(v or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("arguments", "{}"), str):
+                raise ValueError(f"tool_calls[{i}] needs function.name and function.arguments (a JSON string)")
+        return v
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' convention): a call's arguments as
+        an object where they are JSON."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = dict(call["function"])
+                try:
+                    function["arguments"] = json.loads(function.get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    pass
+                calls.append({**call, "type": "function", "function": function})
+            message["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     @field_validator("content")
     @classmethod
@@ -274,6 +309,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -282,6 +318,56 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = None       # vLLM's: variables for the template (enable_thinking, ...)
     audio: dict | None = None
     modalities: list[str] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if info.field_name == "functions":
+            if v:
+                raise _unsupported("functions", "the legacy functions API; send tools")
+            return v
+        names = set()
+        for i, tool in enumerate(v or []):
+            function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name "
+                                 "of letters, digits, '_' or '-' (64 at most)")
+            if not isinstance(function.get("parameters", {}), dict) or name in names:
+                raise ValueError(f"tools[{i}]: parameters must be a JSON schema object, and names unique")
+            names.add(name)
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if info.field_name == "function_call":
+            if v is not None:
+                raise _unsupported("function_call", "the legacy functions API; send tool_choice")
+            return v
+        if v is not None and v not in ("none", "auto", "required") and not (
+                isinstance(v, dict) and isinstance((v.get("function") or {}).get("name"), str)):
+            raise ValueError("tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                             "{'name': ...}}")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t["function"]["name"] for t in self.tools or []]
+        if self.forced_tool() is not None and self.forced_tool() not in names:
+            raise ValueError(f"tool_choice names {self.forced_tool()!r}, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tools_in_force() and self.tool_choice not in (None, "auto") and self._constraints():
+            raise ValueError("a required or named tool_choice is itself an output constraint: give no other")
+        return self
+
+    def forced_tool(self) -> str | None:
+        """The function tool_choice names, if it names one."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
+
+    def tools_in_force(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("audio")
     @classmethod

@@ -8,6 +8,7 @@ counted once) and over every choice's completion tokens.
 from __future__ import annotations
 
 from .reasoning import ReasoningStream, split
+from .tool_calls import ToolFormat, held_back, parse
 
 
 class _Format:
@@ -116,12 +117,15 @@ class Completion(_Format):
 
 
 class Chat(_Format):
+    """Chat completions; with a reasoning parser the thinking goes to reasoning_content, with a tool
+    format (tools in force) the calls the reply makes go to tool_calls."""
     prefix, object_name, chunk_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *args, reasoning_parser: str | None = None):
+    def __init__(self, *args, reasoning_parser: str | None = None, tool_format: ToolFormat | None = None):
         super().__init__(*args)
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser, self.tool_format = reasoning_parser, tool_format
         self._reasoning: dict[int, ReasoningStream] = {}      # per streamed choice
+        self._answer: dict[int, list] = {}                    # per streamed choice: [its answer text, sent]
 
     def logprobs(self, out, tokens, lps, first: bool, stream_index: int | None = None) -> dict:
         def entry(token, value):
@@ -133,24 +137,64 @@ class Chat(_Format):
                                               ][:self.body.top_logprobs or 0]}
                             for t, lp in zip(tokens, lps)]}
 
-    def choice(self, out, c) -> dict:
-        message = {"role": "assistant", "content": c.text}
+    def _message(self, text: str) -> dict:
+        message = {"role": "assistant", "content": text}
         if self.reasoning_parser:
-            reasoning, message["content"] = split(self.reasoning_parser, c.text)
-            message["reasoning_content"] = reasoning
-        return {"index": self.choice_index(out, c), "message": message,
-                "logprobs": self._new_logprobs(out, c, False), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+            message["reasoning_content"], message["content"] = split(self.reasoning_parser, text)
+        if self.tool_format:
+            content, calls = parse(self.tool_format, message["content"])
+            if calls:
+                message["content"], message["tool_calls"] = content, [c.as_json() for c in calls]
+        return message
 
-    def stream_choice(self, out, c) -> dict:
-        index = self.choice_index(out, c)
-        delta = {"content": c.new_text}
+    @staticmethod
+    def _finish(c, called: bool) -> str | None:
+        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+    def choice(self, out, c) -> dict:
+        message = self._message(c.text)
+        return {"index": self.choice_index(out, c), "message": message,
+                "logprobs": self._new_logprobs(out, c, False),
+                "finish_reason": self._finish(c, "tool_calls" in message), "stop_reason": c.stop_reason}
+
+    def chunks(self, out, request_id, created, model):
+        """Each choice's new text as a delta; at its end, the tool calls it made, each as a delta with
+        its name and one with its arguments."""
+        for c in out.outputs:
+            index = self.choice_index(out, c)
+            if not (c.new_text or c.new_token_ids or c.finish_reason or index not in self._sent_tokens):
+                continue
+            for choice in self._stream_choices(out, c, index):
+                yield {**self._envelope(request_id, created, model, self.chunk_name), "choices": [choice]}
+
+    def _stream_choices(self, out, c, index: int) -> list[dict]:
+        final = c.finish_reason is not None
+        reasoning, answer = "", c.new_text
         if self.reasoning_parser:
             parts = self._reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
-            reasoning, content = parts.feed(c.new_text, final=c.finish_reason is not None)
-            delta = {"content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+            reasoning, answer = parts.feed(c.new_text, final)
+        calls = []
+        if self.tool_format:
+            held = self._answer.setdefault(index, ["", 0])
+            held[0] += answer
+            end = len(held[0])
+            if final:
+                _, calls = parse(self.tool_format, held[0])
+                end = held_back(self.tool_format, held[0]) if calls else end
+            else:
+                end = held_back(self.tool_format, held[0])
+            answer, held[1] = held[0][held[1]:max(end, held[1])], max(end, held[1])
+        delta = {"content": answer, **({"reasoning_content": reasoning} if reasoning else {})}
         if index not in self._sent_tokens:            # the first chunk of a choice names the role
             delta = {"role": "assistant", **delta}
         logprobs = self._new_logprobs(out, c, True)
         self._sent_tokens.setdefault(index, 0)
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+        for i, call in enumerate(calls):
+            named = call.as_json()
+            choices.append({"index": index, "logprobs": None, "finish_reason": None, "delta": {"tool_calls": [
+                {"index": i, "id": named["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
+            choices.append({"index": index, "logprobs": None, "finish_reason": None, "delta": {"tool_calls": [
+                {"index": i, "function": {"arguments": call.arguments}}]}})
+        choices[-1]["finish_reason"] = self._finish(c, bool(calls))
+        return choices

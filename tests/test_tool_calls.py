@@ -1,0 +1,151 @@
+"""Tool calling (serve/tool_calls.py): each family's parser on transcripts, whole and streamed in any
+pieces; required and named tool_choice as grammars that random logits cannot break; `kiln serve`
+with the openai SDK."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kiln.serve.responses import Chat
+from kiln.serve.tool_calls import FORMATS, parse, structural_tag
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                        "maximum": 7}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}}}
+TOOLS = [WEATHER, NOW]
+CALLS = [("get_weather", {"city": "Oslo", "days": 2}), ("now", {})]
+
+TRANSCRIPTS = {       # family -> (reply with content and two calls, content)
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "Let me check."),
+    "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}; '
+                    '{"name": "now", "parameters": {}}', None),
+    "mistral": ('Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, '
+                '{"name": "now", "arguments": {}}]', "Sure."),
+    "deepseek_v3": ("On it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now'
+                    "\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "On it."),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRANSCRIPTS))
+def test_each_family_parses_its_transcript(family):
+    text, content = TRANSCRIPTS[family]
+    got_content, calls = parse(FORMATS[family], text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+def test_mistral_v11_calls_and_plain_replies():
+    _, calls = parse(FORMATS["mistral"], '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}'
+                                         '[TOOL_CALLS]now[ARGS]{}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    for family in FORMATS:
+        assert parse(FORMATS[family], "Just words { not a call") == ("Just words { not a call", [])
+    assert parse(FORMATS["hermes"], "<tool_call>\n{broken\n</tool_call>")[1] == []
+
+
+def sample(text, new_text, finished):
+    return SimpleNamespace(index=0, text=text, new_text=new_text, new_token_ids=[1] if new_text else [],
+                           token_ids=[1] * len(text), logprobs=None, stop_reason=None,
+                           finish_reason="stop" if finished else None)
+
+
+def stream(family, pieces, reasoning_parser=None):
+    body = SimpleNamespace(n=1, top_logprobs=None)
+    fmt = Chat(None, body, [[1]], ["p"], ["r0"], reasoning_parser=reasoning_parser, tool_format=FORMATS[family])
+    text, chunks = "", []
+    for i, piece in enumerate(pieces):
+        text += piece
+        out = SimpleNamespace(request_id="r0", outputs=[sample(text, piece, i == len(pieces) - 1)])
+        chunks += [chunk["choices"][0] for chunk in fmt.chunks(out, "id", 0, "m")]
+    whole = fmt.choice(SimpleNamespace(request_id="r0"), sample(text, "", True))
+    return chunks, whole
+
+
+@pytest.mark.parametrize("family", sorted(TRANSCRIPTS))
+def test_streamed_calls_in_any_pieces_match_the_whole_reply(family):
+    text, content = TRANSCRIPTS[family]
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        cuts = sorted(rng.choice(np.arange(1, len(text)), size=8, replace=False).tolist())
+        chunks, whole = stream(family, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        streamed = "".join(c["delta"].get("content") or "" for c in chunks)
+        assert streamed.strip() == (content or "")
+        calls = {}
+        for c in chunks:
+            for d in c["delta"].get("tool_calls", []):
+                entry = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+                entry["name"] = d["function"].get("name") or entry["name"]
+                entry["arguments"] += d["function"]["arguments"]
+        assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == CALLS
+        assert chunks[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+        assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert whole["message"]["content"] == content
+
+
+def test_a_reply_without_calls_streams_whole_text():
+    chunks, whole = stream("hermes", ["Plain ", "<tool", " words"])
+    assert "".join(c["delta"]["content"] for c in chunks) == "Plain <tool words" == whole["message"]["content"]
+    assert chunks[-1]["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+@pytest.mark.parametrize("named", [None, "get_weather"])
+def test_required_and_named_choices_always_give_valid_calls(make_model, family, named):
+    pytest.importorskip("xgrammar")
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    from fake_runner import FakeRunner
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.tokenizer import Tokenizer
+    tok = Tokenizer(make_model("llama"))
+    eng = Engine(FakeRunner(512, vocab_size=512), num_pages=512, eos_ids=tok.eos_token_ids, tokenizer=tok)
+    spec = structural_tag(FORMATS[family], TOOLS, named, parallel=False)
+    outs = eng.generate([tok.encode("x")] * 6, [SamplingParams(temperature=1, seed=s, max_tokens=300, structured=spec,
+                                                               skip_special_tokens=False) for s in range(6)])
+    schemas = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS}
+    for out in outs:
+        reply = out.outputs[0]
+        content, calls = parse(FORMATS[family], reply.text)
+        assert reply.finish_reason == "stop" and content is None and len(calls) == 1, reply.text
+        assert named in (None, calls[0].name) and schemas[calls[0].name].is_valid(json.loads(calls[0].arguments))
+
+
+@pytest.mark.build
+def test_tools_through_kiln_serve_and_the_openai_sdk(llama_cpu, tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("xgrammar")
+    from serving import KEY, running_server
+    with running_server(llama_cpu[0], tmp_path / "server.log", "--kv-memory", "16MiB",
+                        "--tool-call-parser", "hermes") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        ask = dict(model=llama_cpu[0].name, messages=messages, tools=TOOLS, temperature=1, seed=3, max_tokens=200,
+                   parallel_tool_calls=False)
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            reply = client.chat.completions.create(**ask, tool_choice=choice)
+            call = reply.choices[0].message.tool_calls[0]
+            assert reply.choices[0].finish_reason == "tool_calls" and call.id.startswith("call_")
+            args = json.loads(call.function.arguments)
+            assert call.function.name in ("get_weather", "now") and (call.function.name == "now" or 1 <= args["days"] <= 7)
+            streamed = client.chat.completions.create(**ask, tool_choice=choice, stream=True)
+            name, arguments = None, ""
+            for chunk in streamed:
+                for d in chunk.choices[0].delta.tool_calls or []:
+                    name = d.function.name or name
+                    arguments += d.function.arguments or ""
+            assert (name, json.loads(arguments)) == (call.function.name, args)     # same seed, same reply
+        # the call and its result go back into the conversation
+        follow = client.chat.completions.create(
+            model=llama_cpu[0].name, tools=TOOLS, max_tokens=4, messages=messages + [
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'}])
+        assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
