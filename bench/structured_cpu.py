@@ -7,11 +7,12 @@ token.
 
 The preset's random-weight model gets a byte-level BPE tokenizer of up to --vocab tokens trained
 here on the Python sources of this interpreter's library (stdlib and site-packages), so xgrammar
-masks a vocabulary of a real model's size; the model's embedding keeps the preset's rows. Both runs are greedy. The constrained one asks for a JSON array
-of --items integers (0-999): random weights fill it to the end, so it decodes about as many tokens
-as the free run, which ignores EOS. tok/s counts decode tokens (after the first) over the decode
-time, median of --repeats. The mask time is each output's tokens replayed through a fresh matcher,
-timing the mask alone (fill, unpack, the barred specials).
+masks a vocabulary of a real model's size; the model's embedding keeps the preset's rows. Both
+runs are greedy. The constrained one asks for a JSON array of --items integers (0-999): random
+weights fill it to the end, so it decodes about as many tokens as the free run, which ignores EOS.
+tok/s counts decode tokens (after the first) over the decode time, median of --repeats. The mask
+time is each output's tokens replayed through a fresh matcher, timing the mask alone (fill,
+unpack, the barred specials).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from . import responses
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_api import ResponseFormat, ResponsesRequest
-from .tool_calls import FORMATS, ToolFormat, detect, structural_tag
+from .tool_calls import FORMATS, detect, structural_tag
 
 
 @dataclass
@@ -374,34 +374,38 @@ async def chat_completions(body: ChatCompletionRequest, s: Server):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs,
                       prompt_param="messages")
-    tool_format = None
-    if body.tools_in_force():
-        tool_format = tool_format_for(s.config, tok)
-        params = dataclasses.replace(params, skip_special_tokens=params.skip_special_tokens and not tool_format.special)
-        if body.tool_choice not in (None, "auto"):      # "required" or a named function: only calls
-            params = dataclasses.replace(params, structured=structural_tag(
-                tool_format, body.tools, body.forced_tool(), body.parallel_tool_calls))
+    params, tool_format = with_tools(s.config, tok, body, body.tools, params)
     request_id, stream = submit(engine, body, [ids], [params], [text], "chatcmpl", prompt_param="messages")
     return await respond(s, request_id, stream, body, responses.Chat(
         tok, body, [ids], [text], stream.request_ids, reasoning_parser=s.config.reasoning_parser,
         tool_format=tool_format))
 
 
-def tool_format_for(config: ServerConfig, tok) -> ToolFormat:
-    """The tool-call syntax of the served model: --tool-call-parser's, else its chat template's."""
+def with_tools(config: ServerConfig, tok, body, tools: list[dict] | None, params):
+    """(params, the tool-call format) for a request whose tools are in force, else (params, None):
+    the format's markers kept in the text, and for a required or named tool_choice the grammar of
+    its calls. The format is --tool-call-parser's, else the one the chat template writes."""
+    if not body.tools_in_force():
+        return params, None
     found = FORMATS[config.tool_call_parser] if config.tool_call_parser else detect(tok.chat_template)
     if found is None:
         raise APIError(400, "this model's chat template shows no tool-call format kiln knows; start the server "
                             f"with --tool-call-parser ({', '.join(FORMATS)})", "tools")
-    return found
+    params = dataclasses.replace(params, skip_special_tokens=params.skip_special_tokens and not found.special)
+    if body.tool_choice not in (None, "auto"):          # "required" or a named function: only calls
+        params = dataclasses.replace(params, structured=structural_tag(found, tools, body.forced_tool(),
+                                                                       body.parallel_tool_calls))
+    return params, found
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, s: Server):
     llm, engine = s.ready()
     check_model(s, body.model)
-    text = render_chat(llm.tokenizer, body.messages(), "input")
+    tools = body.chat_tools()
+    text = render_chat(llm.tokenizer, body.messages(), "input", **({"tools": tools} if tools else {}))
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     params = sampling(body, llm, ids, body.max_output_tokens, None, None, prompt_param="input")
+    params, tool_format = with_tools(s.config, llm.tokenizer, body, tools, params)
     request_id, stream = submit(engine, body, [ids], [params], [text], "resp", prompt_param="input")
-    return await respond(s, request_id, stream, body, ResponseFormat(body, ids))
+    return await respond(s, request_id, stream, body, ResponseFormat(body, ids, tool_format))

@@ -4,10 +4,11 @@ Field names and ranges follow OpenAI's API; the extensions vLLM users expect (to
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority) sit beside them. As in
 OpenAI's schema every optional field is nullable: an explicit `null` means the default. Unknown
 fields are ignored, as OpenAI's server does; fields kiln knows but does not implement (`suffix`,
-`tools`, image or audio content, ...) are refused by name rather than silently dropped. A JSON
-`response_format`, vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar` constrain the output (runtime/grammar.py); a body gives one. A value out of range fails validation, which the app turns into a 400 naming
-the parameter.
+the legacy `functions`, image or audio content, ...) are refused by name rather than silently
+dropped. A JSON `response_format`, vLLM's `structured_outputs` and its older `guided_json` /
+`guided_regex` / `guided_choice` / `guided_grammar` constrain the output (runtime/grammar.py); a
+body gives one. `tools` and `tool_choice` are the chat route's (serve/tool_calls.py). A value out
+of range fails validation, which the app turns into a 400 naming the parameter.
 """
 from __future__ import annotations
 

@@ -191,9 +191,8 @@ class Chat(_Format):
         self._sent_tokens.setdefault(index, 0)
         choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
         for i, call in enumerate(calls):
-            named = call.as_json()
-            choices.append({"index": index, "logprobs": None, "finish_reason": None, "delta": {"tool_calls": [
-                {"index": i, "id": named["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}]}})
+            opened = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            choices.append({"index": index, "logprobs": None, "finish_reason": None, "delta": {"tool_calls": [opened]}})
             choices.append({"index": index, "logprobs": None, "finish_reason": None, "delta": {"tool_calls": [
                 {"index": i, "function": {"arguments": call.arguments}}]}})
         choices[-1]["finish_reason"] = self._finish(c, bool(calls))

@@ -144,3 +144,41 @@ def test_sentencepiece_only_checkpoint_gets_a_tokenizer_json(make_model, tmp_pat
     assert tok.eos_token_ids >= {hf.eos_token_id}
     assert tok.apply_chat_template(MESSAGES) == hf.apply_chat_template(MESSAGES, tokenize=False,
                                                                        add_generation_prompt=True)
+
+
+TOOL_TEMPLATE = (     # a Hermes-style template: tools in the system turn, calls and results as tagged JSON
+    "{% if tools %}<|system|>\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['role'] == 'tool' %}<tool_response id={{ m['tool_call_id'] }}>{{ m['content'] }}</tool_response>"
+    "{% else %}{{ m['content'] or '' }}{% endif %}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_tools_and_tool_turns_render_as_transformers_renders_them(make_model, tmp_path):
+    """What the server sends the template (ChatMessage.for_template: a call's arguments as an object)
+    renders as transformers' apply_chat_template(tools=...) does."""
+    from kiln.serve.protocol import ChatMessage
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(make_model("llama") / name, model / name)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOL_TEMPLATE}))
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city, °C",
+                                               "parameters": parameters}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+    wire = [{"role": "user", "content": "Weather in Zürich?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]
+    ours = Tokenizer(model).apply_chat_template([ChatMessage(**m).for_template() for m in wire], tools=tools)
+    hf_messages = [wire[0], {**wire[1], "tool_calls": [{**call, "function": {"name": "get_weather",
+                                                                              "arguments": {"city": "Zürich"}}}]},
+                   wire[2]]
+    want = transformers.AutoTokenizer.from_pretrained(model).apply_chat_template(
+        hf_messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert ours == want
+    assert '"arguments": {"city": "Zürich"}' in ours and "°C" in ours

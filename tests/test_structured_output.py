@@ -140,7 +140,8 @@ def test_preempted_constrained_sequences_finish_valid(tokenizer):
 @pytest.mark.parametrize("spec,check", [
     (GrammarSpec("regex", r"(yes|no)-[0-9]{2}"), lambda t: t[:3] in ("yes", "no-") and t[-2:].isdigit()),
     (GrammarSpec.choice(["red", "green \"light\"", "blue\n"]), lambda t: t in ("red", "green \"light\"", "blue\n")),
-    (GrammarSpec("ebnf", 'root ::= "(" [a-c]+ ")"'), lambda t: t[0] == "(" and t[-1] == ")" and set(t[1:-1]) <= set("abc")),
+    (GrammarSpec("ebnf", 'root ::= "(" [a-c]+ ")"'),
+     lambda t: t[0] == "(" and t[-1] == ")" and set(t[1:-1]) <= set("abc")),
 ])
 def test_regex_choice_and_grammar(tokenizer, spec, check):
     eng = engine(tokenizer)
