@@ -125,8 +125,9 @@ class Grammars:
     def _compile(self, spec: GrammarSpec):
         c = self._compiler
         grammar = _xgrammar().Grammar
-        if spec.kind == "json_object":
-            return c.compile_grammar(_json_strings(str(grammar.builtin_json_grammar())))
+        if spec.kind == "json_object":                  # an object, as OpenAI's json_object mode promises
+            return c.compile_grammar(_json_strings(str(grammar.from_json_schema('{"type": "object"}',
+                                                                               any_whitespace=False))))
         if spec.kind == "json_schema":
             try:
                 json.loads(spec.source)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +203,8 @@ async def invalid_request(request, e: RequestValidationError):
 
 
 async def unexpected_error(request, e: Exception):      # never a bare 500 page; the server keeps serving
+    print(f"kiln serve: internal error on {request.url.path}:", file=sys.stderr)
+    traceback.print_exception(e, file=sys.stderr)           # the log says where
     return error_response(500, f"internal error: {type(e).__name__}", kind="server_error")
 
 

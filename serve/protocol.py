@@ -65,6 +65,13 @@ def _spec(kind: str, value, param: str) -> GrammarSpec:
     return GrammarSpec("regex" if kind == "regex" else "ebnf", value, param)
 
 
+def nested(value, *keys):
+    """value[k1][k2]... where each level is an object, else None (request bodies may hold anything)."""
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def _unsupported(name: str, what: str) -> ValueError:
     return ValueError(f"{name} is not supported by kiln yet ({what})")
 
@@ -161,7 +168,7 @@ class _Sampling(_Request):
         kind = (v or {}).get("type", "text")
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
-        if kind == "json_schema" and not isinstance((v.get("json_schema") or {}).get("schema", {}), dict):
+        if kind == "json_schema" and not isinstance(nested(v, "json_schema", "schema") or {}, dict):
             raise ValueError("response_format.json_schema.schema must be a JSON schema object")
         return v
 
@@ -188,7 +195,7 @@ class _Sampling(_Request):
         if fmt.get("type") == "json_object":
             out.append(("response_format", GrammarSpec("json_object", param="response_format")))
         elif fmt.get("type") == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema", {})
+            schema = nested(fmt, "json_schema", "schema") or {}
             out.append(("response_format", GrammarSpec("json_schema", json.dumps(schema), "response_format")))
         if self.structured_outputs:
             kind, value = next((k, v) for k, v in self.structured_outputs.items()
@@ -347,7 +354,7 @@ class ChatCompletionRequest(_Sampling):
                 raise _unsupported("function_call", "the legacy functions API; send tool_choice")
             return v
         if v is not None and v not in ("none", "auto", "required") and not (
-                isinstance(v, dict) and isinstance((v.get("function") or {}).get("name"), str)):
+                isinstance(nested(v, "function", "name"), str)):
             raise ValueError("tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'function': "
                              "{'name': ...}}")
         return v
@@ -365,7 +372,7 @@ class ChatCompletionRequest(_Sampling):
 
     def forced_tool(self) -> str | None:
         """The function tool_choice names, if it names one."""
-        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
+        return nested(self.tool_choice, "function", "name")
 
     def tools_in_force(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kiln.runtime.grammar import GrammarSpec
 
-from .protocol import TOOL_NAME, _Sampling
+from .protocol import TOOL_NAME, _Sampling, nested
 from .tool_calls import ToolCall, ToolFormat, held_back, parse
 
 
@@ -44,6 +44,8 @@ class ResponsesRequest(_Sampling):
                 raise ValueError("input is empty")
             return v
         for i, item in enumerate(v):
+            if not isinstance(item, dict):
+                raise ValueError(f"input item {i} is not an object")
             kind = item.get("type", "message")
             if kind == "function_call":
                 if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
@@ -59,9 +61,10 @@ class ResponsesRequest(_Sampling):
             content = item.get("content")
             parts = content if isinstance(content, list) else [{"type": "input_text", "text": content}]
             for part in parts:
-                if part.get("type") not in ("input_text", "output_text", "text") \
+                if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                         or not isinstance(part.get("text"), str):
-                    raise ValueError(f"input item {i} holds a {part.get('type')!r} part: this model takes text only")
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"input item {i} holds a {kind!r} part: this model takes text only")
         return v
 
     @field_validator("tools", "functions")
@@ -99,7 +102,7 @@ class ResponsesRequest(_Sampling):
     @field_validator("text")
     @classmethod
     def _text_format(cls, v):
-        kind = ((v or {}).get("format") or {}).get("type", "text")
+        kind = nested(v, "format", "type") or "text"
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"text.format type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
         return v
@@ -127,7 +130,7 @@ class ResponsesRequest(_Sampling):
                 for t in self.tools or []]
 
     def _constraints(self) -> list[tuple[str, GrammarSpec]]:
-        fmt = (self.text or {}).get("format") or {}
+        fmt = nested(self.text, "format") or {}
         given = super()._constraints()
         if fmt.get("type") == "json_object":
             given.append(("text.format", GrammarSpec("json_object", param="text.format")))

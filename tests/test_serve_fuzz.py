@@ -38,7 +38,8 @@ def fuzz_server(tmp_path_factory):
     model = make_tiny_model(root / "model", "llama", seed=3, max_position_embeddings=64)
     compile_model(model, root / "short-context", target="cpu", show=None)
     with running_server(root / "short-context", root / "server.log", "--kv-memory", "16MiB",
-                        "--max-num-seqs", "32", "--max-waiting", "4000") as (url, _):
+                        "--max-num-seqs", "32", "--max-waiting", "4000", "--tool-call-parser", "hermes",
+                        "--reasoning-parser", "qwen3") as (url, _):
         yield url
 
 
@@ -126,6 +127,45 @@ def messages_value(rng: random.Random, wild: bool):
     return [{"role": rng.choice(roles), "content": content()} for _ in range(rng.choice([0, 1, 2, 5]))]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+
+
+def special_value(name: str, rng: random.Random, wild: bool):
+    """Plausible or broken values of the fields that constrain the output or call tools."""
+    plausible = {
+        "response_format": lambda: rng.choice([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]),
+        "structured_outputs": lambda: rng.choice([{"regex": "[a-c]{1,4}"}, {"choice": ["yes", "no"]},
+                                                  {"json": {"type": "boolean"}}, {"grammar": 'root ::= "x"'}]),
+        "guided_choice": lambda: ["red", "blue"],
+        "guided_regex": lambda: "[0-9]{2}",
+        "tools": lambda: [TOOL],
+        "tool_choice": lambda: rng.choice(["none", "auto", "required",
+                                           {"type": "function", "function": {"name": "get_weather"}}]),
+    }
+    broken = [lambda: {"type": rng.choice(["json_schema", "json_object", "xml", None])},
+              lambda: {"json_schema": {"schema": {"type": rng.choice(["strin", "object", 3]), "$ref": "#/x"}}},
+              lambda: {"regex": rng.choice(["([a-", "", "\\", None])}, lambda: {"choice": rng.choice([[], [3], "x"])},
+              lambda: [{"type": "function", "function": {"name": rng.choice(["", "a b", "f" * 80, None])}}],
+              lambda: {"type": "function", "function": {"name": "missing"}}, lambda: garbage(rng)]
+    return rng.choice(broken)() if wild else plausible[name]()
+
+
+def input_value(rng: random.Random, wild: bool):
+    """The Responses API's input: text, messages, function calls and their outputs, or garbage."""
+    if not wild:
+        return rng.choice(["Hello there", [{"role": "user", "content": "Name a colour."}]])
+    return rng.choice([
+        lambda: rng.choice(TEXTS),
+        lambda: messages_value(rng, True),
+        lambda: [{"type": "function_call", "call_id": scalar(rng), "name": "f", "arguments": rng.choice(TEXTS)},
+                 {"type": "function_call_output", "call_id": "c", "output": scalar(rng)}],
+        lambda: [{"role": "user", "content": [{"type": rng.choice(["input_text", "input_image"]), "text": "x"}]}],
+        lambda: garbage(rng),
+    ])()
+
+
 def resolve(schema: dict, ref_or_schema: dict) -> dict:
     ref = ref_or_schema.get("$ref")
     return schema["components"]["schemas"][ref.rsplit("/", 1)[1]] if ref else ref_or_schema
@@ -140,7 +180,7 @@ def request_bodies(schema: dict, n: int, seed: int = 0):
         if post and "requestBody" in post:
             body_schema = resolve(schema, post["requestBody"]["content"]["application/json"]["schema"])
             routes.append((path, body_schema["properties"]))
-    assert {p for p, _ in routes} == {"/v1/completions", "/v1/chat/completions"}, routes
+    assert {p for p, _ in routes} == {"/v1/completions", "/v1/chat/completions", "/v1/responses"}, routes
     for i in range(n):
         path, props = routes[i % len(routes)]
         wild = rng.random() < 0.5            # half the requests are plausible, half adversarial
@@ -150,6 +190,11 @@ def request_bodies(schema: dict, n: int, seed: int = 0):
                 body[name] = prompt_value(rng, wild)
             elif name == "messages":
                 body[name] = messages_value(rng, wild)
+            elif name == "input":
+                body[name] = input_value(rng, wild)
+            elif name in ("response_format", "structured_outputs", "guided_choice", "guided_regex", "tools",
+                          "tool_choice") and rng.random() < 0.15:
+                body[name] = special_value(name, rng, wild)
             elif rng.random() < (0.3 if wild else 0.1):
                 body[name] = typed_value(rng, resolve(schema, prop), wild)
         if rng.random() < 0.3:
