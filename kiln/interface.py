@@ -51,7 +51,8 @@ GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
 # -- the sampler ----------------------------------------------------------------------------------
 # what the runtime asks for -> the function codegen/lowering/sampling.py compiles into the artifact
 SAMPLER_FUNCTIONS = {"penalties": "apply_penalties", "greedy": "sample_greedy", "plain": "sample_plain",
-                     "sorted": "sample_sorted", "logprobs": "token_logprobs"}
+                     "sorted": "sample_sorted", "logprobs": "token_logprobs", "mask": "apply_token_mask"}
+OPTIONAL_SAMPLER_FUNCTIONS = ("mask",)      # artifacts compiled before structured output lack it
 MAX_LOGPROBS = 20       # the most alternatives SamplingParams.logprobs may ask for (the compiled top-k's k)
 
 

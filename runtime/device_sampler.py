@@ -3,9 +3,10 @@
 The compiled functions (codegen/lowering/sampling.py) compute the draw runtime/sampler.py defines. The host
 keeps what is per request: each sequence's generator draws its one uniform number here, exactly as
 the NumPy sampler would (one per sampled row, none for a greedy row), and the penalties and bias
-become a short list of (row, token) entries from the rows that use them (`penalty_entries`). One
-`sample` call runs up to four compiled functions: `apply_penalties` when some row has entries,
-then `sample_greedy` for the greedy rows, `sample_plain` for sampled rows without top-k/top-p and
+become a short list of (row, token) entries from the rows that use them (`penalty_entries`), and a
+structured output's grammar mask a bitmask row (`apply_token_mask`). One `sample` call runs up to
+five compiled functions: `apply_penalties` when some row has entries, `apply_token_mask` when some
+row has a grammar, then `sample_greedy` for the greedy rows, `sample_plain` for sampled rows without top-k/top-p and
 `sample_sorted` for the rest (each on its own rows, so a row is sorted only if its params need it).
 
 Uses only TVM's runtime and NumPy.
@@ -17,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.interface import SAMPLER_FUNCTIONS
+from kiln.interface import OPTIONAL_SAMPLER_FUNCTIONS, SAMPLER_FUNCTIONS
 
 from .sampler import SamplerState, penalty_entries, sample, top_logprobs
 from .step_buffers import StepBuffers
@@ -30,11 +31,19 @@ class DeviceSampler:
     def __init__(self, vm, device):
         self.device = device
         self.buffers = StepBuffers(device)      # the small per-call arrays, in reused device memory
-        try:
-            self.fn = {key: vm[name] for key, name in SAMPLER_FUNCTIONS.items()}
-        except AttributeError as e:
-            raise KilnError(f"the compiled library has no sampling functions ({e}); "
-                            "it was built before kiln compiled sampling with the model") from None
+        self.fn = {}
+        for key, name in SAMPLER_FUNCTIONS.items():
+            try:
+                self.fn[key] = vm[name]
+            except AttributeError as e:
+                if key not in OPTIONAL_SAMPLER_FUNCTIONS:
+                    raise KilnError(f"the compiled library has no sampling functions ({e}); "
+                                    "it was built before kiln compiled sampling with the model") from None
+
+    @property
+    def masks(self) -> bool:
+        """Whether grammar masks apply here (artifacts compiled before structured output cannot)."""
+        return "mask" in self.fn
 
     def _put(self, name: str, array: np.ndarray):
         return self.buffers.put(name, np.ascontiguousarray(array))
@@ -73,6 +82,12 @@ class DeviceSampler:
         if penalties is not None:
             steps.append(("penalties", None, penalties))
             rows = np.arange(len(states), dtype=np.int32)       # the draws read the processed rows
+        masks = [st.allowed() for st in states]
+        if any(m is not None for m in masks):
+            bits = _bitmask(masks, vocab)                    # a grammar's mask, before the draws
+            flat = self._put("mask.bits", bits.reshape(-1))
+            steps.append(("mask", None, [self._put("mask.rows", rows), flat._create_view(bits.shape, "int32")]))
+            rows = np.arange(len(states), dtype=np.int32)
         greedy = [i for i, st in enumerate(states) if st.params.greedy]
         if greedy:
             steps.append(("greedy", greedy, [self._put("greedy.rows", rows[greedy])]))
@@ -84,8 +99,8 @@ class DeviceSampler:
         """Run a plan's functions on a step's logits: (states, their ids on the device) per group."""
         source, groups = logits, []
         for kind, picked, args in plan:
-            if kind == "penalties":
-                source = self.fn["penalties"](logits, *args)
+            if kind in ("penalties", "mask"):                  # each rewrites the rows the draws read
+                source = self.fn[kind](source, *args)
             else:
                 groups.append((picked, self.fn[kind](source, *args)))
         return groups
@@ -150,6 +165,19 @@ class DeviceSampler:
         return out
 
 
+def _bitmask(masks: list, vocab: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab / 32)]: bit t % 32 of word t // 32 set where token t is allowed
+    (every bit for a row without a mask)."""
+    words = (vocab + 31) // 32
+    bits = np.full((len(masks), words), -1, np.int32)
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            packed = np.zeros(words * 4, np.uint8)
+            packed[:(vocab + 7) // 8] = np.packbits(mask[:vocab], bitorder="little")
+            bits[i] = packed.view("<i4")
+    return bits
+
+
 class HostLogits:
     """A step's logits on the host (a NumPy array): the engine's view when sampling is NumPy's."""
 
@@ -171,9 +199,9 @@ class DeviceLogits:
 
     def sample(self, rows: list[int], states: Sequence[SamplerState]) -> np.ndarray:
         constrained = [i for i, st in enumerate(states) if st.grammar is not None]
-        if not constrained:
+        if not constrained or self.sampler.masks:
             return self.sampler.sample(self.tensor, states, rows)
-        # a grammar's mask is the host's: those rows are read back and drawn by the NumPy sampler
+        # an artifact compiled without apply_token_mask: constrained rows are read back and drawn here
         free = [i for i in range(len(states)) if states[i].grammar is None]
         out = np.empty(len(states), np.int64)
         out[free] = self.sampler.sample(self.tensor, [states[i] for i in free], [rows[i] for i in free])

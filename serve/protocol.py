@@ -207,6 +207,22 @@ class _Sampling(_Request):
                 out.append((f"guided_{kind}", _spec(kind, value, f"guided_{kind}")))
         return out
 
+    def tools_in_force(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool(self) -> str | None:
+        return None
+
+    def check_tool_choice(self, names: list[str]) -> None:
+        """tool_choice against the tools' `names`: a named one among them, required with some, and
+        either as the body's only output constraint."""
+        if self.forced_tool() is not None and self.forced_tool() not in names:
+            raise ValueError(f"tool_choice names {self.forced_tool()!r}, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tools_in_force() and self.tool_choice not in (None, "auto") and self._constraints():
+            raise ValueError("a required or named tool_choice is itself an output constraint: give no other")
+
     def structured(self) -> GrammarSpec | None:
         """What the output must match, if the body constrains it."""
         given = self._constraints()
@@ -361,21 +377,12 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
-        names = [t["function"]["name"] for t in self.tools or []]
-        if self.forced_tool() is not None and self.forced_tool() not in names:
-            raise ValueError(f"tool_choice names {self.forced_tool()!r}, which is not among the tools")
-        if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        if self.tools_in_force() and self.tool_choice not in (None, "auto") and self._constraints():
-            raise ValueError("a required or named tool_choice is itself an output constraint: give no other")
+        self.check_tool_choice([t["function"]["name"] for t in self.tools or []])
         return self
 
     def forced_tool(self) -> str | None:
         """The function tool_choice names, if it names one."""
         return nested(self.tool_choice, "function", "name")
-
-    def tools_in_force(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("audio")
     @classmethod

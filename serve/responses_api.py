@@ -109,20 +109,11 @@ class ResponsesRequest(_Sampling):
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
-        names = [t["name"] for t in self.tools or []]
-        if self.forced_tool() is not None and self.forced_tool() not in names:
-            raise ValueError(f"tool_choice names {self.forced_tool()!r}, which is not among the tools")
-        if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        if self.tools_in_force() and self.tool_choice not in (None, "auto") and self._constraints():
-            raise ValueError("a required or named tool_choice is itself an output constraint: give no other")
+        self.check_tool_choice([t["name"] for t in self.tools or []])
         return self
 
     def forced_tool(self) -> str | None:
-        return self.tool_choice["name"] if isinstance(self.tool_choice, dict) else None
-
-    def tools_in_force(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return nested(self.tool_choice, "name")
 
     def chat_tools(self) -> list[dict]:
         """The tools in the chat API's shape, which chat templates and the tool formats read."""

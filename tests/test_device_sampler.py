@@ -270,3 +270,53 @@ def test_sampling_functions_build_for_cuda(tmp_path):
     for name in ("penalize", "greedy", "inverse_cdf", "sort", "gpu_2d_continuous_cumsum", "topk"):
         assert name in kernels.split()
     assert time.perf_counter() - start < 120, f"the CUDA build took {seconds} s"
+
+
+class FixedGrammar:
+    """A grammar stand-in: the same random allowed set at every step (what the mask does is the
+    point, not which language it comes from)."""
+
+    def __init__(self, seed: int, vocab: int = VOCAB, share: float = 0.05):
+        self.mask = np.random.default_rng(seed).random(vocab) < share
+
+    def allowed(self):
+        return self.mask
+
+    def accept(self, token):
+        assert self.mask[token], f"token {token} drawn outside the mask"
+        return True
+
+
+@pytest.mark.parametrize("name", ["greedy", "temperature", "all_filters", "everything"])
+def test_grammar_masks_give_the_numpy_tokens(sampler, name):
+    """Constrained rows (masked on the device by apply_token_mask) beside a free one, with penalties."""
+    assert sampler.masks
+    params = [{**COMBINATIONS[name], "seed": 1}, {**COMBINATIONS[name], "seed": 2}, dict(temperature=0.9, seed=3)]
+
+    def states():
+        out = _states(params, prompt=[5, 9, 9])
+        for i, st in enumerate(out[:2]):
+            st.grammar = FixedGrammar(i)
+        return out
+    host, device = states(), states()
+    for step in range(4):
+        logits = _logits(4, seed=step)
+        a = sample(logits[[0, 2, 3]], host)
+        b = sampler.sample(tvm.runtime.tensor(logits), device, [0, 2, 3])
+        assert a.tolist() == b.tolist()
+        for st_h, st_d, tok in zip(host, device, a.tolist()):
+            st_h.append(tok)
+            st_d.append(tok)
+    assert all(host[i].grammar.mask[t] for i in range(2) for t in host[i].output_counts)
+
+
+def test_an_artifact_without_the_mask_function_draws_constrained_rows_on_the_host(sampler):
+    from kiln.runtime.device_sampler import DeviceLogits
+    del sampler.fn["mask"]                       # as an artifact compiled before structured output
+    assert not sampler.masks
+    params = [dict(temperature=0.8, seed=4), dict(temperature=0, seed=5)]
+    host, device = _states(params), _states(params)
+    host[0].grammar = device[0].grammar = FixedGrammar(7)
+    logits = _logits(3, seed=9)
+    assert sample(logits[[1, 2]], host).tolist() == DeviceLogits(tvm.runtime.tensor(logits), sampler).sample(
+        [1, 2], device).tolist()

@@ -114,26 +114,26 @@ def _tvm_paged(ctx, pages, page_indptr, page_values, last_page_len):
     return [pages, page_indptr, page_values, last_page_len, last_page_len, ctx.input("positions")]
 
 
-def _tvm_prefill(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len, kv_scales):
+def _tvm_attention(ctx, node, q, k, v, pages, slots, page_indptr, page_values, last_page_len, factory, name: str,
+                   leading: list):
+    """TVM's append, then one of its paged attention kernels (`factory`) on `leading` + the pages."""
     pages = _tvm_append(ctx, node, k, v, pages, slots)
     spec, dtype = ctx.kv_spec(node), node.type.dtype
-    attn = ctx.add_kernel(tvm_kernels.prefill_attention(ctx.target, spec.kv_heads, int(q.ty.shape[1]), spec.head_dim,
-                                                        spec.page_size, dtype, node.attrs["scale"]),
-                          "paged_attention", scheduled=True)
-    out = ctx.bb.emit(relax.call_tir(attn, [q, q_indptr, *_tvm_paged(ctx, pages, page_indptr, page_values,
-                                                                     last_page_len)], _tvm_outputs(q, dtype)))
+    attn = ctx.add_kernel(factory(ctx.target, spec.kv_heads, int(q.ty.shape[1]), spec.head_dim, spec.page_size, dtype,
+                                  node.attrs["scale"]), name, scheduled=True)
+    out = ctx.bb.emit(relax.call_tir(attn, [*leading, *_tvm_paged(ctx, pages, page_indptr, page_values, last_page_len)],
+                                     _tvm_outputs(q, dtype)))
     return ctx.bb.emit(relax.TupleGetItem(out, 0))
+
+
+def _tvm_prefill(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len, kv_scales):
+    return _tvm_attention(ctx, node, q, k, v, pages, slots, page_indptr, page_values, last_page_len,
+                          tvm_kernels.prefill_attention, "paged_attention", [q, q_indptr])
 
 
 def _tvm_decode(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len, kv_scales):
-    pages = _tvm_append(ctx, node, k, v, pages, slots)
-    spec, dtype = ctx.kv_spec(node), node.type.dtype
-    attn = ctx.add_kernel(tvm_kernels.decode_attention(ctx.target, spec.kv_heads, int(q.ty.shape[1]), spec.head_dim,
-                                                       spec.page_size, dtype, node.attrs["scale"]),
-                          "paged_decode_attention", scheduled=True)
-    out = ctx.bb.emit(relax.call_tir(attn, [q, *_tvm_paged(ctx, pages, page_indptr, page_values, last_page_len)],
-                                     _tvm_outputs(q, dtype)))
-    return ctx.bb.emit(relax.TupleGetItem(out, 0))
+    return _tvm_attention(ctx, node, q, k, v, pages, slots, page_indptr, page_values, last_page_len,
+                          tvm_kernels.decode_attention, "paged_decode_attention", [q])
 
 
 def _kiln_gpu_fallback(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,

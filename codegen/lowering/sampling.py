@@ -20,6 +20,9 @@ definition), so on the same logits and the same uniform number they pick the sam
                                                    token_logprob f64[s])
         log-softmax of logits[rows[i]]: its K largest entries (K = min(20, vocab)) and the entry of
         tokens[i].
+    apply_token_mask(logits, rows, bitmask i32[s, w]) -> f32[s, v]
+        logits[rows[i]] with every token whose bit (bit t % 32 of word t // 32) is clear set to
+        -inf: a structured output's grammar mask (runtime/grammar.py), applied before the draw.
 
 Every dim is symbolic but K. Weights, sums and thresholds are float64 (COMPUTE_DTYPE), as in NumPy,
 so the cumulative sums the draw searches agree with NumPy's to ~1e-16 and only a uniform that lands
@@ -72,6 +75,15 @@ def _gather_rows(logits, rows):
     """x[i, t] = logits[rows[i], t]. [s, v] f32"""
     return te.compute((rows.shape[0], logits.shape[1]), lambda i, t: logits[rows[i].astype("int64"), t],
                       name="gather_rows")
+
+
+def _masked(x, bitmask):
+    """x where the token's bit is set, else -inf. [s, v] f32"""
+    def keep(i, t):
+        word = bitmask[i, t // 32]
+        allowed = ((word >> (t % 32).astype("int32")) & 1) == 1
+        return tirx.Select(allowed, x[i, t], tirx.const(float("-inf"), "float32"))
+    return te.compute(x.shape, keep, name="masked")
 
 
 def _greedy(x):
@@ -265,4 +277,5 @@ def add_sampling_functions(mod: tvm.IRModule, vocab_size: int | None = None) -> 
     define("plain", plain, row("temperature"), row("min_p"), row("uniform"))
     define("sorted", sorted_, row("temperature"), row("top_k", "int32"), row("top_p"), row("min_p"), row("uniform"))
     define("logprobs", logprobs, row("tokens", "int32"))
+    define("mask", lambda x, bitmask: call(_masked, x, bitmask), ("bitmask", (s, tirx.Var("w", "int64")), "int32"))
     return bb.get()
