@@ -144,6 +144,32 @@ def test_device_sampling_matches_the_numpy_sampler_on_the_same_logits(gpu_bundle
         assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g)
 
 
+def test_structured_output_on_the_device(gpu_bundle):
+    """JSON-schema requests on a CUDA artifact, masked on the device (apply_token_mask) beside a free
+    request: every constrained output validates, and the tokens are the host-masked ones on the
+    same logits (the same requests on an LLM whose sampler lacks the mask function)."""
+    pytest.importorskip("xgrammar")
+    import json
+    from kiln.runtime.grammar import GrammarSpec
+    from kiln.runtime.sampler import SamplingParams
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=60, structured=spec)
+              for i, t in enumerate((0.0, 1.0, 0.7))] + [SamplingParams(temperature=1.0, seed=9, max_tokens=8)]
+    prompts = [prompt(7 + i, 300 + i) for i in range(4)]
+    device = llm_for(gpu_bundle, "float16", overlap=False)
+    assert device.model.sampler.masks
+    on_device = device.generate(prompts, params, use_tqdm=False)
+    host = llm_for(gpu_bundle, "float16", overlap=False)
+    del host.model.sampler.fn["mask"]
+    on_host = host.generate(prompts, params, use_tqdm=False)
+    assert tokens(on_device) == tokens(on_host)
+    for out in on_device[:3]:
+        answer = json.loads(out.outputs[0].text)
+        assert out.outputs[0].finish_reason == "stop" and 0 <= answer["n"] <= 99 and isinstance(answer["ok"], bool)
+
+
 @pytest.mark.parametrize("variant", ["float16", "q4"])
 def test_one_step_ahead_generates_what_the_synchronous_engine_does(gpu_bundle, variant):
     """The one-step-ahead engine on the device (runtime/overlap.py, runtime/launch.py: placeholders
