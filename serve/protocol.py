@@ -65,6 +65,15 @@ def _spec(kind: str, value, param: str) -> GrammarSpec:
     return GrammarSpec("regex" if kind == "regex" else "ebnf", value, param)
 
 
+def template_arguments(text: str):
+    """A call's arguments as chat templates read them (transformers' convention): an object where
+    the text is JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def nested(value, *keys):
     """value[k1][k2]... where each level is an object, else None (request bodies may hold anything)."""
     for key in keys:
@@ -298,15 +307,9 @@ class ChatMessage(_Request):
         an object where they are JSON."""
         message = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            calls = []
-            for call in self.tool_calls:
-                function = dict(call["function"])
-                try:
-                    function["arguments"] = json.loads(function.get("arguments") or "{}")
-                except json.JSONDecodeError:
-                    pass
-                calls.append({**call, "type": "function", "function": function})
-            message["tool_calls"] = calls
+            message["tool_calls"] = [{**call, "type": "function", "function": {
+                **call["function"], "arguments": template_arguments(call["function"].get("arguments") or "{}")}}
+                for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kiln.runtime.grammar import GrammarSpec
 
-from .protocol import TOOL_NAME, _Sampling, nested
+from .protocol import TOOL_NAME, _Sampling, nested, template_arguments
 from .tool_calls import ToolCall, ToolFormat, held_back, parse
 
 
@@ -141,7 +141,7 @@ class ResponsesRequest(_Sampling):
                 if not (out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]):
                     out.append({"role": "assistant", "content": "", "tool_calls": []})
                 out[-1]["tool_calls"].append({"id": item["call_id"], "type": "function", "function": {
-                    "name": item["name"], "arguments": _arguments(item["arguments"])}})
+                    "name": item["name"], "arguments": template_arguments(item["arguments"])}})
             elif kind == "function_call_output":
                 out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
             else:
@@ -149,14 +149,6 @@ class ResponsesRequest(_Sampling):
                 text = content if isinstance(content, str) else "".join(p["text"] for p in content)
                 out.append({"role": "system" if item["role"] == "developer" else item["role"], "content": text})
         return out
-
-
-def _arguments(text: str):
-    """A call's arguments as templates read them: an object where the text is JSON."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 class ResponseFormat:
