@@ -20,12 +20,14 @@ import re
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kiln.errors import ParamError
 
+CACHED_GRAMMARS = 256      # compiled grammars an engine keeps (least recently used go first)
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag")
 # A JSON string's characters as xgrammar 0.2.8 writes them in EBNF: a length-bounded string's
 # class lets raw control characters in, which JSON forbids, and neither keeps out UTF-8-encoded
@@ -85,7 +87,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self._compiler = None
-        self._compiled: dict[GrammarSpec, object] = {}
+        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()     # least recently used first
         self._lock = threading.Lock()          # the server checks requests off the engine's thread
         self.compile_seconds: dict[GrammarSpec, float] = {}
         # special tokens other than the stop tokens are not text: no grammar's output holds one
@@ -109,6 +111,7 @@ class Grammars:
         field when xgrammar cannot compile it."""
         with self._lock:
             if spec in self._compiled:
+                self._compiled.move_to_end(spec)
                 return self._compiled[spec]
             if self._compiler is None:
                 self._compiler = _xgrammar(spec.param).GrammarCompiler(self.tokenizer_info())
@@ -120,6 +123,9 @@ class Grammars:
                     from None
             self.compile_seconds[spec] = time.perf_counter() - t0
             self._compiled[spec] = compiled
+            if len(self._compiled) > CACHED_GRAMMARS:          # a server sees schemas without end
+                evicted, _ = self._compiled.popitem(last=False)
+                self.compile_seconds.pop(evicted, None)
             return compiled
 
     def _compile(self, spec: GrammarSpec):

@@ -193,3 +193,16 @@ def test_a_constrained_output_is_the_same_alone_batched_and_from_the_prefix_cach
     assert batch[0].outputs[0].token_ids == alone == batch[2].outputs[0].token_ids
     again = eng.generate([prompt], [params])[0]                 # its prompt's pages now come from the cache
     assert again.metrics.num_cached_tokens > 0 and again.outputs[0].token_ids == alone
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used(tokenizer, monkeypatch):
+    import kiln.runtime.grammar as grammar
+    monkeypatch.setattr(grammar, "CACHED_GRAMMARS", 2)
+    grammars = Grammars(tokenizer, 512, tokenizer.eos_token_ids)
+    specs = [GrammarSpec.choice([f"option {i}"]) for i in range(3)]
+    first = grammars.compile(specs[0])
+    grammars.compile(specs[1])
+    assert grammars.compile(specs[0]) is first            # a hit: now the most recent
+    grammars.compile(specs[2])                             # evicts specs[1], the least recent
+    assert list(grammars.compile_seconds) == [specs[0], specs[2]]
+    assert grammars.compile(specs[0]) is first
