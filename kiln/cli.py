@@ -227,7 +227,13 @@ def attach_weights(artifact, model_dir, force):
 @click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
 @click.option("--json-schema", "json_schema", default=None, type=click.File("r"), metavar="FILE",
               help="Constrain the output to JSON that validates against the schema in FILE.")
-def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json, threads, json_schema):
+@click.option("--speculative", default=None, metavar="ngram|draft:ARTIFACT",
+              help="Speculative decoding: guess tokens by prompt lookup (ngram) or with a smaller draft model "
+                   "compiled for the same target, and keep those the model confirms (the same outputs).")
+@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
+              help="The most tokens guessed per step (fewer where a sequence's guesses are often wrong).")
+def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json, threads, json_schema,
+        speculative, num_speculative_tokens):
     """Generate text with a compiled ARTIFACT."""
     # tvm_ffi imports torch whenever it is installed (seconds of start-up) though the runtime never
     # uses it; keep it out of this process.
@@ -238,10 +244,11 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
     structured = GrammarSpec("json_schema", json_schema.read(), "--json-schema") if json_schema else None
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             structured=structured)
+    spec = _speculative(speculative, num_speculative_tokens)
     if prompt is None:
-        chat(artifact, params, kv_memory, threads)
+        chat(artifact, params, kv_memory, threads, spec)
     else:
-        run_prompt(artifact, prompt, params, kv_memory, as_json, threads)
+        run_prompt(artifact, prompt, params, kv_memory, as_json, threads, spec)
 
 
 @main.command()
@@ -267,18 +274,38 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
               help="Put a reasoning model's <think>...</think> text into reasoning_content.")
 @click.option("--tool-call-parser", default=None, type=click.Choice(TOOL_CALL_PARSERS),
               help="The model's tool-call syntax (default: what its chat template writes).")
+@click.option("--speculative", default=None, metavar="ngram|draft:ARTIFACT",
+              help="Speculative decoding: guess tokens by prompt lookup (ngram) or with a smaller draft model "
+                   "compiled for the same target, and keep those the model confirms (the same outputs).")
+@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
+              help="The most tokens guessed per step (fewer where a sequence's guesses are often wrong).")
 def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
-          prefix_caching, max_waiting, drain_timeout, threads, reasoning_parser, tool_call_parser):
+          prefix_caching, max_waiting, drain_timeout, threads, reasoning_parser, tool_call_parser, speculative,
+          num_speculative_tokens):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
     from kiln.artifact import read_manifest
     from kiln.serve.app import ServerConfig
     from kiln.serve.server import serve as run_server
     read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
+    _speculative(speculative, num_speculative_tokens)
     run_server(ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
                             prefix_caching, max_waiting, threads=threads, reasoning_parser=reasoning_parser,
-                            tool_call_parser=tool_call_parser),
+                            tool_call_parser=tool_call_parser, speculative=speculative,
+                            num_speculative_tokens=num_speculative_tokens),
                host, port, drain_timeout)
+
+
+def _speculative(spec: str | None, num_tokens: int):
+    """--speculative checked before anything loads: the method, and a draft artifact that exists."""
+    if spec is None:
+        return None
+    from kiln.artifact import read_manifest
+    from kiln.runtime.speculative import SpeculativeConfig
+    config = SpeculativeConfig.parse(spec, num_tokens)
+    if config.draft is not None:
+        read_manifest(config.draft, verify=False)
+    return config
 
 
 @main.group()

@@ -17,10 +17,11 @@ from kiln.runtime.tokenizer import Tokenizer
 CHAT_CONTEXT = 8192      # tokens of KV cache a chat gets (a conversation's length is not known)
 
 
-def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, params, tokenizer=None):
+def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, params, tokenizer=None, speculative=None):
     # a structured output's next mask needs the token before it: no running one step ahead
     return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, size_kv_for=size_kv_for,
-               tokenizer=tokenizer, overlap=False if params.structured is not None else None)
+               tokenizer=tokenizer, overlap=False if params.structured is not None else None,
+               speculative=speculative)
 
 
 def _timings(out, load_seconds: float, threads: int) -> dict:
@@ -64,13 +65,14 @@ def _generate_streaming(llm, prompt_ids, params, echo: bool):
     return final
 
 
-def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads: int | None = None) -> None:
+def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads: int | None = None,
+               speculative=None) -> None:
     t0 = time.perf_counter()
     read_manifest(artifact, verify=False)       # a missing or broken artifact is named as such first
     tokenizer = Tokenizer(artifact)
     prompt_ids = tokenizer.encode(prompt)
     # The cache this one request needs (its prompt and every token it may write), not a server's.
-    llm = _open(artifact, kv_memory, threads, len(prompt_ids) + params.max_tokens, params, tokenizer)
+    llm = _open(artifact, kv_memory, threads, len(prompt_ids) + params.max_tokens, params, tokenizer, speculative)
     load_seconds = time.perf_counter() - t0
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
@@ -84,7 +86,7 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
         print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
                           "output_token_ids": done.token_ids, "text": done.text,
                           "finish_reason": done.finish_reason, "timings": t,
-                          "kv_bytes_per_token": llm.model.bytes_per_token}))
+                          "kv_bytes_per_token": llm.model.bytes_per_token, **_speculation(llm)}))
     else:
         def rate(v):
             return f"{v:.1f} tok/s" if v else "n/a"
@@ -92,12 +94,26 @@ def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads:
                    f"({rate(t['prefill_tokens_per_second'])}); decode: {t['decode_tokens']} tokens in "
                    f"{t['decode_seconds']:.3f}s ({rate(t['decode_tokens_per_second'])}); "
                    f"{describe_threads(t['threads'])}", err=True)
+        spec = _speculation(llm).get("speculative")
+        if spec is not None and spec["drafts"]:
+            click.echo(f"speculative ({llm.speculative.method}): {spec['accepted_tokens']} of {spec['draft_tokens']} "
+                       f"guessed tokens taken ({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} "
+                       "tokens per verify step", err=True)
 
 
-def chat(artifact, params, kv_memory, threads: int | None = None) -> None:
+def _speculation(llm) -> dict:
+    """The engine's speculative decoding counters, where it speculates (`kiln run --json`)."""
+    speculator = llm.engine.speculator
+    if speculator is None:
+        return {}
+    return {"speculative": {"method": llm.speculative.method, "num_speculative_tokens": llm.speculative.num_tokens,
+                            **speculator.stats.as_dict()}}
+
+
+def chat(artifact, params, kv_memory, threads: int | None = None, speculative=None) -> None:
     """Read a line, answer it, repeat, through the model's chat template (a model without one is
     refused: joining the turns by hand would feed it text in a format it was never trained on)."""
-    llm = _open(artifact, kv_memory, threads, CHAT_CONTEXT, params)
+    llm = _open(artifact, kv_memory, threads, CHAT_CONTEXT, params, speculative=speculative)
     tok = llm.tokenizer
     if tok.chat_template is None:
         raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "

@@ -190,6 +190,9 @@ class HostLogits:
     def logprobs(self, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
         return [top_logprobs(self.array[r], t, k) for r, t, k in zip(rows, tokens, ks)]
 
+    def host_rows(self, rows: list[int]) -> np.ndarray:
+        return self.array[rows]
+
 
 class DeviceLogits:
     """A step's logits left on the device, sampled there by a DeviceSampler."""
@@ -211,3 +214,7 @@ class DeviceLogits:
 
     def logprobs(self, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
         return self.sampler.top_logprobs(self.tensor, rows, tokens, ks)
+
+    def host_rows(self, rows: list[int]) -> np.ndarray:
+        """Rows read back to the host (a speculative chunk's, which are verified there)."""
+        return self.tensor.numpy()[rows]

@@ -7,7 +7,8 @@ or a fake one in the scheduler tests. A runner whose `sampler` is not None sampl
 Requests come in with `add_request` (token ids), leave when finished or through `abort`; every
 step returns a RequestOutput for each request that got tokens (or finished) in it. A runner that
 `launch`es steps and finishes them later runs under runtime/overlap.py's OverlapEngine instead,
-one step ahead of the host.
+one step ahead of the host. With a Speculator (runtime/speculative.py), decoding sequences bring
+guessed tokens to each step and keep the ones the model's own logits confirm.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .device_sampler import DeviceLogits, HostLogits
 from .grammar import Grammars
 from .sampler import SamplerState, SamplingParams
 from .scheduler import Scheduler
+from .speculative import Speculator, verify_row
 from .step import SeqChunk, output_offsets, step_inputs
 from .tokenizer import IncrementalDetokenizer
 
@@ -45,7 +47,7 @@ class Engine:
     """Runs many requests together on one model runner."""
 
     def __init__(self, model, num_pages: int, eos_ids=(), max_num_seqs: int = 64, max_batched_tokens: int = 2048,
-                 tokenizer=None, prefix_caching: bool = True):
+                 tokenizer=None, prefix_caching: bool = True, speculator: Speculator | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.pool = PagePool(num_pages, model.page_size, prefix_caching, window=model.kv_window)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batched_tokens)
@@ -55,6 +57,7 @@ class Engine:
         self.stats = EngineStats()
         self.grammars = Grammars(tokenizer, model.vocab_size, self.eos_ids) if tokenizer is not None else None
         self._mask_worker: ThreadPoolExecutor | None = None       # started by the first constrained step
+        self.speculator = speculator
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -164,6 +167,9 @@ class Engine:
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            running = self.scheduler.running
+            self.speculator.propose(running, {*running, *self.scheduler.waiting})
         schedule = self.scheduler.schedule()
         if not schedule.chunks:
             return []
@@ -184,10 +190,13 @@ class Engine:
             masks.result()
         self.stats.forward_seconds += time.perf_counter() - tf
         offsets = output_offsets(inputs)
-        rows, ready = [], []
+        rows, ready, guessed = [], [], []
         touched: dict[str, Request] = {}
         for i, c in enumerate(schedule.chunks):
             seq = c.seq
+            if c.draft:                                   # verified after the plain rows are drawn
+                guessed.append((c, offsets[i]))
+                continue
             row = offsets[i + 1] - 1                      # this chunk's last token's logits
             if inputs[i].all_rows:
                 self._add_prompt_logprobs(seq.request, c.start, logits, offsets[i], offsets[i + 1])
@@ -213,6 +222,13 @@ class Engine:
             for i, (seq, tok) in enumerate(zip(ready, tokens)):
                 self._append_token(seq, tok, logprobs.get(i), now)
                 touched[seq.request.request_id] = seq.request
+        if guessed:
+            host = logits.host_rows([first + j for c, first in guessed for j in range(len(c.draft) + 1)])
+            now, at = time.perf_counter(), 0
+            for c, first in guessed:
+                self._verify(c, first, host[at:at + len(c.draft) + 1], logits, now)
+                at += len(c.draft) + 1
+                touched[c.seq.request.request_id] = c.seq.request
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
         outputs = [req.output() for req in touched.values()]
@@ -221,11 +237,36 @@ class Engine:
                 del self.requests[out.request_id]
         return outputs
 
+    def _verify(self, c, first: int, rows: np.ndarray, logits, now: float) -> None:
+        """Take the tokens a speculative chunk's rows confirm (runtime/speculative.py): row j, after
+        guess j - 1, gives one token; the walk stops at the first token that is not the guess, or
+        where the sequence finishes. The KV rows of the guesses not taken are cut off."""
+        seq, draft = c.seq, c.draft
+        probs = seq.draft_probs
+        accepted = 0
+        for j in range(len(draft) + 1):
+            seq.num_computed += 1                         # row j's input: the last token or a taken guess
+            guess = draft[j] if j < len(draft) else None
+            token, taken = verify_row(rows[j], seq.state, guess, None if probs is None or guess is None else probs[j])
+            found = None
+            if seq.logprobs is not None:
+                found = logits.logprobs([first + j], [token], [seq.request.params.logprobs])[0]
+            self._append_token(seq, token, found, now)
+            accepted += taken
+            if seq.finished or not taken:
+                break
+        self.speculator.record(seq, len(draft), accepted)
+        if seq.finished:                                  # its pages are gone already
+            return
+        self.pool.truncate(seq.table, seq.num_computed)
+        self.pool.register_full_pages(seq.table, seq.all_ids, seq.num_computed)
+        self.pool.drop_dead_pages(seq.table, seq.num_computed)
+
     def _prepare_masks(self, chunks):
         """The grammar masks of the constrained sequences this step samples, computed on a worker
         thread while the forward runs (both release the GIL); None when there are none."""
         states = [c.seq.state for c in chunks if c.seq.state.grammar is not None
-                  and c.start + c.num_tokens == c.seq.num_tokens]
+                  and c.start + c.num_tokens - len(c.draft) == c.seq.num_tokens]
         if not states:
             return None
         if self._mask_worker is None:
@@ -239,8 +280,9 @@ class Engine:
         in_prompt = max(0, min(c.num_tokens, len(seq.request.prompt_ids) - c.start))
         self.stats.prefill_tokens += in_prompt
         self.stats.decode_tokens += c.num_tokens - in_prompt
-        return SeqChunk(seq.tokens(c.start, c.start + c.num_tokens), c.start, list(seq.table.pages), c.slots,
-                        all_rows=bool(in_prompt) and seq.request.needs_prompt_logprobs)
+        tokens = seq.tokens(c.start, c.start + c.num_tokens - len(c.draft)) + c.draft
+        return SeqChunk(tokens, c.start, list(seq.table.pages), c.slots,
+                        all_rows=bool(c.draft) or (bool(in_prompt) and seq.request.needs_prompt_logprobs))
 
     def _finish_unsampled(self, seq: Sequence, now: float) -> None:
         seq.finish_reason = "length"

@@ -172,6 +172,20 @@ class PagePool:
                 self._decref(page)
         table.pages, table.num_tokens, table.hashes, table.dropped = [], 0, [], 0
 
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Keep the table's first `num_tokens` rows (a speculative step's rejected guesses go): the
+        pages past the last kept row are released. A registered page is never cut, and rows were
+        written only in private pages (`grow` copies a shared one first), so no other table sees it."""
+        if num_tokens < len(table.hashes) * self.page_size or num_tokens > table.num_tokens:
+            raise ValueError(f"cannot truncate a table of {table.num_tokens} rows ({len(table.hashes)} pages "
+                             f"registered) to {num_tokens}")
+        keep = self.pages_for(num_tokens)
+        for page in reversed(table.pages[keep:]):
+            if page != FREED:
+                self._decref(page)
+        del table.pages[keep:]
+        table.num_tokens = num_tokens
+
     def drop_dead_pages(self, table: BlockTable, num_computed: int) -> int:
         """Release the pages no query of this sequence will read again: with a window W, those
         wholly before position num_computed - W + 1. Returns how many were released."""

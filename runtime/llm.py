@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kiln.artifact import WEIGHTS
 from kiln.errors import KilnError
 
 from .engine import Engine
@@ -15,6 +16,9 @@ from .model import CompiledModel
 from .overlap import OverlapEngine
 from .request import RequestOutput
 from .sampler import SamplingParams
+from .draft_proposer import DraftProposer
+from .ngram import NgramProposer
+from .speculative import SpeculativeConfig, Speculator
 from .threads import set_threads
 from .tokenizer import Tokenizer
 
@@ -59,11 +63,14 @@ class LLM:
     def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
                  max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
                  threads: int | None = None, size_kv_for: int | None = None, tokenizer: Tokenizer | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, speculative: SpeculativeConfig | str | None = None,
+                 num_speculative_tokens: int = 4):
         """`size_kv_for`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
         knows its length; otherwise `kv_memory` sets it. `overlap`: run one step ahead of the host
         (runtime/overlap.py); None: on for a GPU artifact, where an H100 measured it faster with the
-        same tokens (docs/BENCHMARKS.md), off on the CPU, whose steps run where the host does."""
+        same tokens (docs/BENCHMARKS.md), off on the CPU, whose steps run where the host does, and
+        off where the engine speculates. `speculative`: "ngram", "draft:ARTIFACT" or a
+        SpeculativeConfig (runtime/speculative.py), proposing up to `num_speculative_tokens` a step."""
         # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
         self.threads = set_threads(threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
@@ -75,7 +82,16 @@ class LLM:
         self.kv_tokens = num_pages * self.model.page_size
         self._engine_args = (num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens)
         self._prefix_caching = prefix_caching
-        self.set_overlap(self.model.manifest.target.device != "cpu" if overlap is None else overlap)
+        if isinstance(speculative, str):
+            speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens)
+        self.speculative = speculative
+        self.draft_model = None
+        if speculative is not None and speculative.method == "draft":
+            self.draft_model = open_draft(speculative.draft, self.model, self.tokenizer, self.kv_tokens,
+                                          max_num_seqs * (speculative.num_tokens + self.model.page_size), verify)
+        if overlap is None:
+            overlap = self.model.manifest.target.device != "cpu" and speculative is None
+        self.set_overlap(overlap)
 
     def set_overlap(self, overlap: bool) -> None:
         """A fresh engine, one step ahead of the host (OverlapEngine) or not, between requests."""
@@ -83,7 +99,19 @@ class LLM:
             raise KilnError("the engine can change only when no request is running")
         engine = OverlapEngine if overlap else Engine
         self.engine = engine(self.model, *self._engine_args, tokenizer=self.tokenizer,
-                             prefix_caching=self._prefix_caching)
+                             prefix_caching=self._prefix_caching, speculator=self._speculator())
+
+    def _speculator(self) -> Speculator | None:
+        """A fresh proposer for a fresh engine (the draft model's pages are reused)."""
+        config = self.speculative
+        if config is None:
+            return None
+        if config.method == "ngram":
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        else:
+            draft, pages, cost = self.draft_model
+            proposer = DraftProposer(draft, pages, self.model.vocab_size, cost)
+        return Speculator(config, proposer, self.model.max_context)
 
     def describe_kv(self) -> str:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20
@@ -114,3 +142,20 @@ class LLM:
         if bar:
             bar.close()
         return [final[r.request_id] for r in reqs]
+
+
+def open_draft(artifact: str | Path, target: CompiledModel, tokenizer: Tokenizer, tokens: int, headroom: int,
+               verify: bool = True) -> tuple[CompiledModel, int, float]:
+    """The draft model of speculative decoding: (its runner with KV pages for the target's `tokens`
+    and `headroom` more, the page count, one draft step's cost relative to a target step, taken as
+    the ratio of their weight bytes: both read all their weights a step)."""
+    draft = CompiledModel(artifact, verify=verify)
+    if draft.manifest.target.device != target.manifest.target.device:
+        raise KilnError(f"the draft model {artifact} runs on {draft.manifest.target.device}, the target on "
+                        f"{target.manifest.target.device}: compile both for the same target")
+    if Tokenizer(artifact).vocab() != tokenizer.vocab():
+        raise KilnError(f"the draft model {artifact} has another tokenizer than the target: its token ids "
+                        "would mean other text")
+    pages = draft.allocate_kv((tokens + headroom) * draft.bytes_per_token + draft.bytes_per_page)
+    cost = draft.manifest.files[WEIGHTS]["bytes"] / max(1, target.manifest.files[WEIGHTS]["bytes"])
+    return draft, pages, cost

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kiln.errors import ParamError
+from kiln.errors import KilnError, ParamError
 
 from .engine import Engine
 from .request import RequestOutput, Sequence
@@ -51,6 +51,10 @@ class OverlapEngine(Engine):
 
     def __init__(self, model, *args, **kwargs):
         super().__init__(model, *args, **kwargs)
+        if self.speculator is not None:
+            # a step's guesses start from the tokens the step before it confirms
+            raise KilnError("speculative decoding does not run one step ahead: use an engine that does not "
+                            "overlap steps (kiln.LLM(..., overlap=False))")
         self.inflight: Launched | None = None
 
     def has_unfinished(self) -> bool:

@@ -88,6 +88,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.new_text, self.new_token_ids = "", []
+        self.draft: list[int] = []               # speculative guesses for the next step (runtime/speculative.py)
+        self.draft_probs = None                  # the distributions they were drawn from, or None
         self.sort_key = (request.priority, request.arrival_no, index)
 
     @property

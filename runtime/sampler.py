@@ -80,6 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # as logprobs, for every prompt token after the first
     skip_special_tokens: bool = True
     structured: GrammarSpec | None = None  # what the output must match (runtime/grammar.py)
+    speculative: bool = True  # False: this request never speculates (where the engine does)
 
     def __post_init__(self) -> None:
         _check(_is_number(self.temperature) and math.isfinite(self.temperature)
@@ -114,6 +115,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= 20), name, value, "None or an int in [0, 20]")
+        _check(isinstance(self.speculative, bool), "speculative", self.speculative, "a bool")
         _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens, "a bool")
         _check(self.structured is None or isinstance(self.structured, GrammarSpec), "structured", self.structured,
                "a GrammarSpec or None")
@@ -273,6 +275,18 @@ def sample_row(logits: np.ndarray, state: SamplerState) -> int:
 
 def draw(x: np.ndarray, p: SamplingParams, u: float) -> int:
     """Steps 3 and 4 of the module docstring: the token that uniform u picks from processed logits x [V]."""
+    ids, w = kept_weights(x, p)
+    if not w.any():
+        return 0                                         # a row of -inf: every token is masked
+    cdf = np.cumsum(w)
+    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    # side="right" skips zero-weight tokens; past the end (rounding) the last kept token is the pick.
+    return int(ids[pick] if pick < len(ids) else ids[np.flatnonzero(w)[-1]])
+
+
+def kept_weights(x: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Step 3 of the module docstring: (ids in ascending order, their weights w, 0 where a filter
+    drops them). Every token outside `ids` has weight 0."""
     vocab = x.shape[0]
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):    # tiny temperatures, -inf rows
         zmax = np.float64(x.max()) / p.temperature
@@ -287,13 +301,23 @@ def draw(x: np.ndarray, p: SamplingParams, u: float) -> int:
         # Only tokens at or above the threshold can have weight; the others add exact zeros to the CDF.
         ids = np.flatnonzero(x >= threshold) if threshold > -np.inf else np.arange(vocab)
         weight = _weights(x[ids], p.temperature, zmax)
-        w = np.where(weight >= p.min_p, weight, 0.0)
-    if not w.any():
-        return 0                                         # a row of -inf: every token is masked
-    cdf = np.cumsum(w)
-    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    # side="right" skips zero-weight tokens; past the end (rounding) the last kept token is the pick.
-    return int(ids[pick] if pick < len(ids) else ids[np.flatnonzero(w)[-1]])
+        return ids, np.where(weight >= p.min_p, weight, 0.0)
+
+
+def probabilities(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The distribution `draw` samples from processed logits x [V] (float64 [V]): w / sum(w), or
+    all on token 0 for a row with no weight. Greedy params: all on the argmax."""
+    out = np.zeros(x.shape[0])
+    if p.greedy:
+        out[int(np.argmax(x))] = 1.0
+        return out
+    ids, w = kept_weights(x, p)
+    total = w.sum()
+    if total > 0:
+        out[ids] = w / total
+    else:
+        out[0] = 1.0
+    return out
 
 
 def _weights(x: np.ndarray, temperature: float, zmax: np.float64) -> np.ndarray:

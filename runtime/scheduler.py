@@ -1,9 +1,11 @@
 """The scheduler: which sequences compute how many tokens in the next step (continuous batching).
 
 Each step spends a token budget (`max_batched_tokens`):
-  1. running sequences first, in admission order: a decode takes 1 token, an unfinished prefill
-     its next chunk (as much of the rest as the budget allows), so long prompts share steps
-     with decodes;
+  1. running sequences first, in admission order: a decode takes 1 token, and 1 + k when it
+     brings k speculative guesses (`Sequence.draft`, runtime/speculative.py: cut short, or
+     dropped, where the budget or the free pages do not cover them), an unfinished prefill its
+     next chunk (as much of the rest as the budget allows), so long prompts share steps with
+     decodes;
   2. then waiting sequences, by (priority, arrival), up to `max_num_seqs` running: each first
      takes the cached pages of its prompt's longest cached prefix (those tokens are skipped),
      then is admitted as soon as the pages for its first chunk are free.
@@ -29,6 +31,7 @@ class ScheduledChunk:
     num_tokens: int                     # tokens computed in this step
     slots: list[int]
     copies: list[tuple[int, int]]       # page copies (copy-on-write) to make before the step
+    draft: list[int] = field(default_factory=list)   # speculative guesses after the sequence's tokens
 
 
 @dataclass
@@ -77,10 +80,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _grow(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _grow(self, seq: Sequence, n: int, draft: list[int] = ()) -> ScheduledChunk:
         start = seq.num_computed
         slots, copies = self.pool.grow(seq.table, n)
-        return ScheduledChunk(seq, start, n, slots, copies)
+        return ScheduledChunk(seq, start, n, slots, copies, list(draft))
+
+    def _affordable_draft(self, seq: Sequence, budget: int) -> list[int]:
+        """The guesses of a decoding sequence that the step's budget and the free pages cover."""
+        draft = seq.draft[:max(0, budget - 1)] if seq.pending == 1 else []
+        while draft and self.pool.pages_needed(seq.table, 1 + len(draft)) > self.pool.num_free:
+            draft = draft[:-1]
+        return draft
 
     def schedule(self) -> Schedule:
         out = Schedule()
@@ -98,8 +108,9 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq in self.running:
-                out.chunks.append(self._grow(seq, n))
-                budget -= n
+                draft = self._affordable_draft(seq, budget) if seq.draft else []
+                out.chunks.append(self._grow(seq, n + len(draft), draft))
+                budget -= n + len(draft)
         if out.preempted:
             return out
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:

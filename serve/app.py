@@ -52,6 +52,8 @@ class ServerConfig:
     threads: int | None = None             # CPU threads for the kernels (None: kiln.runtime.threads decides)
     reasoning_parser: str | None = None    # serve/reasoning.py: thinking into reasoning_content
     tool_call_parser: str | None = None    # serve/tool_calls.py FORMATS (None: the chat template's)
+    speculative: str | None = None         # "ngram" or "draft:ARTIFACT" (runtime/speculative.py)
+    num_speculative_tokens: int = 4
 
     @property
     def model_name(self) -> str:
@@ -128,10 +130,13 @@ class ServerState:
         config = self.config
         llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
                        max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching,
-                       threads=config.threads, overlap=False)     # not yet run under the server on a GPU
+                       threads=config.threads, overlap=False,     # not yet run under the server on a GPU
+                       speculative=config.speculative, num_speculative_tokens=config.num_speculative_tokens)
         self.llm, self.engine = llm, kiln.AsyncEngine(llm.engine, max_waiting=config.max_waiting)
+        speculating = "" if llm.speculative is None else f"; speculative decoding: {config.speculative}, " \
+                                                         f"up to {config.num_speculative_tokens} tokens"
         print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}; "
-              f"{describe_threads(llm.threads)}", file=sys.stderr, flush=True)
+              f"{describe_threads(llm.threads)}{speculating}", file=sys.stderr, flush=True)
 
     def ready(self) -> tuple[kiln.LLM, kiln.AsyncEngine]:
         """The model and its engine, or a 503 while the server loads, failed to load, or drains."""

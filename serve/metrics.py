@@ -47,6 +47,7 @@ class ServerMetrics:
         gauge(("kiln_prefix_cache_hit_rate", None), "Prompt tokens found in the prefix cache / prompt tokens looked up",
               hit_rate)
         r.register(_PrefixCacheCounters(self))
+        r.register(_SpeculativeCounters(self))
 
         def both(kind, names: tuple[str, str], doc: str, labels: tuple[str, ...] = (), **kw):
             """kiln's metric and vLLM's of the same meaning: a function of the labels' values -> both children."""
@@ -90,6 +91,41 @@ class _PrefixCacheCounters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.metrics.model_name], value)
             yield family
+
+
+class _SpeculativeCounters:
+    """Speculative decoding's counters under vLLM's names (spec_decode_*) and kiln's, read from the
+    engine's Speculator when scraped; none where the engine does not speculate."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        engine = self.metrics._engine()
+        speculator = getattr(engine, "speculator", None)
+        if speculator is None:
+            return
+        stats, model = speculator.stats, [self.metrics.model_name]
+        for name, doc, value in (("spec_decode_num_drafts", "Verify steps of a sequence with at least one guess",
+                                  stats.drafts),
+                                 ("spec_decode_num_draft_tokens", "Guessed tokens verified", stats.draft_tokens),
+                                 ("spec_decode_num_accepted_tokens", "Guessed tokens the model confirmed",
+                                  stats.accepted_tokens)):
+            ours = CounterMetricFamily(f"kiln_{name}", doc)
+            ours.add_metric([], value)
+            theirs = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            theirs.add_metric(model, value)
+            yield ours
+            yield theirs
+        doc = "Guessed tokens confirmed, by their position in the guess"
+        ours = CounterMetricFamily("kiln_spec_decode_num_accepted_tokens_per_pos", doc, labels=["position"])
+        theirs = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc,
+                                     labels=["model_name", "position"])
+        for position, value in enumerate(stats.accepted_per_position):
+            ours.add_metric([str(position)], value)
+            theirs.add_metric([*model, str(position)], value)
+        yield ours
+        yield theirs
 
 
 class RequestTracker:

@@ -1,7 +1,8 @@
 """The OpenAI request bodies kiln accepts (pydantic), and their translation to SamplingParams.
 
 Field names and ranges follow OpenAI's API; the extensions vLLM users expect (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority) sit beside them. As in
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority) sit beside them, and kiln's
+`speculative: false` keeps a request out of speculative decoding where the server runs it. As in
 OpenAI's schema every optional field is nullable: an explicit `null` means the default. Unknown
 fields are ignored, as OpenAI's server does; fields kiln knows but does not implement (`suffix`,
 the legacy `functions`, image or audio content, ...) are refused by name rather than silently
@@ -136,6 +137,7 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    speculative: bool = True           # false: never speculate for this request
 
     @field_validator("stop")
     @classmethod
@@ -252,7 +254,7 @@ class _Sampling(_Request):
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {}, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, structured=self.structured())
+            prompt_logprobs=prompt_logprobs, structured=self.structured(), speculative=self.speculative)
 
 
 class CompletionRequest(_Sampling):
