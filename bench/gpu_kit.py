@@ -163,13 +163,17 @@ stage_moe_mla() {      # the mixtures of experts and MLA shapes: decode and a 2,
       | tee -a $OUT/moe_mla.md
   done
 }
+stage_speculative() {  # the verify step (k + 1 tokens of one sequence) against a one-token step, each artifact
+  within ${SPECULATIVE_SECONDS:-60} python3 bench/speculative.py verify-cost --artifacts \
+    $(artifacts | grep -e /bfloat16/ -e /q4/) 2>&1 | tee $OUT/speculative_gpu.md
+}
 stage_decode() {
   within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
     ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
 }
 for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$stage; done
 """
-STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve decode",
+STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve speculative decode",
           "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode",
           "attention": "tests weights windows longctx moe_mla"}
 

@@ -247,7 +247,7 @@ def test_rejection_sampling_gives_the_targets_distribution(params, draft):
     """A guess x ~ q kept with probability min(1, p/q), else a draw from (p - q)+: the token that
     comes out is distributed as p (the target's, after penalties and filters)."""
     rng = np.random.default_rng(0)
-    vocab, trials = 20, 40000
+    vocab, trials = 20, 25000
     logits = rng.normal(0, 1.5, vocab).astype(np.float32)
     sp = SamplingParams(seed=1, **params)
     state = SamplerState(sp, prompt_ids=[3, 4])
@@ -268,7 +268,7 @@ def test_speculative_sampling_is_indistinguishable_from_plain_sampling():
     (guesses from a draft that disagrees often), against the fake model's exact distribution."""
     vocab = 12
     prompt = [1, 2, 3]
-    params = [SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, seed=s) for s in range(3000)]
+    params = [SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, seed=s) for s in range(6000)]
 
     class Sharp(FakeRunner):                # a flatter distribution than the default, so many tokens occur
         @staticmethod
@@ -297,3 +297,29 @@ def test_speculative_sampling_is_indistinguishable_from_plain_sampling():
         counts = np.bincount([t[1] for t in got], minlength=vocab).astype(float)
         stat, df = chi_square(counts, want)
         assert stat < chi_square_critical(df), (stat, df)
+
+
+def test_penalties_logprobs_and_chunked_prefill_beside_speculation():
+    """Penalised requests with logprobs speculate and give the plain engine's tokens and logprobs,
+    while long prompts arrive and prefill in chunks in the same steps."""
+    ps = prompts(4, seed=11, lo=5, hi=12) + prompts(2, seed=12, lo=60, hi=80)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.4,
+                             frequency_penalty=0.5, logprobs=2)] * len(ps)
+
+    def run(speculator):
+        runner = FakeRunner(128, 4, VOCAB)
+        engine = Engine(runner, 128, (), 16, 12, speculator=speculator)
+        reqs = [engine.add_request(p, sp) for p, sp in zip(ps[:4], params)]
+        engine.step()
+        engine.step()
+        reqs += [engine.add_request(p, sp) for p, sp in zip(ps[4:], params)]      # arrive mid-decode
+        engine.run_to_completion()
+        return engine, [r.output().outputs[0] for r in reqs]
+    _, plain = run(None)
+    engine, spec = run(Speculator(SpeculativeConfig("ngram", 4), Scripted(0.3), 512))
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    for a, b in zip(spec, plain):
+        assert a.logprobs == b.logprobs
+    assert engine.speculator.stats.accepted_tokens > 0
+    chunked = [s for s in engine.model.steps if len(s["q_indptr"]) > 2 and len(s["tokens"]) == 12]
+    assert chunked, "no step mixed prefill chunks with speculating decodes"

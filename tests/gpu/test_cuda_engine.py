@@ -197,3 +197,23 @@ def test_one_step_ahead_generates_what_the_synchronous_engine_does(gpu_bundle, v
         for gc, wc in zip(g.outputs, w.outputs):
             for gl, wl in zip(gc.logprobs or [], wc.logprobs or []):
                 assert gl.keys() == wl.keys() and all(abs(gl[t] - wl[t]) < 1e-4 for t in gl)
+
+
+@pytest.mark.parametrize("variant", ["float16", "q4"])
+def test_speculation_on_the_device_gives_the_plain_greedy_tokens(gpu_bundle, variant):
+    """n-gram and draft-model speculation on a CUDA artifact (verify steps run the mixed entry; their
+    rows are read back and verified on the host) give plain decoding's greedy tokens, with CUDA
+    graphs for the plain steps; sampled requests finish with the lengths asked."""
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.speculative import SpeculativeConfig
+    head = prompt(9, 700)
+    prompts = [head + prompt(5, 701) + head, head * 3, prompt(12, 702)]
+    plain = llm_for(gpu_bundle, variant, overlap=False).generate(prompts, greedy(24), use_tqdm=False)
+    for speculative in (SpeculativeConfig("ngram", 4), SpeculativeConfig("draft", 3, draft=str(gpu_bundle /
+                                                                                             "cuda-float32"))):
+        llm = llm_for(gpu_bundle, variant, speculative=speculative)
+        assert tokens(llm.generate(prompts, greedy(24), use_tqdm=False)) == tokens(plain)
+        assert llm.engine.speculator.stats.draft_tokens > 0
+        sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=4, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)
+        assert [len(t) for t in tokens(sampled)] == [16] * 3
