@@ -34,7 +34,8 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         (tests/gpu), weights (`kiln fill-weights`), decode (bench/decode_gpu.py),
                         and with --serve serve_tests (tests/gpu/test_cuda_serve.py) after the
                         tests and, after the weights, serve (bench/serve_gpu.py on the first
-                        shape's bfloat16 artifact); with --gemm gemm (bench/gemm_gpu.py run, which
+                        shape's bfloat16 artifact) and speculative (bench/speculative.py
+                        verify-cost on each bfloat16 and q4 artifact); with --gemm gemm (bench/gemm_gpu.py run, which
                         writes $OUT/mma_tuning.json) after the tests and prefill (bench/prefill_gpu.py
                         on each bfloat16 artifact) before the decode; with --gemv gemv (bench/gemv_gpu.py
                         run, which writes $OUT/gemv_tuning.json) after the tests and profile

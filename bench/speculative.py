@@ -20,7 +20,7 @@ Greedy; each cell is the median over prompts of each prompt's median tok/s of --
 (decode only: from the first token to the last). kiln's speculative runs must give the plain run's
 tokens, which is checked. llama.cpp (with --llama-cpp, a tree built as ../shared/PEERS.md says, with
 the llama-lookup and llama-speculative targets): the same checkpoints as f32 or q8 GGUF files, the
-same prompt text, --draft-max k, the same thread count; its tok/s is what each tool prints for the
+same prompt text, --spec-draft-n-max k, the same thread count; its tok/s is what each tool prints for the
 generated tokens.
 """
 from __future__ import annotations
@@ -171,8 +171,8 @@ def llama_rates(llama_cpp: Path, target: Path, draft: Path | None, prompts: list
     rates, drafted, accepted = [], 0, 0
     for prompt in prompts:
         common = ["-m", str(target), "-p", prompt, "-n", str(args.new_tokens), "-t", str(args.threads), "--temp", "0",
-                  "--draft-max", str(args.k), "--ignore-eos", "-c", "2048", "--no-warmup"]
-        cmd = ([str(bin_dir / "llama-speculative"), "-md", str(draft), "--draft-min", "0", *common] if draft else
+                  "--spec-draft-n-max", str(args.k), "--ignore-eos", "-c", "2048"]
+        cmd = ([str(bin_dir / "llama-speculative"), "-md", str(draft), "--spec-draft-n-min", "0", *common] if draft else
                [str(bin_dir / "llama-lookup"), *common])
         runs = [llama_rate(cmd) for _ in range(args.repeats)]
         rates.append(statistics.median(r for r, _ in runs))

@@ -11,6 +11,11 @@ Llama-3.2). --hidden and --layers make it larger (the MLP stays 3x hidden, heads
 AdamW, sequences of 128 tokens, a cosine learning-rate schedule over the time budget. Prints the
 held-out loss.
 
+--copy F makes that share of the training rows copies: a stretch of 24 to 64 tokens, then the same
+stretch again, then what followed it. Larger models learn to quote the text they are given; one
+this small and this briefly trained does not without being shown, and prompt-lookup speculation
+(bench/speculative.py) measures what a model that quotes gains.
+
 --draft DRAFT_OUT also trains a draft for speculative decoding (the default architecture) on the same
 tokenizer and the same data, and saves it there with its own copy of the tokenizer.
 """
@@ -53,7 +58,21 @@ def heldout_loss(model, ids, torch) -> float:
     return sum(losses) / len(losses)
 
 
-def train(config, train_ids, held_ids, minutes: float, out: Path, torch, transformers) -> None:
+def batch_rows(data, copy: float, torch):
+    """BATCH rows of SEQ tokens from random places in `data`; a `copy` share of them repeat a stretch."""
+    starts = torch.randint(0, len(data) - SEQ - 1, (BATCH,))
+    rows = []
+    for s in starts.tolist():
+        if torch.rand(()).item() < copy:
+            span = int(torch.randint(24, 65, ()).item())
+            stretch = data[s:s + span]
+            rows.append(torch.cat([stretch, stretch, data[s + span:s + SEQ - span]]))
+        else:
+            rows.append(data[s:s + SEQ])
+    return torch.stack(rows)
+
+
+def train(config, train_ids, held_ids, minutes: float, out: Path, torch, transformers, copy: float = 0.0) -> None:
     """Train a LlamaForCausalLM of `config` for `minutes` and save it (and its held-out loss) in `out`."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
@@ -66,8 +85,7 @@ def train(config, train_ids, held_ids, minutes: float, out: Path, torch, transfo
         lr = 3e-3 * (min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, len(data) - SEQ - 1, (BATCH,))
-        batch = torch.stack([data[s:s + SEQ] for s in starts])
+        batch = batch_rows(data, copy, torch)
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad()
         loss.backward()
@@ -91,6 +109,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="layers (default 4)")
     ap.add_argument("--draft", type=Path, default=None, help="also train a draft model (the default size) here")
     ap.add_argument("--draft-minutes", type=float, default=4.0)
+    ap.add_argument("--copy", type=float, default=0.0, help="share of training rows that repeat a stretch")
     ap.add_argument("--tie-embeddings", action="store_true", help="the LM head is the embedding table")
     args = ap.parse_args()
     import torch
@@ -110,7 +129,7 @@ def main() -> None:
     special = dict(vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(EOS))
     config = transformers.LlamaConfig(**{**CONFIG, **size, "tie_word_embeddings": args.tie_embeddings,
                                          "num_hidden_layers": args.layers or CONFIG["num_hidden_layers"]}, **special)
-    train(config, train_ids, held_ids, args.minutes, out, torch, transformers)
+    train(config, train_ids, held_ids, args.minutes, out, torch, transformers, args.copy)
     (out / "heldout.json").write_text(json.dumps(held_docs))
     if args.draft is not None:
         args.draft.mkdir(parents=True, exist_ok=True)
@@ -118,7 +137,7 @@ def main() -> None:
             if (out / name).exists():
                 shutil.copy(out / name, args.draft / name)
         draft_config = transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": args.tie_embeddings}, **special)
-        train(draft_config, train_ids, held_ids, args.draft_minutes, args.draft, torch, transformers)
+        train(draft_config, train_ids, held_ids, args.draft_minutes, args.draft, torch, transformers, args.copy)
 
 
 if __name__ == "__main__":

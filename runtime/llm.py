@@ -9,15 +9,15 @@ from tqdm import tqdm
 from kiln.artifact import WEIGHTS
 from kiln.errors import KilnError
 
+from .draft_proposer import DraftProposer
 from .engine import Engine
 from .kv_pool import live_pages
 from .memory import FRACTION, host_available_memory, parse_bytes
 from .model import CompiledModel
+from .ngram import NgramProposer
 from .overlap import OverlapEngine
 from .request import RequestOutput
 from .sampler import SamplingParams
-from .draft_proposer import DraftProposer
-from .ngram import NgramProposer
 from .speculative import SpeculativeConfig, Speculator
 from .threads import set_threads
 from .tokenizer import Tokenizer
@@ -111,7 +111,7 @@ class LLM:
         else:
             draft, pages, cost = self.draft_model
             proposer = DraftProposer(draft, pages, self.model.vocab_size, cost)
-        return Speculator(config, proposer, self.model.max_context)
+        return Speculator(config, proposer, self.model.max_context, self.model.manifest.target.device)
 
     def describe_kv(self) -> str:
         mib = self.engine.pool.num_pages * self.model.bytes_per_page / 2**20

@@ -19,8 +19,10 @@ KV rows with them (the engine truncates the sequence's pages; runtime/kv_pool.py
 How many tokens to propose (`Lookahead`): each sequence keeps a decaying count of guesses tried
 and taken, a taken guess being a Bernoulli trial of rate a. With k guesses a step gives
 (1 - a^(k+1)) / (1 - a) tokens on average and costs 1 + c k target steps, c being the verify
-cost and the proposer's cost per token relative to a one-token step; k is the best ratio, at
-least 1 so that the estimate keeps learning. Speculation is off in steps where more than
+cost and the proposer's cost per token relative to a one-token step; k is the best ratio. Where
+no k beats a plain step (k = 0), the sequence still guesses once every 16 steps, so that the
+estimate keeps learning. The verify cost is the device's (VERIFY_COST, from bench/speculative.py
+verify-cost): a CPU's few cores have little compute to spare beyond a one-token step, a GPU's much. Speculation is off in steps where more than
 `max_batch` sequences run: there the step is compute-bound and a guess costs about what it saves.
 """
 from __future__ import annotations
@@ -36,6 +38,9 @@ from kiln.errors import KilnError
 from .sampler import SamplerState, draw, probabilities, process_logits
 
 METHODS = ("ngram", "draft")
+# a guess's share of a one-token step in a verify step, by device: the CPU's measured on 2 cores
+# (docs/BENCHMARKS.md); the GPU's an estimate until the serve kit's speculative stage measures it
+VERIFY_COST = {"cpu": 0.15, "cuda": 0.03}
 
 
 @dataclass
@@ -46,7 +51,7 @@ class SpeculativeConfig:
     ngram_min: int = 1                # the shortest suffix an n-gram lookup matches ...
     ngram_max: int = 4                # ... and the longest, tried first
     max_batch: int = 16               # no speculation in steps where more sequences run
-    verify_cost: float = 0.05         # a proposed token's cost in the verify step, / a one-token step
+    verify_cost: float | None = None  # a guess's cost in the verify step, / a one-token step (None: the device's)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -115,9 +120,11 @@ class SpeculativeStats:
 class Lookahead:
     """One sequence's recent acceptance, and the number of guesses it makes the most of."""
     DECAY = 0.8                        # the weight of the steps before the last
+    PROBE_EVERY = 16                   # while guessing does not pay, one guess every this many steps
 
     def __init__(self) -> None:
         self.taken, self.tried = 3.0, 4.0          # a prior of 0.75: start by looking far
+        self.idle = 0                              # steps since the last guess
 
     def record(self, proposed: int, accepted: int) -> None:
         tried = accepted + (accepted < proposed)    # guesses after the first miss were never tried
@@ -125,9 +132,18 @@ class Lookahead:
         self.tried = self.DECAY * self.tried + tried
 
     def choose(self, most: int, cost: float) -> int:
+        """The k in 0..most with the most tokens per unit of step cost; 0 (no guess) where no k
+        beats a plain step, but a single guess every PROBE_EVERY steps keeps the estimate current."""
         a = min(self.taken / self.tried, 0.999)
-        gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + cost * k) for k in range(1, most + 1)]
-        return 1 + int(np.argmax(gain))
+        gain = [(1 - a ** (k + 1)) / (1 - a) / (1 + cost * k) for k in range(most + 1)]
+        best = int(np.argmax(gain))
+        if best == 0:
+            self.idle += 1
+            if self.idle < self.PROBE_EVERY:
+                return 0
+            best = 1
+        self.idle = 0
+        return best
 
 
 def verify_row(logits: np.ndarray, state: SamplerState, proposed: int | None,
@@ -161,8 +177,11 @@ def verify_row(logits: np.ndarray, state: SamplerState, proposed: int | None,
 class Speculator:
     """Runs a proposer for the engine: which sequences guess how far, and what came of it."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_context: int):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_context: int, device: str = "cpu"):
         self.config, self.proposer, self.max_context = config, proposer, max_context
+        verify = config.verify_cost if config.verify_cost is not None else VERIFY_COST.get(device,
+                                                                                               VERIFY_COST["cuda"])
+        self.cost = verify + proposer.cost
         self.lookahead: dict = {}
         self.stats = SpeculativeStats()
 
@@ -176,14 +195,13 @@ class Speculator:
         if len(running) > self.config.max_batch:
             return
         seqs, ks = [], []
-        cost = self.config.verify_cost + self.proposer.cost
         for seq in running:
             p = seq.request.params
             if seq.pending != 1 or not seq.output_ids or seq.finished or not p.speculative:
                 continue
             # every guess and the token after them fit the request's max_tokens and the context
             room = min(p.max_tokens - len(seq.output_ids) - 1, self.max_context - seq.num_tokens)
-            k = min(self.lookahead.setdefault(seq, Lookahead()).choose(self.config.num_tokens, cost), room)
+            k = min(self.lookahead.setdefault(seq, Lookahead()).choose(self.config.num_tokens, self.cost), room)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)

@@ -3,7 +3,9 @@
 Each input gets one device buffer, reused step after step: a step writes its array into the
 front of the buffer and passes a view of that length (offset 0, so the address never changes).
 On a GPU the array goes through a pinned host buffer (cudaMallocHost), from which the copy to the
-device is a plain DMA. A buffer grows (doubling) only when a step needs more; `fixed=True` buffers
+device is a plain DMA. On the CPU numpy writes the buffer itself, and the views handed out are
+kept by length (a decode step's inputs have the same lengths step after step): a step's inputs
+then cost no call into TVM. A buffer grows (doubling) only when a step needs more; `fixed=True` buffers
 never move, which a captured CUDA graph relies on: it replays the addresses it was captured with.
 
 No upload waits for the GPU. TVM's copy from a numpy array synchronises the stream, so it would
@@ -43,6 +45,9 @@ class StepBuffers:
         self.pinned = staging_device if staging_device is not None else pinned_device(device)
         self.buffers: dict[str, tuple] = {}        # name -> (device buffer, [(staging buffer, its bytes)] or None)
         self.turns: dict[str, int] = {}            # name -> puts so far, to pick its staging slot
+        self.on_host = not self.pinned and device.dlpack_device_type() == 1     # kDLCPU: numpy writes it
+        self.host: dict[str, np.ndarray] = {}      # name -> the CPU buffer's bytes, as numpy sees them
+        self.views: dict[tuple, object] = {}       # (name, length, dtype) -> a view handed out before
         for name, capacity in (capacities or {}).items():
             self._allocate(name, capacity, "int32")
 
@@ -54,6 +59,9 @@ class StepBuffers:
             slots = [empty((capacity,), dtype, self.pinned) for _ in range(STAGING_SLOTS)]
             staging = [(slot, host_array(slot, capacity * np.dtype(dtype).itemsize, np.uint8)) for slot in slots]
         self.buffers[name] = (empty((capacity,), dtype, self.device), staging)
+        if self.on_host:
+            self.host[name] = host_array(self.buffers[name][0], capacity * np.dtype(dtype).itemsize, np.uint8)
+        self.views = {key: view for key, view in self.views.items() if key[0] != name}
 
     def capacity(self, name: str) -> int:
         return int(self.buffers[name][0].shape[0]) if name in self.buffers else 0
@@ -69,6 +77,13 @@ class StepBuffers:
                                  f"{self.capacity(name)}")
             self._allocate(name, max(need, 2 * self.capacity(name)), str(array.dtype))
         device_buffer, staging = self.buffers[name]
+        if self.on_host:
+            self.host[name][:array.nbytes] = np.ascontiguousarray(array).view(np.uint8)
+            key = (name, length, array.dtype)
+            view = self.views.get(key)
+            if view is None:
+                view = self.views[key] = device_buffer._create_view((length,), str(array.dtype))
+            return view
         if len(array):
             target = device_buffer._create_view((len(array),), str(array.dtype))
             if staging is None:

@@ -100,12 +100,16 @@ def test_verification_keeps_greedy_outputs_with_all_some_or_no_guesses_taken(wro
 def test_lookahead_shrinks_after_misses_and_grows_after_hits():
     look = Lookahead()
     assert look.choose(8, 0.05) >= 4
-    for _ in range(6):
+    for _ in range(12):
         look.record(4, 0)
-    assert look.choose(8, 0.05) == 1
+    # guessing does not pay: no guesses, but one every PROBE_EVERY steps
+    assert [look.choose(8, 0.15) for _ in range(2 * Lookahead.PROBE_EVERY)] == \
+        ([0] * (Lookahead.PROBE_EVERY - 1) + [1]) * 2
+    assert look.choose(8, 0.0) >= 1                    # free guesses always pay
     for _ in range(10):
         look.record(1, 1)
     assert look.choose(8, 0.05) >= 4
+    assert Lookahead().choose(8, 0.15) < Lookahead().choose(8, 0.05)      # dearer guesses: fewer
 
 
 def test_speculation_with_preemption_prefix_hits_and_n_samples():
