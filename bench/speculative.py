@@ -12,10 +12,11 @@ seeded random weights (compiled --no-weights, then filled), or on the artifacts 
 device. Medians of 9 steps.
 
 speed: TARGET and DRAFT are bench/train_small.py's (`--hidden 512 --layers 8 --draft DRAFT`), trained
-together on one tokenizer. Two prompt sets from the held-out docstrings the training never saw:
-  * grounded (n-gram): a docstring, a blank line, then its first 12 tokens again, so that the
-    continuation copies text the prompt holds (what summarising or editing a given text does);
-  * free (draft model): the first 12 tokens of a docstring.
+together on one tokenizer. Two prompt sets from the held-out docstrings the training never saw, each run with n-gram guesses
+and with the draft model:
+  * grounded: a docstring, a blank line, then its first 12 tokens again, so that the continuation
+    copies text the prompt holds (what summarising or editing a given text does);
+  * free: the first 12 tokens of a docstring.
 Greedy; each cell is the median over prompts of each prompt's median tok/s of --repeats runs
 (decode only: from the first token to the last). kiln's speculative runs must give the plain run's
 tokens, which is checked. llama.cpp (with --llama-cpp, a tree built as ../shared/PEERS.md says, with
@@ -195,20 +196,23 @@ def speed(args) -> None:
     draft = compiled(draft_dir, work / f"draft-{args.mode}", args.mode)
     tokenizer = Tokenizer(target)
     sets = prompt_sets(target_dir, args.prompts, tokenizer)
-    rows = []
-    for name, method in (("grounded", "ngram"), ("free", f"draft:{draft}")):
+    rows, plain = [], {}
+    llama_cpp = Path(args.llama_cpp) if args.llama_cpp else None
+    if llama_cpp:
+        t_gguf, d_gguf = gguf(target_dir, llama_cpp, args.mode), gguf(draft_dir, llama_cpp, args.mode)
+        llama_plain_rate = llama_plain(llama_cpp, t_gguf, args)
+    for name, method in (("grounded", "ngram"), ("grounded", f"draft:{draft}"), ("free", "ngram"),
+                         ("free", f"draft:{draft}")):
         prompts = sets[name]
-        plain, plain_tokens, _ = kiln_rates(target, prompts, None, args.new_tokens, args.repeats, args.k)
+        if name not in plain:
+            plain[name] = kiln_rates(target, prompts, None, args.new_tokens, args.repeats, args.k)
         spec, spec_tokens, stats = kiln_rates(target, prompts, method, args.new_tokens, args.repeats, args.k)
-        same = spec_tokens == plain_tokens
-        row = {"prompts": name, "method": method.split(":")[0], "plain": plain, "spec": spec, "same": same,
-               "stats": stats}
-        if args.llama_cpp:
-            llama_cpp = Path(args.llama_cpp)
-            t_gguf = gguf(target_dir, llama_cpp, args.mode)
-            d_gguf = gguf(draft_dir, llama_cpp, args.mode) if name == "free" else None
-            row["llama_plain"] = llama_plain(llama_cpp, t_gguf, args)
-            row["llama"], row["llama_stats"] = llama_rates(llama_cpp, t_gguf, d_gguf, prompts, args)
+        row = {"prompts": name, "method": method.split(":")[0], "plain": plain[name][0], "spec": spec,
+               "same": spec_tokens == plain[name][1], "stats": stats}
+        if llama_cpp:
+            row["llama_plain"] = llama_plain_rate
+            row["llama"], row["llama_stats"] = llama_rates(llama_cpp, t_gguf, d_gguf if method != "ngram" else None,
+                                                           prompts, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\nbatch 1, greedy, {args.mode}, k = {args.k}, {args.new_tokens} new tokens, {args.threads} threads; "

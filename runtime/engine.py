@@ -188,7 +188,10 @@ class Engine:
         logits = self._run(step_inputs(inputs, self.model.page_size))
         if masks is not None:
             masks.result()
-        self.stats.forward_seconds += time.perf_counter() - tf
+        forward = time.perf_counter() - tf
+        self.stats.forward_seconds += forward
+        if self.speculator is not None:
+            self.speculator.timed(forward, sum(len(c.draft) for c in schedule.chunks))
         offsets = output_offsets(inputs)
         rows, ready, guessed = [], [], []
         touched: dict[str, Request] = {}

@@ -19,7 +19,8 @@ KV rows with them (the engine truncates the sequence's pages; runtime/kv_pool.py
 How many tokens to propose (`Lookahead`): each sequence keeps a decaying count of guesses tried
 and taken, a taken guess being a Bernoulli trial of rate a. With k guesses a step gives
 (1 - a^(k+1)) / (1 - a) tokens on average and costs 1 + c k target steps, c being the verify
-cost and the proposer's cost per token relative to a one-token step; k is the best ratio. Where
+cost and the proposer's cost per token relative to a one-token step (the proposer's measured
+against the engine's steps as they run); k is the best ratio. Where
 no k beats a plain step (k = 0), the sequence still guesses once every 16 steps, so that the
 estimate keeps learning. The verify cost is the device's (VERIFY_COST, from bench/speculative.py
 verify-cost): a CPU's few cores have little compute to spare beyond a one-token step, a GPU's much. Speculation is off in steps where more than
@@ -179,9 +180,10 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_context: int, device: str = "cpu"):
         self.config, self.proposer, self.max_context = config, proposer, max_context
-        verify = config.verify_cost if config.verify_cost is not None else VERIFY_COST.get(device,
-                                                                                               VERIFY_COST["cuda"])
-        self.cost = verify + proposer.cost
+        self.verify_cost = config.verify_cost if config.verify_cost is not None else VERIFY_COST.get(
+            device, VERIFY_COST["cuda"])
+        self.propose_cost = proposer.cost          # a guess's proposing, / a step: measured as steps run
+        self._proposed = (0.0, 0)                  # the last proposing's (seconds, guesses)
         self.lookahead: dict = {}
         self.stats = SpeculativeStats()
 
@@ -208,10 +210,29 @@ class Speculator:
         if not seqs:
             return
         t0 = time.perf_counter()
+        guesses = 0
         for seq, k, proposal in zip(seqs, ks, self.proposer.propose(seqs, ks)):
             seq.draft = proposal.tokens[:k]
             seq.draft_probs = proposal.probs
-        self.stats.proposer_seconds += time.perf_counter() - t0
+            guesses += len(seq.draft)
+        seconds = time.perf_counter() - t0
+        self.stats.proposer_seconds += seconds
+        self._proposed = (seconds, guesses)
+
+    @property
+    def cost(self) -> float:
+        """A guess's cost, verifying and proposing it, relative to a step without guesses."""
+        return self.verify_cost + self.propose_cost
+
+    def timed(self, forward_seconds: float, guesses: int) -> None:
+        """The engine's forward time of a step that verified `guesses`: against it, what proposing
+        them cost (a draft model's steps and the host's work around them, which its weight bytes
+        alone underestimate)."""
+        seconds, proposed = self._proposed
+        self._proposed = (0.0, 0)
+        if guesses and proposed:
+            plain_step = forward_seconds / (1 + self.verify_cost * guesses)
+            self.propose_cost = 0.8 * self.propose_cost + 0.2 * seconds / proposed / plain_step
 
     def record(self, seq, proposed: int, accepted: int) -> None:
         self.stats.record(proposed, accepted)
