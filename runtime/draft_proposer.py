@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .kv_pool import BlockTable, OutOfPages, PagePool
-from .sampler import SamplingParams, draw, probabilities
+from .sampler import SamplingParams, draw, probabilities, seed_words
 from .speculative import Proposal
 from .step import SeqChunk, step_inputs
 
@@ -125,4 +125,4 @@ class DraftProposer:
 def _generator(seq) -> np.random.Generator:
     """The draft's own generator for a sequence: seeded from the request's seed where it has one."""
     seed = seq.request.params.seed
-    return np.random.default_rng(None if seed is None else [int(seed) % (1 << 64), seq.index, 1])
+    return np.random.default_rng(None if seed is None else [seed_words(seed), seq.index, 1])

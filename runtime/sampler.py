@@ -146,7 +146,7 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _seed_words(seed: int) -> int:
+def seed_words(seed: int) -> int:
     """Any int as a seed numpy accepts: folded into [0, 2**64) (negative and huge seeds included)."""
     return int(seed) % (1 << 64)
 
@@ -166,7 +166,7 @@ class SamplerState:
     num_output: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        seed = None if self.params.seed is None else _seed_words(self.params.seed)
+        seed = None if self.params.seed is None else seed_words(self.params.seed)
         self.rng = np.random.default_rng(seed if self.index == 0 or seed is None else [seed, self.index])
         self.output_counts = {}
         self.seen = np.unique(np.asarray(self.prompt_ids, np.int64))   # for the repetition penalty
@@ -275,13 +275,18 @@ def sample_row(logits: np.ndarray, state: SamplerState) -> int:
 
 def draw(x: np.ndarray, p: SamplingParams, u: float) -> int:
     """Steps 3 and 4 of the module docstring: the token that uniform u picks from processed logits x [V]."""
-    ids, w = kept_weights(x, p)
+    return pick(*kept_weights(x, p), u)
+
+
+def pick(ids: np.ndarray, w: np.ndarray, u: float) -> int:
+    """Step 4 of the module docstring: the first of `ids` (ascending) whose cumulative weight w
+    exceeds u x the total; token 0 where no weight is left."""
     if not w.any():
         return 0                                         # a row of -inf: every token is masked
     cdf = np.cumsum(w)
-    pick = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    at = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     # side="right" skips zero-weight tokens; past the end (rounding) the last kept token is the pick.
-    return int(ids[pick] if pick < len(ids) else ids[np.flatnonzero(w)[-1]])
+    return int(ids[at] if at < len(ids) else ids[np.flatnonzero(w)[-1]])
 
 
 def kept_weights(x: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:

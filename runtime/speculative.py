@@ -36,7 +36,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 
-from .sampler import SamplerState, draw, probabilities, process_logits
+from .sampler import SamplerState, draw, pick, probabilities, process_logits
 
 METHODS = ("ngram", "draft")
 # a guess's share of a one-token step in a verify step, by device: the CPU's measured on 2 cores
@@ -167,12 +167,9 @@ def verify_row(logits: np.ndarray, state: SamplerState, proposed: int | None,
         residual[proposed] = 0.0
     else:
         residual = np.maximum(residual - q[:len(p)], 0.0)
-    total = residual.sum()
-    if total <= 0:                                     # p == q: a rejection had probability 0
-        residual, total = p, 1.0
-    cdf = np.cumsum(residual)
-    pick = int(np.searchsorted(cdf, state.rng.random() * cdf[-1], side="right"))
-    return min(pick, int(np.flatnonzero(residual)[-1])), False
+    if not residual.any():                             # p == q: a rejection had probability 0
+        residual = p
+    return pick(np.arange(len(p)), residual, state.rng.random()), False
 
 
 class Speculator:
