@@ -17,6 +17,7 @@ import asyncio
 from kiln.errors import QueueFull
 
 from .engine import Engine
+from .kv_transfer import KVSnapshot
 from .request import Request, RequestOutput
 from .sampler import SamplingParams
 
@@ -61,25 +62,32 @@ class AsyncEngine:
         `add_requests` raises QueueFull."""
         self.engine, self.max_waiting = engine, max_waiting
         self._queues: dict[str, asyncio.Queue] = {}
-        self._to_add: list[Request] = []
+        self._to_add: list[tuple[Request, KVSnapshot | None]] = []
         self._to_abort: set[str] = set()
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
-    def add_requests(self, requests: list[dict]) -> RequestStream:
-        """Admit requests (each the keyword arguments of `Engine.check_request`) together: all are
-        validated first, so a ParamError admits none. Returns their stream."""
+    def add_requests(self, requests: list[dict], streaming: bool = True) -> RequestStream:
+        """Admit requests (each the keyword arguments of `Engine.check_request`, or with `kv`, a
+        KVSnapshot, those of `Engine.check_import`) together: all are validated first, so a
+        ParamError admits none. Returns their stream. (`streaming`, whether the caller shows each
+        output as it comes, matters only to engines that can lose a request and retry it:
+        kiln.serve.cluster's.)"""
         waiting = len(self.engine.scheduler.waiting) + self.num_pending + len(requests)
         if self.max_waiting is not None and waiting > self.max_waiting:
             raise QueueFull("too many requests are waiting; retry later")
-        made = [self.engine.check_request(**r) for r in requests]
+        made = []
+        for r in requests:
+            r = dict(r)
+            kv = r.pop("kv", None)
+            made.append((self.engine.check_request(**r) if kv is None else self.engine.check_import(kv, **r), kv))
         queue: asyncio.Queue = asyncio.Queue()
-        for req in made:
+        for req, _ in made:
             self._queues[req.request_id] = queue
         self._to_add.extend(made)
         self._ensure_loop()
         self._wake.set()
-        return RequestStream(self, [r.request_id for r in made], queue)
+        return RequestStream(self, [r.request_id for r, _ in made], queue)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     prompt: str | None = None, priority: int = 0) -> RequestStream:
@@ -118,10 +126,13 @@ class AsyncEngine:
         """Between steps: hand admitted requests to the engine, then apply aborts (an abort of a
         request admitted in the same breath must find it enqueued)."""
         while self._to_add:
-            req = self._to_add.pop(0)
+            req, kv = self._to_add.pop(0)
             try:
-                self.engine.enqueue(req)
-            except Exception as e:          # (a duplicate id raced in): fail that request alone
+                if kv is None:
+                    self.engine.enqueue(req)
+                else:
+                    self.engine.enqueue_imported(req, kv)
+            except Exception as e:          # (a duplicate id raced in, no pages for an import): fail it alone
                 queue = self._queues.pop(req.request_id, None)
                 if queue is not None:
                     queue.put_nowait(e)

@@ -23,6 +23,7 @@ import numpy as np
 from kiln.errors import ContextLengthError, ParamError
 
 from .kv_pool import PagePool
+from .kv_transfer import KVSnapshot, check_layout
 from .request import Request, RequestOutput, Sequence
 from .device_sampler import DeviceLogits, HostLogits
 from .grammar import Grammars
@@ -61,9 +62,71 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt: str | None = None, priority: int = 0) -> Request:
-        """Validate and queue a request (raises ParamError, changing nothing, if it cannot run)."""
-        return self.enqueue(self.check_request(prompt_ids, params, request_id, prompt, priority))
+                    prompt: str | None = None, priority: int = 0, export_kv: bool = False) -> Request:
+        """Validate and queue a request (raises ParamError, changing nothing, if it cannot run). With
+        `export_kv`, its last output carries the sequence's KV pages (`RequestOutput.kv`)."""
+        return self.enqueue(self.check_request(prompt_ids, params, request_id, prompt, priority, export_kv))
+
+    def import_kv(self, snapshot: KVSnapshot, params: SamplingParams | None = None, request_id: str | None = None,
+                  prompt: str | None = None, priority: int = 0) -> Request:
+        """Queue a request that goes on from another engine's sequence (runtime/kv_transfer.py): its
+        K/V rows are written into this engine's pages, its generated tokens are taken as this
+        engine's own, and it computes from the first token without K/V. `params` are the request's
+        (max_tokens counts the tokens already generated)."""
+        return self.enqueue_imported(self.check_import(snapshot, params, request_id, prompt, priority), snapshot)
+
+    def check_import(self, snapshot: KVSnapshot, params: SamplingParams | None = None, request_id: str | None = None,
+                     prompt: str | None = None, priority: int = 0, prompt_ids: list[int] | None = None) -> Request:
+        """Everything `import_kv` checks, without touching the engine's state (as `check_request`);
+        `prompt_ids`, where given, must be the snapshot's prompt."""
+        check_layout(snapshot, self.model.kv_layout)
+        if prompt_ids is not None and list(prompt_ids) != snapshot.token_ids[:snapshot.prompt_len]:
+            raise ParamError("prompt", "the KV snapshot was made for another prompt")
+        req = self.check_request(snapshot.token_ids[:snapshot.prompt_len], params, request_id, prompt, priority)
+        if req.params.n != 1:
+            raise ParamError("n", "a sequence imported with its KV pages is one sample (n = 1)")
+        generated = len(snapshot.token_ids) - snapshot.prompt_len
+        if generated >= req.params.max_tokens:
+            raise ParamError("max_tokens", f"the imported sequence has {generated} tokens already; max_tokens "
+                                           f"{req.params.max_tokens} leaves none to generate")
+        return req
+
+    def enqueue_imported(self, req: Request, snapshot: KVSnapshot) -> Request:
+        """Queue a request made by `check_import`, with its pages (between steps). Raises OutOfPages,
+        changing nothing, when the pool cannot hold them now."""
+        if req.request_id in self.requests:
+            raise ParamError("request_id", f"request id {req.request_id!r} is already running")
+        seq = self._new_sequence(req, 0, self._sampler_state(req))
+        if snapshot.rng_state is not None:
+            seq.state.rng.bit_generator.state = snapshot.rng_state
+        now = time.perf_counter()
+        for count, tok in enumerate(snapshot.token_ids[snapshot.prompt_len:], 1):
+            seq.output_ids.append(tok)
+            logprobs = snapshot.logprobs[count - 1] if snapshot.logprobs else None
+            self._record_token(seq, tok, logprobs, now, count)
+        if seq.finished:                        # a stop token or string among them
+            raise ParamError("prompt", "the imported sequence has already finished")
+        seq.table = self.pool.adopt(snapshot.token_ids, snapshot.num_computed, snapshot.first_page)
+        self.model.write_pages(seq.table.pages[snapshot.first_page:], snapshot.pages)
+        seq.num_computed = snapshot.num_computed
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+        return req
+
+    def _sampler_state(self, req: Request) -> SamplerState:
+        stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
+        grammar = self.grammars.matcher(req.params.structured) if req.params.structured is not None else None
+        return SamplerState(req.params, req.prompt_ids, stop_ids, grammar=grammar)
+
+    def export_kv(self, seq: Sequence) -> KVSnapshot:
+        """A snapshot of `seq`'s computed K/V rows, its tokens and its sampler's place."""
+        t0 = time.perf_counter()
+        table = seq.table
+        carried = table.pages[table.dropped:self.pool.pages_for(seq.num_computed)]
+        return KVSnapshot(self.model.kv_layout, seq.all_ids, len(seq.request.prompt_ids), seq.num_computed,
+                          table.dropped, self.model.read_pages(carried),
+                          None if seq.logprobs is None else list(seq.logprobs),
+                          seq.state.rng.bit_generator.state, {"export": time.perf_counter() - t0})
 
     def room(self, prompt_tokens: int) -> int:
         """How many tokens a prompt of `prompt_tokens` leaves: what the model's context and the KV
@@ -96,7 +159,8 @@ class Engine:
         return asked
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, prompt: str | None = None, priority: int = 0) -> Request:
+                      request_id: str | None = None, prompt: str | None = None, priority: int = 0,
+                      export_kv: bool = False) -> Request:
         """Everything `add_request` checks, without touching the engine's state: safe to call while
         a step runs in another thread. Returns the Request for `enqueue`."""
         params = params or SamplingParams()
@@ -127,16 +191,16 @@ class Engine:
             self.grammars.compile(params.structured)          # a 400 now, not an error mid-generation
         if request_id is not None and request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
+        if export_kv and (params.n != 1 or not hasattr(self.model, "read_pages")):
+            raise ParamError("n", "only a one-sample request on a runner that reads its pages can export its KV")
         return Request(str(next(self._ids)) if request_id is None else request_id, list(prompt_ids), params,
-                       prompt, priority)
+                       prompt, priority, export_kv)
 
     def enqueue(self, req: Request) -> Request:
         """Queue a request made by `check_request` (between steps)."""
         if req.request_id in self.requests:
             raise ParamError("request_id", f"request id {req.request_id!r} is already running")
-        stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
-        grammar = self.grammars.matcher(req.params.structured) if req.params.structured is not None else None
-        seq = self._new_sequence(req, 0, SamplerState(req.params, req.prompt_ids, stop_ids, grammar=grammar))
+        seq = self._new_sequence(req, 0, self._sampler_state(req))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
         return req
@@ -354,8 +418,12 @@ class Engine:
             elif count >= p.max_tokens:
                 seq.finish_reason = "length"
         if seq.finished:
-            if seq.detokenizer is not None and seq.stop_reason not in p.stop:
+            # an exported sequence cut at max_tokens goes on elsewhere: text held back for the next token stays
+            going_on = req.export_kv and seq.finish_reason == "length"
+            if seq.detokenizer is not None and seq.stop_reason not in p.stop and not going_on:
                 self._add_text(seq, seq.detokenizer.flush())
+            if req.export_kv and seq.num_computed:
+                req.kv = self.export_kv(seq)
             self.scheduler.finish(seq)
             if req.finished:
                 m.finish_time = now

@@ -198,6 +198,22 @@ class PagePool:
         newly, table.dropped = max(0, dead - table.dropped), max(dead, table.dropped)
         return newly
 
+    def adopt(self, token_ids: list[int], num_tokens: int, first_page: int) -> BlockTable:
+        """A table for a sequence whose K/V rows come from elsewhere (runtime/kv_transfer.py): fresh
+        pages for its first `num_tokens` rows, those before page `first_page` left FREED (outside
+        the window), the full ones registered in the prefix cache. The caller writes the pages.
+        Raises OutOfPages (changing nothing) when the pool cannot supply them."""
+        live = self.pages_for(num_tokens) - first_page
+        if live > self.num_free:
+            raise OutOfPages(f"KV cache is full: need {live} pages, {self.num_free} free")
+        table = BlockTable([FREED] * first_page + [self._take() for _ in range(live)], num_tokens, dropped=first_page)
+        if self.prefix_caching:       # the chain runs through the dropped pages, which are not registered
+            p = self.page_size
+            for i in range(first_page):
+                table.hashes.append(self._chain(table.hashes[-1] if table.hashes else None, token_ids[i * p:(i + 1) * p]))
+            self.register_full_pages(table, token_ids, num_tokens)
+        return table
+
     # -- prefix cache ------------------------------------------------------------------------
     def _chain(self, parent: bytes | None, tokens: list[int]) -> bytes:
         return page_digest(parent, tokens)

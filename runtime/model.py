@@ -25,6 +25,7 @@ from kiln.ir.step_forms import is_prefill_step
 from kiln.safetensors_io import ALIGNMENT, map_file, read_header
 
 from .device_sampler import DeviceSampler
+from .kv_transfer import layout_of, page_runs
 from .launch import Launcher
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
@@ -164,6 +165,33 @@ class CompiledModel:
             for src, dst in pairs:
                 view = tensor._create_view((1, *page_shape), relative_byte_offset=dst * page_bytes)
                 view.copyfrom(tensor._create_view((1, *page_shape), relative_byte_offset=src * page_bytes))
+
+    @property
+    def kv_layout(self) -> str:
+        """The page format of this artifact's KV tensors (runtime/kv_transfer.py)."""
+        return layout_of(self.page_size, {name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in self.kv_tensors.items()})
+
+    def _page_views(self, tensor, pages: list[int]):
+        """(position in `pages`, a view of each run of consecutive pages of `tensor`)."""
+        page_shape = tuple(tensor.shape[1:])
+        page_bytes = int(np.prod(page_shape)) * tensor.dtype.itemsize
+        return [(at, tensor._create_view((count, *page_shape), relative_byte_offset=first * page_bytes))
+                for at, first, count in page_runs(pages)]
+
+    def read_pages(self, pages: list[int]) -> dict[str, np.ndarray]:
+        """The pages' contents, each KV tensor's as [len(pages), ...page shape] on the host."""
+        out = {}
+        for name, tensor in self.kv_tensors.items():
+            runs = self._page_views(tensor, pages)
+            out[name] = np.concatenate([view.numpy() for _, view in runs]) if runs else \
+                np.empty((0, *tensor.shape[1:]))
+        return out
+
+    def write_pages(self, pages: list[int], contents: dict[str, np.ndarray]) -> None:
+        """Write `contents` (as read_pages gives them) into the pages."""
+        for name, tensor in self.kv_tensors.items():
+            for at, view in self._page_views(tensor, pages):
+                view.copyfrom(np.ascontiguousarray(contents[name][at:at + view.shape[0]]))
 
     def forward(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run one ragged step; return f32[seqs, vocab], the logits of each sequence's last new token."""

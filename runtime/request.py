@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .kv_pool import BlockTable
+from .kv_transfer import KVSnapshot
 from .sampler import SamplerState, SamplingParams
 
 _arrivals = itertools.count()
@@ -67,6 +68,8 @@ class RequestOutput:
     metrics: RequestMetrics
     # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then {id: logprob}
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with Engine.add_request(export_kv=True): the finished sequence's KV pages (runtime/kv_transfer.py)
+    kv: KVSnapshot | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -126,8 +129,10 @@ class Sequence:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                 priority: int = 0):
+                 priority: int = 0, export_kv: bool = False):
         self.request_id, self.prompt_ids, self.params, self.prompt = request_id, prompt_ids, params, prompt
+        self.export_kv = export_kv              # hand out the KV pages when it finishes (`kv`)
+        self.kv: KVSnapshot | None = None
         self.priority = priority                # lower runs first; ties in arrival order
         self.arrival_no = next(_arrivals)
         self.metrics = RequestMetrics(time.perf_counter())
@@ -147,4 +152,5 @@ class Request:
     def output(self) -> RequestOutput:
         completions = [s.completion() for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), completions, self.finished,
-                             self.metrics, None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                             self.metrics, None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             self.kv)

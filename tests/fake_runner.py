@@ -41,6 +41,16 @@ class FakeRunner:
             self.kv[dst * p:(dst + 1) * p] = self.kv[src * p:(src + 1) * p]
             self.copied += 1
 
+    @property
+    def kv_layout(self) -> str:
+        return f"fake-page{self.page_size}"
+
+    def read_pages(self, pages: list[int]) -> dict[str, np.ndarray]:
+        return {"tokens": self.kv.reshape(-1, self.page_size)[list(pages)].copy()}
+
+    def write_pages(self, pages: list[int], contents: dict[str, np.ndarray]) -> None:
+        self.kv.reshape(-1, self.page_size)[list(pages)] = contents["tokens"]
+
     def forward(self, inputs: dict) -> np.ndarray:
         self.steps.append({k: v.copy() for k, v in inputs.items()})
         self.kv[inputs["slot_mapping"]] = inputs["tokens"]
