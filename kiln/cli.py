@@ -279,9 +279,27 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
                    "compiled for the same target, and keep those the model confirms (the same outputs).")
 @click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
               help="The most tokens guessed per step (fewer where a sequence's guesses are often wrong).")
+@click.option("--replicas", default=None, type=click.IntRange(min=1),
+              help="Serve with this many engine replicas on Ray Serve (docs/DISTRIBUTED.md); without it, one "
+                   "engine in this process.")
+@click.option("--max-replicas", default=None, type=click.IntRange(min=1),
+              help="With --replicas: let Ray Serve add replicas up to this many, on ongoing requests.")
+@click.option("--prefill-replicas", default=0, show_default=True, type=click.IntRange(min=0),
+              help="With --replicas: prefill on this many replicas of their own, decode on the --replicas "
+                   "(the KV moves through Ray's object store).")
+@click.option("--routing", default="prefix", show_default=True, type=click.Choice(["prefix", "round-robin"]),
+              help="With --replicas: how requests pick a replica (prefix: the one that holds the prompt's "
+                   "prefix pages, unless its queue is much longer).")
+@click.option("--ray-address", default=None, help="With --replicas: a running Ray cluster (default: start a "
+                                                    "local one).")
+@click.option("--replica-cpus", default=None, type=click.FloatRange(min=0),
+              help="With --replicas: CPUs Ray reserves per replica (default: --threads, else 1).")
+@click.option("--replica-gpus", default=None, type=click.FloatRange(min=0),
+              help="With --replicas: GPUs per replica (default: 1 for a GPU artifact, 0 for a CPU one).")
 def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
           prefix_caching, max_waiting, drain_timeout, threads, reasoning_parser, tool_call_parser, speculative,
-          num_speculative_tokens):
+          num_speculative_tokens, replicas, max_replicas, prefill_replicas, routing, ray_address, replica_cpus,
+          replica_gpus):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
     from kiln.artifact import read_manifest
@@ -289,11 +307,23 @@ def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_s
     from kiln.serve.server import serve as run_server
     read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
     _speculative(speculative, num_speculative_tokens)
-    run_server(ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
-                            prefix_caching, max_waiting, threads=threads, reasoning_parser=reasoning_parser,
-                            tool_call_parser=tool_call_parser, speculative=speculative,
-                            num_speculative_tokens=num_speculative_tokens),
-               host, port, drain_timeout)
+    config = ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
+                          prefix_caching, max_waiting, threads=threads, reasoning_parser=reasoning_parser,
+                          tool_call_parser=tool_call_parser, speculative=speculative,
+                          num_speculative_tokens=num_speculative_tokens)
+    on_ray = {"--max-replicas": max_replicas, "--prefill-replicas": prefill_replicas or None,
+              "--ray-address": ray_address, "--replica-cpus": replica_cpus, "--replica-gpus": replica_gpus}
+    if replicas is None:
+        given = [name for name, value in on_ray.items() if value is not None]
+        if given or routing != "prefix":
+            raise KilnError(f"{', '.join(given) or '--routing'} needs --replicas")
+        run_server(config, host, port, drain_timeout)
+        return
+    if port == 0:
+        raise KilnError("--replicas needs a port (Ray Serve's proxy listens on it): give --port")
+    from kiln.serve.cluster.app import ClusterConfig, run as run_cluster
+    run_cluster(config, ClusterConfig(replicas, max_replicas, prefill_replicas=prefill_replicas, routing=routing,
+                                      num_cpus=replica_cpus, num_gpus=replica_gpus), host, port, ray_address)
 
 
 def _speculative(spec: str | None, num_tokens: int):

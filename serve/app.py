@@ -20,7 +20,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +32,7 @@ from kiln.errors import ContextLengthError, KilnError, ParamError, QueueFull
 from kiln.runtime.threads import describe_threads
 
 from . import responses
-from .metrics import ServerMetrics
+from .metrics import EngineGauges, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_api import ResponseFormat, ResponsesRequest
 from .tool_calls import FORMATS, detect, structural_tag
@@ -125,18 +125,20 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
     active: int = 0                  # /v1/ requests in flight (InFlight)
+    # config -> (the model, its engine, a line saying what was loaded); the default runs one engine here,
+    # kiln.serve.cluster's runs the engines in Ray Serve replicas
+    opener: Callable[[ServerConfig], tuple] | None = None
 
     def load(self) -> None:
-        config = self.config
-        llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
-                       max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching,
-                       threads=config.threads, overlap=False,     # not yet run under the server on a GPU
-                       speculative=config.speculative, num_speculative_tokens=config.num_speculative_tokens)
-        self.llm, self.engine = llm, kiln.AsyncEngine(llm.engine, max_waiting=config.max_waiting)
-        speculating = "" if llm.speculative is None else f"; speculative decoding: {config.speculative}, " \
-                                                         f"up to {config.num_speculative_tokens} tokens"
-        print(f"kiln serve: {config.model_name} ready; {llm.describe_kv()}; "
-              f"{describe_threads(llm.threads)}{speculating}", file=sys.stderr, flush=True)
+        self.llm, self.engine, description = (self.opener or open_engine)(self.config)
+        print(f"kiln serve: {self.config.model_name} ready; {description}", file=sys.stderr, flush=True)
+
+    def gauges(self) -> EngineGauges | None:
+        """What /metrics reports of the engine (or the replicas' engines, summed)."""
+        if self.engine is None:
+            return None
+        remote = getattr(self.engine, "gauges", None)
+        return remote() if remote is not None else EngineGauges.of(self.engine.engine)
 
     def ready(self) -> tuple[kiln.LLM, kiln.AsyncEngine]:
         """The model and its engine, or a 503 while the server loads, failed to load, or drains."""
@@ -148,8 +150,21 @@ class ServerState:
         return self.llm, self.engine
 
 
-def create_app(config: ServerConfig, load_now: bool = False) -> FastAPI:
-    state = ServerState(config, ServerMetrics(lambda: state.llm.engine if state.llm else None, config.model_name))
+def open_engine(config: ServerConfig) -> tuple:
+    """The model and its async engine in this process, and what they are."""
+    llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
+                   max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching,
+                   threads=config.threads, overlap=False,     # not yet run under the server on a GPU
+                   speculative=config.speculative, num_speculative_tokens=config.num_speculative_tokens)
+    speculating = "" if llm.speculative is None else f"; speculative decoding: {config.speculative}, " \
+                                                     f"up to {config.num_speculative_tokens} tokens"
+    return (llm, kiln.AsyncEngine(llm.engine, max_waiting=config.max_waiting),
+            f"{llm.describe_kv()}; {describe_threads(llm.threads)}{speculating}")
+
+
+def create_app(config: ServerConfig, load_now: bool = False, opener: Callable[[ServerConfig], tuple] | None = None
+               ) -> FastAPI:
+    state = ServerState(config, ServerMetrics(lambda: state.gauges(), config.model_name), opener=opener)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -242,6 +257,9 @@ async def version():
 
 @router.get("/metrics")
 async def prometheus(s: Server):
+    refresh = getattr(s.engine, "refresh_gauges", None)      # replicas behind Ray: fetch their gauges first
+    if refresh is not None:
+        await refresh()
     return PlainTextResponse(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
@@ -291,7 +309,8 @@ def submit(engine, body, ids: list[list[int]], params: list, texts: list[str | N
     try:
         return request_id, engine.add_requests([dict(prompt_ids=i, params=p, request_id=f"{request_id}-{k}", prompt=t,
                                                      priority=body.priority)
-                                                for k, (i, p, t) in enumerate(zip(ids, params, texts))])
+                                                for k, (i, p, t) in enumerate(zip(ids, params, texts))],
+                                               streaming=bool(body.stream))
     except QueueFull as e:
         raise APIError(429, str(e), kind="rate_limit_error") from None
     except ParamError as e:
@@ -333,8 +352,8 @@ async def respond(s: ServerState, request_id, stream, body, fmt):
                         for chunk in fmt.chunks(out, request_id, created, model_name):
                             yield f"data: {json.dumps(chunk)}\n\n"
             except Exception as e:        # the stream already began: end it with an error event
-                error = {"message": f"internal error: {type(e).__name__}", "type": "server_error",
-                         "param": None, "code": 500}
+                error = {"message": str(e) if isinstance(e, KilnError) else f"internal error: {type(e).__name__}",
+                         "type": "server_error", "param": None, "code": getattr(e, "status", 500)}
                 yield f"data: {json.dumps({'error': error})}\n\n"
             else:
                 if include_usage:

@@ -1,13 +1,15 @@
 """Prometheus metrics of a running server (`GET /metrics`), through prometheus_client.
 
-Gauges are read from the engine when scraped; counters and histograms are fed by `observe`,
+Gauges are read from the engine (an EngineGauges, summed over replicas behind Ray) when scraped; counters and histograms are fed by `observe`,
 which the app calls with every RequestOutput it streams. Each is exported under kiln's name and,
 where vLLM has a metric of the same meaning, under vLLM's (`vllm:...`, labelled with the served
 model's name), so that dashboards and routers built for vLLM read kiln unchanged.
 """
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -15,37 +17,62 @@ from prometheus_client.core import CounterMetricFamily
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
-class ServerMetrics:
-    def __init__(self, engine_ref, model_name: str = "kiln"):
-        """`engine_ref()` returns the Engine, or None while the model loads."""
-        r = self.registry = CollectorRegistry()
-        self._engine, self.model_name = engine_ref, model_name
+@dataclass
+class EngineGauges:
+    """What /metrics reads of an engine when scraped; a sum of them is a cluster's (kiln.serve.cluster)."""
+    running: int = 0                  # requests with a sequence in the running batch
+    waiting: int = 0                  # requests none of whose sequences runs
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    prefix_queried: int = 0           # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0
+    speculative: tuple | None = None  # (drafts, draft tokens, accepted tokens, accepted per position), or None
 
-        def engine_value(fn):
-            return lambda: (fn(self._engine()) if self._engine() is not None else 0.0)
-
+    @classmethod
+    def of(cls, engine) -> "EngineGauges":
         def request_ids(seqs) -> set[str]:      # n > 1 samples of one request count once
             return {s.request.request_id for s in list(seqs)}
+        running = request_ids(engine.scheduler.running)
+        stats, spec = engine.pool.stats, getattr(engine, "speculator", None)
+        return cls(len(running), len(request_ids(engine.scheduler.waiting) - running),
+                   engine.pool.num_pages - engine.pool.num_free, engine.pool.num_pages, stats.queried_tokens,
+                   stats.hit_tokens, None if spec is None else (spec.stats.drafts, spec.stats.draft_tokens,
+                                                                spec.stats.accepted_tokens,
+                                                                tuple(spec.stats.accepted_per_position)))
+
+    def __add__(self, other: "EngineGauges") -> "EngineGauges":
+        spec = self.speculative or other.speculative
+        if self.speculative and other.speculative:
+            a, b = self.speculative, other.speculative
+            per = tuple(x + y for x, y in itertools.zip_longest(a[3], b[3], fillvalue=0))
+            spec = (a[0] + b[0], a[1] + b[1], a[2] + b[2], per)
+        return EngineGauges(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)[:-1]), spec)
+
+
+class ServerMetrics:
+    def __init__(self, gauges_ref, model_name: str = "kiln"):
+        """`gauges_ref()` returns the EngineGauges of the engine (or engines) behind the server, or
+        None while the model loads."""
+        r = self.registry = CollectorRegistry()
+        self._gauges, self.model_name = gauges_ref, model_name
+
+        def gauge_value(fn):
+            return lambda: (fn(g) if (g := self._gauges()) is not None else 0.0)
 
         def gauge(names: tuple[str, str | None], doc: str, fn) -> None:
-            Gauge(names[0], doc, registry=r).set_function(engine_value(fn))
+            Gauge(names[0], doc, registry=r).set_function(gauge_value(fn))
             if names[1]:
-                Gauge(names[1], doc, ["model_name"], registry=r).labels(model_name).set_function(engine_value(fn))
+                Gauge(names[1], doc, ["model_name"], registry=r).labels(model_name).set_function(gauge_value(fn))
         gauge(("kiln_requests_running", "vllm:num_requests_running"), "Requests with a sequence in the running batch",
-              lambda e: len(request_ids(e.scheduler.running)))
+              lambda g: g.running)
         gauge(("kiln_requests_waiting", "vllm:num_requests_waiting"),
-              "Requests waiting to be admitted (none of their sequences running)",
-              lambda e: len(request_ids(e.scheduler.waiting) - request_ids(e.scheduler.running)))
+              "Requests waiting to be admitted (none of their sequences running)", lambda g: g.waiting)
         gauge(("kiln_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"), "Share of KV pages held by sequences",
-              lambda e: 1 - e.pool.num_free / e.pool.num_pages)
-        gauge(("kiln_kv_pages_used", None), "KV pages held by sequences", lambda e: e.pool.num_pages - e.pool.num_free)
-        gauge(("kiln_kv_pages_total", None), "KV pages in the pool", lambda e: e.pool.num_pages)
-
-        def hit_rate(e):
-            stats = e.pool.stats
-            return stats.hit_tokens / stats.queried_tokens if stats.queried_tokens else 0.0
+              lambda g: g.kv_pages_used / g.kv_pages_total if g.kv_pages_total else 0.0)
+        gauge(("kiln_kv_pages_used", None), "KV pages held by sequences", lambda g: g.kv_pages_used)
+        gauge(("kiln_kv_pages_total", None), "KV pages in the pool", lambda g: g.kv_pages_total)
         gauge(("kiln_prefix_cache_hit_rate", None), "Prompt tokens found in the prefix cache / prompt tokens looked up",
-              hit_rate)
+              lambda g: g.prefix_hits / g.prefix_queried if g.prefix_queried else 0.0)
         r.register(_PrefixCacheCounters(self))
         r.register(_SpeculativeCounters(self))
 
@@ -82,12 +109,11 @@ class _PrefixCacheCounters:
         self.metrics = metrics
 
     def collect(self):
-        engine = self.metrics._engine()
-        stats = engine.pool.stats if engine is not None else None
+        g = self.metrics._gauges()
         for name, doc, value in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  stats.queried_tokens if stats else 0),
+                                  g.prefix_queried if g else 0),
                                  ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  stats.hit_tokens if stats else 0)):
+                                  g.prefix_hits if g else 0)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.metrics.model_name], value)
             yield family
@@ -95,22 +121,21 @@ class _PrefixCacheCounters:
 
 class _SpeculativeCounters:
     """Speculative decoding's counters under vLLM's names (spec_decode_*) and kiln's, read from the
-    engine's Speculator when scraped; none where the engine does not speculate."""
+    engines' Speculators when scraped; none where the engine does not speculate."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
     def collect(self):
-        engine = self.metrics._engine()
-        speculator = getattr(engine, "speculator", None)
-        if speculator is None:
+        g = self.metrics._gauges()
+        if g is None or g.speculative is None:
             return
-        stats, model = speculator.stats, [self.metrics.model_name]
+        (drafts, draft_tokens, accepted, per_position), model = g.speculative, [self.metrics.model_name]
         for name, doc, value in (("spec_decode_num_drafts", "Verify steps of a sequence with at least one guess",
-                                  stats.drafts),
-                                 ("spec_decode_num_draft_tokens", "Guessed tokens verified", stats.draft_tokens),
+                                  drafts),
+                                 ("spec_decode_num_draft_tokens", "Guessed tokens verified", draft_tokens),
                                  ("spec_decode_num_accepted_tokens", "Guessed tokens the model confirmed",
-                                  stats.accepted_tokens)):
+                                  accepted)):
             ours = CounterMetricFamily(f"kiln_{name}", doc)
             ours.add_metric([], value)
             theirs = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
@@ -121,7 +146,7 @@ class _SpeculativeCounters:
         ours = CounterMetricFamily("kiln_spec_decode_num_accepted_tokens_per_pos", doc, labels=["position"])
         theirs = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc,
                                      labels=["model_name", "position"])
-        for position, value in enumerate(stats.accepted_per_position):
+        for position, value in enumerate(per_position):
             ours.add_metric([str(position)], value)
             theirs.add_metric([*model, str(position)], value)
         yield ours

@@ -1,0 +1,116 @@
+"""One kiln engine on the artifact, as a Ray Serve replica (the deployment class `KilnReplica`).
+
+A replica is the engine `kiln serve` runs in one process: kiln.LLM and its AsyncEngine, on the CPU's
+threads or on one GPU (the deployment's ray_actor_options say which). Its methods take a job, a
+dict whose `requests` are the keyword arguments of AsyncEngine.add_requests:
+  generate   streams each step's RequestOutputs (a caller that goes away aborts the requests);
+  complete   returns the final outputs (a non-streamed response, which the ingress may retry);
+  prefill    runs each prompt to its first token and exports its KV pages through the transport;
+             a request with `kv` (a transport handle) in `generate` or `complete` imports them.
+Every PERIOD seconds it writes its engine's gauges to the application's board (board.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+
+from ray import serve
+
+from kiln.serve.app import ServerConfig, open_engine
+from kiln.serve.metrics import EngineGauges
+
+from .board import PERIOD, board
+from .transport import TRANSPORTS
+
+
+class KilnReplica:
+    async def __init__(self, config: ServerConfig, role: str = "engine", transport: str = "ray-object-store"):
+        self.llm, self.engine, self.description = open_engine(config)
+        self.role, self.transport = role, TRANSPORTS[transport]()
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.board = board(context.app_name)
+        self._publisher: asyncio.Task | None = None
+        self._publish_soon()                      # the board knows this replica from its start
+
+    # -- the engine --------------------------------------------------------------------------------
+    async def _admit(self, job: dict, **extra):
+        """The job's requests admitted to the engine (their KV imported first where they bring it)."""
+        self._publish_soon()
+        requests = []
+        for r in job["requests"]:
+            r = {**r, **extra}
+            if r.get("kv") is not None:
+                r["kv"] = await self.transport.receive(r["kv"])
+            requests.append(r)
+        return self.engine.add_requests(requests)
+
+    async def generate(self, job: dict):
+        stream = await self._admit(job)
+        try:
+            async for out in stream:
+                yield out
+        finally:                                  # the caller went away (or the stream ended): abort the rest
+            await stream.aclose()
+
+    async def complete(self, job: dict) -> list:
+        finals = {}
+        async for out in self.generate(job):
+            if out.finished:
+                finals[out.request_id] = out
+        return [finals[r["request_id"]] for r in job["requests"]]
+
+    async def prefill(self, job: dict) -> list:
+        """Each request run to its first token: [(its output, a transport handle of its KV pages, or
+        None where the first token ended it)]."""
+        firsts = [dataclasses.replace(r["params"], max_tokens=1) for r in job["requests"]]
+        job = {"requests": [{**r, "params": p, "export_kv": True} for r, p in zip(job["requests"], firsts)]}
+        outs = []
+        for out, asked in zip(await self.complete(job), job["requests"]):
+            kv, out.kv = out.kv, None
+            going_on = out.outputs[0].finish_reason == "length" and kv is not None
+            outs.append((out, self.transport.send(kv) if going_on else None))
+        return outs
+
+    # -- what the ingress and Ray Serve ask ------------------------------------------------------------
+    async def describe(self) -> dict:
+        """What the ingress needs to check requests as this engine would (remote.py)."""
+        self._publish_soon()
+        model, engine = self.llm.model, self.llm.engine
+        return {"page_size": model.page_size, "vocab_size": model.vocab_size, "max_context": model.max_context,
+                "kv_window": model.kv_window, "num_pages": engine.pool.num_pages,
+                "max_num_seqs": engine.scheduler.max_num_seqs, "kv_layout": model.kv_layout,
+                "max_batched_tokens": engine.scheduler.max_batched_tokens, "description": self.description,
+                "pid": os.getpid()}
+
+    def gauges(self) -> EngineGauges:
+        return EngineGauges.of(self.llm.engine)
+
+    def record_routing_stats(self) -> dict:
+        g = self.gauges()
+        return {"running": g.running, "waiting": g.waiting, "kv_pages_used": g.kv_pages_used}
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine loop has died."""
+        task = self.engine._loop_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError(f"the engine loop stopped: {task.exception()!r}")
+
+    def _publish_soon(self) -> None:
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.get_running_loop().create_task(self._publish())
+
+    async def _publish(self) -> None:
+        """Write the gauges to the board while requests run, and once more when none is left."""
+        while True:
+            with contextlib.suppress(Exception):        # a board that restarts misses a beat, no more
+                await self.board.put.remote(self.replica_id, self.role, self.gauges())
+            if not self.llm.engine.has_unfinished() and not self.engine.num_unfinished:
+                return
+            await asyncio.sleep(PERIOD)
+
+    async def __del__(self):
+        with contextlib.suppress(Exception):
+            await self.board.remove.remote(self.replica_id)

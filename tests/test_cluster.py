@@ -1,0 +1,233 @@
+"""kiln on Ray Serve (kiln.serve.cluster), on a local Ray cluster started here: replicas under a
+streaming load with disconnects, a replica killed under load, prefix-aware routing against
+round-robin, prefill/decode disaggregation, KV pages through Ray's object store for each KV format,
+and `kiln serve --replicas`. Loads are short (seconds) and bounded in count; the benchmark
+(bench/cluster.py) runs the same loads longer."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from kiln.errors import KilnError
+from kiln.runtime.sampler import SamplingParams
+from kiln.serve.app import ServerConfig
+from kiln.serve.cluster import load, ops
+from kiln.serve.cluster.app import ClusterConfig, build_app
+from kiln.serve.cluster.router import PrefixIndex, rank
+
+from serving import free_port, running_server
+
+pytestmark = pytest.mark.build
+
+
+# -- the router's choice, without Ray -------------------------------------------------------------------
+def test_the_router_prefers_the_replica_that_holds_the_prefix_unless_its_queue_is_much_longer():
+    index = PrefixIndex(page_size=4)
+    system, other = list(range(100, 124)), list(range(200, 224))       # 6 pages each
+    index.record("a", index.digests(system + [1, 2, 3]))
+    index.record("b", index.digests(other))
+    asked = index.digests(system + [9, 9, 9, 9, 9])
+    assert index.match("a", asked) == 6 and index.match("b", asked) == 0
+    assert rank(index, {"a": 3, "b": 0}, asked, imbalance=4)[0] == "a"        # within the imbalance allowed
+    assert rank(index, {"a": 6, "b": 0}, asked, imbalance=4)[0] == "b"        # too far behind: the shorter queue
+    # a prompt nobody has seen goes to the shortest queue, then to the replica sent the least
+    assert rank(index, {"a": 1, "b": 0}, index.digests(list(range(300, 340))), imbalance=4)[0] == "b"
+    index.record("c", [])
+    assert rank(index, {"a": 0, "b": 0, "c": 0}, index.digests(list(range(300, 340))), imbalance=4)[0] == "c"
+    # a chain: a page whose parent differs does not match, nor anything after it
+    assert index.match("a", index.digests([0] + system[1:])) == 0
+    small = PrefixIndex(page_size=4, capacity=3)
+    small.record("a", small.digests(system))
+    assert small.size("a") == 3 and small.match("a", small.digests(system)) == 0   # the oldest pages went first
+
+
+# -- a local cluster ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def artifact(llama_cpu):
+    return str(llama_cpu[0])
+
+
+def deploy(artifact, kv_memory="16MiB", name="kiln", **cluster) -> None:
+    """The application `name` at "/", in place of any other."""
+    for other in serve.status().applications:
+        serve.delete(other)
+    config = ServerConfig(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8)
+    serve.run(build_app(config, ClusterConfig(num_cpus=1, app_name=name, **cluster)), name=name, route_prefix="/")
+
+
+def kv_in_use(app="kiln") -> dict:
+    return {replica: g.kv_pages_used for replica, (_, g) in ops.replica_gauges(app).items()}
+
+
+@pytest.fixture(scope="module")
+def two_replicas(cluster, artifact):
+    deploy(artifact, replicas=2)
+    yield cluster
+    serve.delete("kiln")        # (nothing, if a later test has put its own in its place)
+
+
+def test_two_replicas_serve_streams_with_disconnects_without_a_5xx_or_a_lost_request(two_replicas):
+    streamed, whole = asyncio.run(load.mixed_load(two_replicas, seconds=8, clients=6))
+    assert streamed.kinds["completed"] > 10 and streamed.kinds["disconnected"] > 3 and whole.kinds["completed"] > 3
+    for outcomes in (streamed, whole):
+        assert set(outcomes.kinds) <= {"completed", "disconnected"}, outcomes.errors[:5]
+    # every replica's KV back to 0 (the board hears from them every 0.5 s); /metrics sums both pools
+    assert ops.wait_for(lambda: len(kv_in_use()) == 2 and not any(kv_in_use().values()), 10), kv_in_use()
+    text = httpx.get(f"{two_replicas}/metrics").text
+    gauges = [g for _, g in ops.replica_gauges("kiln").values()]
+    assert load.metric(text, "kiln_kv_pages_total") == sum(g.kv_pages_total for g in gauges) > gauges[0].kv_pages_total
+    assert load.metric(text, "kiln_kv_pages_used") == 0
+    assert load.metric(text, "vllm:prefix_cache_queries_total") == sum(g.prefix_queried for g in gauges) > 0
+    assert load.metric(text, "kiln_requests_finished_total") >= streamed.kinds["completed"] + whole.total
+    assert httpx.get(f"{two_replicas}/health").json() == {"status": "ok"}
+
+
+def test_a_killed_replica_ends_only_its_own_streams_and_comes_back(two_replicas):
+    async def kill_after(seconds):
+        await asyncio.sleep(seconds)
+        return await asyncio.to_thread(ops.kill_replica, "kiln", "engine")
+
+    async def load_and_kill():
+        return await asyncio.gather(load.mixed_load(two_replicas, seconds=8, clients=6, seed=1), kill_after(3))
+    (streamed, whole), killed = asyncio.run(load_and_kill())
+    assert whole.kinds["completed"] == whole.total > 3, whole.errors[:5]          # retried on the other replica
+    assert set(streamed.kinds) <= {"completed", "disconnected", "stream_error"}, streamed.errors[:5]
+    # a stream that ended with an error was on the killed replica, and says so; the rest completed
+    assert streamed.kinds["stream_error"] <= 2 * 6
+    assert all("replica serving this request stopped" in e for e in streamed.errors), streamed.errors
+    assert streamed.kinds["completed"] > 10
+    assert ops.wait_for(lambda: ops.running_replicas("kiln", "engine") == 2, 60)
+    assert killed not in ops.replica_actors("kiln", "engine")
+    r = httpx.post(f"{two_replicas}/v1/completions", json={"prompt": "after", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_a_bad_request_gets_a_4xx_from_the_ingress_and_the_cluster_goes_on(two_replicas):
+    r = httpx.post(f"{two_replicas}/v1/completions", json={"prompt": "x", "max_tokens": 10 ** 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{two_replicas}/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert httpx.post(f"{two_replicas}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+# -- prefix-aware routing ------------------------------------------------------------------------------
+def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_robin(cluster, artifact):
+    """8 system prompts × 8 questions over 3 replicas whose caches hold about 3 system prompts
+    each: routed by prefix, each replica keeps its own few; in turn, each sees all 8 and evicts."""
+    from kiln.runtime.model import CompiledModel
+    from kiln.runtime.tokenizer import Tokenizer
+    prompts = load.shared_prefix_prompts(systems=8, questions=8, system_words=120)
+    model, tok = CompiledModel(artifact, verify=False), Tokenizer(artifact)
+    pages = int(3.3 * (max(len(tok.encode(p)) for p in prompts) // model.page_size + 1))
+    rates = {}
+    for routing in ("prefix", "round-robin"):
+        deploy(artifact, kv_memory=str(pages * model.bytes_per_page), name=routing, replicas=3, routing=routing)
+        outcomes = asyncio.run(load.prefix_load(cluster, prompts, clients=4))
+        assert outcomes.kinds["completed"] == len(prompts), outcomes.errors[:3]
+        assert ops.wait_for(lambda: not any(kv_in_use(routing).values()), 10)
+        gauges = [g for _, g in ops.replica_gauges(routing).values()]
+        rates[routing] = sum(g.prefix_hits for g in gauges) / sum(g.prefix_queried for g in gauges)
+        serve.delete(routing)
+    assert rates["prefix"] >= 2 * rates["round-robin"], rates
+
+
+# -- prefill/decode disaggregation ---------------------------------------------------------------------
+def test_disaggregated_prefill_and_decode_give_one_engines_tokens(cluster, artifact):
+    from kiln.runtime.llm import LLM
+    deploy(artifact, name="split", replicas=1, prefill_replicas=1)
+    prompts = ["The quick brown fox " * k for k in (1, 5, 12)]
+    alone = LLM(artifact, kv_memory="16MiB", threads=1).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    with httpx.Client(base_url=cluster, timeout=60) as http:
+        for prompt, expected in zip(prompts, alone):
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            got = http.post("/v1/completions", json=body).json()
+            assert "choices" in got, got
+            whole = got["choices"][0]
+            assert whole["text"] == expected.outputs[0].text and len(whole["logprobs"]["tokens"]) == 12
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == expected.outputs[0].text
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # what does not split (n > 1, one token) runs whole on the decode replicas
+        two = http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 3, "n": 2}).json()
+        assert len(two["choices"]) == 2
+        assert http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 1}).status_code == 200
+    roles = {role for role, _ in ops.replica_gauges("split").values()}
+    assert roles == {"prefill", "decode"}
+    assert ops.wait_for(lambda: not any(kv_in_use("split").values()), 10)
+    serve.delete("split")
+
+
+@ray.remote(num_cpus=0)
+class Prefiller:
+    """A prefill engine in another process: exports each prompt's KV into the object store."""
+
+    def __init__(self, artifact):
+        from kiln.runtime.llm import LLM
+        self.llm = LLM(artifact, kv_memory="8MiB", threads=1)
+
+    def prefill(self, prompt, params):
+        from kiln.serve.cluster.transport import ObjectStoreTransport
+        req = self.llm.engine.add_request(prompt, params, export_kv=True)
+        out = self.llm.engine.run_to_completion()[req.request_id]
+        return [ObjectStoreTransport().send(out.kv)]          # (in a list: the ref itself, not its value)
+
+
+@pytest.mark.parametrize("family, options", [("llama", {}), ("mistral_window", {}), ("deepseek_v2", {"dtype": "float32"}),
+                                             ("llama", {"kv_dtype": "int8"})],
+                         ids=["full", "sliding", "latent-mla", "int8"])
+def test_kv_pages_cross_processes_through_the_object_store(cluster, compiled_family, family, options):
+    from kiln.runtime.llm import LLM
+    from kiln.serve.cluster.transport import ObjectStoreTransport
+    from reference import random_prompt
+    artifact = str(compiled_family(family, **options))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt = random_prompt(41, seed=7)
+    decode = LLM(artifact, kv_memory="8MiB", threads=1)
+    expected = decode.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    prefiller = Prefiller.remote(artifact)
+    [ref] = ray.get(prefiller.prefill.remote(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    snapshot = asyncio.run(ObjectStoreTransport().receive(ref))
+    req = decode.engine.import_kv(snapshot, params)
+    assert decode.engine.run_to_completion()[req.request_id].outputs[0].token_ids == expected
+    ray.kill(prefiller)
+
+
+# -- the command ---------------------------------------------------------------------------------------
+def test_kiln_serve_with_replicas_runs_a_local_ray_cluster_and_stops_on_sigterm(artifact, tmp_path):
+    with running_server(artifact, tmp_path / "serve.log", "--replicas", "2", "--threads", "1",
+                        "--kv-memory", "8MiB") as (url, proc):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4},
+                       headers={"Authorization": "Bearer sk-kiln-test"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    assert "2 replicas, prefix routing" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize("args, message", [(["--max-replicas", "2"], "--max-replicas needs --replicas"),
+                                           (["--replicas", "3", "--max-replicas", "2"], "below --replicas"),
+                                           (["--replicas", "2", "--port", "0"], "needs a port")])
+def test_kiln_serve_refuses_replica_options_that_do_not_fit(artifact, args, message):
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", artifact, *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
