@@ -19,6 +19,7 @@ class ContextLengthError(ParamError):
 
 class QueueFull(KilnError):
     """As many requests wait as the engine takes: retry later (the server's 429)."""
+    status = 429
 
 
 class NoChatTemplate(KilnError, ValueError):

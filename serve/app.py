@@ -228,8 +228,12 @@ async def unexpected_error(request, e: Exception):      # never a bare 500 page;
     return error_response(500, f"internal error: {type(e).__name__}", kind="server_error")
 
 
+async def queue_full(request, e: QueueFull):     # raised while a response is awaited (replicas behind Ray)
+    return error_response(429, str(e), kind="rate_limit_error")
+
+
 ERROR_HANDLERS = {APIError: api_error, StarletteHTTPException: http_error, RequestValidationError: invalid_request,
-                  Exception: unexpected_error}
+                  QueueFull: queue_full, Exception: unexpected_error}
 
 
 async def check_api_key(request: Request, call_next):

@@ -48,6 +48,28 @@ def test_the_router_prefers_the_replica_that_holds_the_prefix_unless_its_queue_i
     assert small.size("a") == 3 and small.match("a", small.digests(system)) == 0   # the oldest pages went first
 
 
+def test_the_application_asks_ray_for_what_each_replica_needs(artifact):
+    """The deployments build_app makes: CPUs or a GPU per replica, the router, autoscaling bounds."""
+    def engines(app):
+        return app._bound_deployment.init_args[1]._bound_deployment     # (ingress's first argument)
+    scaled = engines(build_app(ServerConfig(artifact, threads=3), ClusterConfig(replicas=2, max_replicas=5)))
+    assert scaled.ray_actor_options["num_cpus"] == 3 and scaled.ray_actor_options["num_gpus"] == 0
+    autoscaling = scaled._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (2, 5, 8.0)
+    router = scaled._deployment_config.request_router_config
+    assert router.request_router_class.endswith("PrefixAwareRouter") and router.request_router_kwargs == {"page_size": 16}
+    fixed = engines(build_app(ServerConfig(artifact), ClusterConfig(replicas=3, routing="round-robin", num_gpus=1)))
+    assert fixed.num_replicas == 3 and fixed.ray_actor_options["num_gpus"] == 1
+    assert fixed._deployment_config.request_router_config.request_router_class.endswith("RoundRobinRouter")
+    ingress = build_app(ServerConfig(artifact, max_num_seqs=8, max_waiting=100),
+                        ClusterConfig(replicas=2, max_replicas=5))._bound_deployment
+    assert ingress.max_ongoing_requests == 5 * 2 * 8 + 100          # every request the engines may hold
+    split = build_app(ServerConfig(artifact), ClusterConfig(replicas=2, prefill_replicas=1))._bound_deployment
+    assert [a._bound_deployment.name for a in split.init_args[1:]] == ["decode", "prefill"]
+    with pytest.raises(KilnError, match="unknown routing"):
+        build_app(ServerConfig(artifact), ClusterConfig(routing="random"))
+
+
 # -- a local cluster ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():

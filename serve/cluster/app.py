@@ -104,10 +104,13 @@ def build_app(config: ServerConfig, cluster: ClusterConfig):
             options["num_replicas"] = count
         return serve.deployment(KilnReplica).options(**options).bind(config, role, cluster.transport)
 
+    # the ingress holds every request in flight: the engines' batches and queues, and what waits for them
+    most = (cluster.max_replicas or cluster.replicas) * 2 * config.max_num_seqs + config.max_waiting
+    ingress = KilnIngress.options(max_ongoing_requests=most)
     if cluster.prefill_replicas:
         prefill = engines("prefill", cluster.prefill_replicas, "prefill", autoscale=False)
-        return KilnIngress.bind(config, engines("decode", cluster.replicas, "decode", autoscale=True), prefill)
-    return KilnIngress.bind(config, engines("engine", cluster.replicas, "engine", autoscale=True))
+        return ingress.bind(config, engines("decode", cluster.replicas, "decode", autoscale=True), prefill)
+    return ingress.bind(config, engines("engine", cluster.replicas, "engine", autoscale=True))
 
 
 def app_builder(args: dict):

@@ -68,7 +68,7 @@ class KilnReplica:
         firsts = [dataclasses.replace(r["params"], max_tokens=1) for r in job["requests"]]
         job = {"requests": [{**r, "params": p, "export_kv": True} for r, p in zip(job["requests"], firsts)]}
         outs = []
-        for out, asked in zip(await self.complete(job), job["requests"]):
+        for out in await self.complete(job):
             kv, out.kv = out.kv, None
             going_on = out.outputs[0].finish_reason == "length" and kv is not None
             outs.append((out, self.transport.send(kv) if going_on else None))
