@@ -236,14 +236,25 @@ def test_kv_pages_cross_processes_through_the_object_store(cluster, compiled_fam
 
 # -- the command ---------------------------------------------------------------------------------------
 def test_kiln_serve_with_replicas_runs_a_local_ray_cluster_and_stops_on_sigterm(artifact, tmp_path):
-    with running_server(artifact, tmp_path / "serve.log", "--replicas", "2", "--threads", "1",
-                        "--kv-memory", "8MiB") as (url, proc):
+    log = tmp_path / "serve.log"
+    with running_server(artifact, log, "--replicas", "2", "--threads", "1", "--kv-memory", "8MiB") as (url, proc):
+        # (the ingress answers as soon as one replica has started; the command says so when all have)
+        assert ops.wait_for(lambda: "2 replicas, prefix routing" in log.read_text(), 120)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4},
                        headers={"Authorization": "Bearer sk-kiln-test"}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         proc.terminate()
         assert proc.wait(timeout=60) == 0
-    assert "2 replicas, prefix routing" in (tmp_path / "serve.log").read_text()
+
+
+def test_kiln_serve_with_replicas_stops_cleanly_on_sigterm_while_it_starts(artifact, tmp_path):
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", artifact, "--replicas", "1", "--threads", "1",
+                             "--kv-memory", "8MiB", "--port", str(free_port())], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    assert ops.wait_for(lambda: "Started Serve" in log.read_text() or proc.poll() is not None, 120)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("args, message", [(["--max-replicas", "2"], "--max-replicas needs --replicas"),

@@ -124,6 +124,10 @@ def app_builder(args: dict):
                      ClusterConfig(**{k: v for k, v in args.items() if k in cluster}))
 
 
+class _Stopped(Exception):
+    """SIGINT or SIGTERM while the application starts."""
+
+
 def run(config: ServerConfig, cluster: ClusterConfig, host: str = "127.0.0.1", port: int = 8000,
         ray_address: str | None = None) -> None:
     """`kiln serve --replicas`: the application on Ray (a local cluster, or the one at ray_address),
@@ -134,18 +138,28 @@ def run(config: ServerConfig, cluster: ClusterConfig, host: str = "127.0.0.1", p
     bind(host, port).close()                     # a busy port is one line, before Ray starts
     app = build_app(config, cluster)
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    stop, starting = threading.Event(), [True]
+
+    def on_signal(*_):
+        stop.set()
+        if starting[0]:                          # serve.run is waiting for the replicas: stop waiting
+            raise _Stopped()
+    # (after ray.init, whose handlers end the process at once, and before anything can be left running)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=cluster.app_name, route_prefix="/")
+        starting[0] = False
         where = f"Ray cluster at {ray_address}" if ray_address else "a local Ray cluster"
         split = f"{cluster.prefill_replicas} prefill + " if cluster.prefill_replicas else ""
         print(f"kiln serve: {config.model_name} on {where}: {split}{cluster.replicas} replicas, "
               f"{cluster.routing} routing; http://{host}:{port}", file=sys.stderr, flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
+    except _Stopped:
+        pass
     finally:
+        starting[0] = False
         serve.delete(cluster.app_name)
         if not ray_address:
             serve.shutdown()

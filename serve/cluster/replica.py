@@ -88,10 +88,6 @@ class KilnReplica:
     def gauges(self) -> EngineGauges:
         return EngineGauges.of(self.llm.engine)
 
-    def record_routing_stats(self) -> dict:
-        g = self.gauges()
-        return {"running": g.running, "waiting": g.waiting, "kv_pages_used": g.kv_pages_used}
-
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine loop has died."""
         task = self.engine._loop_task
