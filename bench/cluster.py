@@ -70,21 +70,25 @@ def outcome_table(rows: list[str]) -> None:
     print("\n".join(rows))
 
 
-def kv_in_use(app: str) -> dict:
+def kv_in_use(app: str, replicas: int) -> dict:
+    """Each replica's KV pages in use, as written after the load (ops.settled_gauges)."""
     from kiln.serve.cluster import ops
-    return {replica: g.kv_pages_used for replica, (_, g) in ops.replica_gauges(app).items()}
+    try:
+        found = ops.settled_gauges(app, replicas)
+    except TimeoutError as e:
+        return {"not settled": str(e)}
+    return {replica: g.kv_pages_used for replica, (_, g) in found.items()}
 
 
 def stage_load(url: str) -> None:
-    from kiln.serve.cluster import load, ops
+    from kiln.serve.cluster import load
     deploy(artifact("llama"), "kiln", replicas=2)
     t0 = time.perf_counter()
     streamed, whole = asyncio.run(load.mixed_load(url, ARGS.seconds, clients=8))
     took = time.perf_counter() - t0
-    ops.wait_for(lambda: not any(kv_in_use("kiln").values()), 10)
     print(f"\n### load: 2 replicas, {ARGS.seconds:.0f} s of 8 clients ({took:.1f} s with the last requests)\n")
     outcome_table([outcome_row("streamed", streamed), outcome_row("non-streamed", whole)])
-    print(f"\nKV pages in use per replica after the load: {kv_in_use('kiln')}; "
+    print(f"\nKV pages in use per replica after the load: {kv_in_use('kiln', 2)}; "
           f"median TTFT of the streams {1e3 * statistics.median(streamed.ttfts):.0f} ms")
 
 
@@ -106,12 +110,11 @@ def stage_kill(url: str) -> None:
     async def run():
         return (await asyncio.gather(load.mixed_load(url, ARGS.seconds, clients=8, seed=1), kill_then_watch()))[0]
     streamed, whole = asyncio.run(run())
-    ops.wait_for(lambda: len(kv_in_use("kiln")) == 2 and not any(kv_in_use("kiln").values()), 10)
     print(f"\n### kill: 2 replicas, {ARGS.seconds:.0f} s of 8 clients, one replica killed at "
           f"{ARGS.seconds / 3:.0f} s\n")
     outcome_table([outcome_row("streamed", streamed), outcome_row("non-streamed", whole)])
     print(f"\nKilled {back['killed']}; two replicas running again {back['seconds']:.1f} s after the kill; KV pages in use per replica "
-          f"after the load: {kv_in_use('kiln')}. Stream errors: {sorted(set(streamed.errors))[:2]}")
+          f"after the load: {kv_in_use('kiln', 2)}. Stream errors: {sorted(set(streamed.errors))[:2]}")
 
 
 def stage_prefix(url: str) -> None:
@@ -133,8 +136,7 @@ def stage_prefix(url: str) -> None:
         t0 = time.perf_counter()
         outcomes = asyncio.run(load.prefix_load(url, prompts, clients=4))
         wall = time.perf_counter() - t0
-        ops.wait_for(lambda: not any(kv_in_use(routing).values()), 10)
-        gauges = [g for _, g in ops.replica_gauges(routing).values()]
+        gauges = [g for _, g in ops.settled_gauges(routing, 3).values()]
         rate = sum(g.prefix_hits for g in gauges) / sum(g.prefix_queried for g in gauges)
         ttfts = sorted(outcomes.ttfts)
         assert outcomes.kinds["completed"] == len(prompts), outcomes.errors[:3]

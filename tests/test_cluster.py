@@ -19,7 +19,7 @@ from kiln.errors import KilnError
 from kiln.runtime.sampler import SamplingParams
 from kiln.serve.app import ServerConfig
 from kiln.serve.cluster import load, ops
-from kiln.serve.cluster.app import ClusterConfig, build_app
+from kiln.serve.cluster.app import ClusterConfig, app_builder, build_app
 from kiln.serve.cluster.router import PrefixIndex, rank
 
 from serving import free_port, running_server
@@ -68,6 +68,12 @@ def test_the_application_asks_ray_for_what_each_replica_needs(artifact):
     assert [a._bound_deployment.name for a in split.init_args[1:]] == ["decode", "prefill"]
     with pytest.raises(KilnError, match="unknown routing"):
         build_app(ServerConfig(artifact), ClusterConfig(routing="random"))
+    # a Ray Serve config file's import_path: the same application from its args
+    from_file = app_builder({"artifact": artifact, "kv_memory": "0.5", "replicas": 3, "routing": "round-robin"})
+    assert engines(from_file).num_replicas == 3
+    assert engines(from_file).init_args[0] == ServerConfig(artifact, kv_memory="0.5")
+    with pytest.raises(KilnError, match="unknown kiln application arguments: replica"):
+        app_builder({"artifact": artifact, "replica": 2})
 
 
 # -- a local cluster ---------------------------------------------------------------------------------
@@ -94,10 +100,6 @@ def deploy(artifact, kv_memory="16MiB", name="kiln", **cluster) -> None:
     serve.run(build_app(config, ClusterConfig(num_cpus=1, app_name=name, **cluster)), name=name, route_prefix="/")
 
 
-def kv_in_use(app="kiln") -> dict:
-    return {replica: g.kv_pages_used for replica, (_, g) in ops.replica_gauges(app).items()}
-
-
 @pytest.fixture(scope="module")
 def two_replicas(cluster, artifact):
     deploy(artifact, replicas=2)
@@ -110,10 +112,11 @@ def test_two_replicas_serve_streams_with_disconnects_without_a_5xx_or_a_lost_req
     assert streamed.kinds["completed"] > 10 and streamed.kinds["disconnected"] > 3 and whole.kinds["completed"] > 3
     for outcomes in (streamed, whole):
         assert set(outcomes.kinds) <= {"completed", "disconnected"}, outcomes.errors[:5]
-    # every replica's KV back to 0 (the board hears from them every 0.5 s); /metrics sums both pools
-    assert ops.wait_for(lambda: len(kv_in_use()) == 2 and not any(kv_in_use().values()), 10), kv_in_use()
+    # every replica's KV back to 0, as each wrote it after the load (settled_gauges raises otherwise);
+    # /metrics sums both pools
+    gauges = [g for _, g in ops.settled_gauges("kiln", replicas=2).values()]
+    assert len(gauges) == 2 and all(g.prefix_queried for g in gauges)          # both served the load
     text = httpx.get(f"{two_replicas}/metrics").text
-    gauges = [g for _, g in ops.replica_gauges("kiln").values()]
     assert load.metric(text, "kiln_kv_pages_total") == sum(g.kv_pages_total for g in gauges) > gauges[0].kv_pages_total
     assert load.metric(text, "kiln_kv_pages_used") == 0
     assert load.metric(text, "vllm:prefix_cache_queries_total") == sum(g.prefix_queried for g in gauges) > 0
@@ -137,6 +140,7 @@ def test_a_killed_replica_ends_only_its_own_streams_and_comes_back(two_replicas)
     assert streamed.kinds["completed"] > 10
     assert ops.wait_for(lambda: ops.running_replicas("kiln", "engine") == 2, 60)
     assert killed not in ops.replica_actors("kiln", "engine")
+    ops.settled_gauges("kiln", replicas=2)           # the survivor and the new one: no KV page held
     r = httpx.post(f"{two_replicas}/v1/completions", json={"prompt": "after", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200
 
@@ -163,8 +167,7 @@ def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_r
         deploy(artifact, kv_memory=str(pages * model.bytes_per_page), name=routing, replicas=3, routing=routing)
         outcomes = asyncio.run(load.prefix_load(cluster, prompts, clients=4))
         assert outcomes.kinds["completed"] == len(prompts), outcomes.errors[:3]
-        assert ops.wait_for(lambda: not any(kv_in_use(routing).values()), 10)
-        gauges = [g for _, g in ops.replica_gauges(routing).values()]
+        gauges = [g for _, g in ops.settled_gauges(routing, replicas=3).values()]
         rates[routing] = sum(g.prefix_hits for g in gauges) / sum(g.prefix_queried for g in gauges)
         serve.delete(routing)
     assert rates["prefix"] >= 2 * rates["round-robin"], rates
@@ -193,9 +196,7 @@ def test_disaggregated_prefill_and_decode_give_one_engines_tokens(cluster, artif
         two = http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 3, "n": 2}).json()
         assert len(two["choices"]) == 2
         assert http.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 1}).status_code == 200
-    roles = {role for role, _ in ops.replica_gauges("split").values()}
-    assert roles == {"prefill", "decode"}
-    assert ops.wait_for(lambda: not any(kv_in_use("split").values()), 10)
+    assert {role for role, _ in ops.settled_gauges("split", replicas=2).values()} == {"prefill", "decode"}
     serve.delete("split")
 
 

@@ -30,9 +30,28 @@ def kill_replica(app: str, deployment: str, index: int = 0) -> str:
     return name
 
 
-def replica_gauges(app: str) -> dict:
-    """replica id -> (role, EngineGauges), for the replicas heard from lately."""
-    return ray.get(board(app).read.remote())
+def replica_gauges(app: str, since: float | None = None) -> dict:
+    """replica id -> (role, EngineGauges), for the replicas heard from lately (after `since`, a
+    board_time, where given)."""
+    return ray.get(board(app).read.remote(since))
+
+
+def board_time(app: str) -> float:
+    """Now, on the board's clock: gauges written after it were taken after this moment."""
+    return ray.get(board(app).now.remote())
+
+
+def settled_gauges(app: str, replicas: int, timeout: float = 15.0) -> dict:
+    """Each replica's gauges as written after this call began, once every one of the `replicas` has
+    written them with no KV page in use (a load that has just ended has let go of its pages)."""
+    since, found = board_time(app), {}
+
+    def settled() -> bool:
+        found.update(replica_gauges(app, since))
+        return len(found) >= replicas and not any(g.kv_pages_used for _, g in found.values())
+    if not wait_for(settled, timeout):
+        raise TimeoutError(f"the replicas' gauges did not settle in {timeout} s: {found}")
+    return found
 
 
 def wait_for(predicate, timeout: float, every: float = 0.25) -> bool:

@@ -7,7 +7,8 @@ dict whose `requests` are the keyword arguments of AsyncEngine.add_requests:
   complete   returns the final outputs (a non-streamed response, which the ingress may retry);
   prefill    runs each prompt to its first token and exports its KV pages through the transport;
              a request with `kv` (a transport handle) in `generate` or `complete` imports them.
-Every PERIOD seconds it writes its engine's gauges to the application's board (board.py).
+Every PERIOD seconds, for as long as it runs, it writes its engine's gauges to the application's
+board (board.py).
 """
 from __future__ import annotations
 
@@ -32,13 +33,11 @@ class KilnReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.board = board(context.app_name)
-        self._publisher: asyncio.Task | None = None
-        self._publish_soon()                      # the board knows this replica from its start
+        self._publisher = asyncio.get_running_loop().create_task(self._publish())
 
     # -- the engine --------------------------------------------------------------------------------
     async def _admit(self, job: dict, **extra):
         """The job's requests admitted to the engine (their KV imported first where they bring it)."""
-        self._publish_soon()
         requests = []
         for r in job["requests"]:
             r = {**r, **extra}
@@ -77,7 +76,6 @@ class KilnReplica:
     # -- what the ingress and Ray Serve ask ------------------------------------------------------------
     async def describe(self) -> dict:
         """What the ingress needs to check requests as this engine would (remote.py)."""
-        self._publish_soon()
         model, engine = self.llm.model, self.llm.engine
         return {"page_size": model.page_size, "vocab_size": model.vocab_size, "max_context": model.max_context,
                 "kv_window": model.kv_window, "num_pages": engine.pool.num_pages,
@@ -94,17 +92,11 @@ class KilnReplica:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"the engine loop stopped: {task.exception()!r}")
 
-    def _publish_soon(self) -> None:
-        if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.get_running_loop().create_task(self._publish())
-
     async def _publish(self) -> None:
-        """Write the gauges to the board while requests run, and once more when none is left."""
+        """Write the gauges to the board every PERIOD seconds while the replica runs."""
         while True:
             with contextlib.suppress(Exception):        # a board that restarts misses a beat, no more
                 await self.board.put.remote(self.replica_id, self.role, self.gauges())
-            if not self.llm.engine.has_unfinished() and not self.engine.num_unfinished:
-                return
             await asyncio.sleep(PERIOD)
 
     async def __del__(self):
