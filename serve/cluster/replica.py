@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 
 from ray import serve
 
@@ -36,11 +35,11 @@ class KilnReplica:
         self._publisher = asyncio.get_running_loop().create_task(self._publish())
 
     # -- the engine --------------------------------------------------------------------------------
-    async def _admit(self, job: dict, **extra):
+    async def _admit(self, job: dict):
         """The job's requests admitted to the engine (their KV imported first where they bring it)."""
         requests = []
         for r in job["requests"]:
-            r = {**r, **extra}
+            r = dict(r)
             if r.get("kv") is not None:
                 r["kv"] = await self.transport.receive(r["kv"])
             requests.append(r)
@@ -80,8 +79,7 @@ class KilnReplica:
         return {"page_size": model.page_size, "vocab_size": model.vocab_size, "max_context": model.max_context,
                 "kv_window": model.kv_window, "num_pages": engine.pool.num_pages,
                 "max_num_seqs": engine.scheduler.max_num_seqs, "kv_layout": model.kv_layout,
-                "max_batched_tokens": engine.scheduler.max_batched_tokens, "description": self.description,
-                "pid": os.getpid()}
+                "max_batched_tokens": engine.scheduler.max_batched_tokens, "description": self.description}
 
     def gauges(self) -> EngineGauges:
         return EngineGauges.of(self.llm.engine)
