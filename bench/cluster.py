@@ -50,11 +50,10 @@ def artifact(family: str, **overrides) -> str:
 
 def deploy(art: str, name: str, kv_memory: str = "32MiB", **cluster) -> None:
     from kiln.serve.app import ServerConfig
-    from kiln.serve.cluster.app import ClusterConfig, build_app
-    for other in serve.status().applications:
-        serve.delete(other)
-    config = ServerConfig(art, kv_memory=kv_memory, threads=1, max_num_seqs=16)
-    serve.run(build_app(config, ClusterConfig(num_cpus=1, app_name=name, **cluster)), name=name, route_prefix="/")
+    from kiln.serve.cluster import ops
+    from kiln.serve.cluster.app import ClusterConfig
+    ops.deploy(ServerConfig(art, kv_memory=kv_memory, threads=1, max_num_seqs=16),
+               ClusterConfig(num_cpus=1, app_name=name, **cluster))
 
 
 def outcome_row(label: str, outcomes) -> str:

@@ -160,38 +160,25 @@ class CompiledModel:
         """Copy whole KV pages (every layer, k and v, and row scales) from source to destination
         page: the copy-on-write of a shared page, done on the device through views."""
         for tensor in self.kv_tensors.values():
-            page_shape = tuple(tensor.shape[1:])
-            page_bytes = int(np.prod(page_shape)) * tensor.dtype.itemsize
             for src, dst in pairs:
-                view = tensor._create_view((1, *page_shape), relative_byte_offset=dst * page_bytes)
-                view.copyfrom(tensor._create_view((1, *page_shape), relative_byte_offset=src * page_bytes))
+                _pages(tensor, dst, 1).copyfrom(_pages(tensor, src, 1))
 
     @property
     def kv_layout(self) -> str:
         """The page format of this artifact's KV tensors (runtime/kv_transfer.py)."""
         return layout_of(self.page_size, {name: (tuple(t.shape[1:]), str(t.dtype)) for name, t in self.kv_tensors.items()})
 
-    def _page_views(self, tensor, pages: list[int]):
-        """(position in `pages`, a view of each run of consecutive pages of `tensor`)."""
-        page_shape = tuple(tensor.shape[1:])
-        page_bytes = int(np.prod(page_shape)) * tensor.dtype.itemsize
-        return [(at, tensor._create_view((count, *page_shape), relative_byte_offset=first * page_bytes))
-                for at, first, count in page_runs(pages)]
-
     def read_pages(self, pages: list[int]) -> dict[str, np.ndarray]:
-        """The pages' contents, each KV tensor's as [len(pages), ...page shape] on the host."""
-        out = {}
-        for name, tensor in self.kv_tensors.items():
-            runs = self._page_views(tensor, pages)
-            out[name] = np.concatenate([view.numpy() for _, view in runs]) if runs else \
-                np.empty((0, *tensor.shape[1:]))
-        return out
+        """The pages' contents (at least one page), each KV tensor's as [len(pages), ...page shape] on
+        the host: one copy per run of consecutive pages."""
+        return {name: np.concatenate([_pages(tensor, first, count).numpy() for _, first, count in page_runs(pages)])
+                for name, tensor in self.kv_tensors.items()}
 
     def write_pages(self, pages: list[int], contents: dict[str, np.ndarray]) -> None:
         """Write `contents` (as read_pages gives them) into the pages."""
         for name, tensor in self.kv_tensors.items():
-            for at, view in self._page_views(tensor, pages):
-                view.copyfrom(np.ascontiguousarray(contents[name][at:at + view.shape[0]]))
+            for at, first, count in page_runs(pages):
+                _pages(tensor, first, count).copyfrom(np.ascontiguousarray(contents[name][at:at + count]))
 
     def forward(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Run one ragged step; return f32[seqs, vocab], the logits of each sequence's last new token."""
@@ -249,3 +236,10 @@ class CompiledModel:
             return "decode_wide"
         gemm = self.decode_gemm_from and seqs >= self.decode_gemm_from
         return "decode" if "decode" in self.entries and not gemm else "mixed"
+
+
+def _pages(tensor, first: int, count: int):
+    """A view of pages first..first+count-1 of a KV tensor (pages on its first axis)."""
+    page_shape = tuple(tensor.shape[1:])
+    page_bytes = int(np.prod(page_shape)) * tensor.dtype.itemsize
+    return tensor._create_view((count, *page_shape), relative_byte_offset=first * page_bytes)

@@ -1,6 +1,7 @@
 """Prometheus metrics of a running server (`GET /metrics`), through prometheus_client.
 
-Gauges are read from the engine (an EngineGauges, summed over replicas behind Ray) when scraped; counters and histograms are fed by `observe`,
+Gauges are read from the engine when scraped (an EngineGauges, once per scrape; behind Ray, the
+replicas' summed); counters and histograms are fed by `observe`,
 which the app calls with every RequestOutput it streams. Each is exported under kiln's name and,
 where vLLM has a metric of the same meaning, under vLLM's (`vllm:...`, labelled with the served
 model's name), so that dashboards and routers built for vLLM read kiln unchanged.
@@ -46,7 +47,8 @@ class EngineGauges:
             a, b = self.speculative, other.speculative
             per = tuple(x + y for x, y in itertools.zip_longest(a[3], b[3], fillvalue=0))
             spec = (a[0] + b[0], a[1] + b[1], a[2] + b[2], per)
-        return EngineGauges(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)[:-1]), spec)
+        counts = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "speculative"}
+        return EngineGauges(**counts, speculative=spec)
 
 
 class ServerMetrics:
@@ -54,10 +56,11 @@ class ServerMetrics:
         """`gauges_ref()` returns the EngineGauges of the engine (or engines) behind the server, or
         None while the model loads."""
         r = self.registry = CollectorRegistry()
-        self._gauges, self.model_name = gauges_ref, model_name
+        self._gauges_ref, self.model_name = gauges_ref, model_name
+        self.snapshot: EngineGauges | None = None        # taken once per scrape (render)
 
         def gauge_value(fn):
-            return lambda: (fn(g) if (g := self._gauges()) is not None else 0.0)
+            return lambda: (fn(g) if (g := self.snapshot) is not None else 0.0)
 
         def gauge(names: tuple[str, str | None], doc: str, fn) -> None:
             Gauge(names[0], doc, registry=r).set_function(gauge_value(fn))
@@ -96,6 +99,7 @@ class ServerMetrics:
                         "Arrival to finish", buckets=LATENCY_BUCKETS)()
 
     def render(self) -> bytes:
+        self.snapshot = self._gauges_ref()
         return generate_latest(self.registry)
 
     def tracker(self) -> "RequestTracker":
@@ -109,7 +113,7 @@ class _PrefixCacheCounters:
         self.metrics = metrics
 
     def collect(self):
-        g = self.metrics._gauges()
+        g = self.metrics.snapshot
         for name, doc, value in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   g.prefix_queried if g else 0),
                                  ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -127,7 +131,7 @@ class _SpeculativeCounters:
         self.metrics = metrics
 
     def collect(self):
-        g = self.metrics._gauges()
+        g = self.metrics.snapshot
         if g is None or g.speculative is None:
             return
         (drafts, draft_tokens, accepted, per_position), model = g.speculative, [self.metrics.model_name]

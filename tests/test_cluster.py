@@ -93,11 +93,8 @@ def artifact(llama_cpu):
 
 
 def deploy(artifact, kv_memory="16MiB", name="kiln", **cluster) -> None:
-    """The application `name` at "/", in place of any other."""
-    for other in serve.status().applications:
-        serve.delete(other)
-    config = ServerConfig(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8)
-    serve.run(build_app(config, ClusterConfig(num_cpus=1, app_name=name, **cluster)), name=name, route_prefix="/")
+    ops.deploy(ServerConfig(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8),
+               ClusterConfig(num_cpus=1, app_name=name, **cluster))
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Looking at and acting on a running kiln application on Ray Serve: its replicas, their gauges, and
-killing one (what the resilience tests and bench/cluster.py do to it)."""
+"""Deploying, looking at and acting on a kiln application on Ray Serve: its replicas, their gauges,
+and killing one (what the resilience tests and bench/cluster.py do to it)."""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,15 @@ import time
 import ray
 from ray import serve
 
+from .app import ClusterConfig, build_app
 from .board import board
+
+
+def deploy(config, cluster: ClusterConfig) -> None:
+    """The application (named cluster.app_name) at "/", in place of any other, once its replicas run."""
+    for other in serve.status().applications:
+        serve.delete(other)
+    serve.run(build_app(config, cluster), name=cluster.app_name, route_prefix="/")
 
 
 def running_replicas(app: str, deployment: str) -> int:

@@ -87,7 +87,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         queues, unknown = {}, []
         for r in candidate_replicas:
             length = self.replica_queue_len_cache.get(r.replica_id)
-            (unknown.append(r) if length is None else queues.__setitem__(r.replica_id, length))
+            if length is None:
+                unknown.append(r)
+            else:
+                queues[r.replica_id] = length
         if unknown:
             for r, length in await self._probe_queue_lens(unknown, 0):
                 if length is not None:
