@@ -47,6 +47,7 @@ def _linked(func, module, target):
     """func (a PrimFunc calling into `module`) built, exported with it and loaded."""
     import os
     import tempfile
+
     import tvm
     library = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
     library.import_module(module)
@@ -60,6 +61,7 @@ def _peak(threads: int, kind: str) -> float:
     import numpy as np
     import tvm
     from tvm.script import tirx as T
+
     from kiln.codegen.kernels.cpu.int8_gemm import PAIR_DOT
     from kiln.codegen.kernels.cpu.vnni_linear import QUAD_DOT
     from kiln.targets.cpu import host_cpu_target
@@ -143,18 +145,19 @@ def _kernels(n_out: int, n_in: int):
     import numpy as np
     import tvm
     from tvm import tirx
+
     from kiln.codegen.kernels.cpu.bf16_linear import bf16_linear_kernel, micro_kernels
     from kiln.codegen.kernels.cpu.bf16_micro import micro_module
-    from kiln.host_cpu import has_bf16_dot, has_quad_dot
     from kiln.codegen.kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
     from kiln.codegen.kernels.cpu.int8_gemm import int8_gemm_kernel
     from kiln.codegen.kernels.cpu.int8_gemv import int8_gemv_kernel
-    from kiln.codegen.kernels.layouts import apply_layout, q4_scale_layout
     from kiln.codegen.kernels.cpu.packed_linear import packed_linear_kernel
-    from kiln.codegen.lowering.linear_layouts import linear_layout
-    from kiln.codegen.kernels.weight_format import WeightFormat
     from kiln.codegen.kernels.cpu.vnni_linear import vnni_linear_kernel
+    from kiln.host_cpu import has_bf16_dot, has_quad_dot
     from kiln.ir.quant import SCHEMES
+    from kiln.selection.formats import WeightFormat
+    from kiln.selection.layouts import apply_layout, q4_scale_layout
+    from kiln.selection.linear import linear_layout
     from kiln.targets.cpu import CPUTarget, host_cpu_target
     target, nb = host_cpu_target(), 64
     rng = np.random.default_rng(0)

@@ -4,13 +4,13 @@
     python bench/gemm_gpu.py run OUT [--m 16 64 256 1024 4096] [--write-table FILE]   (the GPU machine)
 
 `build` compiles, for every Llama-3.1-8B and Llama-3.2-1B linear (bf16, no bias), one kernel per
-candidate tile of codegen/kernels/gpu/mma_tuning.py and one with the compiler's present choice by rows
+candidate tile of selection/tiles.py and one with the compiler's present choice by rows
 ("default"), plus the small kernels tests/gpu/test_mma_gemm.py checks (bias, residual, bf16 and
 fp16), into OUT/gemm_kernels.so with OUT/kernels.json. `run` needs only TVM's runtime and torch:
 each kernel and torch.matmul on the same device, weights rotated through copies that exceed the L2
 cache, median of CUDA-event timings. It prints TFLOP/s, the share of cuBLAS and, for M <= 64, the
 weight bytes' share of the copy rate; --write-table writes the fastest tile per shape and rows
-bucket in codegen/kernels/gpu/mma_tuning.json's format.
+bucket in selection/tiles.json's format.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ EXPERTS = 4
 
 def kernel_specs(tests_only: bool) -> list[dict]:
     """Every kernel `build` makes: name, shape, dtype, epilogue, tiles by rows."""
-    from kiln.codegen.kernels.gpu.mma_tuning import CANDIDATES
+    from kiln.selection.tiles import CANDIDATES
     specs = []
 
     def add(n, k, dtype, bias, residual, label, tiles, weight="float", group=0, activation=None):
@@ -77,7 +77,7 @@ def kernel_specs(tests_only: bool) -> list[dict]:
 
 def default_specs(arch: str, tests_only: bool) -> list[dict]:
     """The compiler's present choice by rows for each shape (what an artifact built now runs)."""
-    from kiln.codegen.kernels.gpu.mma_tuning import tiles_for
+    from kiln.selection.tiles import tiles_for
     out = []
     shapes = [(n, k, "bfloat16", False, False) for group in SHAPES.values() for n, k in group] if not tests_only else []
     shapes += [(n, k, d, True, True) for n, k in TEST_SHAPES for d in ("bfloat16", "float16")]
@@ -94,8 +94,9 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
     from kiln.targets.cuda import make_target
     target = make_target(arch)
     import tvm
+
     from kiln.codegen.kernels.gpu.mma_gemm import mma_experts_kernel, mma_linear_kernel
-    from kiln.codegen.kernels.gpu.mma_tuning import parse_tile
+    from kiln.selection.tiles import parse_tile
     specs = kernel_specs(tests_only) + default_specs(arch, tests_only)
     funcs = {}
     for spec in specs:
@@ -161,6 +162,7 @@ def timed(torch, call, reps: int) -> float:
 def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None:
     import torch
     import tvm
+
     from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     meta = json.loads((out / "kernels.json").read_text())
@@ -204,8 +206,8 @@ def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None
 
 
 def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
-    """The fastest correct tile per (shape, rows bucket) of codegen/kernels/gpu/mma_tuning.py, as its table."""
-    from kiln.codegen.kernels.gpu.mma_tuning import ROW_BUCKETS
+    """The fastest correct tile per (shape, rows bucket) of selection/tiles.py, as its table."""
+    from kiln.selection.tiles import ROW_BUCKETS
     table = json.loads(path.read_text()) if path.exists() else {}
     for n, k in sorted({(r["n"], r["k"]) for r in results}):
         entry = []

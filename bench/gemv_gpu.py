@@ -39,8 +39,9 @@ def _spec(n, k, dtype, weight, group, bias, residual, label, configs, activation
 
 
 def kernel_specs(tests_only: bool, arch: str = "sm_90") -> list[dict]:
-    from kiln.codegen.kernels.gpu.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, default_configs, supports
     from kiln.codegen.kernels.gpu.gemv_source import GemvConfig
+    from kiln.codegen.kernels.gpu.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, default_configs
+    from kiln.selection.shapes import gemv_takes
     specs = []
     shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
     for n, k in shapes:
@@ -56,7 +57,7 @@ def kernel_specs(tests_only: bool, arch: str = "sm_90") -> list[dict]:
     for n, k in TEST_SHAPES:
         for dtype in ("bfloat16", "float16"):
             for weight, group in TEST_FORMATS:
-                if not supports(dtype, "int8" if weight == "q8" else "float8_e4m3fn" if weight == "fp8" else
+                if not gemv_takes(dtype, "int8" if weight == "q8" else "float8_e4m3fn" if weight == "fp8" else
                                 "uint8" if weight == "q4" else dtype, n, k, weight, group):
                     continue
                 for bias in (False, True):
@@ -71,6 +72,7 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
     from kiln.targets.cuda import make_target
     target = make_target(arch)          # before TVM loads: else the module holds CUDA source, not a fatbin
     import tvm
+
     from kiln.codegen.kernels.gpu.gemv import gemv_kernel
     from kiln.codegen.kernels.gpu.gemv_source import GemvConfig
     specs = kernel_specs(tests_only, arch)
@@ -102,6 +104,7 @@ def q4_weight(torch, n: int, k: int, group: int, gen):
 def run(out: Path, batches: list[int], write_table: Path | None, reps: int) -> None:
     import torch
     import tvm
+
     from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     meta = json.loads((out / "kernels.json").read_text())

@@ -36,7 +36,7 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         tests and, after the weights, serve (bench/serve_gpu.py on the first
                         shape's bfloat16 artifact) and speculative (bench/speculative.py
                         verify-cost on each bfloat16 and q4 artifact); with --gemm gemm (bench/gemm_gpu.py run, which
-                        writes $OUT/mma_tuning.json) after the tests and prefill (bench/prefill_gpu.py
+                        writes $OUT/tiles.json) after the tests and prefill (bench/prefill_gpu.py
                         on each bfloat16 artifact) before the decode; with --gemv gemv (bench/gemv_gpu.py
                         run, which writes $OUT/gemv_tuning.json) after the tests and profile
                         (bench/step_profile.py, a batch-1 decode step) before the decode; with
@@ -120,7 +120,7 @@ stage_serve() {        # kiln serve under load on the first shape's bfloat16 art
     ${SERVE_ARGS:---concurrency 1,8,32 --num-prompts 32} 2>&1 | tee $OUT/serve_gpu.md
 }
 stage_gemm() {         # kiln's tensor-core tiles beside cuBLAS; the fastest per shape as codegen's table
-  within ${GEMM_SECONDS:-150} python3 bench/gemm_gpu.py run $KIT/gemm --write-table $OUT/mma_tuning.json \
+  within ${GEMM_SECONDS:-150} python3 bench/gemm_gpu.py run $KIT/gemm --write-table $OUT/tiles.json \
     ${GEMM_ARGS:-} 2>&1 | tee $OUT/gemm_gpu.md
 }
 stage_gemv() {         # kiln's decode GEMVs against the copy rate; the fastest per shape as codegen's table

@@ -5,8 +5,8 @@ __all__ = ["LoweredModel", "lower_graph"]
 
 
 def __getattr__(name: str):
-    # Loaded on first use: the passes read TVM-free tables from this package (attention_kernels),
-    # and must run where TVM has only its runtime, which cannot import relax.
+    # Loaded on first use: the GPU machine's tests import TVM-free modules of this package
+    # (gemv_tuning) where TVM has only its runtime, which cannot import relax.
     if name in __all__:
         from . import lower
         return getattr(lower, name)

@@ -1,9 +1,10 @@
 """Lower an IR graph to a TVM IRModule with one Relax function per step kind.
 
-`forward` runs any step; `decode` runs steps of one new token per sequence and is emitted only
-where some layer's decode kernel differs from its mixed-step kernel (codegen/lowering/attention_kernels.py);
-`prefill` runs the graph's alternative forms (ir/step_forms.py) and is emitted where it has some.
-Every entry runs the graph's nodes for its step kind (`for_step`).
+`forward` runs any step; `decode` runs steps of one new token per sequence and `decode_wide` those
+of many (target.decode_mma_from and up), each emitted only where some node's recorded kernel for it
+differs (select_kernels, selection/choice.py); `prefill` runs the graph's alternative forms
+(ir/step_forms.py) and is emitted where it has some. Every entry runs the graph's nodes for its step
+kind (`for_step`), each node with the kernel recorded for that step.
 Both take the graph's inputs (in order) followed by the stored weights (in `LoweredModel.weights`
 order) and return the graph's output. Weight layouts are chosen here, from the target, so the
 artifact stores each weight the way its kernel reads it.
@@ -17,28 +18,26 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.utils import copy_with_new_vars
 
-from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, StoredWeight
 from kiln.errors import KilnError
+from kiln.interface import GRAPH_ENTRY, WIDE_GRAPH_ENTRY, KVSpec, StoredWeight
 from kiln.ir import Graph
-from kiln.ir.kv_spec import KVSpec
 from kiln.ir.opdef import input_of
-from kiln.ir.ops import ATTENTION_OPS, OPS, weight_format
+from kiln.ir.ops import OPS, weight_format
 from kiln.ir.step_forms import for_step, prefill_min_tokens
+from kiln.selection.choice import differs, gated_activation, recorded
+from kiln.selection.experts import expert_layout
+from kiln.selection.formats import WeightFormat
+from kiln.selection.layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
+from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
-from .kernels.layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
-from .kernels.weight_format import WeightFormat
 from .lowering import elementwise, mla, moe
-from .lowering.attention import emit_paged_attention, emit_paged_attention_fused, step_kernel
+from .lowering.attention import emit_paged_attention, emit_paged_attention_fused
 from .lowering.embed import emit_embed
-from .lowering.linear import emit_linear, mma_tiles
-from .lowering.linear_layouts import linear_layout
-
+from .lowering.linear import emit_linear
 
 ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill",     # step kind -> Relax function
                "decode_wide": "decode_wide"}
-# "decode_wide": decode steps of many sequences (target.decode_mma_from and up), the decode entry's
-# attention with tensor-core linears; kernels choose by `_Context.wide_decode`, graphs by step "decode"
 
 
 @dataclass
@@ -54,8 +53,6 @@ class _Context:
     kind, symbolic dims, weights, and the kernels (shared by every entry)."""
 
     def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict, micro_kernels: set):
-        self.wide_decode = step == "decode_wide"
-        step = "decode" if self.wide_decode else step
         self.graph, self.target, self.bb, self.step = graph, target, bb, step
         self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
@@ -107,42 +104,16 @@ class _Context:
 
 
 def _emit_linear(ctx, node, x, w, scale=None, bias=None, residual=None):
-    """linear(x, weight[, scale][, bias][, residual]), the weight in any format."""
+    """linear(x, weight[, scale][, bias][, residual]), the weight in any format, with its recorded kernel."""
     n_out = node.type.shape[-1]
-    n_in = ctx.types[node.inputs[0]].shape[-1]
+    n_in = ctx.types[input_of(node, "x")].shape[-1]
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
-    fmt = WeightFormat.of(node)
-    gate = gate_of(node, ctx.graph, ctx.target)
-    y = emit_linear(ctx, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype, fmt,
-                    GATE_ACTIVATIONS.get(gate))
-    if gate:
+    activation = gated_activation(node, ctx.graph)
+    y = emit_linear(ctx, recorded(node, ctx.step), x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype,
+                    WeightFormat.of(node), activation)
+    if activation:
         ctx.gated[node.output] = "fused" if int(y.ty.shape[-1]) == n_out // 2 else "interleaved"
     return y
-
-
-GATE_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh"}
-
-
-def gate_of(node, graph: Graph, target) -> str | None:
-    """The gated op (swiglu, geglu) that alone reads a linear's output, where the target's
-    tensor-core kernel applies it in its epilogue: the linear's weights are then stored 'gated'."""
-    if node.op != "linear" or target.device != "cuda" or not target.tensor_cores:
-        return None
-    if input_of(node, "bias") or input_of(node, "residual") or node.output in graph.outputs:
-        return None                                     # a bias or residual: the plain kernel
-    users = [n for n in graph.nodes if node.output in n.inputs]
-    if len(users) != 1 or users[0].op not in GATE_ACTIVATIONS:
-        return None
-    return users[0].op if _on_tensor_cores(node, graph, target) else None
-
-
-def _on_tensor_cores(node, graph: Graph, target) -> bool:
-    """Whether a linear of stored weights runs the tensor-core kernel (codegen/lowering/linear.py: mma_tiles)."""
-    if node.op != "linear" or input_of(node, "weight") not in graph.params:
-        return False
-    n_in = graph.value_types()[input_of(node, "x")].shape[-1]
-    return bool(mma_tiles(target, node.type.dtype, graph.params[input_of(node, "weight")].type.dtype,
-                          WeightFormat.of(node), node.type.shape[-1], n_in))
 
 
 def _emit_embed(ctx, node, ids, table, scale=None):
@@ -193,17 +164,13 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     embedding table that is also a linear weight (tied to the LM head) takes that layout too, and
     its scales the head's, so each is stored once; other tables stay 'nk' (rows contiguous)."""
     name = node.inputs[pos]
-    if pos in (1, 2) and gate_of(node, graph, target):
+    if pos in (1, 2) and gated_activation(node, graph):
         return GATED if pos == 1 else GATED_COLUMNS              # gate and up interleaved
     role = OPS[node.op].inputs[pos].rstrip("?")
     if node.op == "moe_experts" and role in ("gate_up", "down"):
-        return linear_layout(target, *graph.params[name].type.shape[1:])      # each expert packed as a linear
+        return expert_layout(target, graph.params[name].type.shape)
     if node.op == "linear" and role == "weight":
-        # int8 activations or bf16 weights: the target stores the inputs its dot multiplies side by side
-        weight = graph.params[name].type
-        operands = (weight_format(node) if node.attrs.get("act_block", 0) > 0
-                    else "bf16" if weight_format(node) == "none" and weight.dtype == "bfloat16" else None)
-        return linear_layout(target, *weight.shape, operands=operands, act_block=node.attrs.get("act_block", 0))
+        return target_layout(node, graph, target)
     if node.op == "linear" and weight_format(node) == "q4" and role == "scale":
         return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op == "embed" and role in ("table", "scale"):
@@ -223,17 +190,11 @@ def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
     return plan
 
 
-def entry_steps(graph: Graph, target) -> list[str]:
-    """Step kinds that get their own function: "mixed" always; "decode" where a layer's decode kernel
-    is not its mixed-step kernel, or the target runs packed linears as GEMMs in steps with chunks;
-    "decode" and "decode_wide" where some linear runs on tensor cores in wide decode steps;
-    "prefill" where the graph has alternative forms."""
-    kernels = [(step_kernel(target, graph, n, "mixed"), step_kernel(target, graph, n, "decode"))
-               for n in graph.nodes if n.op in ATTENTION_OPS]
-    packed = target.chunk_gemm and any(n.op == "linear" and _layout_for(n, 1, graph, target) != "nk"
-                                       for n in graph.nodes)
-    decode = packed or any(mixed != decode for mixed, decode in kernels)
-    wide = bool(target.decode_mma_from) and any(_on_tensor_cores(n, graph, target) for n in graph.nodes)
+def entry_steps(graph: Graph) -> list[str]:
+    """Step kinds that get their own function: "mixed" always; "decode" where some node's recorded
+    decode kernel differs from its mixed one; "decode" and "decode_wide" where some node's wide decode
+    kernel differs from its decode one; "prefill" where the graph has alternative forms."""
+    decode, wide = (any(differs(n, step) for n in graph.nodes) for step in ("decode", "decode_wide"))
     return (["mixed"] + (["decode"] if decode or wide else []) + (["decode_wide"] if wide else [])
             + (["prefill"] if prefill_min_tokens(graph) else []))
 
@@ -258,8 +219,8 @@ def _emit_entry(ctx: _Context, name: str) -> None:
 
 
 def lower_graph(graph: Graph, target) -> LoweredModel:
-    entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph, target)}
-    ops = {n.op for step in entries for n in for_step(graph, "decode" if step == "decode_wide" else step)[0]}
+    entries = {step: ENTRY_NAMES[step] for step in entry_steps(graph)}
+    ops = {n.op for step in entries for n in for_step(graph, step)[0]}
     missing = sorted(ops - set(LOWERINGS))
     if missing:
         raise KilnError(f"no {target.name} lowering for op(s): {', '.join(missing)}")

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from kiln.interface import STEP_INPUTS
+from kiln.interface import STEP_INPUTS, KVSpec
 from kiln.ir import Graph, GraphBuilder
-from kiln.ir.kv_spec import KVSpec
 from kiln.ir.ops import GATED_OPS
 
 from .mla import MLAConfig, build_mla

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.ir.kv_spec import KVSpec
+from kiln.interface import KVSpec
 
 LATENT_NORM_EPS = 1e-6      # q_a_layernorm and kv_a_layernorm keep RMSNorm's default, not rms_norm_eps
 

@@ -1,8 +1,10 @@
 """GraphBuilder: adds inputs, params and nodes, inferring each node's type from the op table."""
 from __future__ import annotations
 
+from kiln.interface import KVSpec, pages_name, scales_name
+
 from .graph import Graph, Node, Param
-from .kv_spec import KVSpec, pages_name, scales_name
+from .kv_spec import input_types
 from .ops import OPS
 from .types import IRError, TensorType
 
@@ -38,7 +40,7 @@ class GraphBuilder:
         if layer in self.graph.kv_specs:
             raise IRError(f"layer {layer}'s KV cache is declared twice")
         self.graph.kv_specs[layer] = spec
-        for name, ty in spec.input_types(layer).items():
+        for name, ty in input_types(spec, layer).items():
             self.input(name, ty.shape, ty.dtype)
         return pages_name(layer), (scales_name(layer) if spec.scales == "row" else None)
 

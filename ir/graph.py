@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .kv_spec import KVSpec
+from kiln.interface import KVSpec
+
 from .types import TensorType
 
 

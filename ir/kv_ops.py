@@ -100,8 +100,8 @@ def _paged_attend():
 @op("paged_attention",
     ["q", "k", "v", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values", "last_page_len",
      "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernel": "auto",
-     "decode_kernel": "auto"}, mutates=(3, 9))
+    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernels": None},
+    mutates=(3, 9))
 def _paged_attention():
     """Causal attention of a ragged batch over paged KV.
 
@@ -117,9 +117,9 @@ def _paged_attention():
     Quantised pages (int8 or float8_e4m3fn, ir/quant.py KV_SCHEMES) store each row as
     x / scale with its float32 scale in kv_scales [num_pages, 2, kv_heads, page_size];
     attention reads q * scale.
-    `variant` names the kernel family chosen for the head ratio ("mha", "gqaN", "mqa"), `kernel`
-    the attention kernel that runs in steps with prefill tokens and `decode_kernel` the one in
-    decode-only steps ("auto" until specialize_attention decides); none changes the result.
+    `variant` names the head ratio's family ("mha", "gqaN", "mqa"; "auto" until select_kernels
+    records it) and `kernels` the kernel each kind of step runs (selection/choice.py; None until
+    select_kernels records it); neither changes the result.
     """
     def rule(types, attrs, fail):
         q, k, v, pages, slots, qi, pi, pv, lpl, scales = types
@@ -184,8 +184,8 @@ def _paged_attention():
 @op("paged_attention_fused",
     ["qkv", "positions", "inv_freq", "kv_pages", "slot_mapping", "q_indptr", "page_indptr", "page_values",
      "last_page_len", "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernel": "auto",
-     "decode_kernel": "auto", "mscale": 1.0, "rotary_dim": 0, "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
+    {"layer": REQUIRED, "scale": REQUIRED, "window": 0, "softcap": 0.0, "variant": "auto", "kernels": None,
+     "mscale": 1.0, "rotary_dim": 0, "q_heads": REQUIRED, "kv_heads": REQUIRED, "head_dim": REQUIRED}, mutates=(3, 9))
 def _paged_attention_fused():
     """paged_attention over the parts of one fused projection, rope applied inside: with
     D = head_dim, Hq = q_heads, Hkv = kv_heads and qkv [tokens, (Hq + 2 Hkv) D],

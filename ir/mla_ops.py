@@ -44,7 +44,7 @@ def _sequence_rows(pages, scales, seq_pages: np.ndarray, kv_len: int) -> np.ndar
     return rows if scales is None else rows * scales[page, 0, 0, row][:, None]
 
 
-@op("latent_append", ["c_kv", "k_pe", "kv_pages", "slot_mapping", "kv_scales?"], {"layer": REQUIRED},
+@op("latent_append", ["c_kv", "k_pe", "kv_pages", "slot_mapping", "kv_scales?"], {"layer": REQUIRED, "kernels": None},
     mutates=(2, 4))
 def _latent_append():
     """Write [c_kv[t] | k_pe[t]] (c_kv [tokens, R], k_pe [tokens, P]) of every new token t into the
@@ -126,7 +126,7 @@ def _mla_attend():
 
 
 @op("latent_attend", ["q_latent", "q_rope", "kv_pages", *PAGE_INDICES, "kv_scales?"],
-    {"layer": REQUIRED, "scale": REQUIRED})
+    {"layer": REQUIRED, "scale": REQUIRED, "kernels": None})
 def _latent_attend():
     """MQA over latent rows: every head's query is [q_latent[t, h] | q_rope[t, h]] (R + P wide),
     every key a stored row [c | k_pe] and its value c. Sequences and causality as paged_attend;
@@ -166,7 +166,7 @@ def _latent_attend():
     return rule, ref
 
 
-@op("latent_gather", ["kv_pages", "kv_slots", "kv_scales?"], {"layer": REQUIRED, "dtype": REQUIRED})
+@op("latent_gather", ["kv_pages", "kv_slots", "kv_scales?"], {"layer": REQUIRED, "dtype": REQUIRED, "kernels": None})
 def _latent_gather():
     """The stored rows at kv_slots [kv_tokens] (every sequence's context in order, ir/step_forms.py),
     dequantised, in `dtype`: [kv_tokens, R + P]."""
@@ -185,7 +185,7 @@ def _latent_gather():
 
 
 @op("expanded_attend", ["q_nope", "q_rope", "kv", "rows", "q_indptr", "kv_indptr"],
-    {"layer": REQUIRED, "scale": REQUIRED})
+    {"layer": REQUIRED, "scale": REQUIRED, "kernels": None})
 def _expanded_attend():
     """Causal attention per head over keys and values rebuilt from latent rows. Sequence s's context
     is rows kv_indptr[s]:kv_indptr[s + 1] of rows [kv_tokens, R + P] (from latent_gather) and of kv

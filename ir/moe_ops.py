@@ -136,7 +136,7 @@ def _experts_ref(hidden, routing, weight, at, ty) -> np.ndarray:
 
 
 @op("moe_experts", ["x", "routing", "gate_up", "gate_up_scale?", "down", "down_scale?"],
-    {"top_k": REQUIRED, "activation": "silu", "format": "none", "group_size": 0})
+    {"top_k": REQUIRED, "activation": "silu", "format": "none", "group_size": 0, "kernels": None})
 def _moe_experts():
     """The routed experts' gated MLPs, summed by routing weight: for x [tokens, H], routing
     f32[tokens, E] (moe_router's: at most top_k experts per token), gate_up [E, 2F, H] (gate rows

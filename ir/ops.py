@@ -9,8 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from .opdef import (ACTIVATIONS, OPS, REQUIRED, OpDef, as_type, check_indices, check_kv_pages,  # noqa: F401
-                    check_kv_storage, f32, gelu_tanh_f32, need_float, op)
+from .opdef import (  # noqa: F401
+    ACTIVATIONS,
+    OPS,
+    REQUIRED,
+    OpDef,
+    as_type,
+    check_indices,
+    check_kv_pages,
+    check_kv_storage,
+    f32,
+    gelu_tanh_f32,
+    need_float,
+    op,
+)
 from .quant import SCHEMES, WEIGHT_FORMATS, int8_activation_matmul
 from .types import FLOAT_DTYPES, TensorType
 
@@ -203,7 +215,8 @@ def _check_act_block(k, attrs, fail, group_size: int = 0) -> None:
              + (f" and the group_size {group_size}" if group_size else ""))
 
 
-@op("linear", ["x", "weight", "scale?", "bias?", "residual?"], {"format": "none", "group_size": 0, "act_block": 0})
+@op("linear", ["x", "weight", "scale?", "bias?", "residual?"],
+    {"format": "none", "group_size": 0, "act_block": 0, "kernels": None})
 def _linear():
     """x @ W.T (+ bias) (+ residual), with W [out, in] as transformers stores it, read from `weight`
     as `format` says:
@@ -431,10 +444,12 @@ def _geglu():
     return _gated("geglu", "gelu_tanh")
 
 
-from . import kv_ops  # noqa: E402,F401  (registers the paged KV cache ops)
-from . import moe_ops  # noqa: E402,F401  (registers moe_router and moe_experts)
-from . import mla_ops  # noqa: E402,F401  (registers the latent-cache attention ops)
-from . import step_forms  # noqa: E402,F401  (registers step_choice)
+from . import (
+    kv_ops,  # noqa: E402,F401  (registers the paged KV cache ops)
+    mla_ops,  # noqa: E402,F401  (registers the latent-cache attention ops)
+    moe_ops,  # noqa: E402,F401  (registers moe_router and moe_experts)
+    step_forms,  # noqa: E402,F401  (registers step_choice)
+)
 
 APPEND_OPS = ("kv_append", "latent_append")              # write a step's rows; their result is the pages
 LATENT_OPS = ("latent_append", "mla_attend", "latent_attend", "latent_gather")

@@ -18,8 +18,9 @@ from __future__ import annotations
 import ast
 import re
 
+from kiln.interface import KVSpec
+
 from .graph import Graph, Node, Param
-from .kv_spec import KVSpec
 from .opdef import OPS
 from .types import SHORT_DTYPES, IRError, TensorType
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
+from kiln.interface import KVSpec
+
 from .graph import Graph, Node, Param
-from .kv_spec import KVSpec
 from .types import TensorType
 
 

@@ -16,18 +16,13 @@ A step that runs a default form passes them empty (zeros for kv_indptr): nothing
 """
 from __future__ import annotations
 
-import numpy as np
+from kiln.interface import is_prefill_step
 
 from .graph import Graph
 from .opdef import OPS, REQUIRED, check_indices, op
 from .types import TensorType
 
 CONTEXT_INPUTS = {"kv_slots": TensorType(("kv_tokens",), "int32"), "kv_indptr": TensorType(("seqs1",), "int32")}
-
-
-def is_prefill_step(q_indptr, min_tokens: int) -> bool:
-    """Whether a step whose sequences bring diff(q_indptr) new tokens runs the alternative forms."""
-    return min(np.diff(np.asarray(q_indptr)).tolist(), default=0) >= min_tokens
 
 
 @op("step_choice", ["default", "alternative", "q_indptr"], {"min_tokens": REQUIRED})

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
+
+from kiln.dtypes import numpy_dtype  # noqa: F401  (the IR's dtypes are these names)
 
 Dim = int | str  # a static size, or a symbolic one such as "tokens"
 
@@ -45,13 +46,6 @@ class TensorType:
     @staticmethod
     def from_json(d: dict) -> "TensorType":
         return TensorType(tuple(d["shape"]), d["dtype"])
-
-
-def numpy_dtype(dtype: str) -> np.dtype:
-    """The NumPy dtype of an IR dtype (bfloat16 and float8_e4m3fn through ml_dtypes)."""
-    if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        return np.dtype(getattr(ml_dtypes, dtype))
-    return np.dtype(dtype)
 
 
 def ir_dtype(np_dtype) -> str:

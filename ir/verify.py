@@ -1,8 +1,10 @@
 """The verifier: every value defined once before use, every node's type equal to its op's type rule."""
 from __future__ import annotations
 
+from kiln.interface import pages_name, scales_name
+
 from .graph import Graph
-from .kv_spec import pages_name, scales_name
+from .kv_spec import input_types
 from .ops import APPEND_OPS, KV_OPS, LATENT_OPS, OPS
 from .types import IRError
 
@@ -67,6 +69,6 @@ def _verify_kv_caches(graph: Graph) -> None:
         elif node.attrs.get("window", 0) != (spec.window or 0):
             raise IRError(f"{where}: window {node.attrs['window']} differs from layer {layer}'s KV spec "
                           f"({spec.kind}{f', window {spec.window}' if spec.window else ''})")
-        for name, ty in spec.input_types(layer).items():
+        for name, ty in input_types(spec, layer).items():
             if graph.inputs.get(name) != ty:
                 raise IRError(f"{where}: input %{name} is {graph.inputs.get(name)}, layer {layer}'s KV spec says {ty}")

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.artifact import WEIGHTS, new_artifact_dir, write_manifest
-from kiln.interface import STEP_KINDS, KVLayout, Manifest, ModelRecord, Quantization, TargetRecord
+from kiln.interface import GRAPH_ENTRIES, STEP_KINDS, KVLayout, Manifest, ModelRecord, Quantization, TargetRecord
 from kiln.ir import input_of, weight_format
 from kiln.ir.ops import ATTENTION_OPS
-from kiln.ir.step_forms import prefill_min_tokens
+from kiln.ir.step_forms import for_step, prefill_min_tokens
+from kiln.selection.choice import recorded
 
 
 class Phases:
@@ -56,21 +57,21 @@ def _embedding_storage(graph) -> tuple[str, bool]:
     return weight_format(embed), any(n.op == "linear" and input_of(n, "weight") == table for n in graph.nodes)
 
 
-def _attention_layers(graph, target) -> list[dict]:
-    """Per layer: the kernel variant and the attention kernel of each step kind. A latent (MLA) layer
-    runs one kernel family in every step (codegen/lowering/latent_kernels.py)."""
-    from kiln.codegen.lowering.attention import step_kernel
-    from kiln.codegen.lowering.latent_kernels import choose_latent_kernel
+def _attention_layers(graph) -> list[dict]:
+    """Per layer: the kernel variant and the attention kernel select_kernels recorded for each step
+    kind. A latent (MLA) layer runs one kernel family in every step, and its expanded form's kernels
+    in prefill steps where the graph has that form."""
+    expanded = {n.attrs["layer"]: recorded(n, "prefill") for n in graph.nodes if n.op == "expanded_attend"}
     layers = []
     for n in graph.nodes:
         if n.op in ATTENTION_OPS:
             layers.append({"layer": n.attrs["layer"], "variant": n.attrs["variant"],
-                           **{step: step_kernel(target, graph, n, step) for step in ("mixed", "decode")}})
+                           **{step: recorded(n, step) for step in ("mixed", "decode")}})
         elif n.op == "latent_attend":
-            kernel = choose_latent_kernel(target, graph.kv_specs[n.attrs["layer"]]).name
+            kernel = recorded(n, "mixed")
             layers.append({"layer": n.attrs["layer"], "variant": "mla", "mixed": kernel, "decode": kernel})
-            if prefill_min_tokens(graph):             # long prefill chunks: the expanded form
-                layers[-1]["prefill"] = "kiln_expanded"
+            if n.attrs["layer"] in expanded:            # long prefill chunks: the expanded form
+                layers[-1]["prefill"] = expanded[n.attrs["layer"]]
     return layers
 
 
@@ -83,15 +84,11 @@ def _launch_counts(launches: dict) -> dict:
                         for step, (kernels, host) in launches.items()}}
 
 
-# kernel-name prefixes of codegen/lowering/linear.py: kiln's tensor-core GEMM, kiln's streaming GEMV, dlight's GEMV
-LINEAR_FAMILIES = {"mma": "tensor cores", "gemv": "GEMV", "dlgemv": "GEMV (dlight)"}
-
-
-def _linear_kernels(launches: dict) -> dict:
-    """Per entry, which kind of kernel its GPU linears run (only where some has a kernel of its own)."""
-    kinds = {step: sorted({LINEAR_FAMILIES.get(k.split("_")[0]) for k in kernels} - {None})
-             for step, (kernels, _) in launches.items()}
-    return {step: names for step, names in kinds.items() if names}
+def _step_kernels(graph, entries, op: str) -> dict:
+    """Per step kind with an entry, the kernels select_kernels recorded for the nodes of `op` it runs."""
+    kernels = {step: sorted({recorded(n, step) for n in for_step(graph, step)[0] if n.op == op})
+               for step in entries if step not in GRAPH_ENTRIES}      # a graph replays its step's entry
+    return {step: names for step, names in kernels.items() if names}
 
 
 def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> Manifest:
@@ -166,7 +163,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
 
     c = model.config
     embedding, embedding_shared = _embedding_storage(graph)
-    attention = _attention_layers(graph, tgt)
+    attention = _attention_layers(graph)
     return write_manifest(out_dir, digests={WEIGHTS: weights_digest} if weights else {}, manifest=Manifest(
         model=ModelRecord(c.architecture, c.to_json(), str(Path(model_dir).resolve())),
         target=TargetRecord(tgt.name, tgt.device, tgt.arch, str(tgt.tvm_target()), tgt.runs_here, tgt.note or None,
@@ -181,7 +178,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         entries=lowered.entries,
         prefill_min_tokens=prefill_min_tokens(graph) if "prefill" in lowered.entries else None,
         decode_gemm_from=tgt.decode_gemm_from or None
-        if tgt.chunk_gemm and "decode" in lowered.entries else None,
+        if "gemm" in tgt.kernels.linear and "decode" in lowered.entries else None,
         decode_mma_from=tgt.decode_mma_from if "decode_wide" in lowered.entries else None,
         inputs=tuple(lowered.inputs),
         weights=tuple(lowered.weights),
@@ -194,7 +191,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         graph_batches=tuple(tgt.graph_batches),
         sampling="device" if tgt.device_sampling else "host",
         launches_per_step=_launch_counts(launches),
-        linear_kernels=_linear_kernels(launches),
+        linear_kernels=_step_kernels(graph, lowered.entries, "linear"),
+        expert_kernels=_step_kernels(graph, lowered.entries, "moe_experts"),
         passes=tuple({"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                       "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records),
         compile_seconds=phases.seconds,

@@ -1,20 +1,15 @@
 """This machine's CPU as LLVM sees it: its instruction sets, the LLVM target for it or for a CPU model
-LLVM names, and what an artifact compiled elsewhere needs that this CPU lacks. A leaf: the runtime
-(the check before it loads a CPU artifact), codegen (the quantiser's kernel) and the CPU target all
-read it, and it imports nothing of kiln's but its errors. A TVM without its compiler has no LLVM to
-ask: then /proc/cpuinfo answers."""
+LLVM names, and what an artifact compiled elsewhere needs that this CPU lacks (kiln/cpu_features.py).
+A leaf of the compiler's side: codegen (the quantiser's kernel) and the CPU target read it; the
+runtime asks the same of runtime/tvm_bridge.py."""
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import tvm
 
+from kiln.cpu_features import ISA_PREFIXES, LLVM_HOST_FEATURES, isa_features, missing_features
 from kiln.errors import KilnError
-
-# LLVM feature names of instruction sets (not tuning flags) a CPU artifact's kernels may use
-ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "gfni", "vaes", "vpclmulqdq", "neon", "sve",
-                 "dotprod", "i8mm", "bf16")
 
 
 def named_cpu_features(cpu: str) -> list[str]:
@@ -25,9 +20,6 @@ def named_cpu_features(cpu: str) -> list[str]:
         raise KilnError(f"target cpu: LLVM knows no CPU named {cpu!r} (--arch takes one of: {', '.join(known)})")
     model = tvm.target.Target({"kind": "llvm", "mtriple": str(plain.attrs["mtriple"]), "mcpu": cpu})
     return sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(model) if str(f).startswith(ISA_PREFIXES))
-
-
-LLVM_HOST_FEATURES = "tvm.codegen.llvm.GetHostCPUFeatures"     # TVM's compiler library registers it
 
 
 def has_llvm() -> bool:
@@ -51,43 +43,13 @@ def cpu_target(cpu: str, reported: dict[str, bool]) -> tvm.target.Target:
 
 def host_cpu_features() -> list[str]:
     """The instruction sets this machine's CPU reports (CPUID, as LLVM reads it), sorted."""
-    return sorted(name for name, on in reported_features().items() if on and name.startswith(ISA_PREFIXES))
+    return isa_features(reported_features())
 
 
 def missing_cpu_features(built_on: list[str]) -> list[str]:
     """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
-    that this machine's CPU lacks: kernels built there could stop with SIGILL here. A TVM without
-    its compiler has no LLVM to ask: then the flags Linux lists in /proc/cpuinfo answer."""
-    if not has_llvm():
-        return missing_in_cpuinfo(built_on, cpuinfo_features())
-    here = set(host_cpu_features())
-    return [name for name in built_on if name not in here]
-
-
-def missing_in_cpuinfo(built_on: list[str], flags: set[str]) -> list[str]:
-    """The LLVM feature names in `built_on` that /proc/cpuinfo's `flags` (cpuinfo_features) lack."""
-    return [name for name in built_on if _plain(_CPUINFO_NAMES.get(name, name)) not in flags]
-
-
-# LLVM's feature names that /proc/cpuinfo spells otherwise (beyond "_", "-" and ".")
-_CPUINFO_NAMES = {"bmi": "bmi1", "sse3": "pni", "neon": "asimd", "dotprod": "asimddp"}
-
-
-def _plain(name: str) -> str:
-    return name.lower().replace("_", "").replace("-", "").replace(".", "")
-
-
-def cpuinfo_features(path: str = "/proc/cpuinfo") -> set[str]:
-    """The first processor's flags (x86) or features (Arm) in /proc/cpuinfo, spelt plainly."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise KilnError(f"cannot read this CPU's features from {path} ({e}) and TVM has no LLVM to ask") from None
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return {_plain(flag) for flag in value.split()}
-    raise KilnError(f"{path} lists no CPU flags and TVM has no LLVM to ask")
+    that this machine's CPU lacks (kiln/cpu_features.py)."""
+    return missing_features(built_on, reported_features() if has_llvm() else None)
 
 
 def host_llvm_target() -> tvm.target.Target:

@@ -5,8 +5,7 @@ import time
 from pathlib import Path
 
 from kiln.artifact import WEIGHTS, read_manifest, verify_files
-from kiln.interface import Manifest
-from kiln.ir.kv_spec import KVSpec
+from kiln.interface import KVSpec, Manifest
 
 
 def _attention_kernels(m: Manifest) -> str:
@@ -23,12 +22,20 @@ def _attention_kernels(m: Manifest) -> str:
 def _step_rows(m: Manifest, entry: str) -> str:
     """An entry as the steps it runs: 'decode steps (up to 15 sequences)', 'decode steps from 16
     sequences' (their CUDA graphs run the same kernels)."""
-    wide_from = m.decode_mma_from
+    wide_from = m.decode_mma_from or m.decode_gemm_from
     if entry == "decode_wide":
         return f"decode steps from {wide_from} sequences"
     if entry == "decode" and wide_from:
         return f"decode steps (up to {wide_from - 1} sequences)"
     return f"{entry} steps"
+
+
+def _by_step(label: str, m: Manifest, kernels: dict) -> list[str]:
+    """One line: the kernels each entry's nodes of a family run (none for an artifact without them)."""
+    if not kernels:
+        return []
+    return [f"{label:<11}" + "; ".join(f"{_step_rows(m, step)}: {', '.join(names)}"
+                                      for step, names in kernels.items() if not step.endswith("graph"))]
 
 
 def _kv_layers(m: Manifest) -> list[str]:
@@ -133,9 +140,8 @@ def summary(artifact_dir) -> str:
         + _attention_kernels(m),
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
                          if m.sampling == "device" else "on the host (NumPy), from the step's logits"),
-        *(["linears    " + "; ".join(f"{_step_rows(m, step)}: {', '.join(kinds)}"
-                                     for step, kinds in m.linear_kernels.items() if not step.endswith("graph"))]
-          if m.linear_kernels else []),
+        *_by_step("linears", m, m.linear_kernels),
+        *_by_step("experts", m, m.expert_kernels),
         f"kernels    {len(m.kernels)}: {', '.join(m.kernels)}",
         f"launches   {m.launches_per_step['total']} kernel launches per forward step: "
         + ", ".join(f"{k}×{n}" for k, n in m.launches_per_step["by_kernel"].items())

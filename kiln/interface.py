@@ -1,6 +1,8 @@
 """Contracts between what kiln compiles and what its runtime calls, in a leaf both import (so neither
 imports the other):
-  - the step's inputs (STEP_INPUTS), the kinds of step and the entries compile may build for them;
+  - how each layer's KV cache is stored (KVSpec) and the graph inputs that hold it;
+  - the step's inputs (STEP_INPUTS), the kinds of step, the entries compile may build for them, and
+    which steps run the prefill entry (is_prefill_step);
   - the compiled sampler's functions, by the name the runtime looks each up with;
   - the artifact's manifest (Manifest), which compile writes and the runtime, `kiln inspect`,
     `attach-weights` and `fill-weights` read. manifest.json is its `to_json()`.
@@ -10,12 +12,119 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from kiln.dtypes import numpy_dtype
 from kiln.errors import KilnError
 
 # 2: the manifest's kv lists a KVSpec per layer. An artifact of another version is refused.
 INTERFACE_VERSION = 2
+
+
+# -- the KV cache -------------------------------------------------------------------------------
+# KVSpec: how one layer's KV cache is stored, declared once by the model builder. Passes
+# (quantize_kv), codegen, the manifest, `kiln inspect` and the runtime's page allocation all read the
+# graph's specs (`Graph.kv_specs`, layer -> KVSpec) instead of each rebuilding the layout. A layer's
+# pages are the graph inputs `kv_pages{layer}` (and `kv_scales{layer}` for a quantised cache).
+#
+# Every layer's pages share one page pool: a sequence has one page table, and page p of it is page p
+# of every layer's tensor, each tensor sized from its own layer's spec. One table keeps the scheduler,
+# copy-on-write and the prefix cache the same for every model; layers with a sliding window mask keys
+# outside it, and a page is freed once it lies outside every layer's window (a model with any
+# full-attention layer keeps all its pages, as it must).
+#
+# A "latent" layer (Multi-head Latent Attention, DeepSeek-V2/V3) stores one row per token: the
+# normalised compressed KV (kv_lora_rank values) followed by the roped shared key (qk_rope_head_dim),
+# k_head_dim wide; its first v_head_dim (= kv_lora_rank) values are also the values. Its pages are
+# [pages, 1, 1, page_size, k_head_dim], a quantised row has one scale.
+KV_KINDS = ("full", "sliding", "latent")
+KV_SCALES = ("none", "row")
+
+
+def pages_name(layer: int) -> str:
+    return f"kv_pages{layer}"
+
+
+def scales_name(layer: int) -> str:
+    return f"kv_scales{layer}"
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    kind: str                   # "full", or "sliding": each query sees the last `window` positions
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: str                  # the stored rows' dtype
+    page_size: int
+    window: int | None = None   # sliding only: keys at positions > query position - window
+    scales: str = "none"        # "row": each stored row (token, head, k or v) has a float32 scale
+
+    def __post_init__(self):
+        if self.kind not in KV_KINDS:
+            raise KilnError(f"KV spec kind {self.kind!r} is not one of {', '.join(KV_KINDS)}")
+        if (self.kind == "sliding") != (self.window is not None) or (self.window is not None and self.window < 1):
+            raise KilnError(f"a {self.kind} KV spec {'needs a positive' if self.kind == 'sliding' else 'has no'} "
+                            f"window, got {self.window}")
+        if self.scales not in KV_SCALES:
+            raise KilnError(f"KV spec scales {self.scales!r} is not one of {', '.join(KV_SCALES)}")
+        if self.kind == "latent":
+            if self.kv_heads != 1 or not 0 < self.v_head_dim < self.k_head_dim:
+                raise KilnError(f"a latent KV spec has one row per token (kv_heads 1, got {self.kv_heads}) whose "
+                                f"values are a prefix of its keys (v {self.v_head_dim} < k {self.k_head_dim})")
+        elif self.k_head_dim != self.v_head_dim:
+            raise KilnError(f"K head dim {self.k_head_dim} differs from V head dim {self.v_head_dim}: kiln's "
+                            f"pages hold K and V rows of one width")
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_head_dim
+
+    @property
+    def rows(self) -> int:
+        """Stored rows per token and KV head: K and V apart, or one latent row holding both."""
+        return 1 if self.kind == "latent" else 2
+
+    def page_shape(self, num_pages) -> tuple:
+        """[pages, rows (k, v; or the latent row), kv_heads, page_size, head_dim]; the scales drop the
+        last axis."""
+        return (num_pages, self.rows, self.kv_heads, self.page_size, self.head_dim)
+
+    def tensors(self, layer: int, num_pages) -> dict[str, tuple[tuple, str]]:
+        """The tensors holding this layer's cache, by graph input name: (shape, dtype) of its pages and,
+        quantised, of their row scales."""
+        shape = self.page_shape(num_pages)
+        tensors = {pages_name(layer): (shape, self.dtype)}
+        if self.scales == "row":
+            tensors[scales_name(layer)] = (shape[:4], "float32")
+        return tensors
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this layer: K and V rows of every KV head (or its latent row), with
+        their scales."""
+        row = self.head_dim * numpy_dtype(self.dtype).itemsize + (4 if self.scales == "row" else 0)
+        return self.rows * self.kv_heads * row
+
+    def quantized(self, storage_dtype: str) -> KVSpec:
+        return replace(self, dtype=storage_dtype, scales="row")
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> KVSpec:
+        return cls(**d)
+
+    def describe(self) -> str:
+        if self.kind == "latent":
+            heads = f"one row × {self.k_head_dim} (values its first {self.v_head_dim})"
+        else:
+            heads = (f"{self.kv_heads} kv heads × {self.head_dim}" if self.k_head_dim == self.v_head_dim
+                     else f"{self.kv_heads} kv heads × k {self.k_head_dim} / v {self.v_head_dim}")
+        kind = f"sliding window {self.window}" if self.kind == "sliding" else self.kind
+        scales = ", a float32 scale per row" if self.scales == "row" else ""
+        return f"{kind}, {heads}, {self.dtype}{scales}, pages of {self.page_size}, {self.bytes_per_token} B/token"
 
 
 # -- one step -----------------------------------------------------------------------------------
@@ -46,6 +155,13 @@ STEP_KINDS = ("mixed", "decode", "prefill")
 # those from decode_mma_from sequences (tensor-core linears).
 GRAPH_ENTRY, WIDE_GRAPH_ENTRY = "decode_graph", "decode_wide_graph"
 GRAPH_ENTRIES = (GRAPH_ENTRY, WIDE_GRAPH_ENTRY)
+
+
+def is_prefill_step(q_indptr, min_tokens: int) -> bool:
+    """Whether a step whose sequences bring diff(q_indptr) new tokens runs the prefill entry: every
+    sequence brings at least `min_tokens` (the graph's step_choice forms, ir/step_forms.py)."""
+    starts = [int(i) for i in q_indptr]
+    return min((end - start for start, end in zip(starts, starts[1:])), default=0) >= min_tokens
 
 
 # -- the sampler ----------------------------------------------------------------------------------
@@ -135,7 +251,8 @@ class Manifest:
     attention_kernels: dict = field(default_factory=dict)
     attention_layers: tuple[dict, ...] = ()
     launches_per_step: dict = field(default_factory=dict)
-    linear_kernels: dict = field(default_factory=dict)
+    linear_kernels: dict = field(default_factory=dict)         # step kind -> the kernels its linears run
+    expert_kernels: dict = field(default_factory=dict)         # step kind -> its moe_experts' grouped GEMMs
     passes: tuple[dict, ...] = ()
     compile_seconds: dict = field(default_factory=dict)
     tokenizer_files: tuple[str, ...] = ()

@@ -22,8 +22,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from kiln.dtypes import numpy_dtype
 from kiln.errors import KilnError
-from kiln.ir.types import numpy_dtype
 
 ALIGNMENT = 64
 PAD_PREFIX = "__pad."

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kiln.codegen.lowering.attention_kernels import KERNELS
 from kiln.errors import KilnError
 from kiln.ir import Graph, print_graph, verify
 from kiln.targets import target_defaults
@@ -27,7 +26,7 @@ from .graph_pass import GraphPass
 from .quantize import Quantize
 from .quantize_embedding import QuantizeEmbedding
 from .quantize_kv import QuantizeKV
-from .specialize_attention import SpecializeAttention
+from .select_kernels import SelectKernels
 from .specialize_mla import SpecializeMLA
 
 
@@ -68,18 +67,13 @@ def _record(name: str, seconds: float, signatures: Counter, after: Graph) -> tup
     return record, now
 
 
-def _kernels_fuse_rope(target) -> bool:
-    """Whether every attention kernel the target prefers runs the fused rope + attention form."""
-    return all(KERNELS[names[0]].fused_qkv for names in target.attention_kernels.values())
-
-
 def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
                  group_size: int = 32, kv_dtype: str | None = None,
                  quant_embedding: bool = True, mla_expanded_from: int | None = None,
                  int8_activations: bool | None = None) -> list[GraphPass]:
     """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
     the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too unless
-    `quant_embedding` is off), KV -> attention kernel choice. MLA prefill steps run the expanded
+    `quant_embedding` is off), KV -> kernel choice. MLA prefill steps run the expanded
     form from `mla_expanded_from` new tokens per sequence (default: the target's; 0: never). q8/q4
     linears take int8 activations in the target's blocks unless `int8_activations` is False (None:
     the target's choice; True where the target has no such kernel is refused)."""
@@ -92,7 +86,7 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
         FuseGateUp(),
         FuseResidualAdd(),
     ]
-    if _kernels_fuse_rope(target):
+    if target.kernels.fuses_rope():
         passes.append(FuseRopeAttention())
     if quant:
         if int8_activations and not target.activation_block:
@@ -104,7 +98,7 @@ def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
             passes.append(QuantizeEmbedding(quant, group_size=group_size))
     if kv_dtype:
         passes.append(QuantizeKV(kv_dtype))
-    passes.append(SpecializeAttention(target))
+    passes.append(SelectKernels(target))           # last: what codegen emits is chosen from the graph as it is
     return passes
 
 
@@ -116,6 +110,8 @@ def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None
     unknown = set(disable) - {p.name for p in passes}
     if unknown:
         raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(p.name for p in passes)})")
+    if SelectKernels.name in disable:
+        raise KilnError(f"the {SelectKernels.name} pass cannot be disabled: codegen emits the kernels it records")
     verify(graph)
     if dump:
         dump("import", graph)

@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kiln.interface import pages_name, scales_name
 from kiln.ir import Graph
-from kiln.ir.kv_spec import pages_name, scales_name
+from kiln.ir.kv_spec import input_types
 from kiln.ir.ops import APPEND_OPS, KV_OPS
 from kiln.ir.quant import KV_SCHEMES
 
@@ -45,7 +46,7 @@ class QuantizeKV(GraphPass):
             if spec.scales == "row" or any(n.op not in KV_OPS for n in readers[pages]):
                 continue                          # already quantised, or the rows are read elsewhere too
             graph.kv_specs[layer] = spec = spec.quantized(storage)
-            graph.inputs.update(spec.input_types(layer))
+            graph.inputs.update(input_types(spec, layer))
             for node in graph.nodes:
                 if node.op in KV_OPS and node.attrs["layer"] == layer:
                     node.inputs = node.inputs + [scales_name(layer)]

@@ -59,13 +59,13 @@ def _expanded(node: Node, types, rank: int) -> list[Node]:
     width = types[pages].shape[4]
     rows, latent, kv = f"latent_rows{layer}", f"c_rows{layer}", f"kv_rows{layer}"
     return [
-        Node("latent_gather", [pages, "kv_slots", *node.inputs[8:]], {"layer": layer, "dtype": dtype}, rows,
+        Node("latent_gather", [pages, "kv_slots", *node.inputs[8:]], attrs_for("latent_gather", layer=layer, dtype=dtype),
+             rows,
              TensorType(("kv_tokens", width), dtype)),
         Node("slice", [rows], {"begin": 0, "end": rank}, latent, TensorType(("kv_tokens", rank), dtype)),
         Node("linear", [latent, kv_b], attrs_for("linear"), kv, TensorType(("kv_tokens", types[kv_b].shape[0]), dtype)),
         Node("expanded_attend", [q_nope, q_rope, kv, rows, q_indptr, "kv_indptr"],
-             {"layer": layer, "scale": node.attrs["scale"]},
-             f"o_expanded{layer}", node.type),
+             attrs_for("expanded_attend", layer=layer, scale=node.attrs["scale"]), f"o_expanded{layer}", node.type),
     ]
 
 
@@ -93,7 +93,8 @@ def _specialize(graph: Graph, expanded_from: int) -> Graph:
         absorbed = f"o_absorbed{layer}" if expanded_from else node.output
         nodes += [
             Node("head_linear", [q_nope, weights["k"]], {}, q_latent, latent),
-            Node("latent_attend", [q_latent, q_rope, pages, *rest], dict(node.attrs), o_latent, latent),
+            Node("latent_attend", [q_latent, q_rope, pages, *rest], attrs_for("latent_attend", **node.attrs), o_latent,
+                 latent),
             Node("head_linear", [o_latent, weights["v"]], {}, absorbed, node.type),
         ]
         if expanded_from:

@@ -19,9 +19,7 @@ import numpy as np
 
 from kiln.artifact import WEIGHTS, read_manifest, start_verify
 from kiln.errors import KilnError
-from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY
-from kiln.ir.kv_spec import KVSpec
-from kiln.ir.step_forms import is_prefill_step
+from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY, KVSpec, is_prefill_step
 from kiln.safetensors_io import ALIGNMENT, map_file, read_header
 
 from .device_sampler import DeviceSampler
@@ -30,7 +28,7 @@ from .launch import Launcher
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
 from .step_buffers import StepBuffers
 from .tvm_bridge import device as open_device
-from .tvm_bridge import empty, enable_cuda_runtime, host_bytes, load_vm
+from .tvm_bridge import empty, enable_cuda_runtime, host_bytes, load_vm, missing_cpu_features
 
 DEVICES = ("cpu", "cuda", "rocm", "metal")
 
@@ -56,7 +54,6 @@ class CompiledModel:
             raise KilnError(f"artifact is built for {m.target.name} ({m.target.arch}), "
                             f"but this machine has no {device} device")
         if device == "cpu":
-            from kiln.host_cpu import missing_cpu_features
             missing = missing_cpu_features(list(m.target.cpu_features or ()))
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
@@ -148,9 +145,8 @@ class CompiledModel:
         tensor_pages = num_pages + bool(self.graph_batches)
         self.kv_tensors = {}
         for layer, spec in enumerate(self.kv_specs):
-            for name, ty in spec.input_types(layer).items():
-                shape = tuple(tensor_pages if d == "pages" else d for d in ty.shape)
-                self.kv_tensors[name] = empty(shape, ty.dtype, self.device)
+            for name, (shape, dtype) in spec.tensors(layer, tensor_pages).items():
+                self.kv_tensors[name] = empty(shape, dtype, self.device)
         if self.graph_batches:
             self.graph_buffers = StepBuffers(self.device, graph_step_capacities(
                 max(self.graph_batches), -(-self.max_context // self.page_size)), fixed=True)

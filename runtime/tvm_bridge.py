@@ -1,5 +1,5 @@
-"""The runtime's one door to TVM: devices, the compiled module's VM, tensors, pinned host memory and
-the CPU thread pool. The rest of runtime/ asks this module for them and imports no TVM.
+"""The runtime's one door to TVM: devices, the compiled module's VM, tensors, pinned host memory, the
+CPU thread pool and the CPU's instruction sets (as LLVM, through TVM, names them). The rest of runtime/ asks this module for them and imports no TVM.
 
 TVM is imported when a function here first runs, not when kiln.runtime is: a CUDA artifact's
 runtime library must be loaded first (`enable_cuda_runtime`), and kiln's commands that run no
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.cpu_features import LLVM_HOST_FEATURES, missing_features
 from kiln.errors import KilnError
 
 from .cuda_runtime import cudart_candidates
@@ -36,6 +37,14 @@ def enable_cuda_runtime() -> None:
         ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
         raise KilnError(f"TVM's CUDA runtime cannot be loaded ({e})") from None
+
+
+def missing_cpu_features(built_on: list[str]) -> list[str]:
+    """The instruction sets an artifact's kernels use (its manifest's `cpu_features`) that this CPU
+    lacks: by TVM's LLVM where TVM has its compiler, else by /proc/cpuinfo (kiln/cpu_features.py)."""
+    import tvm
+    reported = tvm.get_global_func(LLVM_HOST_FEATURES, allow_missing=True)
+    return missing_features(built_on, dict(reported().items()) if reported is not None else None)
 
 
 def device(kind: str):

@@ -1,12 +1,13 @@
-"""What a target is: its TVM target, page size, dtypes, schedules, kernel choices and how it builds.
+"""What a target is: its TVM target, page size, dtypes, schedules, kernel order and how it builds.
 
 Adding a target is adding one small file with a subclass of Target.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kiln.errors import KilnError
+from kiln.selection.order import CPU_KERNELS, GPU_KERNELS, KernelOrder
 
 
 @dataclass
@@ -20,24 +21,19 @@ class Target:
     dtypes: tuple[str, ...] = ("float32",)
     runs_here: bool = True           # False where this machine cannot execute the artifact
     note: str = ""                   # what the manifest should tell about where/how the artifact runs
-    # step kind -> attention kernels in order of preference (codegen/lowering/attention.py KERNELS)
-    attention_kernels: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {"mixed": ("kiln_cpu",), "decode": ("kiln_cpu",)})
+    kernels: KernelOrder = CPU_KERNELS      # its kernels in order of preference (selection/order.py)
     kv_dtypes: tuple[str, ...] = ()  # quantised KV caches its attention kernel reads (ir/quant.py KV_SCHEMES)
     graph_batches: tuple[int, ...] = ()   # decode batch buckets replayed as CUDA graphs (none: no graphs)
     device_sampling: bool = False    # compile the sampler into the artifact (codegen/lowering/sampling.py)
     # MLA prefill steps whose every sequence brings at least this many new tokens run the expanded
     # form (passes/specialize_mla.py); 0: the absorbed form in every step
     mla_expanded_from: int = 0
-    # packed linears in steps that bring chunks run codegen/kernels/cpu/gemm.py's GEMM, decode steps the GEMV
-    # schedule: a "decode" entry is built for them
-    chunk_gemm: bool = False
-    # with chunk_gemm: decode steps of at least this many sequences run the mixed entry (its GEMMs
+    # where packed linears run the GEMM in steps that bring chunks and the GEMV in decode steps (the
+    # "decode" entry): decode steps of at least this many sequences run the mixed entry (its GEMMs
     # beat the GEMV from there); 0: every decode step runs the decode entry
     decode_gemm_from: int = 0
-    # linears on tensor cores (codegen/kernels/gpu/mma_gemm.py), and decode steps of at least this many
-    # sequences run them (the "decode_wide" entry); 0: decode steps keep the GEMV
-    tensor_cores: bool = False
+    # decode steps of at least this many sequences run the linears of steps that bring chunks (on
+    # CUDA: tensor cores), in a "decode_wide" entry; 0: decode steps keep the GEMV
     decode_mma_from: int = 0
     # > 0: q8/q4 linears quantise their input rows to int8 in blocks of this many inputs and
     # multiply in integer dot products (codegen/kernels/cpu/int8_gemm.py); 0: float activations
@@ -94,16 +90,14 @@ class Target:
 @dataclass
 class GPUTarget(Target):
     """What every GPU target shares: half-precision default, dlight-scheduled TE kernels with weights
-    as transformers stores them, TVM's paged prefill attention kernel and, for decode-only steps,
-    its decode kernel, and an arch check."""
+    as transformers stores them, TVM's paged attention kernels (selection/order.py GPU_KERNELS), and
+    an arch check."""
     default_dtype: str = "float16"
     dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
     runs_here: bool = False
     thread_blocks: bool = True
     device_sampling: bool = True     # the logits stay where they are made; only token ids come back
-    attention_kernels: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {"mixed": ("tvm_prefill", "kiln_gpu_fallback"),
-                                 "decode": ("tvm_decode", "tvm_prefill", "kiln_gpu_fallback")})
+    kernels: KernelOrder = GPU_KERNELS
     ARCHS = ()                       # the --arch values this GPU kind accepts (a class attribute)
 
     def __post_init__(self):

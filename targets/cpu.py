@@ -6,8 +6,16 @@ from dataclasses import dataclass
 
 import tvm
 
-from kiln.host_cpu import (cpu_target, has_bf16_dot, has_pair_dot, has_quad_dot, host_cpu_features, host_llvm_target,
-                           missing_cpu_features, named_cpu_features)
+from kiln.host_cpu import (
+    cpu_target,
+    has_bf16_dot,
+    has_pair_dot,
+    has_quad_dot,
+    host_cpu_features,
+    host_llvm_target,
+    missing_cpu_features,
+    named_cpu_features,
+)
 
 from .base import Target
 
@@ -48,7 +56,6 @@ class CPUTarget(Target):
     default_dtype: str = "float32"
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
-    chunk_gemm: bool = True
     decode_gemm_from: int = 8          # where the GEMM overtakes the GEMV: docs/BENCHMARKS.md
     mla_expanded_from: int = 32        # where kiln's CPU kernels make it faster: docs/BENCHMARKS.md
     # arch: the CPU model to build for, by LLVM's name (None: this machine's CPU, as CPUID reports it)

@@ -10,10 +10,11 @@ import ctypes
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.selection.order import CUDA_KERNELS, KernelOrder
 
 from .base import GPUTarget
 
@@ -47,16 +48,8 @@ class CUDATarget(GPUTarget):
     arch: str | None = "sm_80"
     device: str = "cuda"
     graph_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    tensor_cores: bool = True           # every arch in ARCHS has mma.sync for bf16 and fp16
+    kernels: KernelOrder = CUDA_KERNELS
     decode_mma_from: int = 16           # not yet measured: bench/gemm_gpu.py's table will say
-    # Decode steps: kiln's kernel first. It splits a sequence's keys over thread blocks, where TVM's decode
-    # kernel gives one block to each sequence and KV head: on an H100 at 4,096 tokens of context a Gemma 2
-    # layer's decode attention took 51 µs with kiln's and 607 µs with TVM's (docs/BENCHMARKS.md).
-    # Mixed steps: TVM's prefill kernel where it runs the layer (full attention, unquantised pages), kiln's
-    # for windows, soft-capped scores and int8/fp8 pages.
-    attention_kernels: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {"mixed": ("tvm_prefill", "kiln_gpu"),
-                                 "decode": ("kiln_gpu", "tvm_decode", "tvm_prefill")})
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
     ARCHS = ARCHS
 

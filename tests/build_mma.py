@@ -1,4 +1,4 @@
-"""Build every tensor-core tile of codegen/kernels/gpu/mma_tuning.py for one arch in a fresh process (TVM must
+"""Build every tensor-core tile of selection/tiles.py for one arch in a fresh process (TVM must
 see a CUDA loader before it is imported) and write the CUDA source TVM generated.
 
     python tests/build_mma.py ARCH OUT      prints the kernels' names; writes OUT/kernels.cu
@@ -13,8 +13,9 @@ def main(arch: str, out: Path) -> None:
     from kiln.targets.cuda import make_target
     target = make_target(arch)
     import tvm
+
     from kiln.codegen.kernels.gpu.mma_gemm import mma_linear_kernel
-    from kiln.codegen.kernels.gpu.mma_tuning import CANDIDATES
+    from kiln.selection.tiles import CANDIDATES
     from kiln.targets.cuda import FP8_ARCHS
     formats = (("q8", 0), ("q4", 32), ("q4", 128)) + ((("fp8", 0),) if arch in FP8_ARCHS else ())
     # each tile in bf16; fp16, the bias + residual epilogue and a gated MLP's activations on the

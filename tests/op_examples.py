@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.interface import KVSpec
 from kiln.ir import GraphBuilder, verify
-from kiln.ir.kv_spec import KVSpec
 
 PAGE_SIZE, PAGES = 2, 3
 STEP = {"q_indptr": [0, 2, 3], "page_indptr": [0, 2, 3], "page_values": [2, 0, 1], "last_page_len": [1, 1],

@@ -44,7 +44,7 @@ def make_step_inputs(seqs: list[Seq], page_size: int) -> dict[str, np.ndarray]:
 def kv_pages_for(specs: dict, num_pages: int, fill: float = 0.0) -> dict[str, np.ndarray]:
     """The cache tensors a graph's KV specs (layer -> KVSpec) declare, with `num_pages` pages: pages
     of the spec's dtype filled with `fill` (zeros for quantised rows, whose scales get `fill`)."""
-    from kiln.ir.kv_spec import pages_name, scales_name
+    from kiln.interface import pages_name, scales_name
     from kiln.ir.types import numpy_dtype
     out = {}
     for layer, spec in specs.items():

@@ -95,7 +95,7 @@ def test_inspect_summarises_the_artifact(artifact):
     assert "weights not quantised (float32); KV cache float32 (not quantised)" in proc.stdout
     passes = proc.stdout[proc.stdout.index("passes     "):proc.stdout.index("compile    ")]
     assert "fuse_qkv: linear −4, slice +6" in passes, passes           # 2 layers: 3 linears -> 1 + 3 slices
-    assert "specialize_attention: " in passes and "nodes or params new or rewritten" in passes
+    assert "select_kernels: " in passes and "nodes or params new or rewritten" in passes
     assert "nothing to do here: " in passes and "specialize_mla" in passes.split("nothing to do here: ")[1]
     assert "specialize_mla:" not in passes and "→" not in passes
 

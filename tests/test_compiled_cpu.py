@@ -152,9 +152,10 @@ def test_an_artifact_built_for_a_cpu_with_more_instruction_sets_is_refused(llama
     SIGILL in the first step. This machine's own artifacts load."""
     import json
     import shutil
+
     from kiln.errors import KilnError
-    from kiln.runtime.model import CompiledModel
     from kiln.host_cpu import host_cpu_features, missing_cpu_features
+    from kiln.runtime.model import CompiledModel
     manifest = json.loads((llama_cpu[0] / "manifest.json").read_text())
     assert manifest["target"]["cpu_features"] == host_cpu_features() and host_cpu_features()
     assert missing_cpu_features(manifest["target"]["cpu_features"]) == []
@@ -171,11 +172,12 @@ def test_built_for_an_older_cpu_model_it_runs_here_and_generates_as_transformers
     q8 linears take AVX2's integer dot (vpmaddwd) rather than VNNI's, and greedy generation is
     transformers'."""
     from click.testing import CliRunner
+
     from kiln.artifact import read_manifest
     from kiln.cli import main
+    from kiln.host_cpu import missing_cpu_features, named_cpu_features
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from kiln.host_cpu import missing_cpu_features, named_cpu_features
     from kiln.targets.cpu import CPUTarget
     if missing_cpu_features(named_cpu_features("x86-64-v3")):
         pytest.skip("this CPU has not every x86-64-v3 instruction set")
@@ -198,9 +200,9 @@ def test_built_for_a_cpu_model_this_one_is_not_it_is_refused_here_with_its_instr
                                                                                                  tmp_path):
     from kiln.compiler import compile_model
     from kiln.errors import KilnError
+    from kiln.host_cpu import missing_cpu_features, named_cpu_features
     from kiln.inspect import summary
     from kiln.runtime.model import CompiledModel
-    from kiln.host_cpu import missing_cpu_features, named_cpu_features
     from kiln.targets.cpu import make_target
     with pytest.raises(KilnError, match="LLVM knows no CPU named 'zen-kiln-test' .*sapphirerapids"):
         make_target("zen-kiln-test")
@@ -219,6 +221,7 @@ def test_the_cpu_target_uses_exactly_the_instruction_sets_cpuid_reports():
     """kiln compiles for LLVM's name of the CPU with each instruction set switched on or off as
     CPUID reports it, so a VM that hides one the CPU model implies gets no kernel that needs it."""
     import tvm
+
     from kiln.host_cpu import cpu_target, host_cpu_features
     from kiln.targets.cpu import host_cpu_target
     has = tvm.target.codegen.llvm_cpu_has_features
@@ -241,8 +244,10 @@ def test_proc_cpuinfo_answers_as_llvm_does():
     artifact's instruction sets this CPU lacks: here they agree with LLVM's CPUID reading on every
     instruction set kiln records, present or absent."""
     import os
+
     import tvm
-    from kiln.host_cpu import ISA_PREFIXES, LLVM_HOST_FEATURES, cpuinfo_features, missing_in_cpuinfo
+
+    from kiln.cpu_features import ISA_PREFIXES, LLVM_HOST_FEATURES, cpuinfo_features, missing_in_cpuinfo
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo on this system")
     reported = {name: on for name, on in tvm.get_global_func(LLVM_HOST_FEATURES)().items()

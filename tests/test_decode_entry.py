@@ -22,7 +22,8 @@ TVM_KERNELS = {"mixed": ("tvm_prefill",), "decode": ("tvm_decode",)}
 
 def tvm_kernel_target():
     from kiln.targets import target_defaults
-    return replace(target_defaults("cpu"), attention_kernels=TVM_KERNELS, kv_dtypes=())
+    cpu = target_defaults("cpu")
+    return replace(cpu, kernels=replace(cpu.kernels, attention=TVM_KERNELS), kv_dtypes=())
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,8 @@ def test_default_cpu_target_decodes_with_gemv_and_prefills_with_gemm(llama_cpu):
     m = read_manifest(llama_cpu[0]).to_json()
     assert m["entries"] == {"mixed": "forward", "decode": "decode"}
     assert m["attention_kernels"] == {"mixed": ["kiln_cpu"], "decode": ["kiln_cpu"]}
+    assert "gemm" in m["linear_kernels"]["mixed"] and "packed_linear" in m["linear_kernels"]["decode"]
+    assert "gemm" not in m["linear_kernels"]["decode"]
     gemms = {k.removeprefix("gemm_") for k in m["kernels"] if k.startswith("gemm_")}
     gemvs = {k.removeprefix("linear_") for k in m["kernels"] if k.startswith("linear_packed")}
     assert gemms and gemms == gemvs

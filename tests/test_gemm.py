@@ -93,6 +93,7 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
 def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residual):
     """The TE stages for unpacked weights (nk layout): same scheme, generic loops."""
     from tvm import te, tirx
+
     from kiln.codegen.kernels.te_linear import nt_matmul
 
     def kernel(fmt, weight_dtype):
@@ -130,7 +131,9 @@ def test_bf16_micro_kernels_select_vdpbf16ps_for_a_bf16_cpu():
     """The LLVM IR kiln writes for the bf16 micro-kernels parses, and LLVM selects vdpbf16ps for it
     on a CPU with AVX-512 BF16 (Zen 4), whichever x86 CPU runs the test: rows × vectors dots per pair."""
     import platform
+
     import tvm
+
     from kiln.codegen.kernels.cpu.bf16_micro import micro_module, micro_name
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 only: the micro-kernels are AVX-512 BF16 code")
@@ -149,10 +152,11 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     `scale_layout`), against interpret().
     link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
     import tvm
-    from kiln.codegen.kernels.layouts import apply_layout
-    from kiln.codegen.kernels.weight_format import WeightFormat
+
     from kiln.ir import GraphBuilder, interpret
     from kiln.ir.types import numpy_dtype
+    from kiln.selection.formats import WeightFormat
+    from kiln.selection.layouts import apply_layout
     from kiln.targets.cpu import host_cpu_target
     rng = np.random.default_rng(0)
     weights = _weights(op, rng)

@@ -10,7 +10,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 from test_mma_emulated import ACTIVATIONS, NUMPY, check, compile_emulated, expected, pointer, stored
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
@@ -60,7 +59,7 @@ def gemv_library(tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
 def test_emulated_gemv_matches_numpy(gemv_library, index):
-    from kiln.codegen.kernels.layouts import GATED, GATED_COLUMNS, apply_layout
+    from kiln.selection.layouts import GATED, GATED_COLUMNS, apply_layout
     dtype, weight, group, epilogue, activation, _ = CASES[index]
     rng = np.random.default_rng(300 + index)
     if weight == "float":

@@ -110,14 +110,15 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     a level (a ~1e-3 change in these 256-wide models), so that equality is held op by op
     (tests/test_gemm.py)."""
     import transformers
-    from kiln.host_cpu import has_pair_dot
+    from reference import last_logit_cosines, random_prompt
+
     from kiln.artifact import read_manifest
+    from kiln.host_cpu import has_pair_dot
     from kiln.inspect import summary
     from kiln.runtime.llm import LLM
     from kiln.runtime.model import CompiledModel
     from kiln.runtime.sampler import SamplingParams
     from kiln.targets.cpu import CPUTarget, host_cpu_target
-    from reference import last_logit_cosines, random_prompt
     if not has_pair_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
     model_dir = make_model("qwen2")                  # biases, fused QKV and gate/up: every linear variant
@@ -147,7 +148,7 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
 def test_interleaved_layouts_known_values():
     """packedNBxF (int8 activations: F = 2 for vpmaddwd's pairs, 4 for vpdpbusd's quads): W[j, k]
     at [j // NB, k // F, F (j % NB) + k % F]."""
-    from kiln.codegen.kernels.layouts import apply_layout, interleave, packed_block, packed_index, stored_shape
+    from kiln.selection.layouts import apply_layout, interleave, packed_block, packed_index, stored_shape
     w = np.arange(16 * 8).reshape(16, 8)            # W[j, k] = 8 j + k
     stored = apply_layout("packed8x2", w)
     assert stored.shape == stored_shape("packed8x2", (16, 8)) == (2, 4, 16)
@@ -167,7 +168,7 @@ def test_q4_bytes_of_two_blocks_known_values():
     """packedNBx4nS on q4 bytes (neighbouring inputs a byte, the even one low): byte i of each run
     of S bytes holds input i of a run of 2S inputs in its low nibble and input S + i in its high
     one, then the bytes are stored in quads; the gather's reading (nibble_of) finds every level."""
-    from kiln.codegen.kernels.layouts import apply_layout, nibble_of, nibble_span, packed_index
+    from kiln.selection.layouts import apply_layout, nibble_of, nibble_span, packed_index
     levels = (np.arange(16)[:, None] + np.arange(16)[None, :]) % 16       # L[j, k] = (j + k) % 16
     q4 = (levels[:, 0::2] | levels[:, 1::2] << 4).astype(np.uint8)     # [16, 8], as ir/quant.py stores them
     stored = apply_layout("packed8x4n4", q4)
@@ -184,7 +185,7 @@ def test_q4_bytes_of_two_blocks_known_values():
 def test_group_scales_stored_by_panel_known_values():
     """panelsNB: q4 group scales S[g, j] ([groups, out]) at [j // NB, g, j % NB]; group_scales reads
     the stored table back as [g, j]."""
-    from kiln.codegen.kernels.layouts import apply_layout, group_scales, stored_shape
+    from kiln.selection.layouts import apply_layout, group_scales, stored_shape
     s = np.arange(4 * 16).reshape(4, 16)           # S[g, j] = 16 g + j
     stored = apply_layout("panels8", s)
     assert stored.shape == stored_shape("panels8", (4, 16)) == (2, 4, 8)
@@ -207,10 +208,11 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, sc
     import ml_dtypes
     import tvm
     from tvm import te
+
     from kiln.codegen.lowering.embed import gather_kernel
-    from kiln.codegen.kernels.layouts import apply_layout, stored_shape
-    from kiln.codegen.kernels.weight_format import WeightFormat
     from kiln.ir import GraphBuilder, interpret
+    from kiln.selection.formats import WeightFormat
+    from kiln.selection.layouts import apply_layout, stored_shape
     from kiln.targets.cpu import host_cpu_target
     vocab, hidden, group = 64, 48, 16
     rng = np.random.default_rng(0)

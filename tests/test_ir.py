@@ -9,14 +9,24 @@ import re
 
 import numpy as np
 import pytest
+from op_examples import EXAMPLES as STEP_EXAMPLES
+from paging import make_kv_pages, make_step_inputs
 
 from kiln.frontend.decoder import build_graph
 from kiln.frontend.families import parse_config
-from kiln.ir import (OPS, GraphBuilder, IRError, TensorType, graph_from_json, graph_to_json, interpret,
-                     parse_graph, print_graph, verify)
-from kiln.ir.kv_spec import KVSpec
-from paging import make_kv_pages, make_step_inputs
-from op_examples import EXAMPLES as STEP_EXAMPLES
+from kiln.interface import KVSpec
+from kiln.ir import (
+    OPS,
+    GraphBuilder,
+    IRError,
+    TensorType,
+    graph_from_json,
+    graph_to_json,
+    interpret,
+    parse_graph,
+    print_graph,
+    verify,
+)
 
 H, V = 8, 11   # hidden size and vocab of the hand-built graphs
 

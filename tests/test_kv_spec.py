@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
+from kiln.errors import KilnError
+from kiln.interface import KVSpec
 from kiln.ir import GraphBuilder, IRError, graph_from_json, graph_to_json, verify
-from kiln.ir.kv_spec import KVSpec
 
 
 def test_bytes_per_token_counts_k_and_v_rows_of_every_head():
@@ -32,7 +33,7 @@ def test_bytes_per_token_counts_k_and_v_rows_of_every_head():
 ])
 def test_malformed_specs_are_refused(fields, words):
     base = dict(kind="full", kv_heads=2, k_head_dim=16, v_head_dim=16, dtype="float32", page_size=4)
-    with pytest.raises(IRError, match=words):
+    with pytest.raises(KilnError, match=words):
         KVSpec(**{**base, **fields})
 
 

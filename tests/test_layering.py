@@ -1,25 +1,138 @@
-"""The import structure the package promises, read from the source: runtime/ reaches TVM through
-runtime/tvm_bridge.py alone."""
+"""The import structure the package promises, read from the source: each layer imports only the layers
+below it in the pipeline, directly or through other modules; the layers that plan and describe
+(ir, frontend, selection, passes) import no TVM; the runtime reaches TVM through
+runtime/tvm_bridge.py alone; nothing of the product imports the testing helpers."""
 from __future__ import annotations
 
 import ast
+import tomllib
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# modules of the `kiln` folder every layer may import: the contracts and helpers at the bottom
+LEAVES = ("kiln.errors", "kiln.dtypes", "kiln.interface", "kiln.artifact", "kiln.safetensors_io",
+          "kiln.cpu_features", "kiln.host_cpu")
+# layer -> the layers it may import (besides itself and LEAVES); the `kiln` folder's other modules
+# (the CLI, the compile driver, inspect, weights) sit on top and may import any layer
+BELOW = {
+    "kiln.ir": (),
+    "kiln.frontend": ("kiln.ir",),
+    "kiln.selection": ("kiln.ir",),
+    "kiln.targets": ("kiln.ir", "kiln.selection"),
+    "kiln.passes": ("kiln.ir", "kiln.selection", "kiln.targets"),
+    "kiln.codegen": ("kiln.ir", "kiln.selection", "kiln.targets"),
+    "kiln.runtime": (),
+    "kiln.serve": ("kiln.runtime",),
+}
+TVM_FREE = ("kiln.ir", "kiln.frontend", "kiln.selection", "kiln.passes", "kiln.runtime", "kiln.serve", *LEAVES[:6])
+BRIDGE = "kiln.runtime.tvm_bridge"
+TESTING = "kiln.testing"
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports, at its top or inside a function."""
+
+def layer_of(module: str) -> str:
+    """The layer a module belongs to: its package in BELOW, a leaf, the testing helpers, or the top."""
+    for name in (*BELOW, *LEAVES, TESTING):
+        if module == name or module.startswith(name + "."):
+            return name
+    return "kiln"
+
+
+@cache
+def modules() -> dict[str, set[str]]:
+    """Every kiln module (by pyproject's package-dir) -> the modules it imports, at its top or inside a
+    function, relative imports resolved."""
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found = {}
+    for package, folder in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if package == "kiln" and parts[0] in {p.split(".")[1] for p in folders if p != "kiln"}:
+                continue                                  # a subpackage folder of its own
+            name = ".".join([package, *parts]).removesuffix(".__init__")
+            found[name] = _imports(path, name)
+    return found
+
+
+def _imports(path: Path, name: str) -> set[str]:
     names = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - (node.level - 1)]
+            names.add(".".join([*base, node.module] if node.module else base))
     return names
 
 
+def reached(module: str, stop_at: str | None = None) -> set[str]:
+    """Every kiln module importing `module` runs (a.b.c runs a, a.b and a.b.c), and every other
+    module it imports; `stop_at` is not entered."""
+    found, todo = modules(), [module]
+    seen: set[str] = set()
+    while todo:
+        for dep in found.get(todo.pop(), ()):
+            for m in found:
+                if (dep == m or dep.startswith(m + ".")) and m not in seen and m != stop_at:
+                    seen.add(m)
+                    todo.append(m)
+    return seen
+
+
+def imports_tvm(module: str) -> bool:
+    return any(d == "tvm" or d.startswith(("tvm.", "tvm_ffi")) for d in modules()[module])
+
+
+def test_the_map_covers_every_layer():
+    layers = {layer_of(m) for m in modules()}
+    assert set(BELOW) <= layers and "kiln" in layers and len(modules()) > 150
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    against = []
+    for module in modules():
+        layer = layer_of(module)
+        if layer == "kiln" or layer == TESTING:
+            continue
+        allowed = {layer, *LEAVES, *BELOW.get(layer, ())}
+        for other in reached(module):
+            if layer_of(other) not in allowed and other != "kiln":
+                against.append(f"{module} reaches {other}")
+    assert against == []
+
+
+def test_the_leaves_import_only_leaves():
+    against = [f"{m} reaches {o}" for m in modules() if layer_of(m) in LEAVES
+               for o in reached(m) if layer_of(o) not in LEAVES and o != "kiln"]
+    assert against == []
+
+
+def test_planning_layers_and_the_runtime_import_no_tvm():
+    against = []
+    for module in modules():
+        if layer_of(module) not in TVM_FREE or module == BRIDGE:
+            continue
+        for other in {module} | reached(module, stop_at=BRIDGE):
+            if imports_tvm(other):
+                against.append(f"{module} reaches TVM through {other}")
+    assert against == []
+
+
 def test_the_runtime_reaches_tvm_through_one_module():
-    files = sorted((ROOT / "runtime").glob("*.py"))
-    touching = {f.name for f in files if any(m == "tvm" or m.startswith("tvm.") for m in imported_modules(f))}
-    assert len(files) > 10 and touching == {"tvm_bridge.py"}
+    touching = {m for m in modules() if layer_of(m) == "kiln.runtime" and imports_tvm(m)}
+    assert touching == {BRIDGE}
+
+
+def test_the_product_never_imports_the_testing_helpers():
+    against = [f"{m} reaches {o}" for m in modules() if layer_of(m) != TESTING
+               for o in reached(m) if layer_of(o) == TESTING]
+    assert against == []
+
+
+def test_the_root_package_imports_nothing_when_imported():
+    # `import kiln.ir` runs kiln/__init__.py first: it must load nothing of the other layers
+    assert {m for m in modules()["kiln"] if m.startswith("kiln")} == set()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from paging import kv_pages_for, make_step_inputs
 from reference import random_prompt
 
@@ -97,7 +96,7 @@ PREFILL_STEPS = [
 def test_expanded_and_absorbed_forms_equal_the_literal_form(deepseek, expanded_from, chosen):
     """Steps take the expanded form exactly when every chunk has expanded_from tokens; either way
     the logits are the literal form's (the expanded form after cached context too)."""
-    from kiln.ir.step_forms import is_prefill_step
+    from kiln.interface import is_prefill_step
     from kiln.passes.specialize_mla import SpecializeMLA
     model, literal = deepseek
     assert [is_prefill_step(make_step_inputs(step, PAGE)["q_indptr"], expanded_from)
@@ -124,7 +123,7 @@ def test_expanded_form_refuses_decode_steps():
 def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tmp_path):
     from kiln.compiler import compile_model
     from kiln.errors import KilnError
-    with pytest.raises(KilnError, match="expanded MLA prefill form has kernels for the CPU only, not cuda"):
+    with pytest.raises(KilnError, match="expanded MLA prefill form has no tvm_mla kernels \\(target cuda\\)"):
         compile_model(make_model("deepseek_v2"), tmp_path / "a", target="cuda", show=None, mla_expanded_from=8)
     assert not (tmp_path / "a").exists()
 
@@ -132,24 +131,32 @@ def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tm
 def test_each_target_chooses_the_latent_kernels_that_read_its_cache():
     """kiln's CPU kernels read int8 rows and have the expanded form; TVM's MLA kernels on GPUs read
     unquantised rows only, so a GPU with a quantised latent cache is refused by name."""
-    from kiln.codegen.lowering.latent_kernels import choose_latent_kernel
+    from types import SimpleNamespace
+
     from kiln.errors import KilnError
-    from kiln.ir.kv_spec import KVSpec
+    from kiln.interface import KVSpec
+    from kiln.selection.choice import choose
     from kiln.targets import planned_target
     plain, int8 = (KVSpec("latent", 1, 96, 64, dtype, 16, scales=scales)
                    for dtype, scales in (("float16", "none"), ("int8", "row")))
     cpu, cuda = planned_target("cpu", None, 0), planned_target("cuda", "sm_90", 0)
-    assert [choose_latent_kernel(cpu, spec).name for spec in (plain, int8)] == ["kiln_latent", "kiln_latent"]
-    assert choose_latent_kernel(cpu, plain).expanded_prefill
-    assert choose_latent_kernel(cuda, plain).name == "tvm_mla" and not choose_latent_kernel(cuda, plain).expanded_prefill
+
+    def chosen(target, spec, op="latent_attend"):
+        node, graph = SimpleNamespace(op=op, attrs={"layer": 0}, output="o"), SimpleNamespace(kv_specs=[spec])
+        return choose(node, graph, target, {})["mixed"]
+    assert [chosen(cpu, spec) for spec in (plain, int8)] == ["kiln_latent", "kiln_latent"]
+    assert chosen(cpu, int8, "expanded_attend") == "kiln_expanded"
+    assert chosen(cuda, plain) == "tvm_mla"
+    with pytest.raises(KilnError, match="the expanded MLA prefill form has no tvm_mla kernels"):
+        chosen(cuda, plain, "latent_gather")
     with pytest.raises(KilnError, match="no MLA attention kernel for a latent KV cache of .*int8.*tvm_mla"):
-        choose_latent_kernel(cuda, int8)
+        chosen(cuda, int8)
 
 
 def test_mla_attend_without_a_weight_to_split_is_left_alone():
     """Near miss: kv_b computed in the graph (no param to split at compile time) stays literal."""
-    from kiln.ir import GraphBuilder, Graph, print_graph, verify
-    from kiln.ir.kv_spec import KVSpec
+    from kiln.interface import KVSpec
+    from kiln.ir import Graph, GraphBuilder, print_graph, verify
     from kiln.passes.specialize_mla import SpecializeMLA
     b = GraphBuilder("near_miss")
     q_nope = b.input("q_nope", ("tokens", 2, 4), "float32")
@@ -167,9 +174,10 @@ def test_mla_attend_without_a_weight_to_split_is_left_alone():
 
 def test_latent_cache_read_by_a_plain_attention_op_is_refused():
     """Its one latent row per token is no K and V pair: the attention op's type rule says so."""
-    from kiln.ir import IRError
-    from kiln.ir.kv_spec import KVSpec
     from test_kv_spec import attention_graph
+
+    from kiln.interface import KVSpec
+    from kiln.ir import IRError
     with pytest.raises(IRError, match=r"kv_pages must be \[pages, 2, 1, page_size, 8\], got f32\[pages, 1, 1"):
         attention_graph(KVSpec("latent", 1, 8, 6, "float32", PAGE))
 
@@ -237,8 +245,9 @@ def greedy(max_tokens):
 def test_expanded_prefill_generation_equals_transformers(make_model, compiled_family, family):
     """Every prefill chunk (8 tokens, after the cached ones) in the expanded form, decode absorbed."""
     import transformers
-    from kiln.runtime.llm import LLM
     from reference import hf_greedy_uncached
+
+    from kiln.runtime.llm import LLM
     hf = transformers.AutoModelForCausalLM.from_pretrained(make_model(family), attn_implementation="eager").eval()
     llm = LLM(compiled_family(family, dtype="float32", mla_expanded_from=2), kv_memory="8MiB", max_batched_tokens=8)
     ids = random_prompt(30, 7)

@@ -29,7 +29,7 @@ def nvdisasm() -> str | None:
 def test_tuning_table_names_built_tiles():
     """The committed table's tiles and the defaults' are among the candidates the test below builds
     (before a GPU run writes the table, the defaults alone)."""
-    from kiln.codegen.kernels.gpu.mma_tuning import CANDIDATES, DEFAULTS, _table, parse_tile
+    from kiln.selection.tiles import CANDIDATES, DEFAULTS, _table, parse_tile
     assert all(parse_tile(name) in CANDIDATES for _, names in DEFAULTS for name in names)
     for key, entry in _table().items():
         assert [rows for rows, _ in entry][-1] == 0, f"{key}: the last tile must take every larger step"
@@ -43,7 +43,7 @@ def test_each_rows_bucket_launches_its_own_tile_over_its_own_grid():
     once paired with buckets by position among the distinct tiles: the third bucket launched C's
     kernel over A's grid, and an H200 faulted on an illegal address.)"""
     from kiln.codegen.kernels.gpu.mma_gemm import mma_linear_kernel
-    from kiln.codegen.kernels.gpu.mma_tuning import parse_tile
+    from kiln.selection.tiles import parse_tile
     tiles = [(16, parse_tile("32x64x64w1x4s4")), (64, parse_tile("16x64x64w1x4s4")),
              (256, parse_tile("32x64x64w1x4s4")), (0, parse_tile("64x128x64w2x2s3"))]
     func, names = mma_linear_kernel(2048, 2048, "bfloat16", False, False, tiles)
@@ -59,7 +59,8 @@ def test_each_rows_bucket_launches_its_own_tile_over_its_own_grid():
 def test_default_choices_are_candidates_for_the_llama_shapes():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from gemm_gpu import SHAPES
-    from kiln.codegen.kernels.gpu.mma_tuning import CANDIDATES, tiles_for
+
+    from kiln.selection.tiles import CANDIDATES, tiles_for
     for n, k in [s for group in SHAPES.values() for s in group]:
         tiles = tiles_for("sm_90", "bfloat16", n, k)
         assert tiles and all(t in CANDIDATES for _, t in tiles), (n, k, tiles)

@@ -45,7 +45,7 @@ def case_name(index: int, experts: bool) -> str:
 def library(tmp_path_factory):
     """Every case's kernel and a C entry point that launches it over the emulated grid."""
     from kiln.codegen.kernels.gpu.mma_source import KERNEL_TEMPLATES, experts_kernel_source, kernel_source
-    from kiln.codegen.kernels.gpu.mma_tuning import parse_tile
+    from kiln.selection.tiles import parse_tile
     parts = ['#include "mma_emulator.h"', "namespace kiln_mma {", KERNEL_TEMPLATES, "}"]
     for index, (dtype, weight, group, epilogue, tile_name) in enumerate(CASES):
         tile, name = parse_tile(tile_name), case_name(index, False)
@@ -186,9 +186,9 @@ ACTIVATIONS = {"silu": lambda g: g / (1 + np.exp(-g)),
 @pytest.mark.parametrize("index", range(len(GATED_CASES)), ids=[f"{c[0]}-{c[1]}{c[2] or ''}-{c[3]}-{c[4]}"
                                                                  for c in GATED_CASES])
 def test_emulated_gated_kernel_matches_the_gated_op(library, index):
-    """Weights stored 'gated' (gate and up rows interleaved, codegen/kernels/layouts.py); the output is
+    """Weights stored 'gated' (gate and up rows interleaved, selection/layouts.py); the output is
     act(gate) * up, rounded as ir/ops.py's swiglu / geglu round it, half as wide."""
-    from kiln.codegen.kernels.layouts import GATED, GATED_COLUMNS, apply_layout
+    from kiln.selection.layouts import GATED, GATED_COLUMNS, apply_layout
     dtype, weight, group, activation, tile = GATED_CASES[index]
     rng = np.random.default_rng(200 + index)
     if weight == "float":

@@ -46,11 +46,12 @@ def compiled(graph, load):
     from tvm.runtime.vm import VirtualMachine
 
     from kiln.codegen import lower_graph
-    from kiln.codegen.kernels.layouts import apply_layout
     from kiln.codegen.pipelines import relax_pipeline
+    from kiln.selection.layouts import apply_layout
     from kiln.targets.cpu import CPUTarget
+    from kiln.passes.select_kernels import SelectKernels
     target = CPUTarget()
-    lowered = lower_graph(graph, target)
+    lowered = lower_graph(SelectKernels(target)(graph), target)
     with target.tvm_target(), tvm.transform.PassContext(config=target.pass_config()):
         mod = relax_pipeline(target)(lowered.module)
     vm = VirtualMachine(target.build(mod), tvm.cpu())

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from kiln.errors import KilnError
+from kiln.interface import KVSpec
 from kiln.ir import GraphBuilder, interpret, parse_graph, print_graph, verify, weight_loader
-from kiln.ir.kv_spec import KVSpec
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_residual_add import FuseResidualAdd
 from kiln.passes.quantize import Quantize
-from kiln.passes.specialize_attention import SpecializeAttention
+from kiln.passes.select_kernels import SelectKernels
 
 
 def random_weights(graph, seed=0):
@@ -121,15 +121,16 @@ def test_fuse_gate_up_near_miss(graph):
 
 def test_pipeline_on_a_real_model_keeps_logits(make_model):
     """The whole pipeline on the tiny Llama: same logits through the interpreter before and after."""
+    from paging import make_kv_pages, make_step_inputs
+
     from kiln.frontend import load_hf_model
     from kiln.passes import run_pipeline
-    from paging import make_kv_pages, make_step_inputs
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
     assert [r.name for r in records] == ["fuse_append_attend", "specialize_mla", "fuse_qkv", "fuse_gate_up", "fuse_residual_add",
                                          "fuse_rope_attention",
-                                         "specialize_attention"]
+                                         "select_kernels"]
     assert {n.op for n in after.nodes} >= {"paged_attention_fused", "swiglu"} and len(after.nodes) < len(before.nodes)
     assert not {"slice", "rope", "paged_attention"} & {n.op for n in after.nodes}
     ids = np.random.default_rng(0).integers(3, 400, 21).tolist()
@@ -160,6 +161,7 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
 @pytest.mark.build
 def test_fusion_reduces_kernel_launches_per_step(make_model):
     from artifact_cache import cpu_artifact
+
     from kiln.artifact import read_manifest
 
     def compiled(**options):
@@ -167,7 +169,7 @@ def test_fusion_reduces_kernel_launches_per_step(make_model):
     fused = compiled()
     # every optimising pass (fuse_append_attend and specialize_mla stay: the kernels implement the
     # fused and absorbed forms only)
-    every = {"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention", "specialize_attention"}
+    every = {"fuse_qkv", "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention"}
     plain = compiled(disable_passes=every)
     no_rope = compiled(disable_passes={"fuse_rope_attention"})
     L = fused["model"]["config"]["num_layers"]
@@ -185,9 +187,9 @@ def test_fusion_reduces_kernel_launches_per_step(make_model):
     assert ops["fuse_rope_attention"] == {"paged_attention": -L, "paged_attention_fused": L, "reshape": -3 * L,
                                           "rope": -2 * L, "slice": -3 * L}
     assert [p["name"] for p in fused["passes"]] == ["fuse_append_attend", "specialize_mla", "fuse_qkv", "fuse_gate_up",
-                                                    "fuse_residual_add", "fuse_rope_attention", "specialize_attention"]
-    assert fused["attention_variants"] == ["gqa4"] and plain["attention_variants"] == ["auto"]
-    assert [p["name"] for p in plain["passes"]] == ["fuse_append_attend", "specialize_mla"]
+                                                    "fuse_residual_add", "fuse_rope_attention", "select_kernels"]
+    assert fused["attention_variants"] == plain["attention_variants"] == ["gqa4"]
+    assert [p["name"] for p in plain["passes"]] == ["fuse_append_attend", "specialize_mla", "select_kernels"]
 
 
 # ---------------------------------------------------------------------------- fuse_residual_add
@@ -315,7 +317,7 @@ def test_quantize_near_miss_keeps_lm_head_and_embedding():
     assert after.params["embed.weight"].type.dtype == "float32"
 
 
-# ---------------------------------------------------------------------------- specialize_attention
+# ---------------------------------------------------------------------------- select_kernels (attention)
 
 def attention_graph(q_heads, kv_heads, variant="auto", pages_dtype="float32", **chosen):
     b = GraphBuilder("attn")
@@ -330,38 +332,42 @@ def attention_graph(q_heads, kv_heads, variant="auto", pages_dtype="float32", **
                                 variant=variant, name="o", **chosen)))
 
 
-def specialize_for(target_name):
+def select_for(target_name):
     from kiln.targets import target_defaults
-    return SpecializeAttention(target_defaults(target_name))
+    return SelectKernels(target_defaults(target_name))
 
 
 @pytest.mark.parametrize("heads,variant", [((4, 4), "mha"), ((8, 2), "gqa4"), ((6, 3), "gqa2"), ((8, 1), "mqa")])
-@pytest.mark.parametrize("target,kernels", [("cpu", ("kiln_cpu", "kiln_cpu")),
-                                            ("cuda", ("tvm_prefill", "kiln_gpu"))])
-def test_specialize_attention_rewrite(heads, variant, target, kernels):
-    after = specialize_for(target)(attention_graph(*heads))
+@pytest.mark.parametrize("target,kernels", [("cpu", "{'mixed': 'kiln_cpu'}"),
+                                            ("cuda", "{'mixed': 'tvm_prefill', 'decode': 'kiln_gpu_decode'}"),
+                                            ("rocm", "{'mixed': 'tvm_prefill', 'decode': 'tvm_decode'}")])
+def test_select_kernels_records_the_attention_variant_and_kernels(heads, variant, target, kernels):
+    after = select_for(target)(attention_graph(*heads))
     assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-                           f"{{layer=0, scale=0.5, variant='{variant}', kernel='{kernels[0]}', "
-                           f"decode_kernel='{kernels[1]}'}} : f32[tokens, {heads[0]}, 4]"]
+                           f"{{layer=0, scale=0.5, variant='{variant}', kernels={kernels}}} : f32[tokens, {heads[0]}, 4]"]
+    # the text form reads back as the graph it printed
+    assert print_graph(parse_graph(print_graph(after))) == print_graph(after)
 
 
-def test_specialize_attention_near_miss_keeps_a_chosen_variant_and_kernels():
-    graph = attention_graph(8, 2, variant="mha", kernel="tvm_prefill", decode_kernel="tvm_prefill")   # by hand
-    assert body(specialize_for("cuda")(graph)) == body(graph)
+def test_select_kernels_near_miss_keeps_a_chosen_variant_and_kernels():
+    graph = attention_graph(8, 2, variant="mha", kernels={"mixed": "tvm_prefill"})   # by hand
+    assert body(select_for("cuda")(graph)) == body(graph)
 
 
-def test_specialize_attention_skips_kernels_that_cannot_read_the_pages():
+def test_select_kernels_skips_kernels_that_cannot_read_the_pages():
     """int8 pages: a target preferring TVM's kernels (which read only unquantised pages) falls back
     to the next kernel it lists, and one with no fallback is refused, naming what is missing."""
     from dataclasses import replace
+
     from kiln.targets import target_defaults
     cpu = target_defaults("cpu")
     graph = attention_graph(8, 2, pages_dtype="int8")
-    both = replace(cpu, attention_kernels={"mixed": ("tvm_prefill", "kiln_cpu"), "decode": ("tvm_decode", "kiln_cpu")})
-    assert "kernel='kiln_cpu', decode_kernel='kiln_cpu'" in body(SpecializeAttention(both)(graph))[0]
-    only_tvm = replace(cpu, attention_kernels={"mixed": ("tvm_prefill",), "decode": ("tvm_decode",)})
+    both = replace(cpu, kernels=replace(cpu.kernels, attention={"mixed": ("tvm_prefill", "kiln_cpu"),
+                                                                "decode": ("tvm_decode", "kiln_cpu")}))
+    assert "kernels={'mixed': 'kiln_cpu'}" in body(SelectKernels(both)(graph))[0]
+    only_tvm = replace(cpu, kernels=cpu.kernels.without("kiln_cpu"))
     with pytest.raises(KilnError, match="no attention kernel for paged_attention over a KV cache of full, .*int8.* in mixed steps"):
-        SpecializeAttention(only_tvm)(graph)
+        SelectKernels(only_tvm)(graph)
 
 
 # ---------------------------------------------------------------------------- quantize (fp8)
@@ -415,6 +421,7 @@ def test_quantize_kv_is_exact_on_representable_rows(mode, peak):
     """K/V rows whose values sit on the storage grid with the row's peak at qmax are stored exactly,
     so attention before and after agrees; the pages hold the stored values and scale 1."""
     import ml_dtypes
+
     from kiln.passes.quantize_kv import QuantizeKV
     before = attention_graph(8, 2)
     after = QuantizeKV(mode)(before)
@@ -605,6 +612,7 @@ def test_fuse_rope_attention_near_miss(graph):
 def test_every_pass_takes_the_one_form():
     """A dataclass with a name of its own, as --print-after and --disable-pass call it."""
     import dataclasses
+
     from kiln.passes.graph_pass import GraphPass
     from kiln.passes.pipeline import pipeline_for
     for target, options in (("cpu", {"quant": "q4", "kv_dtype": "int8"}), ("cuda", {"quant": "fp8"})):

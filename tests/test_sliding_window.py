@@ -82,8 +82,8 @@ def test_a_target_without_windowed_kernels_refuses_at_compile_time(make_model, t
     from kiln.compiler import compile_model
     from kiln.errors import KilnError
     from kiln.targets import get_target
-    tvm_only = replace(get_target("cuda", "sm_80"),
-                       attention_kernels={"mixed": ("tvm_prefill",), "decode": ("tvm_decode", "tvm_prefill")})
+    cuda = get_target("cuda", "sm_80")
+    tvm_only = replace(cuda, kernels=cuda.kernels.without("kiln_gpu", "kiln_gpu_decode"))
     with pytest.raises(KilnError, match="no attention kernel for paged_attention over a KV cache of sliding window 7"):
         compile_model(make_model("mistral_window"), tmp_path / "cuda", target=tvm_only, show=None)
     assert not (tmp_path / "cuda").exists()

@@ -55,7 +55,8 @@ def _recipe_value(graph, model, name, dtype):
 def _old_writer(model, graph, stored, dtype, path):
     """What compile wrote before streaming: every tensor in memory (reference quantisers), one save_file."""
     from safetensors.numpy import save_file
-    from kiln.codegen.kernels.layouts import apply_layout
+
+    from kiln.selection.layouts import apply_layout
     tensors = {w.name: apply_layout(w.layout, _recipe_value(graph, model, w.param, dtype)) for w in stored}
     save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
               str(path))
@@ -80,6 +81,7 @@ def bf16_checkpoint(make_model, tmp_path_factory):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_streamed_weights_hold_the_old_writers_bytes(make_model, bf16_checkpoint, tmp_path, mode, checkpoint):
     from safetensors import safe_open
+
     from kiln.weights.convert import write_weights
     options = MODES[mode]
     model_dir = make_model("llama") if checkpoint == "float32" else bf16_checkpoint
@@ -100,6 +102,7 @@ def test_read_ahead_gives_what_plain_reads_give(make_model):
     """Tensors read ahead in the announced order, asked for in that order and out of it, are the
     checkpoint's (safetensors' own reader)."""
     from safetensors import safe_open
+
     from kiln.frontend.checkpoint import Checkpoint
     model_dir = make_model("llama")
     with safe_open(str(model_dir / "model.safetensors"), "numpy") as f:
@@ -114,8 +117,8 @@ def test_read_ahead_gives_what_plain_reads_give(make_model):
 
 @pytest.mark.build
 def test_streamed_file_is_aligned_for_tvm(make_model, tmp_path):
-    from kiln.weights.convert import write_weights
     from kiln.safetensors_io import ALIGNMENT, read_header
+    from kiln.weights.convert import write_weights
     model, graph, stored = _lowered(make_model("llama"), dtype="float32", quant="q4")
     write_weights(model, graph, stored, "float32", tmp_path / "w.safetensors")
     entries, metadata = read_header(tmp_path / "w.safetensors")
@@ -247,6 +250,7 @@ def test_an_artifact_from_before_still_loads(llama_cpu, tmp_path):
     generate what the streamed artifact generates."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
+
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
     from kiln.safetensors_io import ALIGNMENT, read_header

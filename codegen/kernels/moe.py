@@ -23,8 +23,10 @@ import functools
 from tvm import te
 from tvm.script import tirx as T
 
+from kiln.selection.formats import WeightFormat
+
 from .tir_values import LOWEST
-from .weight_format import WeightFormat
+from .weight_format import epilogue_scale, weight_value
 
 
 def _tasks(gpu: bool):
@@ -220,14 +222,14 @@ def grouped_gemm(x, rows, w, scale, row_weight, n_out: int, n_in: int, nb: int |
     def weight(r, j, kk):
         e = row_expert[r]
         load = (lambda jj, k2: w[e, jj // nb, k2, jj % nb]) if nb else (lambda jj, k2: w[e, jj, k2])
-        return fmt.value(load, None if scale is None else _ExpertScale(scale, e), j, kk)
+        return weight_value(fmt, load, None if scale is None else _ExpertScale(scale, e), j, kk)
 
     acc = te.compute((n_rows, n_out), lambda r, j: te.sum(
         (x[row_token[r], red] if gather else x[r, red]).astype("float32") * weight(r, j, red), axis=red), name="acc")
 
     def epilogue(r, j):
         y = acc[r, j]
-        if fmt.epilogue_scale(scale) is not None:
+        if epilogue_scale(fmt, scale) is not None:
             y = y * scale[row_expert[r], j]
         y = y.astype(dtype)
         if row_weight is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from tvm import relax, te, tirx
 
-from .weight_format import WeightFormat, epilogue
+from kiln.selection.formats import WeightFormat
+
+from .weight_format import epilogue, epilogue_scale, weight_level, weight_value
 
 
 def nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged: bool = False):
@@ -15,13 +17,13 @@ def nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged:
     if fmt.act_block:
         acc = int8_activation_matmul(x, w, scale, fmt)
     else:
-        weight = lambda n, k: fmt.value(lambda j, kk: w[j, kk], scale, n, k)      # noqa: E731
+        weight = lambda n, k: weight_value(fmt, lambda j, kk: w[j, kk], scale, n, k)      # noqa: E731
         if staged and fmt.kind == "q4":
             weight = te.compute((w.shape[0], x.shape[1]), weight, name="dequantize")
         k = te.reduce_axis((0, x.shape[1]), "k")
         acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
             x[m, k].astype("float32") * weight(n, k), axis=k), name="matmul")
-    return te.compute(acc.shape, epilogue(acc, fmt.epilogue_scale(scale), bias, residual, out_dtype),
+    return te.compute(acc.shape, epilogue(acc, epilogue_scale(fmt, scale), bias, residual, out_dtype),
                       name="linear")
 
 
@@ -40,7 +42,7 @@ def int8_activation_matmul(x, w, scale, fmt: WeightFormat):
         x[i, c].astype("float32") * inverse[i, c // block]).astype("int32"), name="x_levels")
     kk = te.reduce_axis((0, block), "kk")
     dots = te.compute((rows, w.shape[0], blocks), lambda i, n, b: te.sum(
-        levels[i, b * block + kk] * fmt.level(lambda j, c: w[j, c], n, b * block + kk), axis=kk), name="dots")
+        levels[i, b * block + kk] * weight_level(fmt, lambda j, c: w[j, c], n, b * block + kk), axis=kk), name="dots")
 
     def block_scale(i, n, b):
         x_scale = amax[i, b] / tirx.const(127, "float32")

@@ -1,7 +1,7 @@
 """Paged attention: append the new K/V rows into the pages in place, then ragged causal attention.
 
-The kernel that runs is the one `specialize_attention` recorded for the function's step kind
-(codegen/lowering/attention_kernels.py), by its emitter in EMITTERS. kiln's CPU kernels
+The kernel that runs is the one select_kernels recorded for the function's step kind
+(selection/attention.py says what each is), by its emitter in EMITTERS. kiln's CPU kernels
 (codegen/kernels/cpu/kv_append.py, attention.py) read the fused qkv, apply rope as they load for
 `paged_attention_fused`, and read int8 and float8 pages; TVM's kernels (codegen/kernels/tvm_kernels.py)
 take q, k, v apart, after TVM's `_kv_cache_transpose_append`. All use kiln's page layout
@@ -14,6 +14,7 @@ from tvm import relax
 
 from kiln.errors import KilnError
 from kiln.ir.quant import kv_scheme_for
+from kiln.selection.choice import recorded
 
 from ..kernels import tvm_kernels
 from ..kernels.cpu.attention import cpu_paged_attention
@@ -21,19 +22,6 @@ from ..kernels.cpu.kv_append import cpu_kv_append
 from ..kernels.gpu.attention import DECODE_SPLITS, append_kernel, attention_kernel
 from ..kernels.gpu.attention_source import AttentionShape
 from ..kernels.rope_load import RotaryLoad
-from .attention_kernels import KERNELS, choose_kernel
-
-
-def step_kernel(target, graph, node, step: str) -> str:
-    """The kernel specialize_attention recorded for `step` (chosen here if the pass did not run)."""
-    recorded = node.attrs["decode_kernel" if step == "decode" else "kernel"]
-    if recorded != "auto":
-        return recorded
-    return choose_kernel(target, node.op, graph.kv_specs[node.attrs["layer"]], step, bool(node.attrs["softcap"]))
-
-
-def kernel_of(ctx, node) -> str:
-    return step_kernel(ctx.target, ctx.graph, node, ctx.step)
 
 
 def _masking(window: int, softcap: float) -> str:
@@ -66,7 +54,7 @@ def _kiln_cpu_attention(ctx, qkv, positions, inv_freq, pages, slots, q_indptr, p
 
 def emit_paged_attention_fused(ctx, node, qkv, positions, inv_freq, pages, slots, q_indptr, page_indptr, page_values,
                                last_page_len, kv_scales=None):
-    kernel = kernel_of(ctx, node)
+    kernel = recorded(node, ctx.step)
     if kernel != "kiln_cpu":
         raise KilnError(f"attention kernel {kernel} has no fused rope + attention form "
                         f"(disable the fuse_rope_attention pass)")
@@ -152,19 +140,15 @@ def _kiln_gpu_fallback(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, 
 
 def emit_paged_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
                          kv_scales=None):
-    """paged_attention with the kernel recorded for the step (attention_kernels.py), by its emitter."""
-    kernel, spec = kernel_of(ctx, node), ctx.kv_spec(node)
-    if not KERNELS[kernel].supports(node.op, spec, ctx.target.device, ctx.step, bool(node.attrs["softcap"])):
-        raise KilnError(f"attention kernel {kernel} cannot run layer {node.attrs['layer']} "
-                        f"({spec.describe()}, {ctx.step} steps) on {ctx.target.name}")
-    return EMITTERS[kernel](ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
-                            kv_scales)
+    """paged_attention with the kernel recorded for the step, by its emitter."""
+    return EMITTERS[recorded(node, ctx.step)](ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values,
+                                              last_page_len, kv_scales)
 
 
 def _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
-                        kv_scales):
+                        kv_scales, splits: int = 1):
     """kiln's CUDA attention: the new rows appended (quantised by kiln's append into int8/float8
-    pages, else by TVM's), then attention; decode steps split each token's keys over blocks."""
+    pages, else by TVM's), then attention; each token's keys split over `splits` blocks."""
     tokens, q_heads, dtype = q.ty.shape[0], int(q.ty.shape[1]), node.type.dtype
     spec = ctx.kv_spec(node)
     kv_heads, head_dim, page_size, kv_dtype = spec.kv_heads, spec.head_dim, spec.page_size, spec.dtype
@@ -180,7 +164,6 @@ def _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr,
         append = ctx.add_kernel(tvm_kernels.kv_append(kv_heads, head_dim, dtype, page_size), "kv_append")
         pages, scales = ctx.bb.emit(relax.call_tir_inplace(append, [pages, k, v, slots], [0], pages.ty)), []
     a = node.attrs
-    splits = DECODE_SPLITS if ctx.step == "decode" else 1
     func = attention_kernel(shape, splits, a["scale"], a["softcap"], a["window"])
     name = "kiln_paged_attention" + ("_decode" if splits > 1 else "") + _masking(a["window"], a["softcap"])
     attn = ctx.add_kernel(func, name + (f"_{kv_scheme_for(kv_dtype).name}" if shape.kv_code else ""),
@@ -193,6 +176,10 @@ def _kiln_gpu_attention(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr,
     return ctx.bb.emit(relax.TupleGetItem(result, 0)) if shares else result
 
 
-# how each kernel of attention_kernels.KERNELS is emitted for paged_attention
+def _kiln_gpu_decode(*args):
+    return _kiln_gpu_attention(*args, splits=DECODE_SPLITS)
+
+
+# how each kernel of selection/attention.py's ATTENTION_KERNELS is emitted for paged_attention
 EMITTERS = {"kiln_cpu": _kiln_cpu, "tvm_prefill": _tvm_prefill, "tvm_decode": _tvm_decode,
-            "kiln_gpu": _kiln_gpu_attention, "kiln_gpu_fallback": _kiln_gpu_fallback}
+            "kiln_gpu": _kiln_gpu_attention, "kiln_gpu_decode": _kiln_gpu_decode, "kiln_gpu_fallback": _kiln_gpu_fallback}

@@ -1,7 +1,7 @@
 """Embedding gathers: float tables, and quantised tables decoded only in the rows a step reads.
 
 A table that is also the LM head's weight (tied embeddings) is stored once, in the head's layout
-('nk', 'packedNB', 'packedNBxF' or, q4 bytes of inputs S apart, 'packedNBx4nS': codegen/kernels/layouts.py),
+('nk', 'packedNB', 'packedNBxF' or, q4 bytes of inputs S apart, 'packedNBx4nS': selection/layouts.py),
 and the gather computes each row's address inside it: row r, stored column c of
 Wp[vocab/NB, columns, NB] is Wp[r // NB, c, r % NB] (a q4 input's byte and nibble: layouts.nibble_of).
 Its q4 group scales likewise take the head's layout ('nk' or 'panelsNB').
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from tvm import relax, te, tirx
 
-from ..kernels.layouts import group_scales, nibble_span, packed_block, packed_index
-from ..kernels.weight_format import WeightFormat
+from kiln.selection.formats import WeightFormat
+from kiln.selection.layouts import group_scales, nibble_span, packed_block, packed_index
+
+from ..kernels.weight_format import epilogue_scale, weight_value
 
 
 def gather_kernel(vocab: int, hidden: int, layout: str, dtype: str, fmt: WeightFormat, scale_layout: str = "nk"):
@@ -26,8 +28,8 @@ def gather_kernel(vocab: int, hidden: int, layout: str, dtype: str, fmt: WeightF
         def out(t, c):
             r = tirx.max(tirx.min(ids[t].astype("int64"), tirx.const(vocab - 1, "int64")),
                          tirx.const(0, "int64"))                    # ids are clipped, like take(mode="clip")
-            v = fmt.value(load, s, r, c, nibble_span(layout))
-            if fmt.epilogue_scale(s) is not None:                 # q8, fp8: one scale per row
+            v = weight_value(fmt, load, s, r, c, nibble_span(layout))
+            if epilogue_scale(fmt, s) is not None:                 # q8, fp8: one scale per row
                 v = v * s[r]
             return v.astype(dtype)
         return te.compute((ids.shape[0], hidden), out, name="embed")

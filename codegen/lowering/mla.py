@@ -1,9 +1,10 @@
 """Lowering of Multi-head Latent Attention's ops (passes/specialize_mla.py) to the latent layer's
-kernel family (latent_kernels.py): kiln's CPU kernels (codegen/kernels/cpu/mla.py), or on GPUs TVM's
-MLA append and attention kernels (codegen/kernels/tvm_kernels.py) with kiln's per-head linear
-(codegen/kernels/gpu/head_linear.py). The manifest and `kiln inspect` name the attention kernels
-kiln_latent (CPU) and tvm_mla (GPUs). Latent pages: [num_pages, 1, 1, page_size, R + P]
-(ir/kv_spec.py kind "latent"); TVM's kernels see them as [num_pages, page_size, R + P], the same bytes.
+kernel family, as select_kernels recorded it (selection/latent.py): kiln's CPU kernels
+(codegen/kernels/cpu/mla.py: kiln_latent, and kiln_expanded for the expanded prefill form), or TVM's
+MLA append and attention kernels (codegen/kernels/tvm_kernels.py: tvm_mla). The per-head linear is
+kiln's, built for the target's threads (codegen/kernels/gpu/head_linear.py on GPUs). Latent pages:
+[num_pages, 1, 1, page_size, R + P] (kiln/interface.py KVSpec kind "latent"); TVM's kernels see them
+as [num_pages, page_size, R + P], the same bytes.
 """
 from __future__ import annotations
 
@@ -12,20 +13,13 @@ from typing import Callable
 
 from tvm import relax
 
-from kiln.errors import KilnError
 from kiln.ir.quant import kv_scheme_for
+from kiln.selection.choice import recorded
 
 from ..kernels import tvm_kernels
-from ..kernels.cpu.mla import (expanded_attend_kernel, latent_append_kernel, latent_attend_kernel,
-                               latent_gather_kernel)
+from ..kernels.cpu.mla import expanded_attend_kernel, latent_append_kernel, latent_attend_kernel, latent_gather_kernel
 from ..kernels.cpu.mla import head_linear_kernel as cpu_head_linear
 from ..kernels.gpu.head_linear import head_linear_kernel as gpu_head_linear
-from .latent_kernels import LatentKernel, choose_latent_kernel
-
-
-def _kernel(ctx, node) -> LatentKernel:
-    """The MLA kernel family of the node's layer (codegen/lowering/latent_kernels.py)."""
-    return choose_latent_kernel(ctx.target, ctx.kv_spec(node))
 
 
 def _latent_rows(ctx, pages):
@@ -89,20 +83,20 @@ class LatentEmitters:
     attend: Callable
 
 
-# how each family of latent_kernels.KERNELS emits latent_append and latent_attend
+# how each family of selection/latent.py's LATENT_KERNELS emits latent_append and latent_attend
 EMITTERS = {"kiln_latent": LatentEmitters(_kiln_append, _kiln_attend),
             "tvm_mla": LatentEmitters(_tvm_append, _tvm_attend)}
 
 
 def emit_latent_append(ctx, node, c_kv, k_pe, pages, slots, scales=None):
-    return EMITTERS[_kernel(ctx, node).name].append(ctx, node, c_kv, k_pe, pages, slots, scales)
+    return EMITTERS[recorded(node, ctx.step)].append(ctx, node, c_kv, k_pe, pages, slots, scales)
 
 
 def emit_latent_attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr, page_values, last_page_len,
                        scales=None):
     if not isinstance(pages.ty, relax.TensorType):                 # a quantised append's (pages, scales)
         pages, scales = (ctx.bb.emit(relax.TupleGetItem(pages, i)) for i in range(2))
-    return EMITTERS[_kernel(ctx, node).name].attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr,
+    return EMITTERS[recorded(node, ctx.step)].attend(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr,
                                                     page_values, last_page_len, scales)
 
 
@@ -115,14 +109,10 @@ def emit_head_linear(ctx, node, x, w):
     return ctx.bb.emit(relax.call_tir(kernel, [x, w], relax.TensorType((x.ty.shape[0], heads, n_out), dtype)))
 
 
-def _cpu_only(ctx, node) -> None:
-    if not _kernel(ctx, node).expanded_prefill:
-        raise KilnError(f"{node.op}: the expanded MLA prefill form has kernels for the CPU only, not "
-                        f"{ctx.target.name}; compile with --mla-expanded-from 0 (absorbed in every step)")
-
+# the expanded form's ops (latent_gather, expanded_attend) have one family of kernels, kiln_expanded:
+# select_kernels records it, or refuses a target whose latent family has no expanded form
 
 def emit_latent_gather(ctx, node, pages, slots, scales=None):
-    _cpu_only(ctx, node)
     if not isinstance(pages.ty, relax.TensorType):                 # a quantised append's (pages, scales)
         pages, scales = (ctx.bb.emit(relax.TupleGetItem(pages, i)) for i in range(2))
     width, dtype = int(pages.ty.shape[4]), node.attrs["dtype"]
@@ -133,7 +123,6 @@ def emit_latent_gather(ctx, node, pages, slots, scales=None):
 
 
 def emit_expanded_attend(ctx, node, q_nope, q_rope, kv, rows, q_indptr, kv_indptr):
-    _cpu_only(ctx, node)
     heads, nope = int(q_nope.ty.shape[1]), int(q_nope.ty.shape[2])
     rope, width, dtype = int(q_rope.ty.shape[2]), int(rows.ty.shape[1]), q_nope.ty.dtype
     value = int(kv.ty.shape[1]) // heads - nope

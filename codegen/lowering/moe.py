@@ -1,28 +1,30 @@
 """Lowering of moe_router and moe_experts (ir/moe_ops.py) to kiln's MoE kernels
 (codegen/kernels/moe.py): the router, the plan, two grouped GEMMs with the activation between
-them, and the combine. Each grouped GEMM is the first record of MOE_GEMM_KERNELS that takes it:
+them, and the combine. The grouped GEMMs run the kernel select_kernels recorded (selection/experts.py:
 the tensor-core kernel on CUDA, kiln's packed CPU schedule, or a TE kernel the target's pipeline
-schedules.
+schedules); the router, plan and combine have one form each, built for the target's threads
+(`thread_blocks`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 from tvm import relax, te, tirx
 
+from kiln.selection.choice import recorded
+from kiln.selection.formats import WeightFormat
+from kiln.selection.layouts import packed_block
+from kiln.selection.linear import mma_tiles
+
 from ..kernels.cpu.packed_linear import schedule_packed
 from ..kernels.gpu.mma_gemm import mma_experts_kernel
-from ..kernels.layouts import packed_block
 from ..kernels.moe import combine_kernel, grouped_gemm, plan_kernel, router_kernel
-from ..kernels.weight_format import WeightFormat
 from .elementwise import gated
-from .linear import mma_tiles
 
 
 @dataclass
 class ExpertGemm:
-    """One grouped GEMM of moe_experts as the kernel records see it.
+    """One grouped GEMM of moe_experts as its kernel is emitted.
     args: x, [row_token,] row_expert, w, [scale,] [row_weight]."""
     ctx: object
     name: str
@@ -95,28 +97,13 @@ def _te(g: ExpertGemm) -> relax.Expr:
     return g.ctx.bb.emit_te(g.build, *g.args, primfunc_name_hint=g.name)
 
 
-@dataclass(frozen=True)
-class ExpertGemmKernel:
-    name: str
-    supports: Callable[[ExpertGemm], bool]
-    emit: Callable[[ExpertGemm], relax.Expr]
+# how each kernel of selection/experts.py's EXPERT_KERNELS is emitted
+EMITTERS = {"mma": _mma, "packed": _packed, "te": _te}
 
 
-# The first record that supports a grouped GEMM emits it.
-MOE_GEMM_KERNELS = (
-    # CUDA's tensor cores (codegen/kernels/gpu/mma_gemm.py), weights as stored
-    ExpertGemmKernel("mma", lambda g: g.nb is None and bool(g.tiles), _mma),
-    # CPU weights packed in panels: kiln's packed-weight schedule
-    ExpertGemmKernel("packed", lambda g: g.nb is not None, _packed),
-    # elsewhere a TE kernel that the target's pipeline (dlight on GPUs) schedules
-    ExpertGemmKernel("te", lambda g: g.nb is None, _te),
-)
-
-
-def _grouped(ctx, name: str, args: list, n_out: int, n_in: int, layout: str, dtype: str, fmt: WeightFormat,
-             gather: bool, weighted: bool) -> relax.Expr:
-    site = ExpertGemm(ctx, name, args, n_out, n_in, layout, dtype, fmt, gather, weighted)
-    return next(k for k in MOE_GEMM_KERNELS if k.supports(site)).emit(site)
+def _grouped(ctx, kernel: str, name: str, args: list, n_out: int, n_in: int, layout: str, dtype: str,
+             fmt: WeightFormat, gather: bool, weighted: bool) -> relax.Expr:
+    return EMITTERS[kernel](ExpertGemm(ctx, name, args, n_out, n_in, layout, dtype, fmt, gather, weighted))
 
 
 def emit_moe_router(ctx, node, logits, bias=None):
@@ -147,10 +134,11 @@ def emit_moe_experts(ctx, node, x, routing, gate_up, gate_up_scale, down, down_s
     row_token, row_expert, row_weight, token_rows = (ctx.bb.emit(relax.TupleGetItem(planned, i)) for i in range(4))
     scales = (lambda s: [s] if s is not None else [])
     up_layout, down_layout = ctx.layout(node, 2), ctx.layout(node, 4)
-    h = _grouped(ctx, "moe_gate_up", [x, row_token, row_expert, gate_up, *scales(gate_up_scale)],
+    kernel = recorded(node, ctx.step)
+    h = _grouped(ctx, kernel, "moe_gate_up", [x, row_token, row_expert, gate_up, *scales(gate_up_scale)],
                  2 * ffn, hidden, up_layout, dtype, fmt, gather=True, weighted=False)
     act = gated(ctx, h, node.attrs["activation"], dtype)
-    y = _grouped(ctx, "moe_down", [act, row_expert, down, *scales(down_scale), row_weight],
+    y = _grouped(ctx, kernel, "moe_down", [act, row_expert, down, *scales(down_scale), row_weight],
                  hidden, ffn, down_layout, dtype, fmt, gather=False, weighted=True)
     combine = ctx.add_kernel(combine_kernel(hidden, k, dtype, gpu), f"moe_combine_{hidden}_k{k}_{dtype}",
                              scheduled=True)

@@ -18,10 +18,10 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     convert, fuse, quantise, lay out, write, drop. A param that several stored tensors come from is
     kept only until its last one is written. Return the file's BLAKE3, hashed as it is written."""
     from kiln.artifact import new_hasher
-    from kiln.codegen.kernels.layouts import apply_layout
     from kiln.codegen.quantizers import fast_quantizers
     from kiln.ir import plain_reads, weight_loader
     from kiln.safetensors_io import TensorSpec, write_safetensors
+    from kiln.selection.layouts import apply_layout
 
     def declared(name: str) -> str:       # a param may keep another dtype (DeepSeek's float32 router)
         return graph.params[name].type.dtype if name in graph.params else dtype

@@ -46,10 +46,10 @@ def llm_for(bundle, variant="float32", entries=("decode", "decode_graph"), **kw)
 
 def test_artifact_has_decode_and_graph_entries(gpu_bundle):
     from kiln.artifact import read_manifest
-    from kiln.codegen.kernels.gpu.mma_source import ARCHS_WITH_MMA      # (no TVM compiler: the device has TVM's runtime)
+    from kiln.selection.shapes import MMA_ARCHS      # (no TVM compiler: the device has TVM's runtime)
     m = read_manifest(gpu_bundle / "cuda-float16", verify=False).to_json()
     # sm_80+: the decode steps of decode_mma_from sequences and more run the tensor-core kernels
-    wide = {"decode_wide", "decode_wide_graph"} if m["target"]["arch"] in ARCHS_WITH_MMA else set()
+    wide = {"decode_wide", "decode_wide_graph"} if m["target"]["arch"] in MMA_ARCHS else set()
     assert set(m["entries"]) == {"mixed", "decode", "decode_graph"} | wide
     assert m["launches_per_step"]["entries"]["decode_graph"]["host_launches"] <= 3
 

@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernel_builds import kernel_folder  # noqa: E402
 from gemm_gpu import reference  # noqa: E402
 from gemv_gpu import TEST_ROWS, TEST_SHAPES, kernel_specs  # noqa: E402
+from kernel_builds import kernel_folder  # noqa: E402
 from test_mma_gemm import arg, check, weights_of  # noqa: E402
 
 SPECS = kernel_specs(tests_only=True)
@@ -30,6 +30,7 @@ ACTIVATIONS = {"silu": lambda torch, g: torch.nn.functional.silu(g),
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     import tvm
+
     from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
@@ -43,7 +44,7 @@ def test_gemv_matches_the_float32_product(kernels, spec):
     dtype, n, k, weight, group = getattr(torch, spec["dtype"]), spec["n"], spec["k"], spec["weight"], spec["group"]
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     weights, values, scale = weights_of(torch, weight, group, n, k, dtype, gen)
-    if spec["activation"]:          # stored 'gated' (codegen/kernels/layouts.py): gate and up rows interleaved
+    if spec["activation"]:          # stored 'gated' (selection/layouts.py): gate and up rows interleaved
         order = torch.stack([torch.arange(n // 2), torch.arange(n // 2) + n // 2], dim=1).reshape(-1).cuda()
         weights = [weights[0][order]] + [s[:, order] if s.dim() == 2 else s[order] for s in weights[1:]]
     bias = torch.randn(n, device="cuda", generator=gen).to(dtype) if spec["bias"] else None

@@ -1,6 +1,6 @@
 """kiln's tensor-core GEMM (codegen/kernels/gpu/mma_gemm.py) on the GPU against torch's float32 product.
 
-Every candidate tile of codegen/kernels/gpu/mma_tuning.py, and the compiler's choice by rows, in bf16 and fp16,
+Every candidate tile of selection/tiles.py, and the compiler's choice by rows, in bf16 and fp16,
 plain and with bias and residual; q8, fp8 and q4 (groups of 32 and 128) weights on three tiles; at
 the row counts that cross the tiles' edges (1, 7, 16, 17, 64, 100, 1000). The kernels come from
 KILN_GEMM_KERNELS (`bench/gemm_gpu.py build DIR --tests-only` on a build machine) or are built here.
@@ -16,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel_builds import kernel_folder  # noqa: E402
 from gemm_gpu import TEST_ROWS, default_specs, kernel_specs, reference  # noqa: E402
+from kernel_builds import kernel_folder  # noqa: E402
 
 # one rounding of the output is 2^-8 (bf16) or 2^-11 (fp16) of its size; the sums' order differs
 # from torch's, which moves a value across a rounding edge now and then
@@ -31,6 +31,7 @@ CASES = sorted({(s["tile"], s["weight"], s["group"], s["bias"])
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
     import tvm
+
     from kiln.runtime.tvm_bridge import enable_cuda_runtime
     enable_cuda_runtime()
     arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
@@ -166,7 +167,8 @@ def test_gated_kernel_applies_the_activation(kernels, dtype, tile, weight, group
     """gate/up weights stored 'gated' (rows interleaved); y = act(gate) * up, half as wide, each
     step rounded as ir/ops.py's swiglu / geglu."""
     import torch
-    from kiln.codegen.kernels.layouts import GATED, GATED_COLUMNS, apply_layout
+
+    from kiln.selection.layouts import GATED, GATED_COLUMNS, apply_layout
     library, specs = kernels
     torch_dtype = getattr(torch, dtype)
     spec = next(s for s in specs if (s["dtype"], s["tile"], s["weight"], s["group"], s.get("activation"))

@@ -15,9 +15,10 @@ import functools
 
 from tvm.script import tirx as T
 
+from kiln.selection.formats import WeightFormat
+
 from .bf16_micro import LANES, PAIR, micro_name
 from .gemm import panel_and_tile, signature, tile_output
-from ..weight_format import WeightFormat
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 1024, 6
 

@@ -11,7 +11,7 @@ micro-tile and K block:
 
 for r < rows, v < vectors (16 columns each), p < pairs. x is bf16 row-major (a pair is one 32-bit
 value, broadcast to every lane); w is a panel in layout packedNBx2 (a pair of inputs per column
-side by side, codegen/kernels/layouts.py), so one 64-byte row of it is the operand for 16 columns. The
+side by side, selection/layouts.py), so one 64-byte row of it is the operand for 16 columns. The
 rows × vectors float32 sums stay in registers for the whole loop. Each product of two bf16 values
 is exact in float32, so the result differs from an fp32 FMA loop only in summation order.
 """

@@ -19,7 +19,9 @@ import functools
 import tvm
 from tvm.script import tirx as T
 
-from ..weight_format import WeightFormat, epilogue
+from kiln.selection.formats import WeightFormat
+
+from ..weight_format import epilogue, epilogue_scale, weight_value
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6     # measured on a 2-vCPU Zen 3 VM: docs/BENCHMARKS.md
 
@@ -48,7 +50,7 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     def weight(w, scale, jo, k, c):                 # evaluated while parsing: the decoded W[j, k]
         if scale is None and scaled_format:       # a signature this format never uses
             return T.float32(0)
-        return fmt.value(lambda j, kk: w[jo, kk, c], scale, jo * nb + c, k)
+        return weight_value(fmt, lambda j, kk: w[jo, kk, c], scale, jo * nb + c, k)
 
     @T.macro
     def gemm(x, w, scale, bias, residual, y, m):
@@ -107,7 +109,7 @@ def tile_output(acc, fmt: WeightFormat, dtype: str, scale, bias, residual, row0,
     class Tile:
         def __getitem__(self, ij):
             return acc[ij[0] - row0, ij[1] - col0]
-    return epilogue(Tile(), fmt.epilogue_scale(scale), bias, residual, dtype)(row0 + r, col0 + c)
+    return epilogue(Tile(), epilogue_scale(fmt, scale), bias, residual, dtype)(row0 + r, col0 + c)
 
 
 def signature(body, n_in: int, n_out: int, w_shape: tuple, dtype: str, weight_dtype: str, scale_shape: tuple | None,

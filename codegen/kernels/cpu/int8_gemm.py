@@ -21,8 +21,9 @@ import functools
 
 from tvm.script import tirx as T
 
+from kiln.selection.formats import WeightFormat
+
 from .gemm import panel_and_tile, signature, tile_output
-from ..weight_format import WeightFormat
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
 LANES = 8                                  # int32 lanes of an AVX2 register: 8 output columns

@@ -22,20 +22,16 @@ import functools
 
 from tvm.script import tirx as T
 
+from kiln.selection.formats import WeightFormat
+from kiln.selection.shapes import INT8_GEMV_GROUP, int8_gemv_takes
+
 from .gemm import signature, tile_output
 from .int8_gemm import LANES, PAIR_DOT, x_block_sums, x_quantizer
-from ..weight_format import WeightFormat
 
-GROUP = 16                                 # output columns per step: 16 int16 lanes (q4), two pair dots (q8)
+GROUP = INT8_GEMV_GROUP                    # output columns per step: 16 int16 lanes (q4), two pair dots (q8)
 BYTE_DOT = "llvm.x86.avx2.pmadd.ub.sw"     # unsigned × signed bytes, adjacent pairs summed into int16
 AHEAD = 4                                  # q4: blocks of weight rows (and scales) prefetched ahead
 Q4_INT16_RUN = 16                          # q4 inputs whose byte dots an int16 lane can hold
-
-
-def supports(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
-    """Whether int8_gemv_kernel takes this linear (else the GEMM serves decode steps too)."""
-    run = 4 if fmt.kind == "q4" else 2
-    return nb % GROUP == 0 and fmt.act_block % run == 0 and fmt.kind in ("q8", "q4")
 
 
 def _quad_position(k):
@@ -47,8 +43,8 @@ def _quad_position(k):
 def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFormat, has_bias: bool,
                      has_residual: bool):
     """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]), w stored as codegen/kernels/cpu/int8_gemm.py's
-    kernel takes it; see supports()."""
-    if not supports(n_out, n_in, nb, fmt):
+    kernel takes it; see selection/shapes.py int8_gemv_takes."""
+    if not int8_gemv_takes(n_out, n_in, nb, fmt):
         raise ValueError(f"the int8 GEMV takes panels of a multiple of {GROUP} columns and q8/q4 blocks of "
                          f"a multiple of 4 inputs, not nb={nb}, {fmt}")
     block, q4 = fmt.act_block, fmt.kind == "q4"

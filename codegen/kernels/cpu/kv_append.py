@@ -16,7 +16,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from kiln.ir.kv_spec import KVSpec
+from kiln.interface import KVSpec
 from kiln.ir.quant import KVScheme, kv_scheme_for
 
 from ..rope_load import RotaryLoad, computed_trig, load_head_element, rope_angle

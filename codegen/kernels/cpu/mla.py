@@ -22,7 +22,7 @@ import functools
 
 from tvm.script import tirx as T
 
-from kiln.ir.kv_spec import KVSpec
+from kiln.interface import KVSpec
 from kiln.ir.quant import kv_scheme_for
 
 from ..tir_values import LOWEST

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from tvm import s_tir, te, tirx
 
-from ..weight_format import WeightFormat, epilogue
+from kiln.selection.formats import WeightFormat
+
+from ..weight_format import epilogue, epilogue_scale, weight_value
 
 ROW_TILE, K_BLOCK = 16, 128      # measured on a 2-core Zen VM, bench in docs
 
@@ -26,9 +28,9 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
     residual = te.placeholder((m, n_out), dtype, name="residual") if has_residual else None
     k = te.reduce_axis((0, n_in), "k")
     acc = te.compute((m, n_out), lambda i, j: te.sum(
-        x[i, k].astype("float32") * fmt.value(lambda jj, kk: wp[jj // nb, kk, jj % nb], scale, j, k), axis=k),
+        x[i, k].astype("float32") * weight_value(fmt, lambda jj, kk: wp[jj // nb, kk, jj % nb], scale, j, k), axis=k),
         name="acc")
-    y = te.compute((m, n_out), epilogue(acc, fmt.epilogue_scale(scale), bias, residual, dtype), name="y")
+    y = te.compute((m, n_out), epilogue(acc, epilogue_scale(fmt, scale), bias, residual, dtype), name="y")
     args = [x, wp] + [t for t in (scale, bias, residual) if t is not None] + [y]
     return schedule_packed(te.create_prim_func(args), n_in, nb)
 

@@ -34,22 +34,17 @@ import functools
 
 from tvm.script import tirx as T
 
+from kiln.selection.formats import WeightFormat
+from kiln.selection.shapes import QUAD, VNNI_LANES, vnni_takes
+
 from .gemm import panel_and_tile, signature, tile_output
 from .int8_gemm import x_block_sums, x_quantizer
-from ..weight_format import WeightFormat
 
 QUAD_DOT = "llvm.x86.avx512.vpdpbusd.512"  # unsigned × signed bytes, four per int32 lane summed in
-LANES = 16                                 # int32 lanes of a 512-bit register: 16 output columns
-QUAD = 4                                   # stored bytes per column in a row of the layout
+LANES = VNNI_LANES                         # int32 lanes of a 512-bit register: 16 output columns
 ROWS, K_BLOCK, MICRO_ROWS = 48, 512, 6
 MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
 
-
-
-def supports(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
-    paired = 2 if fmt.kind == "q4" else 1            # blocks whose inputs share stored bytes
-    return (fmt.kind in ("q8", "q4") and fmt.act_block % QUAD == 0 and n_in % (paired * fmt.act_block) == 0
-            and nb % LANES == 0)
 
 
 @functools.cache
@@ -58,7 +53,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     """(x [m, n_in], w, scale, [bias,] [residual,] y [m, n_out]), w stored in layout packedNBx4:
     [n_out/nb, n_in/4, 4 nb] int8 (q8), or in packedNBx4nB [n_out/nb, n_in/8, 4 nb] bytes of two
     nibbles (q4, B the activation block); q4's group scales in layout panelsNB: [n_out/nb, n_in/group, nb]."""
-    if not supports(n_out, n_in, nb, fmt):
+    if not vnni_takes(n_out, n_in, nb, fmt):
         raise ValueError(f"the VNNI kernel takes q8/q4 with panels of a multiple of {LANES} columns and "
                          f"activation blocks of whole stored rows, not nb={nb}, {fmt}")
     block, q4 = fmt.act_block, fmt.kind == "q4"

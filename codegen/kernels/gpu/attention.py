@@ -1,4 +1,4 @@
-"""kiln's paged attention on CUDA: the kernel registry's `kiln_gpu` (codegen/lowering/attention_kernels.py).
+"""kiln's paged attention on CUDA: the kernel records `kiln_gpu` and `kiln_gpu_decode` (selection/attention.py).
 
 PrimFuncs whose kernels are CUDA source (codegen/kernels/gpu/attention_source.py) that TIR calls, as
 codegen/kernels/gpu/mma_gemm.py's are, so they run on TVM's stream and the decode CUDA graphs capture them:
@@ -14,7 +14,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from kiln.ir.kv_spec import KVSpec
+from kiln.interface import KVSpec
 
 from .attention_source import WARPS, AttentionShape, append_source, attention_source
 

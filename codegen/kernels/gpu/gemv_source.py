@@ -18,7 +18,7 @@ A decode step reads every weight once, so the kernel is built to stream them:
   output's rounding);
 - the M rows of x go MB at a time (MB 1 for batch 1), so each weight chunk is read once per MB rows.
 The epilogue is codegen/kernels/weight_format.py's: float32 sum (times the q8/fp8 scale), + bias, round, + residual,
-round; with ACT (a gated MLP's gate/up, rows interleaved gate 0, up 0, ...: codegen/kernels/layouts.py
+round; with ACT (a gated MLP's gate/up, rows interleaved gate 0, up 0, ...: selection/layouts.py
 'gated') the output is act(gate) * up, as codegen/kernels/gpu/mma_source.py computes it.
 """
 from __future__ import annotations
@@ -26,8 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .mma_source import ACTIVATION_CODES, CTYPES, HELPERS, WEIGHT_CODES, linear_call, wrapper
-
-CHUNK_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -50,11 +48,6 @@ class GemvConfig:
             raise ValueError(f"GEMV {self.name}: threads must be whole warps, 32 to 1024")
         if self.batch * self.rows > self.threads:
             raise ValueError(f"GEMV {self.name}: each of the MB x R sums needs a thread to write it")
-
-
-def inputs_per_chunk(weight: str) -> int:
-    """Inputs one 16-byte load of a stored weight row covers: 8 (float), 16 (q8, fp8), 32 (q4)."""
-    return CHUNK_BYTES * 8 // WEIGHT_CODES[weight][1]
 
 
 # the one PTX instruction the GEMV issues itself (tests/mma_emulator.h emulates it)
@@ -267,7 +260,7 @@ def gemv_source(name: str, dtype: str, config: GemvConfig, n_out: int, n_in: int
         raise ValueError("a gated GEMV takes no bias or residual, and an even number of rows a block")
     ctype = CTYPES[dtype][0]
     params, args = linear_call(ctype, weight, bias, residual, n_out, n_in, "float")
-    template = (f"kiln_gemv::gemv<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {config.rows}, "
+    template = (f"kiln_gemv::gemv<{ctype}, {WEIGHT_CODES[weight]}, {group_size or 1}, {config.rows}, "
                 f"{config.batch}, {config.threads}, {str(bias).lower()}, {str(residual).lower()}, "
                 f"{ACTIVATION_CODES[activation]}>")
     return GEMV_HELPERS + wrapper(name, params, template, args)

@@ -12,21 +12,13 @@ import json
 from functools import cache
 from pathlib import Path
 
-from .gemv_source import GemvConfig, inputs_per_chunk
-from .mma_source import CTYPES, stored_dtype
+from kiln.selection.shapes import inputs_per_chunk
+
+from .gemv_source import GemvConfig
 
 BATCH_BUCKETS = ((1, 1), (4, 4), (0, 8))      # (up to rows, MB): the last for every larger step
 MIN_BLOCKS = 528                               # 4 blocks on each of an H100's 132 SMs
 CANDIDATE_ROWS, CANDIDATE_THREADS = (1, 2, 4), (128, 256)     # what bench/gemv_gpu.py times
-
-
-def supports(dtype: str, weight_dtype: str, n_out: int, n_in: int, weight: str = "float", group_size: int = 0,
-             activation: str | None = None) -> bool:
-    """Whether the GEMV takes this linear: bf16/fp16 activations, weights of their dtype or q8,
-    fp8, q4 in groups of a multiple of 32 (a chunk in one group); rows whole 16-byte chunks."""
-    return (dtype in CTYPES and weight_dtype == stored_dtype(weight, dtype) and n_in % inputs_per_chunk(weight) == 0
-            and (weight != "q4" or group_size % 32 == 0 and n_in % group_size == 0)
-            and (not activation or n_out % 2 == 0))
 
 
 def rows_per_block(n_out: int) -> int:

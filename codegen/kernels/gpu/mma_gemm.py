@@ -2,7 +2,7 @@
 with weights in their dtype or quantised (q8, fp8, q4: a mixed-input GEMM), by step shape.
 
 One PrimFunc per linear shape. Its host side picks a tile by the step's row count (the tuning
-table's rows for the shape, codegen/kernels/gpu/mma_tuning.py) and launches the tile's kernel; each kernel is
+table's rows for the shape, selection/tiles.py) and launches the tile's kernel; each kernel is
 CUDA source (codegen/kernels/gpu/mma_source.py) that TIR calls, so TVM builds it into the artifact with the
 rest, it runs on TVM's stream and the decode CUDA graphs capture it like any other kernel. Where a
 step has few rows the caller may put another kernel first (`below`): the GPU decode GEMV.
@@ -13,18 +13,10 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .mma_source import ARCHS_WITH_MMA, CTYPES, TileConfig, experts_kernel_source, kernel_source, stored_dtype
+from kiln.selection.shapes import stored_dtype
+from kiln.selection.tiles import TileConfig
 
-
-
-def supports(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: int, tiles,
-             weight: str = "float", group_size: int = 0) -> bool:
-    """Whether the tensor-core kernel takes this linear: bf16/fp16 activations on sm_80+ with weights
-    of their dtype, or int8 / e4m3 levels with a scale per output, or q4 nibbles in groups of a
-    multiple of 16 inputs; every output tile whole and the inputs a whole number of input tiles."""
-    return (arch in ARCHS_WITH_MMA and dtype in CTYPES and weight_dtype == stored_dtype(weight, dtype)
-            and (weight != "q4" or group_size % 16 == 0 and n_in % group_size == 0)
-            and all(n_out % t.bn == 0 and n_in % t.bk == 0 for _, t in tiles))
+from .mma_source import CTYPES, experts_kernel_source, kernel_source
 
 
 def launch_lines(name: str, blocks: int, rows_per_block: int, threads: int, shared_bytes: int,

@@ -18,64 +18,15 @@ small wrapper that fixes the template's parameters.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from kiln.selection.tiles import ELEMENT_BYTES, TileConfig
 
 MMA_K = 16                  # mma.sync.m16n8k16: k per instruction
-ELEMENT_BYTES = 2           # bf16 and fp16
 CHUNK = 16 // ELEMENT_BYTES  # elements per 16-byte cp.async / ldmatrix row
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """A thread block's tile: BM x BN outputs over BK-wide input tiles, WM x WN warps, STAGES buffers."""
-    bm: int
-    bn: int
-    bk: int
-    wm: int
-    wn: int
-    stages: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.bm}x{self.bn}x{self.bk}w{self.wm}x{self.wn}s{self.stages}"
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.wm * self.wn
-
-    def shared_bytes(self, weight: str = "float") -> int:
-        """Shared memory of the pipeline: STAGES x (the x tile + the weight tile as stored)."""
-        return self.stages * (self.bm * self.bk * ELEMENT_BYTES + self.bn * weight_row_stride(weight, self.bk))
-
-    def check(self) -> None:
-        """Refuse a tile the kernel cannot run (each warp needs whole 16 x 16 fragments)."""
-        if self.bk not in (32, 64):
-            raise ValueError(f"tile {self.name}: BK must be 32 or 64 (swizzle by 128-byte lines)")
-        if self.bm % (16 * self.wm) or self.bn % (16 * self.wn):
-            raise ValueError(f"tile {self.name}: each warp needs a multiple of 16 rows and 16 columns")
-        if self.stages < 2:
-            raise ValueError(f"tile {self.name}: the pipeline needs at least 2 stages")
-
-
 CTYPES = {"bfloat16": ("__nv_bfloat16", "bf16"), "float16": ("__half", "f16")}
-ARCHS_WITH_MMA = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")       # mma.sync for bf16 and fp16
-
-# weights the kernel reads, by codegen/kernels/weight_format.py's WeightFormat kind: template code, bits per input
-WEIGHT_CODES = {"float": (0, 16), "q8": (1, 8), "fp8": (2, 8), "q4": (3, 4)}
-# the stored weight each format's kernel reads: dtype and shape (codegen/kernels/weight_format.py's WeightFormat kinds)
-STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
-
-
-def stored_dtype(weight: str, dtype: str) -> str:
-    return STORED.get(weight, dtype)
-
-
-def weight_row_stride(weight: str, bk: int) -> int:
-    """Bytes between rows of a stored-weight tile in shared memory: float weights are swizzled in
-    place; quantised rows are padded by 16 bytes, so the eight rows a fragment load touches fall
-    in different banks."""
-    bits = WEIGHT_CODES[weight][1]
-    return bk * bits // 8 + (0 if weight == "float" else 16)
+# the template's code for each weight format (selection/formats.py WeightFormat kinds)
+WEIGHT_CODES = {"float": 0, "q8": 1, "fp8": 2, "q4": 3}
 
 # the PTX the kernel issues: shared-memory addresses, asynchronous copies, ldmatrix, mma.sync
 PTX_PRIMITIVES = r"""
@@ -228,7 +179,7 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int row0, int r
 // scales. With row_token row r reads x[row_token[r]]; with row_weight its output, rounded, is
 // multiplied by row_weight[r] and rounded again.
 // ACT 1 (silu) or 2 (gelu_tanh): the weights' rows are a gated MLP's gate and up interleaved
-// (codegen/kernels/layouts.py 'gated'), and output column c / 2 is act(gate) * up of columns c and c + 1, each
+// (selection/layouts.py 'gated'), and output column c / 2 is act(gate) * up of columns c and c + 1, each
 // step rounded as the swiglu / geglu op rounds it; y is [M, N / 2].
 template <typename T, int WFMT, int G, int BM, int BN, int BK, int WM, int WN, int STAGES, bool BIAS, bool RESIDUAL,
           bool EXPERTS = false, int ACT = 0>
@@ -421,7 +372,7 @@ def kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n_in: int
         raise ValueError("a gated linear's kernel takes no bias or residual")
     ctype = CTYPES[dtype][0]
     params, args = linear_call(ctype, weight, bias, residual, n_out, n_in, "unsigned char")
-    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
+    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
                 f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, {str(bias).lower()}, {str(residual).lower()}, false, "
                 f"{ACTIVATION_CODES[activation]}>")
     return HELPERS + wrapper(name, params, template, args)
@@ -462,6 +413,6 @@ def experts_kernel_source(name: str, dtype: str, tile: TileConfig, n_out: int, n
             f"static_cast<{ctype}*>(y)", "M", str(n_out), str(n_in), "static_cast<unsigned char*>(shared)",
             "static_cast<const int*>(row_token)" if gather else "nullptr", "static_cast<const int*>(row_expert)",
             "static_cast<const float*>(row_weight)" if weighted else "nullptr"]
-    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight][0]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
+    template = (f"kiln_mma::gemm<{ctype}, {WEIGHT_CODES[weight]}, {group_size or 1}, {tile.bm}, {tile.bn}, "
                 f"{tile.bk}, {tile.wm}, {tile.wn}, {tile.stages}, false, false, true>")
     return HELPERS + wrapper(name, params, template, args)

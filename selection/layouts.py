@@ -1,8 +1,8 @@
-"""Weight layouts: how a parameter is stored in the artifact for the kernels that read it.
+"""Weight layouts: how a parameter is stored in the artifact for the kernel chosen to read it.
 
 A layout is a short string; `apply_layout` turns a [out, in] array into it (a 'panelsNB' table of
-group scales: a [groups, out] array). The same functions run at compile time (writing weights) and
-in tests.
+group scales: a [groups, out] array). The kernel records (selection/linear.py) read layouts to say
+what they take, codegen's kernels index them, and compile (writing weights) and tests apply them.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Which tensor-core tiles a linear runs, by step rows: the offline tuning table, else defaults.
+"""Which tensor-core tiles a linear runs, by step rows: the offline tuning table, else defaults; and
+what a tile is (TileConfig), which the tensor-core kernel (codegen/kernels/gpu/mma_source.py) is
+generated for.
 
-`mma_tuning.json` maps "arch dtype NxK" to [[up to rows, tile name], ...] (the last entry for every
+`tiles.json` maps "arch dtype NxK" to [[up to rows, tile name], ...] (the last entry for every
 larger step). `bench/gemm_gpu.py --write-table` writes it from one run on the GPU machine: each
 candidate below is built here, timed there, and the fastest per (shape, rows bucket) kept.
 Shapes the table lacks take the first candidates whose tiles divide the shape.
@@ -8,12 +10,53 @@ Shapes the table lacks take the first candidates whose tiles divide the shape.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .mma_source import TileConfig
+from .shapes import WEIGHT_BITS
 
-TABLE = Path(__file__).with_name("mma_tuning.json")
+TABLE = Path(__file__).with_name("tiles.json")
+ELEMENT_BYTES = 2           # bf16 and fp16 activations
+
+
+def weight_row_stride(weight: str, bk: int) -> int:
+    """Bytes between rows of a stored-weight tile in shared memory: float weights are swizzled in
+    place; quantised rows are padded by 16 bytes, so the eight rows a fragment load touches fall
+    in different banks."""
+    return bk * WEIGHT_BITS[weight] // 8 + (0 if weight == "float" else 16)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A thread block's tile: BM x BN outputs over BK-wide input tiles, WM x WN warps, STAGES buffers."""
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}w{self.wm}x{self.wn}s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+    def shared_bytes(self, weight: str = "float") -> int:
+        """Shared memory of the pipeline: STAGES x (the x tile + the weight tile as stored)."""
+        return self.stages * (self.bm * self.bk * ELEMENT_BYTES + self.bn * weight_row_stride(weight, self.bk))
+
+    def check(self) -> None:
+        """Refuse a tile the kernel cannot run (each warp needs whole 16 x 16 fragments)."""
+        if self.bk not in (32, 64):
+            raise ValueError(f"tile {self.name}: BK must be 32 or 64 (swizzle by 128-byte lines)")
+        if self.bm % (16 * self.wm) or self.bn % (16 * self.wn):
+            raise ValueError(f"tile {self.name}: each warp needs a multiple of 16 rows and 16 columns")
+        if self.stages < 2:
+            raise ValueError(f"tile {self.name}: the pipeline needs at least 2 stages")
 
 # rows buckets the table distinguishes (a step with more rows than the last takes the last entry)
 ROW_BUCKETS = (16, 64, 256, 1024)

@@ -1,0 +1,25 @@
+"""How a linear, embed or moe_experts node reads its stored weight: `WeightFormat` (float, q8, fp8,
+q4 nibbles in groups, int8 activations in blocks), from the node's attributes. The kernel records
+ask it what a site is; codegen's kernels read weights by it (codegen/kernels/weight_format.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    kind: str = "float"          # "float" | "q8", "fp8" (per-output scale) | "q4" (nibbles, group scales)
+    group_size: int = 0
+    act_block: int = 0           # > 0: x quantised to int8 in blocks of this many inputs (ir/ops.py)
+
+    @classmethod
+    def of(cls, node) -> WeightFormat:
+        """The format a linear, embed or moe_experts node reads (its `format`, group_size, act_block)."""
+        fmt = node.attrs.get("format", "none")
+        return cls("float" if fmt == "none" else fmt, node.attrs.get("group_size", 0), node.attrs.get("act_block", 0))
+
+    @property
+    def suffix(self) -> str:
+        """A kernel-name suffix: "" for float, "_q8", "_q4g32", "_q4g32a32" (int8 x in blocks of 32), ..."""
+        return "" if self.kind == "float" else (f"_{self.kind}" + (f"g{self.group_size}" if self.group_size else "")
+                                                + (f"a{self.act_block}" if self.act_block else ""))

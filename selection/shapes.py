@@ -1,0 +1,66 @@
+"""What each of kiln's own linear kernels takes: activations, stored weights and shapes, as plain
+predicates. The kernel records (selection/linear.py, experts.py) ask them before a kernel is chosen;
+codegen's kernels (codegen/kernels/cpu, gpu) import them to refuse what they cannot run, so the two
+never disagree."""
+from __future__ import annotations
+
+from .formats import WeightFormat
+
+# -- CUDA -------------------------------------------------------------------------------------------
+MMA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")      # mma.sync for bf16 and fp16
+HALF_DTYPES = ("bfloat16", "float16")                           # the activations kiln's CUDA linears take
+# the stored weight each format's kernels read (WeightFormat kinds; "float": the activations' dtype)
+STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
+WEIGHT_BITS = {"float": 16, "q8": 8, "fp8": 8, "q4": 4}          # bits a stored input takes
+CHUNK_BYTES = 16                                                # the GEMV's loads: 16 bytes of a weight row
+
+
+def stored_dtype(weight: str, dtype: str) -> str:
+    return STORED.get(weight, dtype)
+
+
+def inputs_per_chunk(weight: str) -> int:
+    """Inputs one 16-byte load of a stored weight row covers: 8 (float), 16 (q8, fp8), 32 (q4)."""
+    return CHUNK_BYTES * 8 // WEIGHT_BITS[weight]
+
+
+def mma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: int, tiles,
+              weight: str = "float", group_size: int = 0) -> bool:
+    """Whether the tensor-core kernel (codegen/kernels/gpu/mma_gemm.py) takes this linear in `tiles`
+    ((rows, TileConfig) pairs, selection/tiles.py): bf16/fp16 activations on sm_80+ with weights of
+    their dtype, or int8 / e4m3 levels with a scale per output, or q4 nibbles in groups of a multiple
+    of 16 inputs; every output tile whole and the inputs a whole number of input tiles."""
+    return (arch in MMA_ARCHS and dtype in HALF_DTYPES and weight_dtype == stored_dtype(weight, dtype)
+            and (weight != "q4" or group_size % 16 == 0 and n_in % group_size == 0)
+            and all(n_out % t.bn == 0 and n_in % t.bk == 0 for _, t in tiles))
+
+
+def gemv_takes(dtype: str, weight_dtype: str, n_out: int, n_in: int, weight: str = "float", group_size: int = 0,
+               activation: str | None = None) -> bool:
+    """Whether the streaming GEMV (codegen/kernels/gpu/gemv.py) takes this linear: bf16/fp16
+    activations, weights of their dtype or q8, fp8, q4 in groups of a multiple of 32 (a chunk in one
+    group); rows whole 16-byte chunks; a gated one's outputs in pairs."""
+    return (dtype in HALF_DTYPES and weight_dtype == stored_dtype(weight, dtype) and n_in % inputs_per_chunk(weight) == 0
+            and (weight != "q4" or group_size % 32 == 0 and n_in % group_size == 0)
+            and (not activation or n_out % 2 == 0))
+
+
+# -- x86 CPUs ---------------------------------------------------------------------------------------
+VNNI_LANES = 16          # int32 lanes of a 512-bit register: the VNNI kernel's 16 output columns
+QUAD = 4                 # stored bytes per column in a row of the VNNI layout (vpdpbusd's quads)
+INT8_GEMV_GROUP = 16     # the int8 GEMV's output columns per step: 16 int16 lanes (q4), two pair dots (q8)
+
+
+def vnni_takes(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
+    """Whether the VNNI kernel (codegen/kernels/cpu/vnni_linear.py) takes q8/q4 weights in panels of
+    `nb` columns with int8 activations in `fmt.act_block`s: blocks of whole stored rows."""
+    paired = 2 if fmt.kind == "q4" else 1            # blocks whose inputs share stored bytes
+    return (fmt.kind in ("q8", "q4") and fmt.act_block % QUAD == 0 and n_in % (paired * fmt.act_block) == 0
+            and nb % VNNI_LANES == 0)
+
+
+def int8_gemv_takes(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
+    """Whether the AVX2 int8 GEMV (codegen/kernels/cpu/int8_gemv.py) takes this linear (else the int8
+    GEMM serves decode steps too)."""
+    run = 4 if fmt.kind == "q4" else 2
+    return nb % INT8_GEMV_GROUP == 0 and fmt.act_block % run == 0 and fmt.kind in ("q8", "q4")
