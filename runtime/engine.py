@@ -413,8 +413,10 @@ class Engine:
         if not seq.finished:                              # (a stop string may have ended it already)
             if stopped_by_token:
                 seq.finish_reason, seq.stop_reason = "stop", tok
-            elif seq.state.grammar is not None and seq.state.grammar.terminated:
-                seq.finish_reason = "stop"                # the structured output is complete
+            elif seq.state.grammar is not None and (seq.state.grammar.terminated or seq.state.grammar_ended()):
+                # the structured output is complete (a stop token is all that may follow: the sequence
+                # stops without a step to draw it, so one finished on its last allowed token is no cut)
+                seq.finish_reason = "stop"
             elif count >= p.max_tokens:
                 seq.finish_reason = "length"
         if seq.finished:

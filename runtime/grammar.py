@@ -159,6 +159,7 @@ class TokenMatcher:
         self.compiled, self.vocab_size, self.barred = compiled, vocab_size, barred
         self._matcher = _xgrammar().GrammarMatcher(compiled)
         self._bits = np.zeros((1, (vocab_size + 31) // 32), np.int32)
+        self.stop_ids = np.array([i for i in self._matcher.stop_token_ids if i < vocab_size], np.int64)
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens that may come next (never a barred one)."""
@@ -177,6 +178,17 @@ class TokenMatcher:
     def terminated(self) -> bool:
         """The output is complete and its stop token accepted: nothing may follow."""
         return bool(self._matcher.is_terminated())
+
+    @property
+    def completed(self) -> bool:
+        """The output so far is a whole sentence of the grammar (more may follow it, or not)."""
+        return bool(self._matcher.is_completed())
+
+    def only_stops(self, allowed: np.ndarray) -> bool:
+        """Whether `allowed` (this matcher's mask now) lets nothing but a stop token come next."""
+        others = allowed.copy()
+        others[self.stop_ids] = False
+        return not others.any()
 
     def fresh(self) -> "TokenMatcher":
         """A matcher of the same grammar at its start (another sample of the request)."""

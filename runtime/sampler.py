@@ -190,6 +190,11 @@ class SamplerState:
         self.prepare()
         return self._allowed
 
+    def grammar_ended(self) -> bool:
+        """The structured output is whole and nothing but a stop token may follow it. (The mask is
+        read only once the grammar is complete: before that it is computed beside the forward.)"""
+        return self.grammar is not None and self.grammar.completed and self.grammar.only_stops(self.allowed())
+
     def fork(self, index: int) -> "SamplerState":
         """The state of sample `index` of the same request, before any output."""
         return SamplerState(self.params, self.prompt_ids, self.stop_ids, index,

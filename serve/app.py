@@ -35,7 +35,7 @@ from . import responses
 from .metrics import EngineGauges, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_api import ResponseFormat, ResponsesRequest
-from .tool_calls import FORMATS, detect, structural_tag
+from .tool_calls import FORMATS, detect, json_calls, structural_tag
 
 
 @dataclass
@@ -415,15 +415,22 @@ async def chat_completions(body: ChatCompletionRequest, s: Server):
 def with_tools(config: ServerConfig, tok, body, tools: list[dict] | None, params):
     """(params, the tool-call format) for a request whose tools are in force, else (params, None):
     the format's markers kept in the text, and for a required or named tool_choice the grammar of
-    its calls. The format is --tool-call-parser's, else the one the chat template writes."""
+    its calls. The format is --tool-call-parser's, else the one the chat template writes; with
+    neither, a required or named tool_choice gets JSON calls (tool_calls.json_calls, as vLLM does)
+    and "auto", which would need to find calls in free text, a 400."""
     if not body.tools_in_force():
         return params, None
+    forced = body.tool_choice not in (None, "auto")          # "required" or a named function: only calls
     found = FORMATS[config.tool_call_parser] if config.tool_call_parser else detect(tok.chat_template)
-    if found is None:
+    if found is None and not forced:
         raise APIError(400, "this model's chat template shows no tool-call format kiln knows; start the server "
-                            f"with --tool-call-parser ({', '.join(FORMATS)})", "tools")
+                            f"with --tool-call-parser ({', '.join(FORMATS)}), or send tool_choice 'required' "
+                            "or a named function", "tools")
+    if found is None:
+        found, grammar = json_calls(tools, body.forced_tool(), body.parallel_tool_calls)
+        return dataclasses.replace(params, structured=grammar), found
     params = dataclasses.replace(params, skip_special_tokens=params.skip_special_tokens and not found.special)
-    if body.tool_choice not in (None, "auto"):          # "required" or a named function: only calls
+    if forced:
         params = dataclasses.replace(params, structured=structural_tag(found, tools, body.forced_tool(),
                                                                        body.parallel_tool_calls))
     return params, found

@@ -8,19 +8,21 @@ fields are ignored, as OpenAI's server does; fields kiln knows but does not impl
 the legacy `functions`, image or audio content, ...) are refused by name rather than silently
 dropped. A JSON `response_format`, vLLM's `structured_outputs` and its older `guided_json` /
 `guided_regex` / `guided_choice` / `guided_grammar` constrain the output (runtime/grammar.py); a
-body gives one. `tools` and `tool_choice` are the chat route's (serve/tool_calls.py). A value out
-of range fails validation, which the app turns into a 400 naming the parameter.
+body gives one. `tools` and `tool_choice` are checked by serve/tool_fields.py in the shape of each
+route's API (the completions route takes none); serve/tool_calls.py turns them into calls. A value
+out of range fails validation, which the app turns into a 400 naming the parameter.
 """
 from __future__ import annotations
 
 import json
-import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln.runtime.grammar import GrammarSpec
 from kiln.runtime.sampler import SamplingParams
+
+from .tool_fields import CHAT, ToolShape, valid_tool_choice, valid_tools
 
 
 def _no_lone_surrogates(value: Any) -> None:
@@ -39,7 +41,6 @@ def _no_lone_surrogates(value: Any) -> None:
             _no_lone_surrogates(v)
 
 
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # vLLM's structured_outputs keys: a JSON schema, a regex, a choice of strings, an EBNF grammar, any JSON
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -138,6 +139,7 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     speculative: bool = True           # false: never speculate for this request
+    TOOLS: ClassVar[ToolShape | None] = None      # how the route spells tools (serve/tool_fields.py); None: it has none
 
     @field_validator("stop")
     @classmethod
@@ -161,17 +163,13 @@ class _Sampling(_Request):
 
     @field_validator("tools", "functions")
     @classmethod
-    def _no_tools(cls, v, info):
-        if v:
-            raise _unsupported(info.field_name, "no tool calling")
-        return v
+    def _tools(cls, v, info):
+        return valid_tools(cls.TOOLS, info.field_name, v)
 
     @field_validator("tool_choice", "function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
-        if v not in (None, "none"):
-            raise _unsupported(info.field_name, "no tool calling; only 'none'")
-        return v
+    def _tool_choice(cls, v, info):
+        return valid_tool_choice(cls.TOOLS, info.field_name, v)
 
     @field_validator("response_format")
     @classmethod
@@ -199,6 +197,11 @@ class _Sampling(_Request):
             raise ValueError(f"give one output constraint, not {' and '.join(name for name, _ in given)}")
         return self
 
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        self.check_tool_choice(self.TOOLS.names(self.tools) if self.TOOLS else [])
+        return self
+
     def _constraints(self) -> list[tuple[str, GrammarSpec]]:
         """(request field, its constraint) for every constraint the body gives."""
         out = []
@@ -222,7 +225,8 @@ class _Sampling(_Request):
         return bool(self.tools) and self.tool_choice != "none"
 
     def forced_tool(self) -> str | None:
-        return None
+        """The function tool_choice names, if it names one."""
+        return self.TOOLS.chosen(self.tool_choice) if self.TOOLS else None
 
     def check_tool_choice(self, names: list[str]) -> None:
         """tool_choice against the tools' `names`: a named one among them, required with some, and
@@ -337,6 +341,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
+    TOOLS: ClassVar[ToolShape] = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
@@ -347,47 +352,6 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = None       # vLLM's: variables for the template (enable_thinking, ...)
     audio: dict | None = None
     modalities: list[str] | None = None
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v, info):
-        if info.field_name == "functions":
-            if v:
-                raise _unsupported("functions", "the legacy functions API; send tools")
-            return v
-        names = set()
-        for i, tool in enumerate(v or []):
-            function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-            name = function.get("name") if isinstance(function, dict) else None
-            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a name "
-                                 "of letters, digits, '_' or '-' (64 at most)")
-            if not isinstance(function.get("parameters", {}), dict) or name in names:
-                raise ValueError(f"tools[{i}]: parameters must be a JSON schema object, and names unique")
-            names.add(name)
-        return v
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v, info):
-        if info.field_name == "function_call":
-            if v is not None:
-                raise _unsupported("function_call", "the legacy functions API; send tool_choice")
-            return v
-        if v is not None and v not in ("none", "auto", "required") and not (
-                isinstance(nested(v, "function", "name"), str)):
-            raise ValueError("tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                             "{'name': ...}}")
-        return v
-
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self):
-        self.check_tool_choice([t["function"]["name"] for t in self.tools or []])
-        return self
-
-    def forced_tool(self) -> str | None:
-        """The function tool_choice names, if it names one."""
-        return nested(self.tool_choice, "function", "name")
 
     @field_validator("audio")
     @classmethod

@@ -8,7 +8,7 @@ counted once) and over every choice's completion tokens.
 from __future__ import annotations
 
 from .reasoning import ReasoningStream, split
-from .tool_calls import ToolFormat, held_back, parse
+from .tool_calls import ToolFormat, calls_ended, held_back, parse
 
 
 class _Format:
@@ -147,9 +147,10 @@ class Chat(_Format):
                 message["content"], message["tool_calls"] = content, [c.as_json() for c in calls]
         return message
 
-    @staticmethod
-    def _finish(c, called: bool) -> str | None:
-        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+    def _finish(self, c, called: bool) -> str | None:
+        """tool_calls for a reply that made calls: one that ended, or (under a required or named
+        tool_choice, whose grammar lets it write only calls) one max_tokens cut after whole calls."""
+        return "tool_calls" if called and calls_ended(self.body, c.finish_reason) else c.finish_reason
 
     def choice(self, out, c) -> dict:
         message = self._message(c.text)

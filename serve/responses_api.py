@@ -7,24 +7,27 @@ A response holds a message item (one output_text part) when the reply has text, 
 function_call item per call. Streamed, it is OpenAI's event sequence: response.created,
 response.in_progress, the message item and its part added, output_text deltas, each done, then per
 call its item added, its arguments' delta and done, the item done, and response.completed (or
-response.incomplete when max_output_tokens cut it). Not yet: built-in tools and stored responses
+response.incomplete when max_output_tokens cut it, unless it cut a required or named tool_choice's
+reply after whole calls: tool_calls.calls_ended). Not yet: built-in tools and stored responses
 (`previous_response_id`).
 """
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from kiln.runtime.grammar import GrammarSpec
 
-from .protocol import TOOL_NAME, _Sampling, nested, template_arguments
-from .tool_calls import ToolCall, ToolFormat, held_back, parse
+from .protocol import _Sampling, nested, template_arguments
+from .tool_calls import ToolCall, ToolFormat, calls_ended, held_back, parse
+from .tool_fields import RESPONSES, ToolShape
 
 
 class ResponsesRequest(_Sampling):
+    TOOLS: ClassVar[ToolShape] = RESPONSES
     n: Literal[1] = 1                           # one output per response
     stream_options: None = None                 # usage comes in response.completed
     input: str | list[dict]
@@ -67,31 +70,6 @@ class ResponsesRequest(_Sampling):
                     raise ValueError(f"input item {i} holds a {kind!r} part: this model takes text only")
         return v
 
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v, info):
-        if info.field_name == "functions":
-            if v:
-                raise ValueError("functions is not a Responses API field; send tools")
-            return v
-        names = [tool.get("name") if isinstance(tool, dict) and tool.get("type") == "function" else None
-                 for tool in v or []]
-        for i, name in enumerate(names):
-            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name) or names.count(name) > 1:
-                raise ValueError(f"tools[{i}] must be a function tool {{'type': 'function', 'name': ..., "
-                                 "'parameters': {...}}} with a unique name (built-in tools are not supported)")
-        return v
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v, info):
-        if info.field_name == "function_call" and v is not None:
-            raise ValueError("function_call is not a Responses API field; send tool_choice")
-        if v is not None and v not in ("none", "auto", "required") and not (
-                isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("name"), str)):
-            raise ValueError("tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
-        return v
-
     @field_validator("previous_response_id")
     @classmethod
     def _not_stored(cls, v):
@@ -106,14 +84,6 @@ class ResponsesRequest(_Sampling):
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(f"text.format type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
         return v
-
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self):
-        self.check_tool_choice([t["name"] for t in self.tools or []])
-        return self
-
-    def forced_tool(self) -> str | None:
-        return nested(self.tool_choice, "name")
 
     def chat_tools(self) -> list[dict]:
         """The tools in the chat API's shape, which chat templates and the tool formats read."""
@@ -198,14 +168,16 @@ class ResponseFormat:
                                  "output_tokens_details": {"reasoning_tokens": 0}}
         return response
 
-    @staticmethod
-    def _status(sample) -> str:
-        return "incomplete" if sample.finish_reason == "length" else "completed"
+    def _status(self, sample, calls: list[ToolCall]) -> str:
+        """completed, or incomplete where max_output_tokens cut the reply (but not after whole calls
+        under a required or named tool_choice: tool_calls.calls_ended)."""
+        ended = calls and calls_ended(self.body, sample.finish_reason)
+        return "incomplete" if sample.finish_reason == "length" and not ended else "completed"
 
     def response(self, finals: list, request_id, created, model) -> dict:
         sample = finals[0].outputs[0]
-        status = self._status(sample)
         content, calls = self._split(sample.text)
+        status = self._status(sample, calls)
         return self._response(request_id, created, model, status, self._items(content, calls, status),
                               len(sample.token_ids))
 
@@ -238,7 +210,7 @@ class ResponseFormat:
             yield self._event("response.output_text.delta", **at, delta=piece, logprobs=[])
         if not final:
             return
-        status = self._status(sample)
+        status = self._status(sample, calls)
         content = self._split(self.held)[0] if calls else self.held
         if not self.message_open and not calls:
             yield from self._open_message()

@@ -206,3 +206,25 @@ def test_the_grammar_cache_keeps_the_most_recently_used(tokenizer, monkeypatch):
     grammars.compile(specs[2])                             # evicts specs[1], the least recent
     assert list(grammars.compile_seconds) == [specs[0], specs[2]]
     assert grammars.compile(specs[0]) is first
+
+
+def test_a_whole_output_ends_the_sequence_without_its_stop_token(tokenizer):
+    """Where the grammar lets nothing but a stop token follow, the sequence ends with "stop" at its
+    last allowed token: it spends no step drawing the stop token, and max_tokens reached on that very
+    token is no cut. A grammar that may still go on (a+) ends at max_tokens with "length"."""
+    eng = engine(tokenizer)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS["flat"]))
+    validator = jsonschema_rs.validator_for(SCHEMAS["flat"])
+    ask = dict(temperature=1, structured=spec)
+    roomy = [eng.generate([tokenizer.encode("p")], [SamplingParams(**ask, seed=seed, max_tokens=400)])[0].outputs[0]
+             for seed in range(3)]
+    for seed, sample in enumerate(roomy):
+        assert sample.finish_reason == "stop" and sample.stop_reason is None, sample.text
+        assert not set(sample.token_ids) & tokenizer.eos_token_ids and validator.is_valid(json.loads(sample.text))
+        exact = eng.generate([tokenizer.encode("p")], [SamplingParams(**ask, seed=seed,
+                                                                      max_tokens=len(sample.token_ids))])[0]
+        assert (exact.outputs[0].finish_reason, exact.outputs[0].text) == ("stop", sample.text)
+    more = GrammarSpec("regex", "a+")
+    cut = eng.generate([tokenizer.encode("p")], [SamplingParams(temperature=1, seed=0, max_tokens=4, min_tokens=4,
+                                                                structured=more)])[0].outputs[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 4 and set(cut.text) == {"a"}

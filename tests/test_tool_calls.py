@@ -1,6 +1,7 @@
 """Tool calling (serve/tool_calls.py): each family's parser on transcripts, whole and streamed in any
-pieces; required and named tool_choice as grammars that random logits cannot break; `kiln serve`
-with the openai SDK."""
+pieces (and the JSON calls of a model without a format); required and named tool_choice as grammars
+that random logits cannot break; `kiln serve` with the openai SDK (without a format:
+test_tool_calls_json.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from kiln.serve.responses import Chat
-from kiln.serve.tool_calls import FORMATS, parse, structural_tag
+from kiln.serve.tool_calls import FORMATS, JSON, held_back, json_calls, parse, structural_tag
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -19,6 +20,12 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
                                                                       "additionalProperties": False}}}
 TOOLS = [WEATHER, NOW]
+# parameters that refer to their own $defs: the JSON calls' schema must keep the reference working
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "required": ["who"], "additionalProperties": False,
+    "properties": {"who": {"$ref": "#/$defs/Person"}},
+    "$defs": {"Person": {"type": "object", "required": ["age"], "additionalProperties": False,
+                         "properties": {"age": {"type": "integer", "minimum": 3, "maximum": 5}}}}}}}
 CALLS = [("get_weather", {"city": "Oslo", "days": 2}), ("now", {})]
 
 TRANSCRIPTS = {       # family -> (reply with content and two calls, content)
@@ -31,13 +38,16 @@ TRANSCRIPTS = {       # family -> (reply with content and two calls, content)
     "deepseek_v3": ("On it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                     '{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now'
                     "\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "On it."),
+    "json": ('[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}, {"name": "now", "parameters": {}}]',
+             None),
 }
+FORMAT = {**FORMATS, "json": JSON}          # json: a model without a format of its own (tool_calls.json_calls)
 
 
 @pytest.mark.parametrize("family", sorted(TRANSCRIPTS))
 def test_each_family_parses_its_transcript(family):
     text, content = TRANSCRIPTS[family]
-    got_content, calls = parse(FORMATS[family], text)
+    got_content, calls = parse(FORMAT[family], text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
@@ -52,22 +62,37 @@ def test_mistral_v11_calls_and_plain_replies():
     assert parse(FORMATS["hermes"], "<tool_call>\n{broken\n</tool_call>")[1] == []
 
 
-def sample(text, new_text, finished):
+def sample(text, new_text, finished, finish="stop"):
     return SimpleNamespace(index=0, text=text, new_text=new_text, new_token_ids=[1] if new_text else [],
                            token_ids=[1] * len(text), logprobs=None, stop_reason=None,
-                           finish_reason="stop" if finished else None)
+                           finish_reason=finish if finished else None)
 
 
-def stream(family, pieces, reasoning_parser=None):
-    body = SimpleNamespace(n=1, top_logprobs=None)
-    fmt = Chat(None, body, [[1]], ["p"], ["r0"], reasoning_parser=reasoning_parser, tool_format=FORMATS[family])
+def stream(family, pieces, reasoning_parser=None, tool_choice=None, finish="stop"):
+    body = SimpleNamespace(n=1, top_logprobs=None, tool_choice=tool_choice)
+    fmt = Chat(None, body, [[1]], ["p"], ["r0"], reasoning_parser=reasoning_parser, tool_format=FORMAT[family])
     text, chunks = "", []
     for i, piece in enumerate(pieces):
         text += piece
-        out = SimpleNamespace(request_id="r0", outputs=[sample(text, piece, i == len(pieces) - 1)])
+        out = SimpleNamespace(request_id="r0", outputs=[sample(text, piece, i == len(pieces) - 1, finish)])
         chunks += [chunk["choices"][0] for chunk in fmt.chunks(out, "id", 0, "m")]
-    whole = fmt.choice(SimpleNamespace(request_id="r0"), sample(text, "", True))
+    whole = fmt.choice(SimpleNamespace(request_id="r0"), sample(text, "", True, finish))
     return chunks, whole
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "hermes", "json", "mistral"])
+def test_a_reply_cut_after_whole_calls_keeps_them(family):
+    """max_tokens cutting a reply in its second call: the first is kept. Under a required tool_choice
+    (the grammar let the model write only calls) it ends with tool_calls; under auto it was cut."""
+    text, content = TRANSCRIPTS[family]
+    cut = text[:text.rindex("now") + 2]
+    for choice, finish in (("required", "tool_calls"), ("auto", "length")):
+        chunks, whole = stream(family, [cut[:20], cut[20:]], tool_choice=choice, finish="length")
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
+                whole["message"]["tool_calls"]] == CALLS[:1] and whole["message"]["content"] == content
+        streamed = [d["function"] for c in chunks for d in c["delta"].get("tool_calls", [])]
+        assert [(f["name"], json.loads(a["arguments"])) for f, a in zip(streamed[::2], streamed[1::2])] == CALLS[:1]
+        assert whole["finish_reason"] == chunks[-1]["finish_reason"] == finish
 
 
 @pytest.mark.parametrize("family", sorted(TRANSCRIPTS))
@@ -97,7 +122,25 @@ def test_a_reply_without_calls_streams_whole_text():
     assert chunks[-1]["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
 
 
-@pytest.mark.parametrize("family", sorted(FORMATS))
+def test_json_calls_of_a_named_function_and_replies_without_a_whole_call():
+    """A named tool_choice without a format: the reply is the arguments. A reply without a whole call
+    (max_tokens cut it first) is text, and nothing of a JSON reply streams as text before it ends."""
+    named, _ = json_calls(TOOLS, "get_weather", parallel=True)
+    content, calls = parse(named, ' {"city": "Oslo", "days": 2}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS[:1]
+    for fmt, text in ((JSON, '[{"name": "now", "param'), (named, '{"city": "Os'), (JSON, '[{"nam": "now"}]'),
+                      (named, "[]"), (JSON, "[]"), (JSON, '{"name": "now", "parameters": {}}')):
+        assert parse(fmt, text) == (text, []) and held_back(fmt, text) == 0
+
+
+def tool_grammar(family, tools, named, parallel):
+    """(format, grammar) of a required or named tool_choice, as serve/app.py picks them."""
+    if family == "json":
+        return json_calls(tools, named, parallel)
+    return FORMATS[family], structural_tag(FORMATS[family], tools, named, parallel)
+
+
+@pytest.mark.parametrize("family", sorted(FORMAT))
 @pytest.mark.parametrize("named", [None, "get_weather"])
 def test_required_and_named_choices_always_give_valid_calls(make_model, family, named):
     pytest.importorskip("xgrammar")
@@ -108,15 +151,22 @@ def test_required_and_named_choices_always_give_valid_calls(make_model, family, 
     from kiln.runtime.tokenizer import Tokenizer
     tok = Tokenizer(make_model("llama"))
     eng = Engine(FakeRunner(512, vocab_size=512), num_pages=512, eos_ids=tok.eos_token_ids, tokenizer=tok)
-    spec = structural_tag(FORMATS[family], TOOLS, named, parallel=False)
-    outs = eng.generate([tok.encode("x")] * 6, [SamplingParams(temperature=1, seed=s, max_tokens=300, structured=spec,
-                                                               skip_special_tokens=False) for s in range(6)])
-    schemas = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS}
-    for out in outs:
-        reply = out.outputs[0]
-        content, calls = parse(FORMATS[family], reply.text)
-        assert reply.finish_reason == "stop" and content is None and len(calls) == 1, reply.text
-        assert named in (None, calls[0].name) and schemas[calls[0].name].is_valid(json.loads(calls[0].arguments))
+    tools = TOOLS + [BOOK]
+    schemas = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in tools}
+    for parallel in (False, True) if family == "json" else (False,):
+        fmt, spec = tool_grammar(family, tools, named, parallel)
+        outs = eng.generate([tok.encode("x")] * 6, [SamplingParams(temperature=1, seed=s, max_tokens=400,
+                                                                   structured=spec, skip_special_tokens=False)
+                                                    for s in range(6)])
+        counts = []
+        for out in outs:
+            reply = out.outputs[0]
+            content, calls = parse(fmt, reply.text)
+            assert reply.finish_reason == "stop" and content is None and calls, reply.text
+            for call in calls:
+                assert named in (None, call.name) and schemas[call.name].is_valid(json.loads(call.arguments))
+            counts.append(len(calls))
+        assert set(counts) == {1} if named or not parallel else max(counts) > 1      # parallel calls: some make several
 
 
 @pytest.mark.build
