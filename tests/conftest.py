@@ -24,7 +24,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def make_model():
-    """make_model(family) -> the directory of a tiny `family` model (kiln.tiny, seed 0)."""
+    """make_model(family) -> the directory of a tiny `family` model (kiln.testing.tiny, seed 0)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     return artifact_cache.tiny_model

@@ -18,7 +18,7 @@ from ray import serve
 from kiln.errors import KilnError
 from kiln.runtime.sampler import SamplingParams
 from kiln.serve.app import ServerConfig
-from kiln.serve.cluster import load, ops
+from kiln.testing import cluster_load as load, cluster_ops as ops
 from kiln.serve.cluster.app import ClusterConfig, app_builder, build_app
 from kiln.serve.cluster.router import PrefixIndex, rank
 

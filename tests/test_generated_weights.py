@@ -300,7 +300,7 @@ def test_a_config_only_model_compiles_without_weights_and_runs_once_filled(tmp_p
     from kiln.compiler import compile_model
     from kiln.weights.generated import fill_weights
     from kiln.runtime.model import CompiledModel
-    from kiln.tiny import make_config_only_model
+    from kiln.testing.tiny import make_config_only_model
     model_dir = make_config_only_model(tmp_path / "model", "llama", num_hidden_layers=1)
     assert not list(model_dir.glob("*.safetensors"))
     with pytest.raises(Exception, match="missing from the checkpoint"):

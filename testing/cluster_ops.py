@@ -7,8 +7,8 @@ import time
 import ray
 from ray import serve
 
-from .app import ClusterConfig, build_app
-from .board import board
+from kiln.serve.cluster.app import ClusterConfig, build_app
+from kiln.serve.cluster.board import board
 
 
 def deploy(config, cluster: ClusterConfig) -> None:
