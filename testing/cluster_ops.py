@@ -13,9 +13,14 @@ from kiln.serve.cluster.board import board
 
 def deploy(config, cluster: ClusterConfig) -> None:
     """The application (named cluster.app_name) at "/", in place of any other, once its replicas run."""
-    for other in serve.status().applications:
-        serve.delete(other)
+    remove_apps()
     serve.run(build_app(config, cluster), name=cluster.app_name, route_prefix="/")
+
+
+def remove_apps() -> None:
+    """Delete every application on the cluster, once their replicas have stopped (Serve goes on)."""
+    for app in serve.status().applications:
+        serve.delete(app)
 
 
 def running_replicas(app: str, deployment: str) -> int:

@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny random-weight models and their CPU artifacts, built once per run and
-shared by every test file and xdist worker (tests/artifact_cache.py)."""
+shared by every test file and xdist worker (tests/artifact_cache.py); one Ray cluster per worker, shared by
+the tests that run on Ray (tests/ray_cluster.py)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,8 @@ import os
 import pytest
 
 import artifact_cache
+
+pytest_plugins = ("ray_cluster",)          # ray_cluster, ray_serve: one Ray cluster per worker
 
 
 def pytest_configure(config):
