@@ -29,7 +29,7 @@ setup: $(VENV)/.installed
 
 demo: setup
 ifeq ($(MODEL),)
-	$(PY) -m kiln.tiny $(DEMO)/model --family llama
+	$(PY) -m kiln.testing.tiny $(DEMO)/model --family llama
 	$(VENV)/bin/kiln compile $(DEMO)/model --target cpu -o $(DEMO)/artifact --force
 else
 	$(VENV)/bin/kiln compile $(MODEL) --target cpu -o $(DEMO)/artifact --force

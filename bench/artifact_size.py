@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="build/bench")
     args = ap.parse_args()
     from kiln.compiler import compile_model
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")
     print(f"\n{args.preset}: artifact size per mode (CPU target)")

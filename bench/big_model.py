@@ -5,7 +5,7 @@
 
 For each mode it measures, each in its own process (peak RSS from wait4, so per process):
 - `kiln compile` of the preset's checkpoint (the 8B shape is written in bfloat16 tensor by tensor by
-  kiln.tiny, so making it needs no 32 GB either): wall time, peak RSS, artifact bytes;
+  kiln.testing.tiny, so making it needs no 32 GB either): wall time, peak RSS, artifact bytes;
 - `kiln run ART --json`: start-up (load_seconds, from the timings), peak RSS of the whole run, and
   decode tok/s, medians of --repeats. Start-up is measured with the weights in the page cache (the
   second and later runs), which is what a user re-running a model sees;
@@ -86,7 +86,7 @@ def sentencepiece_tokenizer(out: Path) -> None:
     """A small SentencePiece model (byte fallback) for llama.cpp's converter, which rejects byte-level
     BPE tokenizers it does not know; speed does not depend on the tokenizer."""
     import sentencepiece as spm
-    from kiln.tiny import corpus
+    from kiln.testing.tiny import corpus
     text = out.with_suffix(".txt")
     text.write_text("\n".join(corpus()))
     spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(out.with_suffix("")), vocab_size=1000,
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--recompile", action="store_true", help="compile even where an artifact is there")
     ap.add_argument("--workdir", default="build/bench")
     args = ap.parse_args()
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
     modes = args.modes.split(",")
     work = Path(args.workdir) / args.preset
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ def artifact(family: str, **overrides) -> str:
     if not overrides:
         return str(artifact_cache.cpu_artifact(artifact_cache.tiny_model(family)))
     from kiln.compiler import compile_model
-    from kiln.tiny import make_tiny_model
+    from kiln.testing.tiny import make_tiny_model
     compile_options = {k: overrides.pop(k) for k in ("dtype", "kv_dtype") if k in overrides}
     name = family + "-" + "-".join(f"{k}{v}" for k, v in sorted({**overrides, **compile_options}.items()))
     out = ARGS.workdir / name
@@ -50,20 +50,20 @@ def artifact(family: str, **overrides) -> str:
 
 def deploy(art: str, name: str, kv_memory: str = "32MiB", **cluster) -> None:
     from kiln.serve.app import ServerConfig
-    from kiln.serve.cluster import ops
+    from kiln.testing import cluster_ops as ops
     from kiln.serve.cluster.app import ClusterConfig
     ops.deploy(ServerConfig(art, kv_memory=kv_memory, threads=1, max_num_seqs=16),
                ClusterConfig(num_cpus=1, app_name=name, **cluster))
 
 
 def outcome_row(label: str, outcomes) -> str:
-    from kiln.serve.cluster.load import Outcomes
+    from kiln.testing.cluster_load import Outcomes
     cells = " | ".join(str(outcomes.kinds[k]) for k in Outcomes.KINDS)
     return f"| {label} | {outcomes.total} | {cells} |"
 
 
 def outcome_table(rows: list[str]) -> None:
-    from kiln.serve.cluster.load import Outcomes
+    from kiln.testing.cluster_load import Outcomes
     print("| requests | total | " + " | ".join(Outcomes.KINDS) + " |")
     print("|---|---|" + "---|" * len(Outcomes.KINDS))
     print("\n".join(rows))
@@ -71,7 +71,7 @@ def outcome_table(rows: list[str]) -> None:
 
 def kv_in_use(app: str, replicas: int) -> dict:
     """Each replica's KV pages in use, as written after the load (ops.settled_gauges)."""
-    from kiln.serve.cluster import ops
+    from kiln.testing import cluster_ops as ops
     try:
         found = ops.settled_gauges(app, replicas)
     except TimeoutError as e:
@@ -80,7 +80,7 @@ def kv_in_use(app: str, replicas: int) -> dict:
 
 
 def stage_load(url: str) -> None:
-    from kiln.serve.cluster import load
+    from kiln.testing import cluster_load as load
     deploy(artifact("llama"), "kiln", replicas=2)
     t0 = time.perf_counter()
     streamed, whole = asyncio.run(load.mixed_load(url, ARGS.seconds, clients=8))
@@ -92,7 +92,7 @@ def stage_load(url: str) -> None:
 
 
 def stage_kill(url: str) -> None:
-    from kiln.serve.cluster import load, ops
+    from kiln.testing import cluster_load as load, cluster_ops as ops
     deploy(artifact("llama"), "kiln", replicas=2)
     back = {}
 
@@ -119,7 +119,7 @@ def stage_kill(url: str) -> None:
 def stage_prefix(url: str) -> None:
     from kiln.runtime.model import CompiledModel
     from kiln.runtime.tokenizer import Tokenizer
-    from kiln.serve.cluster import load, ops
+    from kiln.testing import cluster_load as load, cluster_ops as ops
     art = artifact("llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=2)
     prompts = load.shared_prefix_prompts(systems=8, questions=12, system_words=120)

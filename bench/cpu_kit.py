@@ -67,7 +67,7 @@ def copy_llama_cpp(source: Path, dest: Path) -> None:
 
 
 def main() -> None:
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("build/cpu-kit"))
     ap.add_argument("--preset", default="llama-3.2-1b")

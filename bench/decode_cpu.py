@@ -84,7 +84,7 @@ def decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    from kiln.tiny import PRESETS
+    from kiln.testing.tiny import PRESETS
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--modes", default="f32,bf16,q8,q4")
@@ -106,7 +106,7 @@ def main() -> None:
     from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
 
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")

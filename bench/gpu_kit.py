@@ -23,7 +23,7 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         there alone, so what the device has and fits stays, as for a user
   bundle/               tests/gpu's tiny model and its CUDA artifacts without weights (tests/gpu/
                         make_bundle.py --without-weights): run.sh attaches them from the model first
-  <shape>/model/        the shape's config and tokenizer, no weights (kiln.tiny.make_config_only_model)
+  <shape>/model/        the shape's config and tokenizer, no weights (kiln.testing.tiny.make_config_only_model)
   <shape>/<mode>/       its CUDA artifact compiled with --no-weights; `kiln fill-weights` draws seeded
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
   gemm/                 with --gemm: kiln's tensor-core GEMM tiles for the Llama shapes and
@@ -254,7 +254,7 @@ def folder_bytes(path: Path) -> int:
 
 
 def main() -> None:
-    from kiln.tiny import PRESETS, make_config_only_model
+    from kiln.testing.tiny import PRESETS, make_config_only_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None,
                     help="default: build/gpu-kit (--families: build/gpu-kit-families)")
@@ -283,7 +283,7 @@ def main() -> None:
     if args.serve:
         make_wheels(out, serve_requirements())
     if args.families:
-        from kiln.tiny import FAMILIES
+        from kiln.testing.tiny import FAMILIES
         families = ",".join(sorted(set(FAMILIES) - {"llama"}))      # llama: the other GPU tests
         if not (out / "bundle" / "families").exists():
             subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch,

@@ -106,7 +106,7 @@ def fingerprint(case: str) -> dict[str, str]:
     (family, overrides), target_name, arch, options = CASES[case]
     from kiln.targets import get_target
     target = get_target(target_name, arch)
-    from kiln.tiny import make_config_only_model
+    from kiln.testing.tiny import make_config_only_model
     from kiln.frontend import load_hf_model
     from kiln.passes import run_pipeline
     from kiln.codegen import lower_graph

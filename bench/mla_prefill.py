@@ -4,7 +4,7 @@ context, with llama.cpp's prefill of the same shape in the same run.
     python bench/mla_prefill.py [--preset deepseek-v2-lite-4l] [--chunks 16,32,64,128,256,512]
                                 [--contexts 0,512] [--threads 2] [--repeats 3]
 
-One bf16 model (kiln/tiny.py PRESETS), compiled twice: `--mla-expanded-from 0` (absorbed in every
+One bf16 model (testing/tiny.py PRESETS), compiled twice: `--mla-expanded-from 0` (absorbed in every
 step) and `--mla-expanded-from 2` (every prefill step expanded). Each cell times one step of one
 sequence bringing `chunk` new tokens after `context` cached ones (CompiledModel.forward, median of
 --repeats, the two artifacts alternating), and llama-bench's prompt processing of `chunk` tokens at
@@ -53,7 +53,7 @@ def main() -> None:
     from kiln.compiler import compile_model
     from kiln.runtime.model import CompiledModel
     from kiln.runtime.step import SeqChunk, step_inputs
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
 
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")

@@ -3,7 +3,7 @@
     python bench/moe_mla.py [--presets deepseek-v2-lite-4l,mixtral-small] [--threads 2] [--new-tokens 32]
                             [--repeats 3] [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
 
-Per preset (random bf16 weights written tensor by tensor, kiln/tiny.py PRESETS): decode tok/s at
+Per preset (random bf16 weights written tensor by tensor, testing/tiny.py PRESETS): decode tok/s at
 batch 1 and 8 for kiln (bf16), llama.cpp (the same checkpoint converted to a bf16 GGUF; llama-bench
 tg for batch 1, llama-batched-bench's S_TG for 8 parallel sequences) and HF transformers (bf16,
 `generate`), all with the same thread count; and the KV bytes per token kiln stores against what
@@ -106,7 +106,7 @@ def main() -> None:
     from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
 
     batches = (1, 8)
     prompts = [np.random.default_rng(i).integers(3, 500, args.prompt_len).tolist() for i in range(max(batches))]

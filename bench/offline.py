@@ -83,7 +83,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
 
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")

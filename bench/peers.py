@@ -3,7 +3,7 @@
     python bench/peers.py [--preset llama-3.2-1b] [--modes bf16,q8,q4] [--threads 2] [--repeats 3]
                           [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
 
-The preset's random checkpoint (kiln/tiny.py PRESETS) is compiled by kiln per mode (bf16; q8 and q4
+The preset's random checkpoint (testing/tiny.py PRESETS) is compiled by kiln per mode (bf16; q8 and q4
 weights in a float32 model) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_model.py).
 - prefill: one step of --prompt-len new tokens for one sequence (CompiledModel.forward, median of
   --repeats) against `llama-bench -p N -n 0`'s pp. kiln is measured twice: as compiled (steps with
@@ -115,7 +115,7 @@ def main() -> None:
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
     from kiln.targets import target_defaults
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
 
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")

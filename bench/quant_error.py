@@ -115,7 +115,7 @@ def main() -> None:
         run = lambda path: teacher_forced_logits(path, docs)   # noqa: E731
         what = f"{len(docs)} held-out documents, every next-token prediction over their first {args.tokens} tokens"
     else:
-        from kiln.tiny import preset_model
+        from kiln.testing.tiny import preset_model
         work = Path(args.workdir) / args.preset
         model_dir = preset_model(args.preset, work / "model")
         rng = np.random.default_rng(0)

@@ -58,7 +58,7 @@ def verify_cost(args) -> None:
     context, ks = 256, [0, 1, 2, 4, 8]
     artifacts = [Path(a) for a in args.artifacts or []]
     for preset in [] if artifacts else args.presets.split(","):
-        from kiln.tiny import PRESETS, make_config_only_model
+        from kiln.testing.tiny import PRESETS, make_config_only_model
         family, overrides = PRESETS[preset]
         model_dir = work / preset / "config"
         if not (model_dir / "config.json").exists():

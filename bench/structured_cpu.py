@@ -46,7 +46,7 @@ def library_sources(limit_bytes: int = 60 << 20):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    from kiln.tiny import PRESETS
+    from kiln.testing.tiny import PRESETS
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(PRESETS))
     ap.add_argument("--mode", default="q8", choices=sorted(MODES))
     ap.add_argument("--vocab", type=int, default=128000, help="tokens of the trained tokenizer (at most)")
@@ -65,7 +65,7 @@ def main() -> None:
     from kiln.runtime.grammar import GrammarSpec
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from kiln.tiny import preset_model, train_tokenizer
+    from kiln.testing.tiny import preset_model, train_tokenizer
 
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")

@@ -86,7 +86,7 @@ def main() -> None:
                                       args.repeats)))
         return
 
-    from kiln.tiny import preset_model
+    from kiln.testing.tiny import preset_model
     modes, counts = args.modes.split(","), [int(t) for t in args.threads.split(",")]
     work = Path(args.workdir) / args.preset
     model_dir = preset_model(args.preset, work / "model")

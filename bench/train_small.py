@@ -4,7 +4,7 @@ measured on a model whose weights mean something (random weights amplify every e
     python bench/train_small.py OUT [--minutes 6] [--vocab 2048] [--tie-embeddings]
                                 [--hidden 512 --layers 8] [--draft DRAFT_OUT --draft-minutes 4]
 
-The corpus is kiln.tiny.corpus() (the docstrings of ~60 stdlib modules, ~0.5 MB); every 20th
+The corpus is kiln.testing.tiny.corpus() (the docstrings of ~60 stdlib modules, ~0.5 MB); every 20th
 document is held out and written to OUT/heldout.json for evaluation. Architecture: Llama with
 GQA (8 query / 2 KV heads), 4 layers, hidden 256, untied LM head (--tie-embeddings: tied, as in
 Llama-3.2). --hidden and --layers make it larger (the MLP stays 3x hidden, heads 64 wide). Training:
@@ -35,7 +35,7 @@ SEQ, BATCH = 128, 16
 
 
 def split_corpus():
-    from kiln.tiny import corpus
+    from kiln.testing.tiny import corpus
     docs = corpus()
     return [d for i, d in enumerate(docs) if i % 20], [d for i, d in enumerate(docs) if i % 20 == 0]
 
@@ -116,7 +116,7 @@ def main() -> None:
     import transformers
     from tokenizers import Tokenizer
 
-    from kiln.tiny import BOS, EOS, train_tokenizer
+    from kiln.testing.tiny import BOS, EOS, train_tokenizer
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     out = args.out

@@ -27,7 +27,7 @@ from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "build" / "test-cache"
-SOURCES = ("kiln", "frontend", "ir", "passes", "codegen", "targets", "runtime", "serve")
+SOURCES = ("kiln", "frontend", "ir", "passes", "codegen", "targets", "runtime", "serve", "testing")
 LIBRARIES = ("apache-tvm", "apache-tvm-ffi", "torch", "transformers", "tokenizers", "numpy", "ml_dtypes",
              "safetensors")
 
@@ -88,9 +88,9 @@ def entry(kind: str, key: str, build: Callable[[Path], None]) -> Path:
 
 
 def tiny_model(family: str = "llama", seed: int = 0) -> Path:
-    """The directory of a tiny `family` model (kiln.tiny, float32)."""
+    """The directory of a tiny `family` model (kiln.testing.tiny, float32)."""
     def build(folder: Path) -> None:
-        from kiln.tiny import make_tiny_model
+        from kiln.testing.tiny import make_tiny_model
         make_tiny_model(folder / "model", family, seed=seed)
     return entry("models", f"{family}-seed{seed}", build) / "model"
 

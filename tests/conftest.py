@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny random-weight models and their CPU artifacts, built once per run and
-shared by every test file and xdist worker (tests/artifact_cache.py)."""
+shared by every test file and xdist worker (tests/artifact_cache.py); one Ray cluster per worker, shared by
+the tests that run on Ray (tests/ray_cluster.py)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,8 @@ import os
 import pytest
 
 import artifact_cache
+
+pytest_plugins = ("ray_cluster",)          # ray_cluster, ray_serve: one Ray cluster per worker
 
 
 def pytest_configure(config):
@@ -24,7 +27,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def make_model():
-    """make_model(family) -> the directory of a tiny `family` model (kiln.tiny, seed 0)."""
+    """make_model(family) -> the directory of a tiny `family` model (kiln.testing.tiny, seed 0)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     return artifact_cache.tiny_model

@@ -113,7 +113,7 @@ def test_kiln_run_without_prompt_on_a_model_without_template(make_model, tmp_pat
 def _train_sentencepiece(out_dir) -> None:
     spm = pytest.importorskip("sentencepiece")
     pytest.importorskip("google.protobuf")          # transformers' converter reads the model proto
-    from kiln.tiny import corpus
+    from kiln.testing.tiny import corpus
     text = out_dir / "corpus.txt"
     text.write_text("\n".join(d.replace("\n", " ") for d in corpus()[:400]))
     spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(out_dir / "tokenizer"), vocab_size=500,

@@ -1,8 +1,8 @@
-"""kiln on Ray Serve (kiln.serve.cluster), on a local Ray cluster started here: replicas under a
-streaming load with disconnects, a replica killed under load, prefix-aware routing against
-round-robin, prefill/decode disaggregation, KV pages through Ray's object store for each KV format,
-and `kiln serve --replicas`. Loads are short (seconds) and bounded in count; the benchmark
-(bench/cluster.py) runs the same loads longer."""
+"""kiln on Ray Serve (kiln.serve.cluster), on this worker's local Ray cluster (tests/ray_cluster.py):
+replicas under a streaming load with disconnects, a replica killed under load, prefix-aware routing
+against round-robin, prefill/decode disaggregation, KV pages through Ray's object store for each KV
+format, and `kiln serve --replicas` (on a Ray cluster of its own, and attached to this one). Loads are
+short (seconds) and bounded in count; the benchmark (bench/cluster.py) runs the same loads longer."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ from ray import serve
 from kiln.errors import KilnError
 from kiln.runtime.sampler import SamplingParams
 from kiln.serve.app import ServerConfig
-from kiln.serve.cluster import load, ops
+from kiln.testing import cluster_load as load, cluster_ops as ops
 from kiln.serve.cluster.app import ClusterConfig, app_builder, build_app
 from kiln.serve.cluster.router import PrefixIndex, rank
 
@@ -76,32 +76,34 @@ def test_the_application_asks_ray_for_what_each_replica_needs(artifact):
         app_builder({"artifact": artifact, "replica": 2})
 
 
-# -- a local cluster ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster():
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-
-
+# -- the worker's cluster ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def artifact(llama_cpu):
     return str(llama_cpu[0])
 
 
+def configs(artifact, kv_memory="16MiB", name="kiln", **cluster) -> tuple[ServerConfig, ClusterConfig]:
+    return (ServerConfig(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8),
+            ClusterConfig(num_cpus=1, app_name=name, **cluster))
+
+
 def deploy(artifact, kv_memory="16MiB", name="kiln", **cluster) -> None:
-    ops.deploy(ServerConfig(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8),
-               ClusterConfig(num_cpus=1, app_name=name, **cluster))
+    ops.deploy(*configs(artifact, kv_memory, name, **cluster))
 
 
-@pytest.fixture(scope="module")
-def two_replicas(cluster, artifact):
-    deploy(artifact, replicas=2)
-    yield cluster
-    serve.delete("kiln")        # (nothing, if a later test has put its own in its place)
+@pytest.fixture
+def two_replicas(ray_serve, artifact):
+    """Application "kiln", two replicas, shared by the tests that ask in a row: deployed again only
+    where it no longer runs as deployed (another test's application took its place, or a replica
+    killed has not come back)."""
+    wanted = configs(artifact, replicas=2)
+    if SHARED.get("kiln") != wanted or ops.running_replicas("kiln", "engine") != 2:
+        ops.deploy(*wanted)
+        SHARED["kiln"] = wanted
+    return ray_serve
+
+
+SHARED: dict[str, tuple] = {}          # application -> the configs two_replicas deployed it with
 
 
 def test_two_replicas_serve_streams_with_disconnects_without_a_5xx_or_a_lost_request(two_replicas):
@@ -151,7 +153,7 @@ def test_a_bad_request_gets_a_4xx_from_the_ingress_and_the_cluster_goes_on(two_r
 
 
 # -- prefix-aware routing ------------------------------------------------------------------------------
-def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_robin(cluster, artifact):
+def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_robin(ray_serve, artifact):
     """8 system prompts × 8 questions over 3 replicas whose caches hold about 3 system prompts
     each: routed by prefix, each replica keeps its own few; in turn, each sees all 8 and evicts."""
     from kiln.runtime.model import CompiledModel
@@ -162,7 +164,7 @@ def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_r
     rates = {}
     for routing in ("prefix", "round-robin"):
         deploy(artifact, kv_memory=str(pages * model.bytes_per_page), name=routing, replicas=3, routing=routing)
-        outcomes = asyncio.run(load.prefix_load(cluster, prompts, clients=4))
+        outcomes = asyncio.run(load.prefix_load(ray_serve, prompts, clients=4))
         assert outcomes.kinds["completed"] == len(prompts), outcomes.errors[:3]
         gauges = [g for _, g in ops.settled_gauges(routing, replicas=3).values()]
         rates[routing] = sum(g.prefix_hits for g in gauges) / sum(g.prefix_queried for g in gauges)
@@ -171,13 +173,13 @@ def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_r
 
 
 # -- prefill/decode disaggregation ---------------------------------------------------------------------
-def test_disaggregated_prefill_and_decode_give_one_engines_tokens(cluster, artifact):
+def test_disaggregated_prefill_and_decode_give_one_engines_tokens(ray_serve, artifact):
     from kiln.runtime.llm import LLM
     deploy(artifact, name="split", replicas=1, prefill_replicas=1)
     prompts = ["The quick brown fox " * k for k in (1, 5, 12)]
     alone = LLM(artifact, kv_memory="16MiB", threads=1).generate(
         prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    with httpx.Client(base_url=cluster, timeout=60) as http:
+    with httpx.Client(base_url=ray_serve, timeout=60) as http:
         for prompt, expected in zip(prompts, alone):
             body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
             got = http.post("/v1/completions", json=body).json()
@@ -199,23 +201,34 @@ def test_disaggregated_prefill_and_decode_give_one_engines_tokens(cluster, artif
 
 @ray.remote(num_cpus=0)
 class Prefiller:
-    """A prefill engine in another process: exports each prompt's KV into the object store."""
+    """Prefill engines in another process, one per artifact: each exports a prompt's KV into the object store."""
 
-    def __init__(self, artifact):
+    def __init__(self):
+        self.llms = {}
+
+    def prefill(self, artifact, prompt, params):
         from kiln.runtime.llm import LLM
-        self.llm = LLM(artifact, kv_memory="8MiB", threads=1)
-
-    def prefill(self, prompt, params):
         from kiln.serve.cluster.transport import ObjectStoreTransport
-        req = self.llm.engine.add_request(prompt, params, export_kv=True)
-        out = self.llm.engine.run_to_completion()[req.request_id]
+        if artifact not in self.llms:
+            self.llms[artifact] = LLM(artifact, kv_memory="8MiB", threads=1)
+        engine = self.llms[artifact].engine
+        req = engine.add_request(prompt, params, export_kv=True)
+        out = engine.run_to_completion()[req.request_id]
         return [ObjectStoreTransport().send(out.kv)]          # (in a list: the ref itself, not its value)
+
+
+@pytest.fixture(scope="module")
+def prefiller(ray_cluster):
+    """One Prefiller process for the KV formats' tests (a process each would import kiln four times)."""
+    actor = Prefiller.remote()
+    yield actor
+    ray.kill(actor)
 
 
 @pytest.mark.parametrize("family, options", [("llama", {}), ("mistral_window", {}), ("deepseek_v2", {"dtype": "float32"}),
                                              ("llama", {"kv_dtype": "int8"})],
                          ids=["full", "sliding", "latent-mla", "int8"])
-def test_kv_pages_cross_processes_through_the_object_store(cluster, compiled_family, family, options):
+def test_kv_pages_cross_processes_through_the_object_store(prefiller, compiled_family, family, options):
     from kiln.runtime.llm import LLM
     from kiln.serve.cluster.transport import ObjectStoreTransport
     from reference import random_prompt
@@ -224,12 +237,11 @@ def test_kv_pages_cross_processes_through_the_object_store(cluster, compiled_fam
     prompt = random_prompt(41, seed=7)
     decode = LLM(artifact, kv_memory="8MiB", threads=1)
     expected = decode.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    prefiller = Prefiller.remote(artifact)
-    [ref] = ray.get(prefiller.prefill.remote(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    [ref] = ray.get(prefiller.prefill.remote(artifact, prompt, prefill))
     snapshot = asyncio.run(ObjectStoreTransport().receive(ref))
     req = decode.engine.import_kv(snapshot, params)
     assert decode.engine.run_to_completion()[req.request_id].outputs[0].token_ids == expected
-    ray.kill(prefiller)
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -245,14 +257,24 @@ def test_kiln_serve_with_replicas_runs_a_local_ray_cluster_and_stops_on_sigterm(
         assert proc.wait(timeout=60) == 0
 
 
-def test_kiln_serve_with_replicas_stops_cleanly_on_sigterm_while_it_starts(artifact, tmp_path):
+def test_kiln_serve_with_replicas_stops_cleanly_on_sigterm_while_it_starts(ray_cluster, ray_serve, artifact,
+                                                                          tmp_path):
+    """Attached to this worker's cluster (--ray-address): SIGTERM while its replicas start ends the
+    command with 0; its application is gone and the cluster's Serve goes on."""
+    ops.remove_apps()                     # (its application takes "/")
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", artifact, "--replicas", "1", "--threads", "1",
-                             "--kv-memory", "8MiB", "--port", str(free_port())], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    assert ops.wait_for(lambda: "Started Serve" in log.read_text() or proc.poll() is not None, 120)
+                             "--kv-memory", "8MiB", "--port", str(free_port()), "--ray-address", ray_cluster],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def deploying() -> bool:
+        app = serve.status().applications.get("kiln")
+        return app is not None and app.status == "DEPLOYING"
+    assert ops.wait_for(lambda: deploying() or proc.poll() is not None, 120), log.read_text()[-3000:]
     proc.terminate()
     assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert "kiln" not in serve.status().applications
+    assert httpx.get(f"{ray_serve}/-/healthz").status_code == 200
 
 
 @pytest.mark.parametrize("args, message", [(["--max-replicas", "2"], "--max-replicas needs --replicas"),

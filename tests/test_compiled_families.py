@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.tiny import FAMILIES
+from kiln.testing.tiny import FAMILIES
 from paging import make_step_inputs
 
 torch = pytest.importorskip("torch")

@@ -1,6 +1,6 @@
 """The HF frontend against transformers: the interpreted kiln graph gives the same logits.
 
-Tiny random models of each family (kiln.tiny), fp32, eager attention in
+Tiny random models of each family (kiln.testing.tiny), fp32, eager attention in
 transformers; KV pages that are non-contiguous and shared by a ragged batch.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.tiny import FAMILIES
+from kiln.testing.tiny import FAMILIES
 from paging import kv_pages_for, make_step_inputs
 
 torch = pytest.importorskip("torch")
@@ -104,7 +104,7 @@ def test_chunked_prefill_mixed_with_decode(pair):
 def test_gemma3_soft_caps_its_logits_but_not_its_scores(tmp_path):
     """Gemma 3's config has attn_logit_softcapping, which transformers' Gemma 3 attention never
     applies; final_logit_softcapping it does. Caps small enough to matter at this size."""
-    from kiln.tiny import make_tiny_model
+    from kiln.testing.tiny import make_tiny_model
     model_dir = make_tiny_model(tmp_path / "gemma3", "gemma3", attn_logit_softcapping=0.5, final_logit_softcapping=2.0)
     pair = Pair(model_dir)
     assert pair.kiln.config.attn_softcap is None and pair.kiln.config.final_softcap == 2.0

@@ -302,7 +302,7 @@ def test_a_config_only_model_compiles_without_weights_and_runs_once_filled(tmp_p
     from the config alone, weights drawn afterwards; its tensors are those of a real compile."""
     from kiln.compiler import compile_model
     from kiln.runtime.model import CompiledModel
-    from kiln.tiny import make_config_only_model
+    from kiln.testing.tiny import make_config_only_model
     from kiln.weights.generated import fill_weights
     model_dir = make_config_only_model(tmp_path / "model", "llama", num_hidden_layers=1)
     assert not list(model_dir.glob("*.safetensors"))

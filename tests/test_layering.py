@@ -56,16 +56,31 @@ def modules() -> dict[str, set[str]]:
 
 
 def _imports(path: Path, name: str) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imported_modules(path, package)
+
+
+def imported_modules(path: Path, package: str = "") -> set[str]:
+    """Every module a file imports, at its top or inside a function: `from M import N` counts as M and
+    as M.N (N may be a submodule), a relative import is resolved against `package` (the file's own),
+    and `importlib.import_module("M")` with a literal name counts as M."""
     names = set()
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - (node.level - 1)]
-            names.add(".".join([*base, node.module] if node.module else base))
+            module = node.module
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            if module:
+                names.add(module)
+                names |= {f"{module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Call) and "import_module" in (getattr(node.func, "attr", None),
+                                                                 getattr(node.func, "id", None)):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
     return names
 
 
@@ -128,9 +143,26 @@ def test_the_runtime_reaches_tvm_through_one_module():
 
 
 def test_the_product_never_imports_the_testing_helpers():
+    """kiln.testing (the tiny models, the cluster loads) is for tests, benchmarks and `make demo`."""
     against = [f"{m} reaches {o}" for m in modules() if layer_of(m) != TESTING
                for o in reached(m) if layer_of(o) == TESTING]
-    assert against == []
+    assert {layer_of(m) for m in modules()} >= {TESTING, "kiln.serve"} and against == []
+
+
+def test_the_import_reader_sees_each_way_of_importing(tmp_path):
+    """So that the tests above can fail: absolute, relative, `from kiln import testing`, inside a
+    function, and by name through importlib."""
+    ways = {"import kiln.testing.tiny": "kiln.testing.tiny",
+            "from kiln import testing": "kiln.testing",
+            "def f():\n    from ..testing.cluster_ops import deploy": "kiln.testing.cluster_ops",
+            "from .. import testing": "kiln.testing",
+            "import importlib\nimportlib.import_module('kiln.testing.cluster_load')": "kiln.testing.cluster_load"}
+    for source, module in ways.items():
+        path = tmp_path / "m.py"
+        path.write_text(source + "\n")
+        assert module in imported_modules(path, package="kiln.serve"), source
+    path.write_text("from .testing_helpers import x\nimport kiln.serve.testing_free\n")
+    assert not any(m == TESTING or m.startswith(TESTING + ".") for m in imported_modules(path, "kiln.serve"))
 
 
 def test_the_root_package_imports_nothing_when_imported():

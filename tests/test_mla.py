@@ -48,7 +48,7 @@ def test_specialize_mla_absorbs_kv_b_proj_in_every_layer(deepseek):
     layers = model.config.num_layers
     assert "mla_attend" not in ops and ops.count("latent_attend") == layers and ops.count("head_linear") == 2 * layers
     kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
-    H, N, R, V = 8, 16, 32, 16                                  # kiln/tiny.py's DeepSeek shape
+    H, N, R, V = 8, 16, 32, 16                                  # testing/tiny.py's DeepSeek shape
     assert absorbed.params[f"{kv_b}.absorb_k"].type.shape == (H, N, R)
     assert absorbed.params[f"{kv_b}.absorb_v"].type.shape == (H, R, V)
     assert not any(kv_b in n.inputs for n in absorbed.nodes)
@@ -185,7 +185,7 @@ def test_latent_cache_read_by_a_plain_attention_op_is_refused():
 def test_unknown_deepseek_v2_routing_is_refused_at_compile_time():
     from kiln.errors import KilnError
     from kiln.frontend.families import parse_config
-    from kiln.tiny import FAMILIES
+    from kiln.testing.tiny import FAMILIES
     config = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
               **FAMILIES["deepseek_v2"][2], "topk_method": "noaux_tc"}

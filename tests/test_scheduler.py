@@ -176,7 +176,7 @@ def test_bad_sampling_params_are_refused(bad):
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from kiln.runtime.tokenizer import Tokenizer
-    from kiln.tiny import train_tokenizer
+    from kiln.testing.tiny import train_tokenizer
     out = tmp_path_factory.mktemp("tok")
     train_tokenizer(out)
     return Tokenizer(out)

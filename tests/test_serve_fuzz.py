@@ -33,7 +33,7 @@ NUM_REQUESTS = int(os.environ.get("KILN_FUZZ_REQUESTS", "2000"))
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
     from kiln.compiler import compile_model
-    from kiln.tiny import make_tiny_model
+    from kiln.testing.tiny import make_tiny_model
     root = tmp_path_factory.mktemp("fuzz")
     model = make_tiny_model(root / "model", "llama", seed=3, max_position_embeddings=64)
     compile_model(model, root / "short-context", target="cpu", show=None)

@@ -168,7 +168,7 @@ def test_stop_string_inside_an_accepted_run(tokenizer):
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from kiln.runtime.tokenizer import Tokenizer
-    from kiln.tiny import train_tokenizer
+    from kiln.testing.tiny import train_tokenizer
     out = tmp_path_factory.mktemp("tok")
     train_tokenizer(out)
     return Tokenizer(out)

@@ -1,4 +1,4 @@
-"""kiln.tiny: the locally trained tokenizer loads in transformers, and the random models are well conditioned."""
+"""kiln.testing.tiny: the locally trained tokenizer loads in transformers, and the random models are well conditioned."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from kiln.tiny import SPECIAL_TOKENS, train_tokenizer
+from kiln.testing.tiny import SPECIAL_TOKENS, train_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def test_generation_config_stops_at_end_of_turn(make_model):
 
 @pytest.mark.parametrize("family", ["llama", "llama32", "qwen2"])
 def test_logits_are_well_separated(make_model, family):
-    """Random weights re-drawn so that greedy decoding is well conditioned (see kiln.tiny)."""
+    """Random weights re-drawn so that greedy decoding is well conditioned (see kiln.testing.tiny)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(make_model(family)).float().eval()
     ids = torch.tensor(np.random.default_rng(0).integers(0, 512, (4, 32)))
     with torch.no_grad():

@@ -9,7 +9,7 @@
 --families-without-weights likewise the families' artifacts, and leaves their models out (a tenth
 of the size: what a 64 MiB transfer takes). There, `make_bundle.py OUT --attach` writes the weights
 into every artifact without them (kiln attach-weights): the variants' from model/, each family's from
-its tiny model (kiln.tiny, seed 0), made there first.
+its tiny model (kiln.testing.tiny, seed 0), made there first.
 
 A GPU machine may have only TVM's runtime (no compiler): build here, copy OUT
 there, and run `KILN_GPU_BUNDLE=OUT pytest tests/gpu`.
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="an existing tiny model dir (default: make one)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--without-weights", action="store_true", help="the variants compiled with --no-weights")
-    ap.add_argument("--families", default="", help="tiny families (kiln.tiny) to add under families/")
+    ap.add_argument("--families", default="", help="tiny families (kiln.testing.tiny) to add under families/")
     ap.add_argument("--families-without-weights", action="store_true")
     ap.add_argument("--attach", "--attach-families", action="store_true",
                     help="on the GPU machine: write the weights of every artifact in OUT without them")
@@ -47,7 +47,7 @@ def main() -> None:
     if variants:
         build(Path(args.out), args.arch, args.model, variants, ["--no-weights"] if args.without_weights else [])
     for family in filter(None, args.families.split(",")):
-        from kiln.tiny import make_tiny_model
+        from kiln.testing.tiny import make_tiny_model
         folder = Path(args.out) / "families" / family
         if args.families_without_weights:
             with tempfile.TemporaryDirectory() as model:
@@ -64,7 +64,7 @@ def attach(out: Path) -> None:
     families/<family>/cuda-float32 its tiny model's, made here first."""
     from kiln.artifact import read_manifest
     from kiln.weights.attach import attach_weights
-    from kiln.tiny import make_tiny_model
+    from kiln.testing.tiny import make_tiny_model
     for artifact in sorted(out.glob("cuda-*")) + sorted(out.glob("families/*/cuda-float32")):
         if read_manifest(artifact, verify=False).weights_source != "absent":
             continue
@@ -84,7 +84,7 @@ def build(out: Path, arch: str, model_dir: str | None, variants: list[str], flag
             shutil.rmtree(model)
         shutil.copytree(model_dir, model)
     elif not (model / "config.json").exists():
-        from kiln.tiny import make_tiny_model
+        from kiln.testing.tiny import make_tiny_model
         make_tiny_model(model, "llama", seed=0)
     for name in variants:
         compile_variant(model, out, arch, name, flags)

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paging import make_step_inputs  # noqa: E402
 
-from kiln.tiny import FAMILIES  # noqa: E402
+from kiln.testing.tiny import FAMILIES  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

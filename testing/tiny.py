@@ -9,7 +9,7 @@ transformers' random init (std 0.02) gives nearly flat logits, on which greedy
 decoding flips with every rounding difference; the weights are re-drawn with a
 wider spread so that the top logits are well separated.
 
-    python -m kiln.tiny OUT_DIR [--family llama] [--preset tiny|llama-3.2-1b]
+    python -m kiln.testing.tiny OUT_DIR [--family llama] [--preset tiny|llama-3.2-1b]
 
 Needs torch and transformers (the `import` extra); the runtime never imports it.
 """
@@ -426,7 +426,7 @@ def preset_model(preset: str, out_dir) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kiln.tiny", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kiln.testing.tiny", description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--family", choices=sorted(FAMILIES), default=None, help="default: llama (tiny preset)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")

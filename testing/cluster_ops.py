@@ -7,15 +7,20 @@ import time
 import ray
 from ray import serve
 
-from .app import ClusterConfig, build_app
-from .board import board
+from kiln.serve.cluster.app import ClusterConfig, build_app
+from kiln.serve.cluster.board import board
 
 
 def deploy(config, cluster: ClusterConfig) -> None:
     """The application (named cluster.app_name) at "/", in place of any other, once its replicas run."""
-    for other in serve.status().applications:
-        serve.delete(other)
+    remove_apps()
     serve.run(build_app(config, cluster), name=cluster.app_name, route_prefix="/")
+
+
+def remove_apps() -> None:
+    """Delete every application on the cluster, once their replicas have stopped (Serve goes on)."""
+    for app in serve.status().applications:
+        serve.delete(app)
 
 
 def running_replicas(app: str, deployment: str) -> int:
