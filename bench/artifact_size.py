@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kiln.options import CompileOptions
+
 # mode -> (dtype, weight quant, quantised embedding)
 MODES = {"f32": ("float32", None, False), "q8": ("float32", "q8", True),
          "q8 float-embedding": ("float32", "q8", False), "q4": ("float32", "q4", True),
@@ -39,8 +41,8 @@ def main() -> None:
         if (path / "manifest.json").exists():
             manifest = json.loads((path / "manifest.json").read_text())
         else:
-            manifest = compile_model(model_dir, path, target="cpu", dtype=dtype, quant=quant,
-                                     quant_embedding=quant_embedding, show=None).to_json()
+            options = CompileOptions(target="cpu", dtype=dtype, quant=quant, quant_embedding=quant_embedding)
+            manifest = compile_model(model_dir, path, options, show=None).to_json()
         total = sum(f["bytes"] for f in manifest["files"].values())
         q = manifest["quantization"]
         embedding = q["embedding"] + (", shared with the LM head" if q.get("embedding_shared_with_lm_head") else "")

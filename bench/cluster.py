@@ -29,6 +29,8 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from kiln.options import CompileOptions
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))       # the tiny models' cache (tests/artifact_cache.py)
 
@@ -44,15 +46,15 @@ def artifact(family: str, **overrides) -> str:
     out = ARGS.workdir / name
     if not (out / "artifact" / "manifest.json").exists():
         model = make_tiny_model(out / "model", family, seed=0, **overrides)
-        compile_model(model, out / "artifact", target="cpu", show=None, force=True, **compile_options)
+        compile_model(model, out / "artifact", CompileOptions(target="cpu", **compile_options), show=None, force=True)
     return str(out / "artifact")
 
 
 def deploy(art: str, name: str, kv_memory: str = "32MiB", **cluster) -> None:
     from kiln.serve.app import ServerConfig
-    from kiln.testing import cluster_ops as ops
     from kiln.serve.cluster.app import ClusterConfig
-    ops.deploy(ServerConfig(art, kv_memory=kv_memory, threads=1, max_num_seqs=16),
+    from kiln.testing import cluster_ops as ops
+    ops.deploy(ServerConfig.of(art, kv_memory=kv_memory, threads=1, max_num_seqs=16),
                ClusterConfig(num_cpus=1, app_name=name, **cluster))
 
 
@@ -92,7 +94,8 @@ def stage_load(url: str) -> None:
 
 
 def stage_kill(url: str) -> None:
-    from kiln.testing import cluster_load as load, cluster_ops as ops
+    from kiln.testing import cluster_load as load
+    from kiln.testing import cluster_ops as ops
     deploy(artifact("llama"), "kiln", replicas=2)
     back = {}
 
@@ -119,7 +122,8 @@ def stage_kill(url: str) -> None:
 def stage_prefix(url: str) -> None:
     from kiln.runtime.model import CompiledModel
     from kiln.runtime.tokenizer import Tokenizer
-    from kiln.testing import cluster_load as load, cluster_ops as ops
+    from kiln.testing import cluster_load as load
+    from kiln.testing import cluster_ops as ops
     art = artifact("llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=2)
     prompts = load.shared_prefix_prompts(systems=8, questions=12, system_words=120)

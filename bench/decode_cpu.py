@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from kiln.options import CompileOptions
+
 # mode -> (dtype, weight quant, KV cache dtype)
 MODES = {"f32": ("float32", None, None), "bf16": ("bfloat16", None, None), "q8": ("float32", "q8", None),
          "q4": ("float32", "q4", None), "fp8": ("float32", "fp8", None), "q8+kv8": ("float32", "q8", "int8")}
@@ -118,8 +120,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         dtype, quant, kv = MODES[mode]
         t0 = time.perf_counter()
-        manifest = compile_model(model_dir, work / f"artifact-{mode}", target="cpu", dtype=dtype, quant=quant,
-                                 kv_dtype=kv, show=None, force=True).to_json()
+        options = CompileOptions(target="cpu", dtype=dtype, quant=quant, kv_dtype=kv)
+        manifest = compile_model(model_dir, work / f"artifact-{mode}", options, show=None, force=True).to_json()
         compile_s = time.perf_counter() - t0
         size_mib = sum(f["bytes"] for f in manifest["files"].values()) / 2**20
         llm = LLM(work / f"artifact-{mode}", kv_memory="512MiB", max_num_seqs=max(batches))

@@ -28,6 +28,8 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from kiln.options import CompileOptions
+
 LLAMA_1B_2L = ("llama32", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32,
                                num_key_value_heads=8, head_dim=64, vocab_size=128256))
 TINY_MOE = ("mixtral", {})
@@ -106,20 +108,20 @@ def fingerprint(case: str) -> dict[str, str]:
     (family, overrides), target_name, arch, options = CASES[case]
     from kiln.targets import get_target
     target = get_target(target_name, arch)
-    from kiln.testing.tiny import make_config_only_model
-    from kiln.frontend import load_hf_model
-    from kiln.passes import run_pipeline
-    from kiln.codegen import lower_graph
-    from kiln.codegen.pipelines import relax_pipeline
     import tvm
     from tvm import tirx
+    from kiln.codegen import lower_graph
+    from kiln.codegen.pipelines import relax_pipeline
+    from kiln.frontend import load_hf_model
+    from kiln.passes import run_pipeline
+    from kiln.testing.tiny import make_config_only_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = load_hf_model(make_config_only_model(Path(tmp) / "model", family, **overrides))
         dtype = options.get("dtype", target.default_dtype)
         graph = model.build_graph(dtype, target.page_size)
     passes = {k: v for k, v in options.items() if k != "dtype"}
-    graph, _ = run_pipeline(graph, target, None, **passes)
+    graph, _ = run_pipeline(graph, target, None, options=CompileOptions(**passes))
     lowered = lower_graph(graph, target)
     module = lowered.module
     if target.device_sampling:

@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from big_model import built_llama_cpp  # noqa: E402
 from moe_mla import gguf  # noqa: E402
 
+from kiln.options import CompileOptions
+
 
 def llama_prefill_rate(llama_cpp: Path, model: Path, chunk: int, context: int, threads: int, repeats: int) -> float:
     proc = subprocess.run([str(llama_cpp / "build" / "bin" / "llama-bench"), "-m", str(model), "-p", str(chunk),
@@ -61,8 +63,8 @@ def main() -> None:
     models = {}
     for form, expanded_from in forms.items():
         out = work / f"artifact-bf16-{form}"
-        compile_model(model_dir, out, target="cpu", dtype="bfloat16", show=None, force=True,
-                      mla_expanded_from=expanded_from)
+        options = CompileOptions(target="cpu", dtype="bfloat16", mla_expanded_from=expanded_from)
+        compile_model(model_dir, out, options, show=None, force=True)
         models[form] = CompiledModel(out)
     chunks, contexts = [int(c) for c in args.chunks.split(",")], [int(c) for c in args.contexts.split(",")]
     page_size = models["absorbed"].page_size

@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from big_model import built_llama_cpp, gguf_source  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 
+from kiln.options import CompileOptions  # noqa: E402
+
 # DeepSeek's converter reads only BPE vocabularies; route it through the SentencePiece path.
 CONVERT_SHIM = """
 import sys
@@ -115,8 +117,8 @@ def main() -> None:
         work = Path(args.workdir) / preset
         model_dir = preset_model(preset, work / "model")
         t0 = time.perf_counter()
-        manifest = compile_model(model_dir, work / "artifact-bf16", target="cpu", dtype="bfloat16", show=None,
-                                 force=True).to_json()
+        options = CompileOptions(target="cpu", dtype="bfloat16")
+        manifest = compile_model(model_dir, work / "artifact-bf16", options, show=None, force=True).to_json()
         compile_s = time.perf_counter() - t0
         llm = LLM(work / "artifact-bf16", kv_memory="256MiB", max_num_seqs=8)
 

@@ -16,6 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
+from kiln.options import CompileOptions
 
 PROMPT_LENS, NEW_TOKENS = (16, 256), (16, 128)
 
@@ -89,7 +90,7 @@ def main() -> None:
     model_dir = preset_model(args.preset, work / "model")
     artifact = work / "artifact-f32"
     if not (artifact / "manifest.json").exists():
-        compile_model(model_dir, artifact, target="cpu", show=None)
+        compile_model(model_dir, artifact, CompileOptions(target="cpu"), show=None)
     print(f"\n{args.preset}: {args.threads} threads, f32, {args.prompts} prompts of {args.prompt_lens} tokens, "
           f"{args.new_tokens} new tokens each, greedy")
 

@@ -8,8 +8,8 @@ weights in a float32 model) and converted to GGUF (bf16, Q8_0, Q4_0; bench/big_m
 - prefill: one step of --prompt-len new tokens for one sequence (CompiledModel.forward, median of
   --repeats) against `llama-bench -p N -n 0`'s pp. kiln is measured twice: as compiled (steps with
   chunks run codegen/kernels/cpu/gemm.py's GEMM; q8/q4 linears take int8 activations, codegen/kernels/cpu/int8_gemm.py) and
-  as before those kernels (the GEMM out of the target's kernel order, float activations: every step on the GEMV
-  schedule), so their gain is measured in the same run;
+  as before those kernels (the GEMM out of the target's kernel order, float activations: every step on
+  the GEMV schedule), so their gain is measured in the same run;
 - decode, batch 1: `llama-bench -n 64`'s tg against kiln's engine decoding 64 tokens, in --repeats
   rounds that each read the bandwidth, run llama-bench once and kiln once: this VM's bandwidth
   drifts by half within minutes, so each round's kiln / llama.cpp ratio compares one window, and
@@ -42,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bandwidth import read_bandwidth  # noqa: E402
 from big_model import MODES, built_llama_cpp, gguf_files  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
+
+from kiln.options import CompileOptions
 
 
 def llama_bench(llama_cpp: Path, gguf: Path, prompt: int, new_tokens: int, threads: int, repeats: int) -> float:
@@ -128,12 +130,13 @@ def main() -> None:
     for mode in modes:
         dtype, quant = MODES[mode]
         kiln = {}
-        for label, target, int8_activations in (("gemv", dataclasses.replace(cpu, kernels=cpu.kernels.without("gemm")), False),
-                                                ("gemm", cpu, None)):
+        gemv = dataclasses.replace(cpu, kernels=cpu.kernels.without("gemm"))
+        for label, target, int8_activations in (("gemv", gemv, False), ("gemm", cpu, None)):
             artifact = work / f"artifact-{mode}-{label}"
             t0 = time.perf_counter()
-            compile_model(model_dir, artifact, target=target, dtype=dtype, quant=quant, show=None, force=True,
-                          int8_activations=int8_activations if quant else None)
+            options = CompileOptions(target=target, dtype=dtype, quant=quant,
+                                     int8_activations=int8_activations if quant else None)
+            compile_model(model_dir, artifact, options, show=None, force=True)
             kiln[f"compile_{label}"] = time.perf_counter() - t0
             kiln[f"pp_{label}"] = kiln_prefill_rate(artifact, args.prompt_len, args.repeats)
         llm = LLM(work / f"artifact-{mode}-gemm", kv_memory="512MiB", max_num_seqs=8)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.options import CompileOptions
+
 # mode -> (weight quant, group size, KV cache dtype, quantised embedding, int8 activations); with a
 # weight quant the embedding is quantised too (kiln's default) unless the mode says "float
 # embedding", and q8/q4 linears take int8 activations where the CPU has the kernel (kiln's default)
@@ -128,9 +130,9 @@ def main() -> None:
         path = work / f"artifact-{mode.replace(' + ', '-').replace(' ', '-')}"
         # an artifact compiled before int8 activations existed (or with other ones) is rebuilt
         if not (path / "manifest.json").exists() or _activation_block(path) != _expected_block(quant, int8_activations):
-            compile_model(model_dir, path, target="cpu", quant=quant, group_size=group, kv_dtype=kv,
-                          quant_embedding=quant_embedding, int8_activations=int8_activations, show=None,
-                          force=True)
+            options = CompileOptions(target="cpu", quant=quant, group_size=group, kv_dtype=kv,
+                                     quant_embedding=quant_embedding, int8_activations=int8_activations)
+            compile_model(model_dir, path, options, show=None, force=True)
         logits[mode] = run(path)
     ref = logits["f32"]
     print(f"\n{model_dir.name}: logits against the float32 artifact; {what}")

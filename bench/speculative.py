@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.options import CompileOptions
+
 GGUF_TYPES = {"f32": "f32", "q8": "q8_0", "bf16": "bf16"}
 MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8"), "q4": ("float32", "q4")}
 
@@ -44,7 +46,8 @@ def compiled(model_dir: Path, out: Path, mode: str, weights: bool = True) -> Pat
     from kiln.compiler import compile_model
     if not (out / "manifest.json").exists():
         dtype, quant = MODES[mode]
-        compile_model(model_dir, out, target="cpu", dtype=dtype, quant=quant, show=None, force=True, weights=weights)
+        options = CompileOptions(target="cpu", dtype=dtype, quant=quant, weights=weights)
+        compile_model(model_dir, out, options, show=None, force=True)
     return out
 
 

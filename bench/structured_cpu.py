@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+from kiln.options import CompileOptions
+
 MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "q8": ("float32", "q8"), "q4": ("float32", "q4")}
 
 
@@ -76,7 +78,8 @@ def main() -> None:
     dtype, quant = MODES[args.mode]
     artifact = work / f"artifact-{args.mode}-vocab{args.vocab}"
     if not (artifact / "manifest.json").exists():
-        compile_model(vocab_dir, artifact, target="cpu", dtype=dtype, quant=quant, show=None, force=True)
+        options = CompileOptions(target="cpu", dtype=dtype, quant=quant)
+        compile_model(vocab_dir, artifact, options, show=None, force=True)
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(artifact, kv_memory="512MiB", max_num_seqs=max(batches), overlap=False)
     tokens = llm.tokenizer.vocab_size

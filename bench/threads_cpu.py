@@ -29,6 +29,8 @@ from big_model import MODES, gguf_files  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 from peers import decode_bytes, kiln_prefill_rate, llama_batched_rate, llama_bench  # noqa: E402
 
+from kiln.options import CompileOptions
+
 
 def torch_read_bandwidth(threads: int, repeats: int = 7) -> float:
     """Best GB/s of PyTorch summing a 1 GiB float32 tensor on `threads` threads."""
@@ -98,7 +100,7 @@ def main() -> None:
         for mode in modes:
             if not (Path(artifacts[mode]) / "manifest.json").exists():
                 dtype, quant = MODES[mode]
-                compile_model(model_dir, artifacts[mode], dtype=dtype, quant=quant, show=None)
+                compile_model(model_dir, artifacts[mode], CompileOptions(dtype=dtype, quant=quant), show=None)
     llama_cpp = None
     if args.llama_cpp != "none":
         from big_model import built_llama_cpp

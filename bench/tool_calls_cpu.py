@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.options import CompileOptions
+
 ZONE = {"type": "string", "pattern": "^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$"}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city.",
@@ -63,14 +65,13 @@ def main() -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name("train_small.py")), str(model_dir),
                         "--minutes", str(args.minutes)], check=True)
     import jsonschema_rs
-
     from kiln.compiler import compile_model
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
     from kiln.serve.tool_calls import FORMATS, parse, structural_tag
     artifact = args.workdir / "artifact"
     if not (artifact / "manifest.json").exists():
-        compile_model(model_dir, artifact, target="cpu", show=None, force=True)
+        compile_model(model_dir, artifact, CompileOptions(target="cpu"), show=None, force=True)
     llm = LLM(artifact, kv_memory="256MiB", overlap=False)
     fmt = FORMATS["hermes"]
     schemas = {t["function"]["name"]: jsonschema_rs.validator_for(t["function"]["parameters"]) for t in TOOLS}

@@ -115,7 +115,6 @@ def main() -> None:
     import torch
     import transformers
     from tokenizers import Tokenizer
-
     from kiln.testing.tiny import BOS, EOS, train_tokenizer
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -123,7 +123,7 @@ def _emit_embed(ctx, node, ids, table, scale=None):
     def stored(pos):            # a table or scale the graph computes (not a param) is 'nk'
         return _layout_for(node, pos, ctx.graph, ctx.target) if node.inputs[pos] in ctx.graph.params else "nk"
     layout, scale_layout = stored(1), stored(2) if scale is not None else "nk"
-    vocab = ctx.types[node.inputs[1]].shape[0]
+    vocab = ctx.types[input_of(node, "table")].shape[0]
     return emit_embed(ctx, ids, table, scale, layout, vocab, node.type.shape[1], node.type.dtype, fmt, scale_layout)
 
 
@@ -174,8 +174,9 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     if node.op == "linear" and weight_format(node) == "q4" and role == "scale":
         return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op == "embed" and role in ("table", "scale"):
-        head = next((n for n in graph.nodes if n.op == "linear" and n.inputs[1] == node.inputs[1]), None)
-        if head is not None and (pos == 1 or head.inputs[2:3] == [name]):
+        head = next((n for n in graph.nodes if n.op == "linear" and input_of(n, "weight") == input_of(node, "table")),
+                    None)
+        if head is not None and (pos == 1 or input_of(head, "scale") == name):
             return _layout_for(head, pos, graph, target)
     return "nk"
 

@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {"LLM": "kiln.runtime.llm", "SamplingParams": "kiln.runtime.sampler",
             "AsyncEngine": "kiln.runtime.async_engine", "RequestOutput": "kiln.runtime.request",
-            "GrammarSpec": "kiln.runtime.grammar", "SpeculativeConfig": "kiln.runtime.speculative"}
+            "GrammarSpec": "kiln.runtime.grammar", "SpeculativeConfig": "kiln.runtime.speculative",
+            "EngineConfig": "kiln.runtime.config", "CompileOptions": "kiln.options"}
 
 
 def __getattr__(name):

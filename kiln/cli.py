@@ -14,6 +14,7 @@ import click
 
 import kiln
 from kiln.errors import KilnError
+from kiln.options import DTYPES, GROUP_SIZES, KV_DTYPES, WEIGHT_QUANTS
 from kiln.serve.reasoning import PARSERS as REASONING_PARSERS
 from kiln.serve.tool_calls import FORMATS as TOOL_FORMATS
 
@@ -101,20 +102,20 @@ def main(debug):
 @click.option("--arch", default=None, help="GPU architecture: sm_80 (default)/sm_90 for cuda, "
               "gfx942 (default)/gfx90a for rocm, m1 (default)/m2 for metal; for cpu a CPU model by LLVM's "
               "name (sapphirerapids, znver4, x86-64-v4, …; default: this machine's CPU).")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
-@click.option("--quant", type=click.Choice(["f32", "f16", "bf16", "q8", "q4", "fp8"]), default=None,
+@click.option("--quant", type=click.Choice(["f32", "f16", "bf16", *WEIGHT_QUANTS]), default=None,
               help="f32/f16/bf16: that dtype, unquantised; q8: int8 weights with per-channel scales; "
                    "q4: int4 weights in groups with float16 scales; fp8: float8 e4m3 weights with "
                    "per-channel scales (cuda sm_89+, and cpu in software).")
-@click.option("--group-size", type=click.Choice(["32", "128"]), default="32", show_default=True,
+@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
               help="Quantise the LM head too.")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
               help="With --quant: quantise the embedding table with the same scheme (a table tied to a "
                    "quantised LM head is then stored once); --no-quant-embedding keeps it in --dtype.")
-@click.option("--kv-dtype", type=click.Choice(["auto", "int8", "fp8"]), default="auto", show_default=True,
+@click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
               help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a float32 scale "
                    "per token and KV head.")
 @click.option("-o", "--output", required=True,
@@ -144,6 +145,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
     leaves nothing behind, and nothing but a kiln artifact (with --force) is ever replaced.
     KILN_DUMP=DIR writes the IR after import and after every pass into DIR, one file each."""
     from kiln.compiler import compile_model
+    from kiln.options import CompileOptions
     from kiln.passes.pipeline import make_dumper
     t0 = time.perf_counter()
     dump = make_dumper(set(print_after), print_after_all, out=lambda text: click.echo(text, err=True))
@@ -152,12 +154,13 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
         if dtype and dtype != as_dtype[quant]:
             raise KilnError(f"--quant {quant} means --dtype {as_dtype[quant]}, not {dtype}")
         dtype, quant = as_dtype[quant], None
-    m = compile_model(model_dir, output, target=target, arch=arch, dtype=dtype, dump=dump,
-                      disable_passes=set(disable_pass), quant=quant, quant_lm_head=quant_lm_head,
-                      group_size=int(group_size), kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                      quant_embedding=quant_embedding, force=force, weights=weights,
-                      mla_expanded_from=mla_expanded_from,
-                      int8_activations=None if activations is None else activations == "int8")
+    options = CompileOptions(target=target, arch=arch, dtype=dtype, quant=quant, group_size=int(group_size),
+                             quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
+                             kv_dtype=None if kv_dtype == "auto" else kv_dtype,
+                             int8_activations=None if activations is None else activations == "int8",
+                             mla_expanded_from=mla_expanded_from, disable_passes=frozenset(disable_pass),
+                             weights=weights)
+    m = compile_model(model_dir, output, options, force=force, dump=dump)
     _err(f"wrote {output} (target {target}): {len(m.kernels)} kernels, {m.dtype}, "
          f"{sum(f['bytes'] for f in m.files.values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
          + ("" if weights else "; no weights (kiln attach-weights or fill-weights writes them)"))
@@ -213,6 +216,34 @@ def attach_weights(artifact, model_dir, force):
          f"{model_dir}'s weights in {phases.seconds['weights']:.1f}s")
 
 
+def _engine_options(command):
+    """The engine options `kiln run` and `kiln serve` share (runtime/config.py EngineConfig)."""
+    for option in reversed((
+        click.option("--kv-memory", default="auto", show_default=True, callback=_kv_memory,
+                     help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto."),
+        click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP),
+        click.option("--speculative", default=None, metavar="ngram|draft:ARTIFACT",
+                     help="Speculative decoding: guess tokens by prompt lookup (ngram) or with a smaller draft "
+                          "model compiled for the same target, and keep those the model confirms (the same "
+                          "outputs)."),
+        click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
+                     help="The most tokens guessed per step (fewer where a sequence's guesses are often wrong)."),
+    )):
+        command = option(command)
+    return command
+
+
+def _engine_config(**settings):
+    """The engine's config from its options, checked before anything loads: a draft model's artifact
+    must exist."""
+    from kiln.artifact import read_manifest
+    from kiln.runtime.config import EngineConfig
+    config = EngineConfig(**settings)
+    if config.speculative is not None and config.speculative.draft is not None:
+        read_manifest(config.speculative.draft, verify=False)
+    return config
+
+
 @main.command()
 @click.argument("artifact")
 @click.option("--prompt", default=None, help="Prompt text; without it, an interactive chat starts.")
@@ -221,19 +252,11 @@ def attach_weights(artifact, model_dir, force):
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 means off.")
 @click.option("--seed", default=None, type=click.IntRange(min=0))
-@click.option("--kv-memory", default="auto", show_default=True, callback=_kv_memory,
-              help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-@click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
 @click.option("--json-schema", "json_schema", default=None, type=click.File("r"), metavar="FILE",
               help="Constrain the output to JSON that validates against the schema in FILE.")
-@click.option("--speculative", default=None, metavar="ngram|draft:ARTIFACT",
-              help="Speculative decoding: guess tokens by prompt lookup (ngram) or with a smaller draft model "
-                   "compiled for the same target, and keep those the model confirms (the same outputs).")
-@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
-              help="The most tokens guessed per step (fewer where a sequence's guesses are often wrong).")
-def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory, as_json, threads, json_schema,
-        speculative, num_speculative_tokens):
+@_engine_options
+def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, as_json, json_schema, **engine):
     """Generate text with a compiled ARTIFACT."""
     # tvm_ffi imports torch whenever it is installed (seconds of start-up) though the runtime never
     # uses it; keep it out of this process.
@@ -244,11 +267,11 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
     structured = GrammarSpec("json_schema", json_schema.read(), "--json-schema") if json_schema else None
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
                             structured=structured)
-    spec = _speculative(speculative, num_speculative_tokens)
+    config = _engine_config(**engine)
     if prompt is None:
-        chat(artifact, params, kv_memory, threads, spec)
+        chat(artifact, params, config)
     else:
-        run_prompt(artifact, prompt, params, kv_memory, as_json, threads, spec)
+        run_prompt(artifact, prompt, params, config, as_json)
 
 
 @main.command()
@@ -258,8 +281,7 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
               help="TCP port (0: one the system picks, printed at start).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes.")
 @click.option("--served-model-name", default=None, help="The model id clients use (default: the artifact's name).")
-@click.option("--kv-memory", default="auto", show_default=True, callback=_kv_memory,
-              help="KV cache budget: a size (512MiB), a fraction of free memory (0.3) or auto.")
+@_engine_options
 @click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1),
               help="Sequences in one batch.")
 @click.option("--max-batched-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
@@ -269,16 +291,10 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
               help="Queued requests before 429s.")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds running requests get to finish after SIGTERM or Ctrl-C.")
-@click.option("--threads", default=None, type=click.IntRange(min=1), help=THREADS_HELP)
 @click.option("--reasoning-parser", default=None, type=click.Choice(REASONING_PARSERS),
               help="Put a reasoning model's <think>...</think> text into reasoning_content.")
 @click.option("--tool-call-parser", default=None, type=click.Choice(TOOL_CALL_PARSERS),
               help="The model's tool-call syntax (default: what its chat template writes).")
-@click.option("--speculative", default=None, metavar="ngram|draft:ARTIFACT",
-              help="Speculative decoding: guess tokens by prompt lookup (ngram) or with a smaller draft model "
-                   "compiled for the same target, and keep those the model confirms (the same outputs).")
-@click.option("--num-speculative-tokens", default=4, show_default=True, type=click.IntRange(1, 16),
-              help="The most tokens guessed per step (fewer where a sequence's guesses are often wrong).")
 @click.option("--replicas", default=None, type=click.IntRange(min=1),
               help="Serve with this many engine replicas on Ray Serve (docs/DISTRIBUTED.md); without it, one "
                    "engine in this process.")
@@ -296,21 +312,16 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, kv_memory
               help="With --replicas: CPUs Ray reserves per replica (default: --threads, else 1).")
 @click.option("--replica-gpus", default=None, type=click.FloatRange(min=0),
               help="With --replicas: GPUs per replica (default: 1 for a GPU artifact, 0 for a CPU one).")
-def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_seqs, max_batched_tokens,
-          prefix_caching, max_waiting, drain_timeout, threads, reasoning_parser, tool_call_parser, speculative,
-          num_speculative_tokens, replicas, max_replicas, prefill_replicas, routing, ray_address, replica_cpus,
-          replica_gpus):
+def serve(artifact, host, port, api_key, served_model_name, drain_timeout, reasoning_parser, tool_call_parser,
+          replicas, max_replicas, prefill_replicas, routing, ray_address, replica_cpus, replica_gpus, **engine):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
     from kiln.artifact import read_manifest
     from kiln.serve.app import ServerConfig
     from kiln.serve.server import serve as run_server
     read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
-    _speculative(speculative, num_speculative_tokens)
-    config = ServerConfig(artifact, served_model_name, api_key, kv_memory, max_num_seqs, max_batched_tokens,
-                          prefix_caching, max_waiting, threads=threads, reasoning_parser=reasoning_parser,
-                          tool_call_parser=tool_call_parser, speculative=speculative,
-                          num_speculative_tokens=num_speculative_tokens)
+    config = ServerConfig(artifact=artifact, engine=_engine_config(**engine), served_model_name=served_model_name,
+                          api_key=api_key, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     on_ray = {"--max-replicas": max_replicas, "--prefill-replicas": prefill_replicas or None,
               "--ray-address": ray_address, "--replica-cpus": replica_cpus, "--replica-gpus": replica_gpus}
     if replicas is None:
@@ -324,18 +335,6 @@ def serve(artifact, host, port, api_key, served_model_name, kv_memory, max_num_s
     from kiln.serve.cluster.app import ClusterConfig, run as run_cluster
     run_cluster(config, ClusterConfig(replicas, max_replicas, prefill_replicas=prefill_replicas, routing=routing,
                                       num_cpus=replica_cpus, num_gpus=replica_gpus), host, port, ray_address)
-
-
-def _speculative(spec: str | None, num_tokens: int):
-    """--speculative checked before anything loads: the method, and a draft artifact that exists."""
-    if spec is None:
-        return None
-    from kiln.artifact import read_manifest
-    from kiln.runtime.speculative import SpeculativeConfig
-    config = SpeculativeConfig.parse(spec, num_tokens)
-    if config.draft is not None:
-        read_manifest(config.draft, verify=False)
-    return config
 
 
 @main.group()

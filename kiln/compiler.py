@@ -11,6 +11,7 @@ from kiln.interface import GRAPH_ENTRIES, STEP_KINDS, KVLayout, Manifest, ModelR
 from kiln.ir import input_of, weight_format
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.step_forms import for_step, prefill_min_tokens
+from kiln.options import CompileOptions
 from kiln.selection.choice import recorded
 
 
@@ -91,14 +92,17 @@ def _step_kernels(graph, entries, op: str) -> dict:
     return {step: names for step, names in kernels.items() if names}
 
 
-def compile_model(model_dir: str | Path, out_dir: str | Path, force: bool = False, **options) -> Manifest:
-    """Compile `model_dir` into an artifact at `out_dir`; `options` are `_compile_into`'s.
+def compile_model(model_dir: str | Path, out_dir: str | Path, options: CompileOptions = CompileOptions(),
+                  force: bool = False, show: Callable[[str], None] | None = _stderr,
+                  dump: Callable | None = None) -> Manifest:
+    """Compile `model_dir` into an artifact at `out_dir` as `options` say; `show` sees a line per compile
+    phase, `dump(pass_name, graph)` the IR after each pass.
 
     `out_dir` must not exist, be an empty directory, or (with `force`) hold a kiln artifact. The
     artifact is written beside it and moved into place once complete, so a failed or interrupted
     compile leaves nothing at `out_dir` (and an old artifact there untouched)."""
     with new_artifact_dir(out_dir, force) as partial:
-        return _compile_into(model_dir, partial, **options)
+        return _compile_into(model_dir, partial, options, show, dump)
 
 
 def _activation_block(graph) -> int:
@@ -106,19 +110,15 @@ def _activation_block(graph) -> int:
     return max((n.attrs.get("act_block", 0) for n in graph.nodes if n.op == "linear"), default=0)
 
 
-def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arch: str | None = None,
-                  dtype: str | None = None, show: Callable[[str], None] | None = _stderr,
-                  dump: Callable | None = None, disable_passes: set[str] = frozenset(),
-                  quant: str | None = None, quant_lm_head: bool = True, group_size: int = 32,
-                  kv_dtype: str | None = None, quant_embedding: bool = True, weights: bool = True,
-                  mla_expanded_from: int | None = None, int8_activations: bool | None = None) -> Manifest:
-    """Compile `model_dir` into the empty directory `out_dir`; `dump(pass_name, graph)` sees the IR after each
-    pass. With `quant`, the embedding table is quantised too unless `quant_embedding` is False; q8/q4
-    linears take int8 activations where the target has the kernel, unless `int8_activations` is False. Without
-    `weights`, no weights file is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
+def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions, show: Callable[[str], None] | None,
+                  dump: Callable | None) -> Manifest:
+    """Compile `model_dir` into the empty directory `out_dir`. Without `options.weights`, no weights file
+    is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
-    tgt = get_target(target, arch) if isinstance(target, str) else target
-    dtype = dtype or tgt.default_dtype
+    target = options.target
+    tgt = get_target(target, options.arch) if isinstance(target, str) else target
+    dtype = options.dtype or tgt.default_dtype
+    quant, kv_dtype = options.quant, options.kv_dtype
     tgt.check_dtype(dtype)
     tgt.check_quant(quant, kv_dtype)
     phases = Phases(show)
@@ -128,12 +128,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
 
     from kiln.passes import run_pipeline
-    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, disable=disable_passes,
-                                                                    quant=quant, quant_lm_head=quant_lm_head,
-                                                                    group_size=group_size, kv_dtype=kv_dtype,
-                                                                    quant_embedding=quant_embedding,
-                                                                    mla_expanded_from=mla_expanded_from,
-                                                                    int8_activations=int8_activations))
+    graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, options=options))
 
     from kiln.codegen import lower_graph
     from kiln.codegen.pipelines import relax_pipeline
@@ -157,6 +152,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
     from kiln.weights.convert import write_weights
+    weights = options.weights
     weights_digest = phases.run("weights", write_weights, model, graph, lowered.weights, dtype, out_dir / WEIGHTS,
                                 phases.progress) if weights else None
     tokenizer_files = model.write_tokenizer(out_dir)
@@ -169,8 +165,9 @@ def _compile_into(model_dir: str | Path, out_dir: Path, target: str = "cpu", arc
         target=TargetRecord(tgt.name, tgt.device, tgt.arch, str(tgt.tvm_target()), tgt.runs_here, tgt.note or None,
                             tuple(tgt.cpu_features()) if tgt.device == "cpu" else None),
         dtype=dtype,
-        quantization=Quantization(quant or "none", bool(quant and quant_lm_head), embedding, embedding_shared,
-                                  kv_dtype or "none", group_size if quant == "q4" else None, _activation_block(graph)),
+        quantization=Quantization(quant or "none", bool(quant and options.quant_lm_head), embedding,
+                                  embedding_shared, kv_dtype or "none", options.group_size if quant == "q4" else None,
+                                  _activation_block(graph)),
         kv=KVLayout(tgt.page_size, tuple(graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs)))),
         vocab_size=c.vocab_size,
         max_context=c.max_context,

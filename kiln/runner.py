@@ -9,6 +9,7 @@ import click
 
 from kiln.artifact import read_manifest
 from kiln.errors import KilnError, NoChatTemplate
+from kiln.runtime.config import EngineConfig
 from kiln.runtime.llm import LLM
 from kiln.runtime.threads import describe_threads
 from kiln.runtime.tokenizer import Tokenizer
@@ -17,11 +18,10 @@ from kiln.runtime.tokenizer import Tokenizer
 CHAT_CONTEXT = 8192      # tokens of KV cache a chat gets (a conversation's length is not known)
 
 
-def _open(artifact, kv_memory, threads: int | None, size_kv_for: int, params, tokenizer=None, speculative=None):
-    # a structured output's next mask needs the token before it: no running one step ahead
-    return LLM(artifact, kv_memory=kv_memory, max_num_seqs=1, threads=threads, size_kv_for=size_kv_for,
-               tokenizer=tokenizer, overlap=False if params.structured is not None else None,
-               speculative=speculative)
+def _open(artifact, config: EngineConfig, size_kv_for: int, params, tokenizer=None):
+    # one sequence; a structured output's next mask needs the token before it: no running one step ahead
+    return LLM(artifact, config.replace(max_num_seqs=1, overlap=False if params.structured is not None else None),
+               size_kv_for=size_kv_for, tokenizer=tokenizer)
 
 
 def _timings(out, load_seconds: float, threads: int) -> dict:
@@ -65,14 +65,13 @@ def _generate_streaming(llm, prompt_ids, params, echo: bool):
     return final
 
 
-def run_prompt(artifact, prompt: str, params, kv_memory, as_json: bool, threads: int | None = None,
-               speculative=None) -> None:
+def run_prompt(artifact, prompt: str, params, config: EngineConfig, as_json: bool) -> None:
     t0 = time.perf_counter()
     read_manifest(artifact, verify=False)       # a missing or broken artifact is named as such first
     tokenizer = Tokenizer(artifact)
     prompt_ids = tokenizer.encode(prompt)
     # The cache this one request needs (its prompt and every token it may write), not a server's.
-    llm = _open(artifact, kv_memory, threads, len(prompt_ids) + params.max_tokens, params, tokenizer, speculative)
+    llm = _open(artifact, config, len(prompt_ids) + params.max_tokens, params, tokenizer)
     load_seconds = time.perf_counter() - t0
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
@@ -110,10 +109,10 @@ def _speculation(llm) -> dict:
                             **speculator.stats.as_dict()}}
 
 
-def chat(artifact, params, kv_memory, threads: int | None = None, speculative=None) -> None:
+def chat(artifact, params, config: EngineConfig) -> None:
     """Read a line, answer it, repeat, through the model's chat template (a model without one is
     refused: joining the turns by hand would feed it text in a format it was never trained on)."""
-    llm = _open(artifact, kv_memory, threads, CHAT_CONTEXT, params, speculative=speculative)
+    llm = _open(artifact, config, CHAT_CONTEXT, params)
     tok = llm.tokenizer
     if tok.chat_template is None:
         raise NoChatTemplate(f"{artifact} has no chat template (none in chat_template.jinja, tokenizer_config.json "

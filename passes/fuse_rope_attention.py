@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kiln.ir import Graph, Node
+from kiln.ir import Graph, Node, input_of, named_inputs
 
 from .graph_pass import GraphPass
 from .pattern import Match, Pat, Rule, apply_rules
@@ -59,8 +59,8 @@ def _heads(graph: Graph, found: Match) -> tuple[int, int, int]:
     """(Hq, Hkv, D) from the attention's q and k."""
     types = graph.value_types()
     attention = found["attention"]
-    _, hq, d = types[attention.inputs[0]].shape
-    return hq, types[attention.inputs[1]].shape[1], d
+    _, hq, d = types[input_of(attention, "q")].shape
+    return hq, types[input_of(attention, "k")].shape[1], d
 
 
 def _fusable(per_head: bool | None):
@@ -79,7 +79,8 @@ def _fusable(per_head: bool | None):
             return True
         q_norm, k_norm = found["q_norm"], found["k_norm"]
         widths = ((d,), (d,)) if per_head else ((hq * d,), (hkv * d,))
-        return q_norm.attrs == k_norm.attrs and (types[q_norm.inputs[1]].shape, types[k_norm.inputs[1]].shape) == widths
+        norms = (types[input_of(q_norm, "weight")].shape, types[input_of(k_norm, "weight")].shape)
+        return q_norm.attrs == k_norm.attrs and norms == widths
     return where
 
 
@@ -89,13 +90,18 @@ def _fuse(per_head: bool | None):
         hq, hkv, d = _heads(graph, found)
         if per_head is not None:
             q_norm, k_norm = found["q_norm"], found["k_norm"]
-            normed = Node("qk_norm", [source, q_norm.inputs[1], k_norm.inputs[1]],
+            normed = Node("qk_norm", named_inputs("qk_norm", qkv=source, q_weight=input_of(q_norm, "weight"),
+                                                  k_weight=input_of(k_norm, "weight")),
                           {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "per_head": per_head, **q_norm.attrs},
                           fresh_name(graph, "qk_norm"), graph.value_types()[source])
             graph.nodes.insert(graph.nodes.index(attention), normed)
             source = normed.output
         attention.op = "paged_attention_fused"
-        attention.inputs = [source, *q_rope.inputs[1:], *attention.inputs[3:]]
+        attention.inputs = named_inputs(
+            "paged_attention_fused", qkv=source, positions=input_of(q_rope, "positions"),
+            inv_freq=input_of(q_rope, "inv_freq"),
+            **{name: input_of(attention, name) for name in ("kv_pages", "slot_mapping", "q_indptr", "page_indptr",
+                                                            "page_values", "last_page_len", "kv_scales")})
         attention.attrs = {**attention.attrs, "mscale": q_rope.attrs["mscale"],
                            "rotary_dim": q_rope.attrs["rotary_dim"], "q_heads": hq, "kv_heads": hkv, "head_dim": d}
     return rewrite

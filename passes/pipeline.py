@@ -15,6 +15,7 @@ from typing import Callable
 
 from kiln.errors import KilnError
 from kiln.ir import Graph, print_graph, verify
+from kiln.options import CompileOptions
 from kiln.targets import target_defaults
 
 from .fuse_append_attend import FuseAppendAttend
@@ -67,46 +68,46 @@ def _record(name: str, seconds: float, signatures: Counter, after: Graph) -> tup
     return record, now
 
 
-def pipeline_for(target, quant: str | None = None, quant_lm_head: bool = True,
-                 group_size: int = 32, kv_dtype: str | None = None,
-                 quant_embedding: bool = True, mla_expanded_from: int | None = None,
-                 int8_activations: bool | None = None) -> list[GraphPass]:
+def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[GraphPass]:
     """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
-    the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too unless
-    `quant_embedding` is off), KV -> kernel choice. MLA prefill steps run the expanded
-    form from `mla_expanded_from` new tokens per sequence (default: the target's; 0: never). q8/q4
-    linears take int8 activations in the target's blocks unless `int8_activations` is False (None:
-    the target's choice; True where the target has no such kernel is refused)."""
+    the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too
+    unless `options.quant_embedding` is off), KV -> kernel choice. MLA prefill steps run the expanded
+    form from `options.mla_expanded_from` new tokens per sequence (default: the target's; 0: never).
+    q8/q4 linears take int8 activations in the target's blocks unless `options.int8_activations` is
+    False (None: the target's choice; True where the target has no such kernel is refused)."""
     target = target_defaults(target) if isinstance(target, str) else target
+    expanded_from = target.mla_expanded_from if options.mla_expanded_from is None else options.mla_expanded_from
     passes: list[GraphPass] = [
         FuseAppendAttend(),               # every kernel runs append and attention together
         # latent layers attend over the latent rows (and over rows rebuilt from them in long prefills)
-        SpecializeMLA(target.mla_expanded_from if mla_expanded_from is None else mla_expanded_from),
+        SpecializeMLA(expanded_from),
         FuseQKV(),
         FuseGateUp(),
         FuseResidualAdd(),
     ]
     if target.kernels.fuses_rope():
         passes.append(FuseRopeAttention())
-    if quant:
-        if int8_activations and not target.activation_block:
+    if options.quant:
+        if options.int8_activations and not target.activation_block:
             raise KilnError(f"--activations int8 is not supported on target {target.name}: it has no integer "
                             "dot-product linear kernel (the cpu target has one where the CPU has AVX2)")
-        act_block = target.activation_block if int8_activations is not False else 0
-        passes.append(Quantize(quant, lm_head=quant_lm_head, group_size=group_size, act_block=act_block))
-        if quant_embedding:
-            passes.append(QuantizeEmbedding(quant, group_size=group_size))
-    if kv_dtype:
-        passes.append(QuantizeKV(kv_dtype))
+        act_block = target.activation_block if options.int8_activations is not False else 0
+        passes.append(Quantize(options.quant, lm_head=options.quant_lm_head, group_size=options.group_size,
+                               act_block=act_block))
+        if options.quant_embedding:
+            passes.append(QuantizeEmbedding(options.quant, group_size=options.group_size))
+    if options.kv_dtype:
+        passes.append(QuantizeKV(options.kv_dtype))
     passes.append(SelectKernels(target))           # last: what codegen emits is chosen from the graph as it is
     return passes
 
 
 def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None = None,
-                 passes: list[GraphPass] | None = None, disable: set[str] = frozenset(),
-                 **options) -> tuple[Graph, list[PassRecord]]:
-    """Run `passes`, or the target's pipeline (`options` go to pipeline_for: quant, kv_dtype, …)."""
-    passes = pipeline_for(target, **options) if passes is None else passes
+                 passes: list[GraphPass] | None = None,
+                 options: CompileOptions = CompileOptions()) -> tuple[Graph, list[PassRecord]]:
+    """Run `passes`, or the target's pipeline for `options` (less its disable_passes)."""
+    passes = pipeline_for(target, options) if passes is None else passes
+    disable = options.disable_passes
     unknown = set(disable) - {p.name for p in passes}
     if unknown:
         raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(p.name for p in passes)})")

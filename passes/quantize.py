@@ -73,15 +73,15 @@ class Quantize(GraphPass):
             if node is None:
                 continue
             if node.op == "cast":
-                todo.append(node.inputs[0])
+                todo.append(input_of(node, "x"))
             elif node.op == "linear":
                 heads.add(node.output)
         return heads
 
     def rewrite(self, graph: Graph) -> Graph:
         scheme = SCHEMES[self.mode]
-        skip = self._linears_feeding(graph, [n.inputs[0] for n in graph.nodes if n.op == "moe_router"])
-        skip |= self._linears_feeding(graph, [n.inputs[2] for n in graph.nodes if n.op == "expanded_attend"])
+        skip = self._linears_feeding(graph, [input_of(n, "logits") for n in graph.nodes if n.op == "moe_router"])
+        skip |= self._linears_feeding(graph, [input_of(n, "kv") for n in graph.nodes if n.op == "expanded_attend"])
         if not self.lm_head:
             skip |= self._linears_feeding(graph, graph.outputs)
         grouped = scheme.grouped

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kiln.ir import Graph
+from kiln.ir import Graph, input_of
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.selection.attention import variant_for
 from kiln.selection.choice import CHOSEN_OPS, choose
@@ -41,7 +41,7 @@ class SelectKernels(GraphPass):
             attrs = dict(node.attrs)
             if node.op in ATTENTION_OPS and attrs["variant"] == "auto":
                 if node.op == "paged_attention":
-                    q_heads, kv_heads = types[node.inputs[0]].shape[1], types[node.inputs[1]].shape[1]
+                    q_heads, kv_heads = (types[input_of(node, name)].shape[1] for name in ("q", "k"))
                 else:
                     q_heads, kv_heads = attrs["q_heads"], attrs["kv_heads"]
                 attrs["variant"] = variant_for(q_heads, kv_heads)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kiln.errors import KilnError
-from kiln.ir import Graph, Node, Param, TensorType, attrs_for
+from kiln.ir import Graph, Node, Param, TensorType, attrs_for, input_of, named_inputs
+from kiln.ir.mla_ops import PAGE_INDICES
 from kiln.ir.step_forms import CONTEXT_INPUTS
 
 from .graph_pass import GraphPass
@@ -54,14 +55,15 @@ class SpecializeMLA(GraphPass):
 
 def _expanded(node: Node, types, rank: int) -> list[Node]:
     """The expanded form of one mla_attend, its result named o_expanded{layer}."""
-    q_nope, q_rope, pages, kv_b, q_indptr, *_ = node.inputs
+    q_nope, q_rope, pages, kv_b, q_indptr = (input_of(node, name) for name in ("q_nope", "q_rope", "kv_pages",
+                                                                                 "kv_b", "q_indptr"))
     layer, dtype = node.attrs["layer"], node.type.dtype
     width = types[pages].shape[4]
     rows, latent, kv = f"latent_rows{layer}", f"c_rows{layer}", f"kv_rows{layer}"
     return [
-        Node("latent_gather", [pages, "kv_slots", *node.inputs[8:]], attrs_for("latent_gather", layer=layer, dtype=dtype),
-             rows,
-             TensorType(("kv_tokens", width), dtype)),
+        Node("latent_gather", named_inputs("latent_gather", kv_pages=pages, kv_slots="kv_slots",
+                                           kv_scales=input_of(node, "kv_scales")),
+             attrs_for("latent_gather", layer=layer, dtype=dtype), rows, TensorType(("kv_tokens", width), dtype)),
         Node("slice", [rows], {"begin": 0, "end": rank}, latent, TensorType(("kv_tokens", rank), dtype)),
         Node("linear", [latent, kv_b], attrs_for("linear"), kv, TensorType(("kv_tokens", types[kv_b].shape[0]), dtype)),
         Node("expanded_attend", [q_nope, q_rope, kv, rows, q_indptr, "kv_indptr"],
@@ -73,11 +75,12 @@ def _specialize(graph: Graph, expanded_from: int) -> Graph:
     types = graph.value_types()
     nodes: list[Node] = []
     for node in graph.nodes:
-        kv_b = node.inputs[3] if node.op == "mla_attend" else None
+        kv_b = input_of(node, "kv_b") if node.op == "mla_attend" else None
         if kv_b not in graph.params:
             nodes.append(node)
             continue
-        q_nope, q_rope, pages, _, *rest = node.inputs
+        q_nope, q_rope = input_of(node, "q_nope"), input_of(node, "q_rope")
+        paged = {name: input_of(node, name) for name in ("kv_pages", *PAGE_INDICES, "kv_scales")}
         heads, nope = types[q_nope].shape[1], types[q_nope].shape[2]
         rank, dtype = types[kv_b].shape[1], types[kv_b].dtype
         value = types[kv_b].shape[0] // heads - nope
@@ -92,15 +95,16 @@ def _specialize(graph: Graph, expanded_from: int) -> Graph:
         latent = TensorType((tokens, heads, rank), dtype)
         absorbed = f"o_absorbed{layer}" if expanded_from else node.output
         nodes += [
-            Node("head_linear", [q_nope, weights["k"]], {}, q_latent, latent),
-            Node("latent_attend", [q_latent, q_rope, pages, *rest], attrs_for("latent_attend", **node.attrs), o_latent,
-                 latent),
-            Node("head_linear", [o_latent, weights["v"]], {}, absorbed, node.type),
+            Node("head_linear", named_inputs("head_linear", x=q_nope, weight=weights["k"]), {}, q_latent, latent),
+            Node("latent_attend", named_inputs("latent_attend", q_latent=q_latent, q_rope=q_rope, **paged),
+                 attrs_for("latent_attend", **node.attrs), o_latent, latent),
+            Node("head_linear", named_inputs("head_linear", x=o_latent, weight=weights["v"]), {}, absorbed, node.type),
         ]
         if expanded_from:
             expanded = _expanded(node, types, rank)
-            nodes += expanded + [Node("step_choice", [absorbed, expanded[-1].output, rest[0]],
-                                      {"min_tokens": expanded_from}, node.output, node.type)]
+            choice = named_inputs("step_choice", default=absorbed, alternative=expanded[-1].output,
+                                  q_indptr=paged["q_indptr"])
+            nodes += expanded + [Node("step_choice", choice, {"min_tokens": expanded_from}, node.output, node.type)]
             graph.inputs.update(CONTEXT_INPUTS)
         types.update({q_latent: latent, o_latent: latent})
     graph.nodes = nodes

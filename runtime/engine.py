@@ -20,9 +20,11 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.errors import ContextLengthError, ParamError
+from kiln.errors import ParamError
 
+from .config import EngineConfig
 from .kv_pool import PagePool
+from .limits import RequestLimits
 from .kv_transfer import KVSnapshot, check_layout
 from .request import Request, RequestOutput, Sequence
 from .device_sampler import DeviceLogits, HostLogits
@@ -46,12 +48,17 @@ class EngineStats:
 
 class Engine:
     """Runs many requests together on one model runner."""
+    runs_ahead = False         # OverlapEngine's steps run one ahead of the host: no grammar can mask them
 
-    def __init__(self, model, num_pages: int, eos_ids=(), max_num_seqs: int = 64, max_batched_tokens: int = 2048,
-                 tokenizer=None, prefix_caching: bool = True, speculator: Speculator | None = None):
-        self.model, self.tokenizer = model, tokenizer
-        self.pool = PagePool(num_pages, model.page_size, prefix_caching, window=model.kv_window)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_batched_tokens)
+    def __init__(self, model, num_pages: int, eos_ids=(), config: EngineConfig = EngineConfig(), tokenizer=None,
+                 speculator: Speculator | None = None):
+        """`config`: its batch limits and prefix cache (the rest of it is kiln.LLM's)."""
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.pool = PagePool(num_pages, model.page_size, config.prefix_caching, window=model.kv_window)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens)
+        self.limits = RequestLimits(model.vocab_size, model.max_context, model.page_size, num_pages,
+                                    config.max_batched_tokens, model.kv_window, hasattr(model, "read_pages"),
+                                    structured_output=not self.runs_ahead)
         self.eos_ids = frozenset(eos_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -128,71 +135,15 @@ class Engine:
                           None if seq.logprobs is None else list(seq.logprobs),
                           seq.state.rng.bit_generator.state, {"export": time.perf_counter() - t0})
 
-    def room(self, prompt_tokens: int) -> int:
-        """How many tokens a prompt of `prompt_tokens` leaves: what the model's context and the KV
-        cache allow beyond it, by the pages a sequence holds at once (check_request's count: with
-        sliding windows, only those in the window)."""
-        context = self.model.max_context
-        if self.pool.live_pages_for(context, self.scheduler.max_batched_tokens) <= self.pool.num_pages:
-            return context - prompt_tokens        # a sequence of any length fits (its window does)
-        return min(context, self.pool.num_pages * self.pool.page_size) - prompt_tokens
-
-    def max_tokens_for(self, prompt_tokens: int, asked: int | None, default: int | None = None,
-                       prompt_param: str = "prompt") -> int:
-        """The tokens a request may generate: `asked`, or where it asks none, all the room left (at most
-        `default`). Raises ContextLengthError where the prompt or `asked` does not fit (a server's
-        admission: unlike `check_request`, nothing is cut short)."""
-        context = self.model.max_context
-        if prompt_tokens >= context:
-            raise ContextLengthError(prompt_param, f"the prompt has {prompt_tokens} tokens; this model's context "
-                                                   f"is {context}")
-        room = self.room(prompt_tokens)
-        if asked is None:
-            if room < 1:
-                raise ContextLengthError(prompt_param, f"the prompt ({prompt_tokens} tokens) leaves no room in "
-                                                       "the KV cache")
-            return min(room, default or room)
-        if asked > room:
-            raise ContextLengthError("max_tokens", f"the prompt has {prompt_tokens} tokens and max_tokens asks "
-                                                   f"{asked} more; at most {max(room, 0)} fit (context {context} "
-                                                   f"tokens, KV cache {self.pool.num_pages * self.pool.page_size})")
-        return asked
-
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, prompt: str | None = None, priority: int = 0,
                       export_kv: bool = False) -> Request:
-        """Everything `add_request` checks, without touching the engine's state: safe to call while
-        a step runs in another thread. Returns the Request for `enqueue`."""
-        params = params or SamplingParams()
-        if not prompt_ids:
-            raise ParamError("prompt", "the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise ParamError("prompt", f"prompt token id {bad[0]} is outside the vocabulary "
-                                       f"(size {self.model.vocab_size})")
-        room = self.model.max_context - len(prompt_ids)
-        if room < 1:
-            raise ParamError("prompt", f"the prompt has {len(prompt_ids)} tokens; the model's context is "
-                                       f"{self.model.max_context}")
-        if params.max_tokens > room:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": room,
-                                       "min_tokens": min(params.min_tokens, room)})
-        need = self.pool.live_pages_for(len(prompt_ids) + params.max_tokens, self.scheduler.max_batched_tokens)
-        if need > self.pool.num_pages:
-            too_long = self.pool.pages_for(len(prompt_ids) + 1) > self.pool.num_pages
-            raise ParamError("prompt" if too_long else "max_tokens",
-                             f"request needs {need} KV pages; the pool has {self.pool.num_pages} "
-                             "(give more KV memory)")
-        if params.stop and self.tokenizer is None:
-            raise ParamError("stop", "stop strings need a tokenizer")
-        if params.structured is not None:
-            if self.grammars is None:
-                raise ParamError(params.structured.param, "structured output needs the model's tokenizer")
-            self.grammars.compile(params.structured)          # a 400 now, not an error mid-generation
+        """Everything `add_request` checks (the request's limits, runtime/limits.py, and that its id is
+        not running), without touching the engine's state: safe to call while a step runs in another
+        thread. Returns the Request for `enqueue`."""
+        params = self.limits.check_request(prompt_ids, params, self.grammars, export_kv)
         if request_id is not None and request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
-        if export_kv and (params.n != 1 or not hasattr(self.model, "read_pages")):
-            raise ParamError("n", "only a one-sample request on a runner that reads its pages can export its KV")
         return Request(str(next(self._ids)) if request_id is None else request_id, list(prompt_ids), params,
                        prompt, priority, export_kv)
 

@@ -9,16 +9,18 @@ from tqdm import tqdm
 from kiln.artifact import WEIGHTS
 from kiln.errors import KilnError
 
+from .config import EngineConfig
 from .draft_proposer import DraftProposer
 from .engine import Engine
 from .kv_pool import live_pages
+from .limits import RequestLimits
 from .memory import FRACTION, host_available_memory, parse_bytes
 from .model import CompiledModel
 from .ngram import NgramProposer
 from .overlap import OverlapEngine
 from .request import RequestOutput
 from .sampler import SamplingParams
-from .speculative import SpeculativeConfig, Speculator
+from .speculative import Speculator
 from .threads import set_threads
 from .tokenizer import Tokenizer
 
@@ -60,46 +62,48 @@ def kv_budget(spec: str | int | float, model: CompiledModel, max_num_seqs: int,
 
 
 class LLM:
-    def __init__(self, artifact_dir: str | Path, kv_memory: str | int | float = "auto", max_num_seqs: int = 64,
-                 max_batched_tokens: int = 2048, prefix_caching: bool = True, verify: bool = True,
-                 threads: int | None = None, size_kv_for: int | None = None, tokenizer: Tokenizer | None = None,
-                 overlap: bool | None = None, speculative: SpeculativeConfig | str | None = None,
-                 num_speculative_tokens: int = 4):
-        """`size_kv_for`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
-        knows its length; otherwise `kv_memory` sets it. `overlap`: run one step ahead of the host
-        (runtime/overlap.py); None: on for a GPU artifact, where an H100 measured it faster with the
-        same tokens (docs/BENCHMARKS.md), off on the CPU, whose steps run where the host does, and
-        off where the engine speculates. `speculative`: "ngram", "draft:ARTIFACT" or a
-        SpeculativeConfig (runtime/speculative.py), proposing up to `num_speculative_tokens` a step."""
+    def __init__(self, artifact_dir: str | Path, config: EngineConfig | None = None, *, verify: bool = True,
+                 size_kv_for: int | None = None, tokenizer: Tokenizer | None = None, **settings):
+        """An engine on the artifact, as `config` (runtime/config.py) says, with `settings` (its fields by
+        name: kv_memory="8GiB", max_num_seqs=16, speculative="ngram", ...) changed in it.
+        `size_kv_for`: size the KV cache for this many tokens (at most `kv_memory`), for a job that
+        knows its length. `overlap` None: one step ahead of the host (runtime/overlap.py) on a GPU
+        artifact, where an H100 measured it faster with the same tokens (docs/BENCHMARKS.md), not on
+        the CPU, whose steps run where the host does, nor where the engine speculates."""
+        self.config = config = (config or EngineConfig()).replace(**settings)
         # CPU threads for the kernels: `threads`, else $TVM_NUM_THREADS, else every available core.
-        self.threads = set_threads(threads)
+        self.threads = set_threads(config.threads)
         self.model = CompiledModel(artifact_dir, verify=verify)
         self.tokenizer = tokenizer or Tokenizer(artifact_dir)
         if size_kv_for is not None:          # no job holds more than the model's context
             size_kv_for = min(size_kv_for, self.model.max_context)
-        budget, self.kv_how = kv_budget(kv_memory, self.model, max_num_seqs, size_kv_for, max_batched_tokens)
-        num_pages = self.model.allocate_kv(budget)
-        self.kv_tokens = num_pages * self.model.page_size
-        self._engine_args = (num_pages, self.tokenizer.eos_token_ids, max_num_seqs, max_batched_tokens)
-        self._prefix_caching = prefix_caching
-        if isinstance(speculative, str):
-            speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens)
-        self.speculative = speculative
+        budget, self.kv_how = kv_budget(config.kv_memory, self.model, config.max_num_seqs, size_kv_for,
+                                        config.max_batched_tokens)
+        self.num_pages = self.model.allocate_kv(budget)
+        self.kv_tokens = self.num_pages * self.model.page_size
+        speculative = self.speculative = config.speculative
         self.draft_model = None
         if speculative is not None and speculative.method == "draft":
             self.draft_model = open_draft(speculative.draft, self.model, self.tokenizer, self.kv_tokens,
-                                          max_num_seqs * (speculative.num_tokens + self.model.page_size), verify)
+                                          config.max_num_seqs * (speculative.num_tokens + self.model.page_size),
+                                          verify)
+        overlap = config.overlap
         if overlap is None:
             overlap = self.model.manifest.target.device != "cpu" and speculative is None
         self.set_overlap(overlap)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit on this engine (runtime/limits.py)."""
+        return self.engine.limits
 
     def set_overlap(self, overlap: bool) -> None:
         """A fresh engine, one step ahead of the host (OverlapEngine) or not, between requests."""
         if getattr(self, "engine", None) is not None and self.engine.has_unfinished():
             raise KilnError("the engine can change only when no request is running")
         engine = OverlapEngine if overlap else Engine
-        self.engine = engine(self.model, *self._engine_args, tokenizer=self.tokenizer,
-                             prefix_caching=self._prefix_caching, speculator=self._speculator())
+        self.engine = engine(self.model, self.num_pages, self.tokenizer.eos_token_ids, self.config,
+                             tokenizer=self.tokenizer, speculator=self._speculator())
 
     def _speculator(self) -> Speculator | None:
         """A fresh proposer for a fresh engine (the draft model's pages are reused)."""

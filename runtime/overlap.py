@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kiln.errors import KilnError, ParamError
+from kiln.errors import KilnError
 
 from .engine import Engine
 from .request import RequestOutput, Sequence
@@ -48,6 +48,7 @@ class Launched:
 
 class OverlapEngine(Engine):
     """The Engine, running one step ahead on a runner that launches steps (see the module docstring)."""
+    runs_ahead = True
 
     def __init__(self, model, *args, **kwargs):
         super().__init__(model, *args, **kwargs)
@@ -59,14 +60,6 @@ class OverlapEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return self.inflight is not None or super().has_unfinished()
-
-    def check_request(self, prompt_ids, params=None, *args, **kwargs):
-        if params is not None and params.structured is not None:
-            # the next step's mask needs the token the step in flight is still drawing
-            raise ParamError(params.structured.param, "structured output does not run one step ahead: "
-                                                      "serve it with an engine that does not overlap steps "
-                                                      "(kiln.LLM(..., overlap=False))")
-        return super().check_request(prompt_ids, params, *args, **kwargs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI): requests in, engine calls, responses out.
 
-It holds no scheduling logic: the engine says what fits (`Engine.max_tokens_for`: the context and
-the KV cache) and admits a request's prompts with one synchronous `AsyncEngine.add_requests` (the
+It holds no scheduling logic: the engine says what fits (`RequestLimits.max_tokens_for`: the context
+and the KV cache) and admits a request's prompts with one synchronous `AsyncEngine.add_requests` (the
 waiting limit too), so whatever the engine refuses is a 4xx before any byte is sent; their outputs
 become OpenAI JSON or server-sent events. The routes are module-level functions over one
 `ServerState`, which `create_app` makes and hangs on the app. Every error is OpenAI's error object with the right status
@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
 from kiln.errors import ContextLengthError, KilnError, ParamError, QueueFull
+from kiln.runtime.config import EngineConfig
 from kiln.runtime.threads import describe_threads
 
 from . import responses
@@ -38,26 +39,28 @@ from .responses_api import ResponseFormat, ResponsesRequest
 from .tool_calls import FORMATS, detect, json_calls, structural_tag
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
+    """`kiln serve`'s settings: the artifact, its engine's (runtime/config.py), and the server's own."""
     artifact: str
+    engine: EngineConfig = EngineConfig()
     served_model_name: str | None = None
     api_key: str | None = None
-    kv_memory: str = "auto"
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 2048
-    prefix_caching: bool = True
-    max_waiting: int = 512                 # requests queued beyond this get a 429
     max_body_bytes: int = 4 << 20
-    threads: int | None = None             # CPU threads for the kernels (None: kiln.runtime.threads decides)
     reasoning_parser: str | None = None    # serve/reasoning.py: thinking into reasoning_content
     tool_call_parser: str | None = None    # serve/tool_calls.py FORMATS (None: the chat template's)
-    speculative: str | None = None         # "ngram" or "draft:ARTIFACT" (runtime/speculative.py)
-    num_speculative_tokens: int = 4
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.artifact).name
+
+    @classmethod
+    def of(cls, artifact: str, **settings) -> ServerConfig:
+        """A config from flat settings (a Ray Serve config file's arguments, or a test's): the server's
+        fields by name, the rest the engine's; a name neither has is refused."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"artifact", "engine"}
+        engine = EngineConfig().replace(**{k: v for k, v in settings.items() if k not in own})
+        return cls(artifact=str(artifact), engine=engine, **{k: v for k, v in settings.items() if k in own})
 
 
 class APIError(Exception):
@@ -152,13 +155,13 @@ class ServerState:
 
 def open_engine(config: ServerConfig) -> tuple:
     """The model and its async engine in this process, and what they are."""
-    llm = kiln.LLM(config.artifact, kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
-                   max_batched_tokens=config.max_batched_tokens, prefix_caching=config.prefix_caching,
-                   threads=config.threads, overlap=False,     # not yet run under the server on a GPU
-                   speculative=config.speculative, num_speculative_tokens=config.num_speculative_tokens)
-    speculating = "" if llm.speculative is None else f"; speculative decoding: {config.speculative}, " \
-                                                     f"up to {config.num_speculative_tokens} tokens"
-    return (llm, kiln.AsyncEngine(llm.engine, max_waiting=config.max_waiting),
+    engine = config.engine.replace(overlap=False)          # not yet run under the server on a GPU
+    llm = kiln.LLM(config.artifact, engine)
+    spec = llm.speculative
+    speculating = "" if spec is None else (f"; speculative decoding: {spec.method}"
+                                           f"{f' ({spec.draft})' if spec.draft else ''}, "
+                                           f"up to {spec.num_tokens} tokens")
+    return (llm, kiln.AsyncEngine(llm.engine, max_waiting=engine.max_waiting),
             f"{llm.describe_kv()}; {describe_threads(llm.threads)}{speculating}")
 
 
@@ -270,7 +273,7 @@ async def prometheus(s: Server):
 # -- the OpenAI API -------------------------------------------------------------------------------------
 def model_card(s: ServerState) -> dict:
     return {"id": s.config.model_name, "object": "model", "created": 0, "owned_by": "kiln",
-            "max_model_len": s.llm.model.max_context}
+            "max_model_len": s.llm.limits.max_context}
 
 
 @router.get("/v1/models")
@@ -297,7 +300,7 @@ def sampling(body, llm, ids: list[int], max_tokens: int | None, default_max: int
     """The request's SamplingParams for one prompt; max_tokens defaults to what the context and the
     KV cache leave (at most `default_max`): the engine says what fits."""
     try:
-        max_tokens = llm.engine.max_tokens_for(len(ids), max_tokens, default_max, prompt_param)
+        max_tokens = llm.limits.max_tokens_for(len(ids), max_tokens, default_max, prompt_param)
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ContextLengthError as e:
         raise APIError(400, str(e), e.param, "context_length_exceeded") from None

@@ -334,7 +334,6 @@ def make_streamed_model(out_dir, family: str = "llama", seed: int = 0, dtype: st
     import numpy as np
     import torch
     import transformers
-
     from kiln.ir.types import numpy_dtype
     from kiln.safetensors_io import TensorSpec, write_safetensors
 

@@ -19,15 +19,20 @@ import platform
 import shutil
 import subprocess
 import sys
+import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
 
 from filelock import FileLock
 
+from kiln.options import CompileOptions
+
 REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "build" / "test-cache"
-SOURCES = ("kiln", "frontend", "ir", "passes", "codegen", "targets", "runtime", "serve", "testing")
+# every folder of the package (pyproject's package-dir): a new one is keyed without a change here
+SOURCES = tuple(sorted(set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+                           .values())))
 LIBRARIES = ("apache-tvm", "apache-tvm-ffi", "torch", "transformers", "tokenizers", "numpy", "ml_dtypes",
              "safetensors")
 
@@ -38,7 +43,7 @@ def environment_digest() -> str:
     for the host) and nvcc's version: everything besides a test's own inputs that an entry depends on."""
     h = hashlib.sha256()
     for path in sorted(p for folder in SOURCES for p in (REPO / folder).rglob("*")
-                       if p.suffix in (".py", ".c") and "__pycache__" not in p.parts):
+                       if p.suffix in (".py", ".c", ".json") and "__pycache__" not in p.parts):
         h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     h.update((REPO / "pyproject.toml").read_bytes())
     for name in LIBRARIES:
@@ -123,7 +128,7 @@ def cpu_artifact(model_dir: Path, **options) -> Path:
 
     def build(folder: Path) -> None:
         from kiln.compiler import compile_model
-        compile_model(model_dir, folder / "artifact", show=None, **options)
+        compile_model(model_dir, folder / "artifact", CompileOptions(**options), show=None)
     return entry("artifacts", f"{_label(model_dir)}-{key}", build) / "artifact"
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from kiln.errors import KilnError, NoChatTemplate
+from kiln.options import CompileOptions
 from kiln.runtime.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +39,7 @@ def _drop_template(model_dir) -> None:
 
 def _compile(model_dir, out):
     from kiln.compiler import compile_model
-    return compile_model(model_dir, out, target="cpu", show=None).to_json()
+    return compile_model(model_dir, out, CompileOptions(target="cpu"), show=None).to_json()
 
 
 @pytest.mark.build

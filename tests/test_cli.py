@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from kiln.runtime.config import EngineConfig
+
 KILN = [sys.executable, "-m", "kiln.cli"]
 
 
@@ -258,7 +260,7 @@ def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(artifact, monkeypat
         except StopIteration:
             raise KeyboardInterrupt from None
     monkeypatch.setattr(builtins, "input", answer)
-    runner.chat(artifact, SamplingParams(max_tokens=4), "16MiB")
+    runner.chat(artifact, SamplingParams(max_tokens=4), EngineConfig(kv_memory="16MiB"))
     err = capsys.readouterr().err
     assert "(stopped)" in err and not llm.engine.has_unfinished()
     assert len(steps) > 3                     # the second question was answered
@@ -310,7 +312,7 @@ def test_a_run_stopped_by_the_context_says_so(artifact, capsys):
     from kiln.runner import run_prompt
     from kiln.runtime.sampler import SamplingParams
     context = json.loads((artifact / "manifest.json").read_text())["max_context"]
-    run_prompt(artifact, "hello there", SamplingParams(max_tokens=context + 100, ignore_eos=True), "auto", True)
+    run_prompt(artifact, "hello there", SamplingParams(max_tokens=context + 100, ignore_eos=True), EngineConfig(), True)
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["finish_reason"] == "length" and len(out["prompt_token_ids"]) + len(out["output_token_ids"]) == context

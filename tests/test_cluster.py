@@ -52,26 +52,26 @@ def test_the_application_asks_ray_for_what_each_replica_needs(artifact):
     """The deployments build_app makes: CPUs or a GPU per replica, the router, autoscaling bounds."""
     def engines(app):
         return app._bound_deployment.init_args[1]._bound_deployment     # (ingress's first argument)
-    scaled = engines(build_app(ServerConfig(artifact, threads=3), ClusterConfig(replicas=2, max_replicas=5)))
+    scaled = engines(build_app(ServerConfig.of(artifact, threads=3), ClusterConfig(replicas=2, max_replicas=5)))
     assert scaled.ray_actor_options["num_cpus"] == 3 and scaled.ray_actor_options["num_gpus"] == 0
     autoscaling = scaled._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (2, 5, 8.0)
     router = scaled._deployment_config.request_router_config
     assert router.request_router_class.endswith("PrefixAwareRouter") and router.request_router_kwargs == {"page_size": 16}
-    fixed = engines(build_app(ServerConfig(artifact), ClusterConfig(replicas=3, routing="round-robin", num_gpus=1)))
+    fixed = engines(build_app(ServerConfig.of(artifact), ClusterConfig(replicas=3, routing="round-robin", num_gpus=1)))
     assert fixed.num_replicas == 3 and fixed.ray_actor_options["num_gpus"] == 1
     assert fixed._deployment_config.request_router_config.request_router_class.endswith("RoundRobinRouter")
-    ingress = build_app(ServerConfig(artifact, max_num_seqs=8, max_waiting=100),
+    ingress = build_app(ServerConfig.of(artifact, max_num_seqs=8, max_waiting=100),
                         ClusterConfig(replicas=2, max_replicas=5))._bound_deployment
     assert ingress.max_ongoing_requests == 5 * 2 * 8 + 100          # every request the engines may hold
-    split = build_app(ServerConfig(artifact), ClusterConfig(replicas=2, prefill_replicas=1))._bound_deployment
+    split = build_app(ServerConfig.of(artifact), ClusterConfig(replicas=2, prefill_replicas=1))._bound_deployment
     assert [a._bound_deployment.name for a in split.init_args[1:]] == ["decode", "prefill"]
     with pytest.raises(KilnError, match="unknown routing"):
-        build_app(ServerConfig(artifact), ClusterConfig(routing="random"))
+        build_app(ServerConfig.of(artifact), ClusterConfig(routing="random"))
     # a Ray Serve config file's import_path: the same application from its args
     from_file = app_builder({"artifact": artifact, "kv_memory": "0.5", "replicas": 3, "routing": "round-robin"})
     assert engines(from_file).num_replicas == 3
-    assert engines(from_file).init_args[0] == ServerConfig(artifact, kv_memory="0.5")
+    assert engines(from_file).init_args[0] == ServerConfig.of(artifact, kv_memory="0.5")
     with pytest.raises(KilnError, match="unknown kiln application arguments: replica"):
         app_builder({"artifact": artifact, "replica": 2})
 
@@ -83,7 +83,7 @@ def artifact(llama_cpu):
 
 
 def configs(artifact, kv_memory="16MiB", name="kiln", **cluster) -> tuple[ServerConfig, ClusterConfig]:
-    return (ServerConfig(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8),
+    return (ServerConfig.of(artifact, kv_memory=kv_memory, threads=1, max_num_seqs=8),
             ClusterConfig(num_cpus=1, app_name=name, **cluster))
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kiln.errors import KilnError
+from kiln.options import CompileOptions
 
 KILN = [sys.executable, "-m", "kiln.cli"]
 
@@ -79,7 +80,7 @@ def test_an_existing_artifact_needs_force(make_model, built, tmp_path):
 def test_an_empty_directory_is_used(make_model, tmp_path):
     from kiln.compiler import compile_model
     (tmp_path / "out").mkdir()
-    compile_model(make_model("llama"), tmp_path / "out", target="cpu", show=None)
+    compile_model(make_model("llama"), tmp_path / "out", CompileOptions(target="cpu"), show=None)
     assert (tmp_path / "out" / "manifest.json").is_file() and _leftovers(tmp_path) == []
 
 
@@ -98,7 +99,7 @@ def test_a_failed_compile_leaves_nothing_behind(make_model, built, tmp_path, mon
         raise error
     monkeypatch.setattr(kiln.compiler, "write_manifest", fail)
     with pytest.raises(type(error)):
-        kiln.compiler.compile_model(make_model("llama"), out, target="cpu", show=None, force=True)
+        kiln.compiler.compile_model(make_model("llama"), out, CompileOptions(target="cpu"), show=None, force=True)
     if existing:
         assert sorted((p.name, p.read_bytes()) for p in out.iterdir()) == before
     else:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from paging import make_step_inputs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from reference import hf_greedy, hf_last_logits, random_prompt as prompt  # noqa: E402
+from reference import hf_greedy, hf_last_logits  # noqa: E402
+from reference import random_prompt as prompt
+
+from kiln.options import CompileOptions
 
 pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
@@ -152,7 +154,6 @@ def test_an_artifact_built_for_a_cpu_with_more_instruction_sets_is_refused(llama
     SIGILL in the first step. This machine's own artifacts load."""
     import json
     import shutil
-
     from kiln.errors import KilnError
     from kiln.host_cpu import host_cpu_features, missing_cpu_features
     from kiln.runtime.model import CompiledModel
@@ -172,7 +173,6 @@ def test_built_for_an_older_cpu_model_it_runs_here_and_generates_as_transformers
     q8 linears take AVX2's integer dot (vpmaddwd) rather than VNNI's, and greedy generation is
     transformers'."""
     from click.testing import CliRunner
-
     from kiln.artifact import read_manifest
     from kiln.cli import main
     from kiln.host_cpu import missing_cpu_features, named_cpu_features
@@ -210,7 +210,7 @@ def test_built_for_a_cpu_model_this_one_is_not_it_is_refused_here_with_its_instr
     if not lacking:
         pytest.skip("this CPU has every Sapphire Rapids instruction set")
     out = tmp_path / "spr"
-    manifest = compile_model(make_model("llama"), out, target="cpu", arch="sapphirerapids", show=None)
+    manifest = compile_model(make_model("llama"), out, CompileOptions(target="cpu", arch="sapphirerapids"), show=None)
     assert not manifest.target.runs_here and "amx-tile" in manifest.target.cpu_features
     assert f"this machine's CPU lacks {', '.join(lacking)}" in summary(out)
     with pytest.raises(KilnError, match=f"compiled for a CPU with {', '.join(lacking)}, which this CPU lacks"):
@@ -221,7 +221,6 @@ def test_the_cpu_target_uses_exactly_the_instruction_sets_cpuid_reports():
     """kiln compiles for LLVM's name of the CPU with each instruction set switched on or off as
     CPUID reports it, so a VM that hides one the CPU model implies gets no kernel that needs it."""
     import tvm
-
     from kiln.host_cpu import cpu_target, host_cpu_features
     from kiln.targets.cpu import host_cpu_target
     has = tvm.target.codegen.llvm_cpu_has_features
@@ -244,9 +243,7 @@ def test_proc_cpuinfo_answers_as_llvm_does():
     artifact's instruction sets this CPU lacks: here they agree with LLVM's CPUID reading on every
     instruction set kiln records, present or absent."""
     import os
-
     import tvm
-
     from kiln.cpu_features import ISA_PREFIXES, LLVM_HOST_FEATURES, cpuinfo_features, missing_in_cpuinfo
     if not os.path.exists("/proc/cpuinfo"):
         pytest.skip("no /proc/cpuinfo on this system")

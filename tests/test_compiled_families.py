@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kiln.testing.tiny import FAMILIES
 from paging import make_step_inputs
+
+from kiln.options import CompileOptions
+from kiln.testing.tiny import FAMILIES
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -61,10 +62,10 @@ def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, compile
     # Against the interpreter on the same bfloat16 graph (each op rounded to bfloat16 as the kernels
     # round it): codegen error alone. Measured 7e-3 (1.5 bfloat16 ulps of the largest logit, ~13);
     # 2e-2 is ~4 ulps, and catches codegen errors that the bounds above let through.
+    from paging import kv_pages_for
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
     from kiln.passes import run_pipeline
-    from paging import kv_pages_for
     hf_model = load_hf_model(model_dir)
     graph, _ = run_pipeline(hf_model.build_graph("bfloat16", model.page_size), "cpu")
     kv = kv_pages_for(graph.kv_specs, 6)
@@ -79,9 +80,9 @@ def test_bfloat16_cpu_artifact_is_close_to_float32_reference(make_model, compile
 def test_bfloat16_greedy_requests_batched_equal_each_alone(compiled_family):
     """Every row of a bf16 linear sums its own products in one order whatever the step brings
     (micro-tiles of rows or one row), so 6 greedy requests batched give each one's tokens alone."""
+    from reference import random_prompt
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from reference import random_prompt
     llm = LLM(compiled_family("qwen2", dtype="bfloat16"), kv_memory="8MiB", max_batched_tokens=24)
     prompts = [random_prompt(5 + 3 * i, 40 + i) for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -93,7 +94,7 @@ def test_float16_on_cpu_is_refused(make_model, tmp_path):
     from kiln.compiler import compile_model
     from kiln.errors import KilnError
     with pytest.raises(KilnError, match="float16 is not supported on target cpu"):
-        compile_model(make_model("llama"), tmp_path / "a", target="cpu", dtype="float16", show=None)
+        compile_model(make_model("llama"), tmp_path / "a", CompileOptions(target="cpu", dtype="float16"), show=None)
 
 
 def test_sharded_checkpoint_gives_the_same_artifact_weights(make_model, tmp_path):
@@ -112,9 +113,9 @@ def test_sharded_checkpoint_gives_the_same_artifact_weights(make_model, tmp_path
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_greedy_generation_equals_transformers(make_model, compiled_family, family):
     """The engine end to end, chunked prefill of a prompt longer than every tiny window."""
+    from reference import hf_greedy_uncached, random_prompt
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
-    from reference import hf_greedy_uncached, random_prompt
     hf = transformers.AutoModelForCausalLM.from_pretrained(make_model(family), attn_implementation="eager").eval()
     llm = LLM(compiled_family(family), kv_memory="8MiB", max_batched_tokens=8)
     ids = random_prompt(30, 7)
@@ -127,16 +128,16 @@ def test_family_greedy_generation_equals_transformers(make_model, compiled_famil
 def test_quantised_family_matches_interpreter_on_the_same_quantised_weights(make_model, compiled_family, family,
                                                                             quant):
     """A prefill then a decode step: codegen error alone, the quantised weights being the same."""
+    from paging import kv_pages_for
     from kiln.frontend import load_hf_model
     from kiln.ir import interpret, weight_loader
     from kiln.passes import run_pipeline
-    from paging import kv_pages_for
     # float activations: with int8 ones a one-ulp difference upstream can flip an activation level
     # (tests/test_int8_activations.py tests those kernels against the interpreter op by op)
     model = open_artifact(compiled_family(family, quant=quant, int8_activations=False))
     hf_model = load_hf_model(make_model(family))
-    graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cpu", quant=quant,
-                            int8_activations=False)
+    graph, _ = run_pipeline(hf_model.build_graph("float32", model.page_size), "cpu",
+                            options=CompileOptions(quant=quant, int8_activations=False))
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     kv = kv_pages_for(graph.kv_specs, 8)
     ids = np.random.default_rng(5).integers(3, 500, 29).tolist()

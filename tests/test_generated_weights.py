@@ -25,6 +25,7 @@ from paging import make_step_inputs
 from kiln.artifact import MANIFEST, WEIGHTS, file_digest, read_manifest, start_verify, verify_files
 from kiln.errors import KilnError
 from kiln.interface import Manifest
+from kiln.options import CompileOptions
 from kiln.weights.generated import fill_weights
 
 MODES = {"float32": {}, "q8": {"quant": "q8"}, "q4": {"quant": "q4"}, "fp8": {"quant": "fp8"}}
@@ -93,7 +94,6 @@ def test_runtime_refuses_an_artifact_without_weights(no_weights):
 @pytest.mark.parametrize("mode", MODES)
 def test_filled_weights_have_the_manifests_shapes_and_dtypes(filled, mode):
     from safetensors import safe_open
-
     from kiln.frontend.rope import inv_freq
     from kiln.safetensors_io import read_header
     art = filled[mode]
@@ -120,7 +120,6 @@ def test_filled_weights_have_the_manifests_shapes_and_dtypes(filled, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_filled_artifact_runs_to_finite_logits(filled, mode):
     from paging import make_step_inputs
-
     from kiln.runtime.model import CompiledModel
     model = CompiledModel(filled[mode])
     model.allocate_kv(8 * model.bytes_per_page)
@@ -159,7 +158,6 @@ def _unpack(arr, layout):
 def test_stored_tensors_are_sane_at_llama_8b_widths(tmp_path, dtype, quant):
     """Rows of down_proj (14336 inputs) and o_proj (4096), a norm; every code and scale as stored."""
     import ml_dtypes
-
     from kiln.ir.quant import SCHEMES
     rows, layout = 128, "packed64"
     weights = [_stored("model.norm.weight", [4096], dtype)]
@@ -269,7 +267,6 @@ def test_an_interrupted_fill_leaves_the_artifact_as_it_was(no_weights, tmp_path,
 @pytest.mark.build
 def test_inspect_says_where_the_weights_came_from(no_weights, with_weights, filled, tmp_path):
     from click.testing import CliRunner
-
     from kiln.cli import main
     from kiln.inspect import summary
     assert "generated (seeded random, seed 0): not a trained model" in summary(filled["q4"])
@@ -308,7 +305,7 @@ def test_a_config_only_model_compiles_without_weights_and_runs_once_filled(tmp_p
     assert not list(model_dir.glob("*.safetensors"))
     with pytest.raises(Exception, match="missing from the checkpoint"):
         compile_model(model_dir, tmp_path / "refused", show=None)           # weights are needed for a real one
-    m = compile_model(model_dir, tmp_path / "art", show=None, weights=False)
+    m = compile_model(model_dir, tmp_path / "art", CompileOptions(weights=False), show=None)
     # embedding, norms (2 + final), qkv, rope frequencies, o, gate_up, down, LM head
     assert m.weights_source == "absent" and len(m.weights) == 10
     fill_weights(tmp_path / "art", seed=3)

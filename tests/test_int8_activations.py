@@ -10,6 +10,7 @@ import pytest
 
 from kiln.ir import GraphBuilder, interpret
 from kiln.ir.quant import quantize_activations
+from kiln.options import CompileOptions
 
 torch = pytest.importorskip("torch")
 
@@ -88,15 +89,15 @@ def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(m
     graph = load_hf_model(make_model("qwen2")).build_graph("float32", 16)
     block = target_defaults("cpu").activation_block
     for quant in ("q8", "q4"):
-        quantised, _ = run_pipeline(graph, "cpu", quant=quant)
+        quantised, _ = run_pipeline(graph, "cpu", options=CompileOptions(quant=quant))
         linears = [n for n in quantised.nodes if n.op == "linear" and n.attrs["format"] == quant]
         assert linears and {n.attrs.get("act_block", 0) for n in linears} == {block}
-        floats, _ = run_pipeline(graph, "cpu", quant=quant, int8_activations=False)
+        floats, _ = run_pipeline(graph, "cpu", options=CompileOptions(quant=quant, int8_activations=False))
         assert {n.attrs["act_block"] for n in floats.nodes if n.op == "linear" and n.attrs["format"] == quant} == {0}
-    fp8, _ = run_pipeline(graph, "cpu", quant="fp8")
+    fp8, _ = run_pipeline(graph, "cpu", options=CompileOptions(quant="fp8"))
     assert all(n.attrs.get("act_block", 0) == 0 for n in fp8.nodes)        # fp8 weights: float activations
     with pytest.raises(KilnError, match="--activations int8 is not supported on target cuda"):
-        run_pipeline(graph, "cuda", quant="q8", int8_activations=True)
+        run_pipeline(graph, "cuda", options=CompileOptions(quant="q8", int8_activations=True))
 
 
 @pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98)])
@@ -111,7 +112,6 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     (tests/test_gemm.py)."""
     import transformers
     from reference import last_logit_cosines, random_prompt
-
     from kiln.artifact import read_manifest
     from kiln.host_cpu import has_pair_dot
     from kiln.inspect import summary
@@ -208,7 +208,6 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, sc
     import ml_dtypes
     import tvm
     from tvm import te
-
     from kiln.codegen.lowering.embed import gather_kernel
     from kiln.ir import GraphBuilder, interpret
     from kiln.selection.formats import WeightFormat

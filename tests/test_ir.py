@@ -27,6 +27,7 @@ from kiln.ir import (
     print_graph,
     verify,
 )
+from kiln.options import CompileOptions
 
 H, V = 8, 11   # hidden size and vocab of the hand-built graphs
 
@@ -319,7 +320,7 @@ def test_text_round_trip_after_every_pass(make_model, family, target, options):
     tgt = target_defaults(target)
     graph = load_hf_model(make_model(family)).build_graph(tgt.default_dtype, tgt.page_size)
     stages = [graph]
-    run_pipeline(graph, tgt, lambda name, after: stages.append(after), **options)
+    run_pipeline(graph, tgt, lambda name, after: stages.append(after), options=CompileOptions(**options))
     recipes = {next(iter(p.recipe)) for g in stages for p in g.params.values() if p.recipe}
     assert "concat" in recipes and "quantize" in recipes
     for g in stages:

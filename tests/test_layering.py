@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # modules of the `kiln` folder every layer may import: the contracts and helpers at the bottom
-LEAVES = ("kiln.errors", "kiln.dtypes", "kiln.interface", "kiln.artifact", "kiln.safetensors_io",
+LEAVES = ("kiln.errors", "kiln.dtypes", "kiln.interface", "kiln.options", "kiln.artifact", "kiln.safetensors_io",
           "kiln.cpu_features", "kiln.host_cpu")
 # layer -> the layers it may import (besides itself and LEAVES); the `kiln` folder's other modules
 # (the CLI, the compile driver, inspect, weights) sit on top and may import any layer
@@ -26,7 +26,8 @@ BELOW = {
     "kiln.runtime": (),
     "kiln.serve": ("kiln.runtime",),
 }
-TVM_FREE = ("kiln.ir", "kiln.frontend", "kiln.selection", "kiln.passes", "kiln.runtime", "kiln.serve", *LEAVES[:6])
+TVM_FREE = ("kiln.ir", "kiln.frontend", "kiln.selection", "kiln.passes", "kiln.runtime", "kiln.serve",
+            *(leaf for leaf in LEAVES if leaf != "kiln.host_cpu"))
 BRIDGE = "kiln.runtime.tvm_bridge"
 TESTING = "kiln.testing"
 

@@ -9,6 +9,8 @@ import pytest
 from paging import kv_pages_for, make_step_inputs
 from reference import random_prompt
 
+from kiln.options import CompileOptions
+
 pytest.importorskip("transformers")
 
 PAGE = 16
@@ -124,7 +126,8 @@ def test_expanded_form_on_a_gpu_target_is_refused_at_compile_time(make_model, tm
     from kiln.compiler import compile_model
     from kiln.errors import KilnError
     with pytest.raises(KilnError, match="expanded MLA prefill form has no tvm_mla kernels \\(target cuda\\)"):
-        compile_model(make_model("deepseek_v2"), tmp_path / "a", target="cuda", show=None, mla_expanded_from=8)
+        options = CompileOptions(target="cuda", mla_expanded_from=8)
+        compile_model(make_model("deepseek_v2"), tmp_path / "a", options, show=None)
     assert not (tmp_path / "a").exists()
 
 
@@ -132,7 +135,6 @@ def test_each_target_chooses_the_latent_kernels_that_read_its_cache():
     """kiln's CPU kernels read int8 rows and have the expanded form; TVM's MLA kernels on GPUs read
     unquantised rows only, so a GPU with a quantised latent cache is refused by name."""
     from types import SimpleNamespace
-
     from kiln.errors import KilnError
     from kiln.interface import KVSpec
     from kiln.selection.choice import choose
@@ -175,7 +177,6 @@ def test_mla_attend_without_a_weight_to_split_is_left_alone():
 def test_latent_cache_read_by_a_plain_attention_op_is_refused():
     """Its one latent row per token is no K and V pair: the attention op's type rule says so."""
     from test_kv_spec import attention_graph
-
     from kiln.interface import KVSpec
     from kiln.ir import IRError
     with pytest.raises(IRError, match=r"kv_pages must be \[pages, 2, 1, page_size, 8\], got f32\[pages, 1, 1"):
@@ -209,7 +210,8 @@ def test_compiled_latent_kernels_match_the_interpreter(deepseek, compiled, kv_dt
     # the CPU target gives decode steps their own (GEMV) entry
     for expanded_from, steps, kinds in ((0, STEPS, ["mixed", "mixed", "decode"]),
                                         (2, PREFILL_STEPS, ["prefill", "prefill", "decode"])):
-        graph, _ = run_pipeline(literal, "cpu", kv_dtype=kv_dtype, mla_expanded_from=expanded_from)
+        options = CompileOptions(kv_dtype=kv_dtype, mla_expanded_from=expanded_from)
+        graph, _ = run_pipeline(literal, "cpu", options=options)
         artifact = CompiledModel(compiled(mla_expanded_from=expanded_from,
                                           **({"kv_dtype": kv_dtype} if kv_dtype else {})))
         artifact.allocate_kv(8 * artifact.bytes_per_page)
@@ -246,7 +248,6 @@ def test_expanded_prefill_generation_equals_transformers(make_model, compiled_fa
     """Every prefill chunk (8 tokens, after the cached ones) in the expanded form, decode absorbed."""
     import transformers
     from reference import hf_greedy_uncached
-
     from kiln.runtime.llm import LLM
     hf = transformers.AutoModelForCausalLM.from_pretrained(make_model(family), attn_implementation="eager").eval()
     llm = LLM(compiled_family(family, dtype="float32", mla_expanded_from=2), kv_memory="8MiB", max_batched_tokens=8)

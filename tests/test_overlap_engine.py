@@ -12,6 +12,7 @@ import pytest
 
 from fake_runner import FakeRunner, LazyRunner
 from test_scheduler import tokenizer  # noqa: F401  (its trained tokenizer, a fixture)
+from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.overlap import OverlapEngine
 from kiln.runtime.sampler import SamplingParams
@@ -23,11 +24,11 @@ def engines(num_pages=64, page_size=4, max_num_seqs=16, max_batched_tokens=32, p
             tokenizer=None, eos=(), window=None):
     """(synchronous engine, one-step-ahead engine, the lazy runner) on the same settings."""
     vocab = tokenizer.vocab_size if tokenizer else VOCAB
-    kw = dict(tokenizer=tokenizer, prefix_caching=prefix_caching)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                          prefix_caching=prefix_caching)
     lazy = LazyRunner(num_pages, page_size, vocab, kv_window=window)
-    return (Engine(FakeRunner(num_pages, page_size, vocab, kv_window=window), num_pages, eos, max_num_seqs,
-                   max_batched_tokens, **kw),
-            OverlapEngine(lazy, num_pages, eos, max_num_seqs, max_batched_tokens, **kw), lazy)
+    return (Engine(FakeRunner(num_pages, page_size, vocab, kv_window=window), num_pages, eos, config, tokenizer),
+            OverlapEngine(lazy, num_pages, eos, config, tokenizer), lazy)
 
 
 def prompts(count, seed=0, lo=3, hi=30):

@@ -9,6 +9,7 @@ import pytest
 from kiln.errors import KilnError
 from kiln.interface import KVSpec
 from kiln.ir import GraphBuilder, interpret, parse_graph, print_graph, verify, weight_loader
+from kiln.options import CompileOptions
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_residual_add import FuseResidualAdd
@@ -122,7 +123,6 @@ def test_fuse_gate_up_near_miss(graph):
 def test_pipeline_on_a_real_model_keeps_logits(make_model):
     """The whole pipeline on the tiny Llama: same logits through the interpreter before and after."""
     from paging import make_kv_pages, make_step_inputs
-
     from kiln.frontend import load_hf_model
     from kiln.passes import run_pipeline
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
@@ -161,7 +161,6 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
 @pytest.mark.build
 def test_fusion_reduces_kernel_launches_per_step(make_model):
     from artifact_cache import cpu_artifact
-
     from kiln.artifact import read_manifest
 
     def compiled(**options):
@@ -344,7 +343,8 @@ def select_for(target_name):
 def test_select_kernels_records_the_attention_variant_and_kernels(heads, variant, target, kernels):
     after = select_for(target)(attention_graph(*heads))
     assert body(after) == [f"  %o = paged_attention(%q, %k, %v, %kv_pages0, %slots, %qi, %pi, %pv, %lpl) "
-                           f"{{layer=0, scale=0.5, variant='{variant}', kernels={kernels}}} : f32[tokens, {heads[0]}, 4]"]
+                           f"{{layer=0, scale=0.5, variant='{variant}', kernels={kernels}}} "
+                           f": f32[tokens, {heads[0]}, 4]"]
     # the text form reads back as the graph it printed
     assert print_graph(parse_graph(print_graph(after))) == print_graph(after)
 
@@ -358,7 +358,6 @@ def test_select_kernels_skips_kernels_that_cannot_read_the_pages():
     """int8 pages: a target preferring TVM's kernels (which read only unquantised pages) falls back
     to the next kernel it lists, and one with no fallback is refused, naming what is missing."""
     from dataclasses import replace
-
     from kiln.targets import target_defaults
     cpu = target_defaults("cpu")
     graph = attention_graph(8, 2, pages_dtype="int8")
@@ -366,7 +365,8 @@ def test_select_kernels_skips_kernels_that_cannot_read_the_pages():
                                                                 "decode": ("tvm_decode", "kiln_cpu")}))
     assert "kernels={'mixed': 'kiln_cpu'}" in body(SelectKernels(both)(graph))[0]
     only_tvm = replace(cpu, kernels=cpu.kernels.without("kiln_cpu"))
-    with pytest.raises(KilnError, match="no attention kernel for paged_attention over a KV cache of full, .*int8.* in mixed steps"):
+    with pytest.raises(KilnError, match="no attention kernel for paged_attention over a KV cache of full, .*int8.* "
+                                        "in mixed steps"):
         SelectKernels(only_tvm)(graph)
 
 
@@ -421,7 +421,6 @@ def test_quantize_kv_is_exact_on_representable_rows(mode, peak):
     """K/V rows whose values sit on the storage grid with the row's peak at qmax are stored exactly,
     so attention before and after agrees; the pages hold the stored values and scale 1."""
     import ml_dtypes
-
     from kiln.passes.quantize_kv import QuantizeKV
     before = attention_graph(8, 2)
     after = QuantizeKV(mode)(before)
@@ -612,11 +611,10 @@ def test_fuse_rope_attention_near_miss(graph):
 def test_every_pass_takes_the_one_form():
     """A dataclass with a name of its own, as --print-after and --disable-pass call it."""
     import dataclasses
-
     from kiln.passes.graph_pass import GraphPass
     from kiln.passes.pipeline import pipeline_for
     for target, options in (("cpu", {"quant": "q4", "kv_dtype": "int8"}), ("cuda", {"quant": "fp8"})):
-        passes = pipeline_for(target, **options)
+        passes = pipeline_for(target, CompileOptions(**options))
         names = [p.name for p in passes]
         assert all(isinstance(p, GraphPass) and dataclasses.is_dataclass(p) for p in passes)
         assert "" not in names and len(set(names)) == len(names)

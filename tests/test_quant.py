@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from paging import kv_pages_for, make_step_inputs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from reference import last_logit_cosines, random_prompt  # noqa: E402
+
+from kiln.options import CompileOptions
 
 pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
@@ -72,8 +73,9 @@ def compiled_matches_interpreter(artifact, quant, group_size=32, kv_dtype=None, 
     from kiln.passes import run_pipeline
     model_dir, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
-    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, group_size=group_size,
-                            kv_dtype=kv_dtype, quant_embedding=False, int8_activations=False)
+    options = CompileOptions(quant=quant, group_size=group_size, kv_dtype=kv_dtype, quant_embedding=False,
+                             int8_activations=False)
+    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", options=options)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     ids = random_prompt(29, 5)
     kv = kv_pages_for(graph.kv_specs, 8)

@@ -10,6 +10,7 @@ import pytest
 
 from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
 from kiln.ir.quant import SCHEMES
+from kiln.options import CompileOptions
 from kiln.passes.quantize import Quantize
 from kiln.passes.quantize_embedding import QuantizeEmbedding
 
@@ -151,7 +152,7 @@ def test_quantize_embedding_near_miss():
 
 def test_pipeline_quantizes_the_embedding_only_when_asked():
     from kiln.passes.pipeline import pipeline_for
-    names = lambda **kw: [p.name for p in pipeline_for("cpu", **kw)]   # noqa: E731
+    names = lambda **kw: [p.name for p in pipeline_for("cpu", CompileOptions(**kw))]   # noqa: E731
     assert names(quant="q4")[-3:-1] == ["quantize", "quantize_embedding"]
     assert "quantize_embedding" not in names(quant="q4", quant_embedding=False)
     assert "quantize_embedding" not in names()
@@ -248,7 +249,8 @@ def test_compiled_quantised_embedding_matches_the_interpreter(artifact):
     from kiln.passes import run_pipeline
     tied, quant, model_dir, _, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
-    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, int8_activations=False)
+    options = CompileOptions(quant=quant, int8_activations=False)
+    graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", options=options)
     assert (graph.nodes[0].op, graph.nodes[0].attrs["format"]) == ("embed", quant)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
     c = hf_model.config
@@ -286,7 +288,8 @@ def test_compiled_artifact_stores_the_table_once_and_is_smaller(artifact):
     assert f"the embedding table {quant}" in summary(out)
     # the same model with the embedding kept in float32 (what kiln stored before)
     hf_model = load_hf_model(model_dir)
-    kept, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", quant=quant, quant_embedding=False)
+    options = CompileOptions(quant=quant, quant_embedding=False)
+    kept, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", options=options)
     before = [w.__dict__ for w in lower_graph(kept, CPUTarget()).weights]       # kept: the pipeline ran
     c = hf_model.config
     float_table = c.vocab_size * c.hidden_size * 4

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fake_runner import FakeRunner, reference_greedy
+from kiln.runtime.config import EngineConfig
 from kiln.errors import ParamError
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
@@ -16,8 +17,9 @@ VOCAB = 50
 def engine_for(num_pages=64, page_size=4, max_num_seqs=16, max_batched_tokens=32, prefix_caching=True,
                tokenizer=None, eos=()):
     runner = FakeRunner(num_pages, page_size, VOCAB)
-    return Engine(runner, num_pages, eos, max_num_seqs, max_batched_tokens, tokenizer=tokenizer,
-                  prefix_caching=prefix_caching), runner
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                          prefix_caching=prefix_caching)
+    return Engine(runner, num_pages, eos, config, tokenizer), runner
 
 
 def prompts(count, seed=0, lo=3, hi=30):
@@ -249,7 +251,8 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_max_tokens_0_scores_only():
 
 def windowed_engine(window, num_pages, max_batched_tokens=8, max_num_seqs=16, page_size=4):
     runner = FakeRunner(num_pages, page_size, VOCAB, kv_window=window)
-    return Engine(runner, num_pages, (), max_num_seqs, max_batched_tokens), runner
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens)
+    return Engine(runner, num_pages, (), config), runner
 
 
 def test_a_window_bounds_the_pages_each_sequence_holds():
@@ -292,17 +295,17 @@ def test_the_engine_says_what_fits_the_context_and_the_kv_cache():
     smaller of the model's context (512) and the KV cache (16 pages of 4 = 64 tokens)."""
     from kiln.errors import ContextLengthError
     engine, _ = engine_for(num_pages=16)
-    assert engine.room(10) == 54
-    assert engine.max_tokens_for(10, None) == 54 and engine.max_tokens_for(10, None, default=16) == 16
-    assert engine.max_tokens_for(10, 54) == 54
+    assert engine.limits.room(10) == 54
+    assert engine.limits.max_tokens_for(10, None) == 54 and engine.limits.max_tokens_for(10, None, default=16) == 16
+    assert engine.limits.max_tokens_for(10, 54) == 54
     with pytest.raises(ContextLengthError, match="at most 54 fit") as e:
-        engine.max_tokens_for(10, 55)
+        engine.limits.max_tokens_for(10, 55)
     assert e.value.param == "max_tokens"
     with pytest.raises(ContextLengthError, match="no room") as e:
-        engine.max_tokens_for(64, None, prompt_param="messages")
+        engine.limits.max_tokens_for(64, None, prompt_param="messages")
     assert e.value.param == "messages"
     with pytest.raises(ContextLengthError, match="context is 512"):
-        engine.max_tokens_for(512, 1)
+        engine.limits.max_tokens_for(512, 1)
 
 
 def test_a_window_gives_the_server_the_room_the_engine_accepts():
@@ -311,12 +314,12 @@ def test_a_window_gives_the_server_the_room_the_engine_accepts():
     engine's own check (check_request) agree, and the long generation runs."""
     engine, _ = windowed_engine(window=6, num_pages=8)
     context = engine.model.max_context
-    assert context > 8 * 4 and engine.room(10) == context - 10
-    assert engine.max_tokens_for(10, context - 10) == context - 10
+    assert context > 8 * 4 and engine.limits.room(10) == context - 10
+    assert engine.limits.max_tokens_for(10, context - 10) == context - 10
     req = engine.check_request(list(range(3, 13)), greedy(context - 10))
     assert req.params.max_tokens == context - 10
     tight, _ = engine_for(num_pages=16)                 # no window: the pool bounds it, for both
-    assert tight.room(10) == 54
+    assert tight.limits.room(10) == 54
     with pytest.raises(ParamError):
         tight.check_request(list(range(3, 13)), greedy(55))
 

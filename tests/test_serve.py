@@ -19,6 +19,8 @@ pytest.importorskip("torch")
 
 from serving import KEY, running_server
 
+from kiln.options import CompileOptions
+
 pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
 server_pids: dict[str, int] = {}
@@ -305,7 +307,6 @@ def test_structured_output_through_the_openai_sdk(client):
     """`chat.completions.parse` sends a strict json_schema response_format and parses the reply into
     the model class: it must, from a random-weight model."""
     from typing import Literal
-
     from pydantic import BaseModel, Field
 
     class Verdict(BaseModel):
@@ -523,7 +524,6 @@ def test_bench_prompts_can_share_a_prefix():
 def test_chat_on_a_model_without_a_template_is_a_400_naming_it(make_model, tmp_path):
     """A checkpoint that has no chat template anywhere: chat is a 400, plain completions still work."""
     from fastapi.testclient import TestClient
-
     from kiln.compiler import compile_model
     from kiln.serve.app import ServerConfig, create_app
     model = tmp_path / "no-template"
@@ -533,8 +533,8 @@ def test_chat_on_a_model_without_a_template_is_a_400_naming_it(make_model, tmp_p
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     for name in ("chat_template.jinja", "chat_template.json"):
         (model / name).unlink(missing_ok=True)
-    compile_model(model, tmp_path / "artifact", target="cpu", show=None)
-    app = create_app(ServerConfig(str(tmp_path / "artifact"), kv_memory="8MiB"), load_now=True)
+    compile_model(model, tmp_path / "artifact", CompileOptions(target="cpu"), show=None)
+    app = create_app(ServerConfig.of(str(tmp_path / "artifact"), kv_memory="8MiB"), load_now=True)
     with TestClient(app) as http:
         for stream in (False, True):
             r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
@@ -548,9 +548,8 @@ def test_a_full_queue_is_a_429_and_the_server_keeps_serving(artifact):
     """--max-waiting N (ServerConfig.max_waiting): a request that would leave more than N waiting is a
     429 rate_limit_error, in OpenAI's error object; the next one that fits is served."""
     from fastapi.testclient import TestClient
-
     from kiln.serve.app import ServerConfig, create_app
-    app = create_app(ServerConfig(str(artifact), kv_memory="8MiB", max_waiting=1), load_now=True)
+    app = create_app(ServerConfig.of(str(artifact), kv_memory="8MiB", max_waiting=1), load_now=True)
     with TestClient(app) as http:
         r = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text

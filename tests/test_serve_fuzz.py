@@ -25,6 +25,8 @@ pytest.importorskip("torch")
 
 from serving import KEY, running_server
 
+from kiln.options import CompileOptions
+
 pytestmark = pytest.mark.build        # builds with TVM or runs what it built (not in make test-fast)
 
 NUM_REQUESTS = int(os.environ.get("KILN_FUZZ_REQUESTS", "2000"))
@@ -36,7 +38,7 @@ def fuzz_server(tmp_path_factory):
     from kiln.testing.tiny import make_tiny_model
     root = tmp_path_factory.mktemp("fuzz")
     model = make_tiny_model(root / "model", "llama", seed=3, max_position_embeddings=64)
-    compile_model(model, root / "short-context", target="cpu", show=None)
+    compile_model(model, root / "short-context", CompileOptions(target="cpu"), show=None)
     with running_server(root / "short-context", root / "server.log", "--kv-memory", "16MiB",
                         "--max-num-seqs", "32", "--max-waiting", "4000", "--tool-call-parser", "hermes",
                         "--reasoning-parser", "qwen3") as (url, _):

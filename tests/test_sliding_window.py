@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from reference import hf_greedy_uncached, random_prompt  # noqa: E402
 
+from kiln.options import CompileOptions
+
 
 @pytest.fixture(scope="module")
 def windowed(make_model, compiled_family):
@@ -85,7 +87,7 @@ def test_a_target_without_windowed_kernels_refuses_at_compile_time(make_model, t
     cuda = get_target("cuda", "sm_80")
     tvm_only = replace(cuda, kernels=cuda.kernels.without("kiln_gpu", "kiln_gpu_decode"))
     with pytest.raises(KilnError, match="no attention kernel for paged_attention over a KV cache of sliding window 7"):
-        compile_model(make_model("mistral_window"), tmp_path / "cuda", target=tvm_only, show=None)
+        compile_model(make_model("mistral_window"), tmp_path / "cuda", CompileOptions(target=tvm_only), show=None)
     assert not (tmp_path / "cuda").exists()
 
 
@@ -97,13 +99,13 @@ def test_a_tokens_logits_do_not_depend_on_how_its_prompt_was_chunked(make_model,
     its window widened to 24 keys, so a query's window spans two blocks.)"""
     import shutil
     import numpy as np
+    from paging import make_step_inputs
     from kiln.compiler import compile_model
     from kiln.runtime.model import CompiledModel
-    from paging import make_step_inputs
     model_dir = shutil.copytree(make_model("mistral_window"), tmp_path / "model")
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 24}))
-    compile_model(model_dir, tmp_path / "artifact", target="cpu", show=None)
+    compile_model(model_dir, tmp_path / "artifact", CompileOptions(target="cpu"), show=None)
     model = CompiledModel(tmp_path / "artifact")
     model.allocate_kv(8 * model.bytes_per_page)
     ids, pages = random_prompt(45, 5), [3, 0, 7, 1, 5, 2]

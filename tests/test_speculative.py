@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fake_runner import FakeRunner, reference_greedy
+from kiln.runtime.config import EngineConfig
 from kiln.runtime.draft_proposer import DraftProposer
 from kiln.runtime.engine import Engine
 from kiln.runtime.ngram import NgramIndex, NgramProposer
@@ -54,8 +55,8 @@ def speculating_engine(proposer, num_pages=64, page_size=4, k=4, max_batched_tok
                        window=None, tokenizer=None, max_batch=16):
     runner = FakeRunner(num_pages, page_size, VOCAB, kv_window=window)
     config = SpeculativeConfig("ngram", k, max_batch=max_batch)
-    engine = Engine(runner, num_pages, (), max_num_seqs, max_batched_tokens, tokenizer=tokenizer,
-                    speculator=Speculator(config, proposer, runner.max_context))
+    limits = EngineConfig(max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens)
+    engine = Engine(runner, num_pages, (), limits, tokenizer, Speculator(config, proposer, runner.max_context))
     return engine, runner
 
 
@@ -286,7 +287,8 @@ def test_speculative_sampling_is_indistinguishable_from_plain_sampling():
         if speculate:
             draft = DraftProposer(FakeRunner(512, 4, vocab), 512, vocab, 0.1)
             speculator = Speculator(SpeculativeConfig("draft", 2, draft="fake", max_batch=10**6), draft, 512)
-        engine = Engine(runner, 512, (), max_num_seqs=256, max_batched_tokens=4096, speculator=speculator)
+        engine = Engine(runner, 512, (), config=EngineConfig(max_num_seqs=256, max_batched_tokens=4096),
+                        speculator=speculator)
         outs = engine.generate([prompt] * len(params), params)
         if speculate:
             assert engine.speculator.stats.drafts > 0 and engine.speculator.stats.accepted_tokens > 0
@@ -312,7 +314,8 @@ def test_penalties_logprobs_and_chunked_prefill_beside_speculation():
 
     def run(speculator):
         runner = FakeRunner(128, 4, VOCAB)
-        engine = Engine(runner, 128, (), 16, 12, speculator=speculator)
+        engine = Engine(runner, 128, (), config=EngineConfig(max_num_seqs=16, max_batched_tokens=12),
+                        speculator=speculator)
         reqs = [engine.add_request(p, sp) for p, sp in zip(ps[:4], params)]
         engine.step()
         engine.step()

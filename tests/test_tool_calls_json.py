@@ -22,9 +22,8 @@ ASK = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": A
 @pytest.fixture(scope="module")
 def http(llama_cpu):
     from fastapi.testclient import TestClient
-
     from kiln.serve.app import ServerConfig, create_app
-    app = create_app(ServerConfig(str(llama_cpu[0]), served_model_name="tiny", kv_memory="16MiB"), load_now=True)
+    app = create_app(ServerConfig.of(str(llama_cpu[0]), served_model_name="tiny", kv_memory="16MiB"), load_now=True)
     with TestClient(app) as client:
         yield client
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kiln.errors import KilnError
+from kiln.options import CompileOptions
 
 MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
          "q8": dict(dtype="float32", quant="q8"), "q4": dict(dtype="float32", quant="q4"),
@@ -33,8 +34,8 @@ def _lowered(model_dir, dtype, quant=None, group_size=32, quant_embedding=True):
     from kiln.targets import get_target
     target = get_target("cpu", None)
     model = load_hf_model(model_dir)
-    graph, _ = run_pipeline(model.build_graph(dtype, target.page_size), "cpu", quant=quant, quant_lm_head=True,
-                            group_size=group_size, kv_dtype=None, quant_embedding=quant_embedding)
+    options = CompileOptions(quant=quant, quant_lm_head=True, group_size=group_size, quant_embedding=quant_embedding)
+    graph, _ = run_pipeline(model.build_graph(dtype, target.page_size), "cpu", options=options)
     return model, graph, lower_graph(graph, target).weights
 
 
@@ -55,7 +56,6 @@ def _recipe_value(graph, model, name, dtype):
 def _old_writer(model, graph, stored, dtype, path):
     """What compile wrote before streaming: every tensor in memory (reference quantisers), one save_file."""
     from safetensors.numpy import save_file
-
     from kiln.selection.layouts import apply_layout
     tensors = {w.name: apply_layout(w.layout, _recipe_value(graph, model, w.param, dtype)) for w in stored}
     save_file({k: v.view(np.uint8) if v.dtype.name.startswith("float8") else v for k, v in tensors.items()},
@@ -81,7 +81,6 @@ def bf16_checkpoint(make_model, tmp_path_factory):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_streamed_weights_hold_the_old_writers_bytes(make_model, bf16_checkpoint, tmp_path, mode, checkpoint):
     from safetensors import safe_open
-
     from kiln.weights.convert import write_weights
     options = MODES[mode]
     model_dir = make_model("llama") if checkpoint == "float32" else bf16_checkpoint
@@ -102,7 +101,6 @@ def test_read_ahead_gives_what_plain_reads_give(make_model):
     """Tensors read ahead in the announced order, asked for in that order and out of it, are the
     checkpoint's (safetensors' own reader)."""
     from safetensors import safe_open
-
     from kiln.frontend.checkpoint import Checkpoint
     model_dir = make_model("llama")
     with safe_open(str(model_dir / "model.safetensors"), "numpy") as f:
@@ -250,7 +248,6 @@ def test_an_artifact_from_before_still_loads(llama_cpu, tmp_path):
     generate what the streamed artifact generates."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
-
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampler import SamplingParams
     from kiln.safetensors_io import ALIGNMENT, read_header
@@ -294,7 +291,7 @@ def test_an_interrupted_weights_stream_leaves_nothing(make_model, tmp_path, monk
     monkeypatch.setattr(kiln.safetensors_io, "write_safetensors", interrupted)
     out = tmp_path / "art"
     with pytest.raises(KeyboardInterrupt):
-        compile_model(make_model("llama"), out, target="cpu", show=None)
+        compile_model(make_model("llama"), out, CompileOptions(target="cpu"), show=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

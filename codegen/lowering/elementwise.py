@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax, te, tirx
 
+from kiln.ir import input_of
 from kiln.ir.types import numpy_dtype
 
 
@@ -66,7 +67,7 @@ def emit_gated(ctx, node, x):
     """swiglu / geglu: act(gate) * up over the two halves; TVM fuses them into one kernel. Where the
     gate/up linear's kernel applied it already (codegen/lower.py: gate_of) nothing is left to do;
     where its weights are stored 'gated' but its kernel did not, gate and up columns alternate."""
-    form = ctx.gated.get(node.inputs[0])
+    form = ctx.gated.get(input_of(node, "x"))
     if form == "fused":
         return x
     return gated(ctx, x, "silu" if node.op == "swiglu" else "gelu_tanh", node.type.dtype, form == "interleaved")

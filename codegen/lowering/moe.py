@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tvm import relax, te, tirx
 
+from kiln.ir import input_of
 from kiln.selection.choice import recorded
 from kiln.selection.formats import WeightFormat
 from kiln.selection.layouts import packed_block
@@ -124,8 +125,8 @@ def emit_moe_experts(ctx, node, x, routing, gate_up, gate_up_scale, down, down_s
     fmt = WeightFormat.of(node)
     gpu = ctx.target.thread_blocks
     dtype, k = node.type.dtype, node.attrs["top_k"]
-    experts, hidden = ctx.types[node.inputs[1]].shape[1], node.type.shape[1]
-    ffn = ctx.types[node.inputs[2]].shape[1] // 2                 # gate_up [E, 2F, ...], stored in any format
+    experts, hidden = ctx.types[input_of(node, "routing")].shape[1], node.type.shape[1]
+    ffn = ctx.types[input_of(node, "gate_up")].shape[1] // 2      # gate_up [E, 2F, ...], stored in any format
     tokens = x.ty.shape[0]
     plan = ctx.add_kernel(plan_kernel(experts, k, gpu), f"moe_plan_e{experts}_k{k}", scheduled=True)
     planned = ctx.bb.emit(relax.call_tir(plan, [routing], [

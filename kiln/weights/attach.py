@@ -23,6 +23,7 @@ from typing import Callable
 from kiln.artifact import WEIGHTS, read_manifest, write_in_place
 from kiln.errors import KilnError
 from kiln.interface import Manifest
+from kiln.options import CompileOptions
 from kiln.weights.generated import check_replaceable, record_weights
 
 
@@ -38,16 +39,16 @@ def planned_graph(model, manifest: Manifest):
     from kiln.targets import planned_target
     quant = manifest.quantization
     target = planned_target(manifest.target.name, manifest.target.arch, quant.activation_block)
-    options = dict(quant=None if quant.weights == "none" else quant.weights, quant_lm_head=quant.lm_head,
-                   group_size=quant.group_size or 32,
-                   kv_dtype=None if quant.kv_cache == "none" else quant.kv_cache,
-                   quant_embedding=quant.embedding != "none",
-                   # a latent (MLA) model's prefill entry starts at compile's --mla-expanded-from (0: none)
-                   mla_expanded_from=manifest.prefill_min_tokens or 0 if "mla" in manifest.attention_variants
-                   else None,
-                   int8_activations=quant.activation_block > 0 if quant.weights != "none" else None)
+    options = CompileOptions(target=target, quant=None if quant.weights == "none" else quant.weights,
+                             quant_lm_head=quant.lm_head, group_size=quant.group_size or 32,
+                             kv_dtype=None if quant.kv_cache == "none" else quant.kv_cache,
+                             quant_embedding=quant.embedding != "none",
+                             # a latent (MLA) model's prefill entry starts at compile's --mla-expanded-from (0: none)
+                             mla_expanded_from=manifest.prefill_min_tokens or 0
+                             if "mla" in manifest.attention_variants else None,
+                             int8_activations=quant.activation_block > 0 if quant.weights != "none" else None)
     ran = {p["name"] for p in manifest.passes}
-    passes = [rewrite for rewrite in pipeline_for(target, **options) if rewrite.name in ran]
+    passes = [rewrite for rewrite in pipeline_for(target, options) if rewrite.name in ran]
     graph, _ = run_pipeline(model.build_graph(manifest.dtype, manifest.kv.page_size), target, passes=passes)
     return graph
 

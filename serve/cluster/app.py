@@ -30,6 +30,7 @@ from ray.serve.config import RequestRouterConfig
 
 from kiln.artifact import read_manifest
 from kiln.errors import KilnError
+from kiln.runtime.config import EngineConfig
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.serve.app import ServerConfig, create_app
 
@@ -87,14 +88,15 @@ def build_app(config: ServerConfig, cluster: ClusterConfig):
     cluster.check()
     manifest = read_manifest(config.artifact, verify=False)
     gpu = manifest.target.device != "cpu"
-    actor = {"num_cpus": cluster.num_cpus if cluster.num_cpus is not None else (config.threads or 1),
+    engine = config.engine
+    actor = {"num_cpus": cluster.num_cpus if cluster.num_cpus is not None else (engine.threads or 1),
              "num_gpus": cluster.num_gpus if cluster.num_gpus is not None else (1 if gpu else 0)}
     kwargs = {"page_size": manifest.kv.page_size} if cluster.routing == "prefix" else {}
     router = RequestRouterConfig(request_router_class=ROUTERS[cluster.routing], request_router_kwargs=kwargs)
 
     def engines(name: str, count: int, role: str, autoscale: bool):
         options = dict(name=name, ray_actor_options=actor, request_router_config=router,
-                       max_ongoing_requests=2 * config.max_num_seqs, max_queued_requests=config.max_waiting,
+                       max_ongoing_requests=2 * engine.max_num_seqs, max_queued_requests=engine.max_waiting,
                        health_check_period_s=2.0, graceful_shutdown_timeout_s=5.0)
         if autoscale and cluster.max_replicas is not None:
             options["autoscaling_config"] = {"min_replicas": count, "max_replicas": cluster.max_replicas,
@@ -105,7 +107,7 @@ def build_app(config: ServerConfig, cluster: ClusterConfig):
         return serve.deployment(KilnReplica).options(**options).bind(config, role, cluster.transport)
 
     # the ingress holds every request in flight: the engines' batches and queues, and what waits for them
-    most = (cluster.max_replicas or cluster.replicas) * 2 * config.max_num_seqs + config.max_waiting
+    most = (cluster.max_replicas or cluster.replicas) * 2 * engine.max_num_seqs + engine.max_waiting
     ingress = KilnIngress.options(max_ongoing_requests=most)
     if cluster.prefill_replicas:
         prefill = engines("prefill", cluster.prefill_replicas, "prefill", autoscale=False)
@@ -114,13 +116,14 @@ def build_app(config: ServerConfig, cluster: ClusterConfig):
 
 
 def app_builder(args: dict):
-    """For a Ray Serve config file's import_path: `args` are ServerConfig's and ClusterConfig's fields."""
-    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    """For a Ray Serve config file's import_path: `args` are ClusterConfig's fields and ServerConfig's
+    (the engine's among them, runtime/config.py), flat."""
     cluster = {f.name for f in dataclasses.fields(ClusterConfig)}
-    unknown = set(args) - server - cluster
+    known = cluster | {f.name for config in (ServerConfig, EngineConfig) for f in dataclasses.fields(config)}
+    unknown = set(args) - known
     if unknown:
         raise KilnError(f"unknown kiln application arguments: {', '.join(sorted(unknown))}")
-    return build_app(ServerConfig(**{k: v for k, v in args.items() if k in server}),
+    return build_app(ServerConfig.of(**{k: v for k, v in args.items() if k not in cluster}),
                      ClusterConfig(**{k: v for k, v in args.items() if k in cluster}))
 
 

@@ -1,8 +1,8 @@
 """The ingress's side of the replicas: what the OpenAI routes (kiln.serve.app) call an engine.
 
 `RemoteEngine.add_requests` checks the requests here, as the replicas' engines would (a ParamError,
-so a 400, before anything is sent: `Engine.check_request` on a shape-only stand-in with the
-replicas' page pool size), and returns a `RemoteStream` of their outputs from a replica. A replica
+so a 400, before anything is sent: the replicas' RequestLimits.check_request, runtime/limits.py),
+and returns a `RemoteStream` of their outputs from a replica. A replica
 that dies under a request is a `ReplicaLost`: a streamed response that has shown tokens ends with
 that error; a non-streamed one, or a stream that has shown nothing yet, is sent again, to another
 replica, up to `retries` times. With a prefill deployment, a one-sample request is first sent
@@ -20,7 +20,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from kiln.errors import KilnError, QueueFull
-from kiln.runtime.engine import Engine
+from kiln.runtime.grammar import Grammars
+from kiln.runtime.limits import RequestLimits
 from kiln.runtime.request import RequestMetrics
 from kiln.serve.metrics import EngineGauges
 
@@ -31,23 +32,14 @@ class ReplicaLost(KilnError):
     status = 503
 
 
-@dataclasses.dataclass
-class ModelShape:
-    """What Engine.check_request reads of a model runner, as a replica described it."""
-    page_size: int
-    vocab_size: int
-    max_context: int
-    kv_window: int | None
-
-
 class RemoteLLM:
-    """The routes' `llm`: the tokenizer, and a stand-in engine that checks requests."""
+    """The routes' `llm`: the tokenizer, and the replicas' request limits (runtime/limits.py), with a
+    grammar compiler to check structured output as theirs would."""
 
     def __init__(self, info: dict, tokenizer):
         self.tokenizer = tokenizer
-        self.model = ModelShape(info["page_size"], info["vocab_size"], info["max_context"], info["kv_window"])
-        self.engine = Engine(self.model, info["num_pages"], tokenizer.eos_token_ids, info["max_num_seqs"],
-                             info["max_batched_tokens"], tokenizer=tokenizer)
+        self.limits: RequestLimits = info["limits"]
+        self.grammars = Grammars(tokenizer, self.limits.vocab_size, frozenset(tokenizer.eos_token_ids))
 
 
 class RemoteEngine:
@@ -59,7 +51,8 @@ class RemoteEngine:
 
     def add_requests(self, requests: list[dict], streaming: bool = True) -> "RemoteStream":
         for r in requests:
-            self.llm.engine.check_request(**r)
+            self.llm.limits.check_request(r["prompt_ids"], r.get("params"), self.llm.grammars,
+                                          r.get("export_kv", False))
         return RemoteStream(self, requests, streaming)
 
     async def refresh_gauges(self) -> None:

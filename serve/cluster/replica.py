@@ -74,12 +74,8 @@ class KilnReplica:
 
     # -- what the ingress and Ray Serve ask ------------------------------------------------------------
     async def describe(self) -> dict:
-        """What the ingress needs to check requests as this engine would (remote.py)."""
-        model, engine = self.llm.model, self.llm.engine
-        return {"page_size": model.page_size, "vocab_size": model.vocab_size, "max_context": model.max_context,
-                "kv_window": model.kv_window, "num_pages": engine.pool.num_pages,
-                "max_num_seqs": engine.scheduler.max_num_seqs, "kv_layout": model.kv_layout,
-                "max_batched_tokens": engine.scheduler.max_batched_tokens, "description": self.description}
+        """What the ingress needs to check requests as this engine would (remote.py): its limits."""
+        return {"limits": self.llm.limits, "description": self.description}
 
     def gauges(self) -> EngineGauges:
         return EngineGauges.of(self.llm.engine)

@@ -14,7 +14,11 @@ from paging import make_kv_pages, make_step_inputs  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from reference import hf_greedy, hf_last_logits as ref_logits, random_prompt as prompt  # noqa: E402
+from reference import hf_greedy  # noqa: E402
+from reference import hf_last_logits as ref_logits
+from reference import random_prompt as prompt
+
+from kiln.options import CompileOptions
 
 # fp32 on the GPU differs from the CPU only by summation order; half precision by rounding.
 # q8/q4 are float16 activations with int8/int4 weights: rounding plus quantisation error
@@ -39,7 +43,7 @@ def interpreter_for(bundle: Path, variant: str, page_size: int):
     from kiln.passes import run_pipeline
     dtype, quant = VARIANTS[variant]
     hf_model = load_hf_model(bundle / "model")
-    graph, _ = run_pipeline(hf_model.build_graph(dtype, page_size), "cuda", quant=quant)
+    graph, _ = run_pipeline(hf_model.build_graph(dtype, page_size), "cuda", options=CompileOptions(quant=quant))
     return graph, weight_loader(graph, lambda name: hf_model.weight(name, dtype)), hf_model.config
 
 

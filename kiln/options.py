@@ -1,0 +1,48 @@
+"""CompileOptions: what `kiln compile` is asked for, checked once, from the CLI (or a caller of
+kiln.compiler.compile_model) through the pass pipeline (passes/pipeline.py) to the manifest. A leaf:
+the CLI, the compiler, the passes and `kiln attach-weights` (which plans the same pipeline from a
+manifest) all read it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+
+DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_QUANTS = ("q8", "q4", "fp8")          # ir/quant.py SCHEMES
+KV_DTYPES = ("int8", "fp8")                  # ir/quant.py KV_SCHEMES
+GROUP_SIZES = (32, 128)                      # q4's input channels per scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    target: object = "cpu"                   # a target's name, or a Target (tests and benchmarks give one)
+    arch: str | None = None                  # the target's --arch (None: its default)
+    dtype: str | None = None                 # weights and activations (None: the target's default)
+    quant: str | None = None                 # weight quantisation: q8, q4, fp8 (None: the dtype's weights)
+    group_size: int = 32                     # q4's input channels per scale
+    quant_lm_head: bool = True
+    quant_embedding: bool = True             # with quant: the embedding table in the same scheme
+    kv_dtype: str | None = None              # the KV cache stored as int8 or fp8 (None: the dtype)
+    int8_activations: bool | None = None     # q8/q4 linears on int8 activations (None: where the target has them)
+    mla_expanded_from: int | None = None     # MLA prefill steps of this many tokens a sequence and up run the
+    #                                          expanded form (None: the target's; 0: never)
+    disable_passes: frozenset[str] = field(default_factory=frozenset)
+    weights: bool = True                     # False: no weights file (attach-weights or fill-weights write it)
+
+    def __post_init__(self):
+        for name, value, known in (("dtype", self.dtype, DTYPES), ("quant", self.quant, WEIGHT_QUANTS),
+                                   ("kv-dtype", self.kv_dtype, KV_DTYPES)):
+            if value is not None and value not in known:
+                raise KilnError(f"--{name} {value} is not one of {', '.join(known)}")
+        if self.group_size not in GROUP_SIZES:
+            raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
+        if self.mla_expanded_from is not None and self.mla_expanded_from < 0:
+            raise KilnError(f"--mla-expanded-from {self.mla_expanded_from} is negative")
+        if self.int8_activations and self.quant not in ("q8", "q4"):
+            raise KilnError("--activations int8 needs --quant q8 or q4 (the integer dot products read those weights)")
+        object.__setattr__(self, "disable_passes", frozenset(self.disable_passes))
+
+    @property
+    def target_name(self) -> str:
+        return self.target if isinstance(self.target, str) else self.target.name
