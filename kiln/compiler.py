@@ -114,6 +114,10 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
                   dump: Callable | None) -> Manifest:
     """Compile `model_dir` into the empty directory `out_dir`. Without `options.weights`, no weights file
     is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
+    phases = Phases(show)
+    from kiln.frontend import load_hf_model
+    model = phases.run("import", load_hf_model, model_dir)      # no TVM yet: a bad model is refused at once
+
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     target = options.target
     tgt = get_target(target, options.arch) if isinstance(target, str) else target
@@ -121,10 +125,6 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
     quant, kv_dtype = options.quant, options.kv_dtype
     tgt.check_dtype(dtype)
     tgt.check_quant(quant, kv_dtype)
-    phases = Phases(show)
-
-    from kiln.frontend import load_hf_model
-    model = phases.run("import", load_hf_model, model_dir)
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
 
     from kiln.passes import run_pipeline

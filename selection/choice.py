@@ -29,30 +29,31 @@ def steps_of(target) -> tuple[str, ...]:
     return ("mixed", "decode", "prefill") + (("decode_wide",) if target.decode_mma_from else ())
 
 
+def _resolved(kernels: dict[str, str], step: str) -> str:
+    while step not in kernels:
+        step = STEP_FALLBACK[step]
+    return kernels[step]
+
+
 def recorded(node, step: str) -> str:
     """The kernel recorded for `node` in steps of kind `step`."""
     kernels = node.attrs.get("kernels")
     if not kernels:
         raise KilnError(f"%{node.output} ({node.op}) has no kernel recorded: the select_kernels pass "
                         "(passes/select_kernels.py) runs before lowering")
-    while step not in kernels:
-        step = STEP_FALLBACK[step]
-    return kernels[step]
+    return _resolved(kernels, step)
 
 
 def differs(node, step: str) -> bool:
     """Whether `node` runs another kernel in `step` steps than in the steps they fall back to."""
-    return step in (node.attrs.get("kernels") or {}) and step != "mixed"
+    return step in STEP_FALLBACK and bool(node.attrs.get("kernels")) and \
+        recorded(node, step) != recorded(node, STEP_FALLBACK[step])
 
 
 def _compact(kernels: dict[str, str]) -> dict[str, str]:
     """Only "mixed" and the steps whose kernel differs from their fallback's."""
-    def resolved(step):
-        while step not in kernels:
-            step = STEP_FALLBACK[step]
-        return kernels[step]
     return {step: name for step, name in kernels.items()
-            if step == "mixed" or name != resolved(STEP_FALLBACK[step])}
+            if step == "mixed" or name != _resolved(kernels, STEP_FALLBACK[step])}
 
 
 def _attention(node, graph: Graph, target) -> dict[str, str]:

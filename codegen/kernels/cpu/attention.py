@@ -212,10 +212,10 @@ def cpu_paged_attention(q_heads: int, spec: KVSpec, dtype: str, scale: float, ro
 
     body = attend if gpu else attend_blocked
 
-    @T.prim_func(private=True, s_tir=True)
-    def paged_attention(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle, var_q_indptr: T.handle,
-                        var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
-                        var_last_page_len: T.handle, var_output: T.handle):
+    @T.macro
+    def matched(var_qkv, var_positions, var_inv_freq, var_q_indptr, var_pages, var_page_indptr, var_page_values,
+                var_last_page_len, var_scales, var_output):
+        """The kernel over its arguments' buffers; row scales where given (a quantised cache's)."""
         T.func_attr({"tirx.noalias": True})
         total_len, n_pos, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qkv = T.match_buffer(var_qkv, (total_len, width), dtype)
@@ -226,28 +226,29 @@ def cpu_paged_attention(q_heads: int, spec: KVSpec, dtype: str, scale: float, ro
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
-               batch)
+        if var_scales is None:
+            output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
+            body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, None, output,
+                 batch)
+        else:
+            scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
+            output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
+            body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
+                 batch)
+
+    @T.prim_func(private=True, s_tir=True)
+    def paged_attention(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle, var_q_indptr: T.handle,
+                        var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
+                        var_last_page_len: T.handle, var_output: T.handle):
+        matched(var_qkv, var_positions, var_inv_freq, var_q_indptr, var_pages, var_page_indptr, var_page_values,
+                var_last_page_len, None, var_output)
 
     @T.prim_func(private=True, s_tir=True)
     def paged_attention_scaled(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle,
                                var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
                                var_page_values: T.handle, var_last_page_len: T.handle, var_scales: T.handle,
                                var_output: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        total_len, n_pos, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        qkv = T.match_buffer(var_qkv, (total_len, width), dtype)
-        positions = T.match_buffer(var_positions, (n_pos,), "int32")
-        inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
-        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
-        last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
-        output = T.match_buffer(var_output, (total_len, q_heads, head_dim), dtype)
-        body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
-               batch)
+        matched(var_qkv, var_positions, var_inv_freq, var_q_indptr, var_pages, var_page_indptr, var_page_values,
+                var_last_page_len, var_scales, var_output)
 
     return paged_attention_scaled if quantized else paged_attention

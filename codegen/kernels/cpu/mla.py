@@ -155,10 +155,10 @@ def latent_attend_kernel(heads: int, spec: KVSpec, dtype: str, scale: float):
                     for g, d in T.grid(group, rank):
                         output[q_start + i, blk * group + g, d] = T.Cast(dtype, acc[g, d] / state[g, 1])
 
-    @T.prim_func(private=True, s_tir=True)
-    def latent_attend(var_ql: T.handle, var_qr: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
-                      var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
-                      var_output: T.handle):
+    @T.macro
+    def matched(var_ql, var_qr, var_q_indptr, var_pages, var_page_indptr, var_page_values, var_last_page_len,
+                var_scales, var_output):
+        """The kernel over its arguments' buffers; row scales where given (a quantised cache's)."""
         T.func_attr({"tirx.noalias": True})
         total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
         q_latent = T.match_buffer(var_ql, (total_len, heads, rank), dtype)
@@ -168,25 +168,27 @@ def latent_attend_kernel(heads: int, spec: KVSpec, dtype: str, scale: float):
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
         last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        output = T.match_buffer(var_output, (total_len, heads, rank), dtype)
-        attend(q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len, None, output, batch)
+        if var_scales is None:
+            output = T.match_buffer(var_output, (total_len, heads, rank), dtype)
+            attend(q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len, None, output, batch)
+        else:
+            scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
+            output = T.match_buffer(var_output, (total_len, heads, rank), dtype)
+            attend(q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output, batch)
+
+    @T.prim_func(private=True, s_tir=True)
+    def latent_attend(var_ql: T.handle, var_qr: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                      var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
+                      var_output: T.handle):
+        matched(var_ql, var_qr, var_q_indptr, var_pages, var_page_indptr, var_page_values, var_last_page_len, None,
+                var_output)
 
     @T.prim_func(private=True, s_tir=True)
     def latent_attend_scaled(var_ql: T.handle, var_qr: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
                              var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
                              var_scales: T.handle, var_output: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        total_len, batch, num_pages, nnz_pages = T.int64(), T.int64(), T.int64(), T.int64()
-        q_latent = T.match_buffer(var_ql, (total_len, heads, rank), dtype)
-        q_rope = T.match_buffer(var_qr, (total_len, heads, rope), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch + 1,), "int32")
-        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32")
-        last_page_len = T.match_buffer(var_last_page_len, (batch,), "int32")
-        scales = T.match_buffer(var_scales, spec.page_shape(num_pages)[:4], "float32")
-        output = T.match_buffer(var_output, (total_len, heads, rank), dtype)
-        attend(q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output, batch)
+        matched(var_ql, var_qr, var_q_indptr, var_pages, var_page_indptr, var_page_values, var_last_page_len,
+                var_scales, var_output)
 
     return latent_attend_scaled if quantized else latent_attend
 
