@@ -13,16 +13,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	@echo "kiln: installing TVM, the CPU build of torch, transformers, Ray and the test tools into $(VENV)" \
 	      "(a minute or two on a fresh machine; versions from constraints.txt)"
-	# torch pinned to the local CPU build; transformers/torch are for import and tests only. No byte
-	# compiling at install (half of setup's time): Python compiles what it imports, once.
-	$(PY) -m pip install -q --no-compile -c constraints.txt "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
+	# torch pinned to the local CPU build; transformers/torch are for import and tests only.
+	$(PY) -m pip install -q -c constraints.txt "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
 	    "transformers>=4.45" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
 	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
 	    "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "openai>=1.40" \
 	    "schemathesis>=3.30" "setuptools>=68" "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0" \
 	    "nvidia-cuda-nvdisasm>=13" "langchain-openai>=1.0" "litellm>=1.70" "ray[serve]==2.60.0"
 	# xgrammar (structured output) without its declared triton: kiln masks logits with NumPy
-	$(PY) -m pip install -q --no-compile -c constraints.txt --no-deps "xgrammar==0.2.8"
+	$(PY) -m pip install -q -c constraints.txt --no-deps "xgrammar==0.2.8"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

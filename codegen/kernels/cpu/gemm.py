@@ -115,96 +115,110 @@ def tile_output(acc, fmt: WeightFormat, dtype: str, scale, bias, residual, row0,
 def signature(body, n_in: int, n_out: int, w_shape: tuple, dtype: str, weight_dtype: str, scale_shape: tuple | None,
               scale_dtype: str, has_bias: bool, has_residual: bool):
     """The PrimFunc around `body(x, w, scale, bias, residual, y, m)` (a T.macro; absent inputs None)
-    that takes the optional inputs the linear has, in the packed GEMV kernel's argument order."""
-    parsed_scale_shape = scale_shape or (1,)        # every signature below is parsed; only scaled ones read it
+    that takes the optional inputs the linear has, in the packed GEMV kernel's argument order. Only
+    the signature asked for is parsed (parsing the body is most of a kernel's build time here)."""
+    key = (scale_shape is not None, has_bias, has_residual)
+    parsed_scale_shape = scale_shape or (1,)
 
-    @T.prim_func(private=True, s_tir=True)
-    def plain(var_x: T.handle, var_w: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, None, None, None, y, m)
+    if key == (False, False, False):
+        @T.prim_func(private=True, s_tir=True)
+        def plain(var_x: T.handle, var_w: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, None, None, None, y, m)
+        return plain
 
-    @T.prim_func(private=True, s_tir=True)
-    def scaled(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, scale, None, None, y, m)
+    if key == (True, False, False):
+        @T.prim_func(private=True, s_tir=True)
+        def scaled(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, scale, None, None, y, m)
+        return scaled
 
-    @T.prim_func(private=True, s_tir=True)
-    def with_bias(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        bias = T.match_buffer(var_b, (n_out,), dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, None, bias, None, y, m)
+    if key == (False, True, False):
+        @T.prim_func(private=True, s_tir=True)
+        def with_bias(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            bias = T.match_buffer(var_b, (n_out,), dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, None, bias, None, y, m)
+        return with_bias
 
-    @T.prim_func(private=True, s_tir=True)
-    def with_residual(var_x: T.handle, var_w: T.handle, var_r: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        residual = T.match_buffer(var_r, (m, n_out), dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, None, None, residual, y, m)
+    if key == (False, False, True):
+        @T.prim_func(private=True, s_tir=True)
+        def with_residual(var_x: T.handle, var_w: T.handle, var_r: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            residual = T.match_buffer(var_r, (m, n_out), dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, None, None, residual, y, m)
+        return with_residual
 
-    @T.prim_func(private=True, s_tir=True)
-    def scaled_with_bias(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
-        bias = T.match_buffer(var_b, (n_out,), dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, scale, bias, None, y, m)
+    if key == (True, True, False):
+        @T.prim_func(private=True, s_tir=True)
+        def scaled_with_bias(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
+            bias = T.match_buffer(var_b, (n_out,), dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, scale, bias, None, y, m)
+        return scaled_with_bias
 
-    @T.prim_func(private=True, s_tir=True)
-    def scaled_with_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
-        residual = T.match_buffer(var_r, (m, n_out), dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, scale, None, residual, y, m)
+    if key == (True, False, True):
+        @T.prim_func(private=True, s_tir=True)
+        def scaled_with_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_r: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
+            residual = T.match_buffer(var_r, (m, n_out), dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, scale, None, residual, y, m)
+        return scaled_with_residual
 
-    @T.prim_func(private=True, s_tir=True)
-    def with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_r: T.handle,
-                               var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        bias = T.match_buffer(var_b, (n_out,), dtype)
-        residual = T.match_buffer(var_r, (m, n_out), dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, None, bias, residual, y, m)
+    if key == (False, True, True):
+        @T.prim_func(private=True, s_tir=True)
+        def with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_b: T.handle, var_r: T.handle,
+                                   var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            bias = T.match_buffer(var_b, (n_out,), dtype)
+            residual = T.match_buffer(var_r, (m, n_out), dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, None, bias, residual, y, m)
+        return with_bias_and_residual
 
-    @T.prim_func(private=True, s_tir=True)
-    def scaled_with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle,
-                                      var_r: T.handle, var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(var_x, (m, n_in), dtype)
-        w = T.match_buffer(var_w, w_shape, weight_dtype)
-        scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
-        bias = T.match_buffer(var_b, (n_out,), dtype)
-        residual = T.match_buffer(var_r, (m, n_out), dtype)
-        y = T.match_buffer(var_y, (m, n_out), dtype)
-        body(x, w, scale, bias, residual, y, m)
-
-    return {(False, False, False): plain, (True, False, False): scaled, (False, True, False): with_bias,
-            (False, False, True): with_residual, (True, True, False): scaled_with_bias,
-            (True, False, True): scaled_with_residual, (False, True, True): with_bias_and_residual,
-            (True, True, True): scaled_with_bias_and_residual}[(scale_shape is not None, has_bias, has_residual)]
+    if key == (True, True, True):
+        @T.prim_func(private=True, s_tir=True)
+        def scaled_with_bias_and_residual(var_x: T.handle, var_w: T.handle, var_s: T.handle, var_b: T.handle,
+                                          var_r: T.handle, var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, n_in), dtype)
+            w = T.match_buffer(var_w, w_shape, weight_dtype)
+            scale = T.match_buffer(var_s, parsed_scale_shape, scale_dtype)
+            bias = T.match_buffer(var_b, (n_out,), dtype)
+            residual = T.match_buffer(var_r, (m, n_out), dtype)
+            y = T.match_buffer(var_y, (m, n_out), dtype)
+            body(x, w, scale, bias, residual, y, m)
+        return scaled_with_bias_and_residual
+    raise AssertionError(f"no signature for {key}")
