@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3) over a latent KV cache (ir/kv_spec.py kind "latent").
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over a latent KV cache (kiln/interface.py KVSpec kind "latent").
 
 Each token stores one row: c_kv (the compressed KV after kv_a_layernorm, R = kv_lora_rank values)
 then k_pe (the roped key shared by every head, P = qk_rope_head_dim values). kv_b_proj

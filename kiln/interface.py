@@ -216,7 +216,7 @@ class Quantization:
 @dataclass(frozen=True)
 class KVLayout:
     page_size: int
-    layers: tuple[dict, ...]          # KVSpec.to_json() per layer (ir/kv_spec.py)
+    layers: tuple[dict, ...]          # KVSpec.to_json() per layer
 
 
 WEIGHTS_SOURCES = ("checkpoint", "absent", "generated")

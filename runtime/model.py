@@ -58,7 +58,7 @@ class CompiledModel:
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
                                 f"compile it on this machine, or for this CPU with --arch")
-        # one page pool for every layer: page p is page p of each layer's tensor (ir/kv_spec.py)
+        # one page pool for every layer: page p is page p of each layer's tensor (kiln/interface.py KVSpec)
         self.kv_specs = [KVSpec.from_json(layer) for layer in m.kv.layers]
         self.page_size = m.kv.page_size
         self.vocab_size = m.vocab_size
@@ -79,7 +79,7 @@ class CompiledModel:
         self.launcher: Launcher | None = None               # made by the first launch
         self.weights = self._load_weights()
         verified()
-        self.kv_tensors: dict = {}         # each layer's KV inputs (ir/kv_spec.py), made by allocate_kv
+        self.kv_tensors: dict = {}         # each layer's KV inputs (kiln/interface.py KVSpec), made by allocate_kv
         self.input_names = list(m.inputs)
 
     def _load_weights(self) -> list:

@@ -131,13 +131,15 @@ def router_kernel(experts: int, scheme: str, top_k: int, normalize: bool, scalin
                     if chosen[j] >= 0:
                         out[tt, chosen[j]] = weight[j] * T.float32(scaling)
 
-    @T.prim_func(private=True, s_tir=True)
-    def moe_router(var_logits: T.handle, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        tokens = T.int64()
-        logits = T.match_buffer(var_logits, (tokens, E), "float32")
-        out = T.match_buffer(var_out, (tokens, E), "float32")
-        route(logits, None, out, tokens)
+    if scheme != "sigmoid_group_top2":   # only the form asked for is parsed
+        @T.prim_func(private=True, s_tir=True)
+        def moe_router(var_logits: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            tokens = T.int64()
+            logits = T.match_buffer(var_logits, (tokens, E), "float32")
+            out = T.match_buffer(var_out, (tokens, E), "float32")
+            route(logits, None, out, tokens)
+        return moe_router
 
     @T.prim_func(private=True, s_tir=True)
     def moe_router_biased(var_logits: T.handle, var_bias: T.handle, var_out: T.handle):
@@ -148,7 +150,7 @@ def router_kernel(experts: int, scheme: str, top_k: int, normalize: bool, scalin
         out = T.match_buffer(var_out, (tokens, E), "float32")
         route(logits, bias, out, tokens)
 
-    return moe_router_biased if scheme == "sigmoid_group_top2" else moe_router
+    return moe_router_biased
 
 
 @functools.cache

@@ -236,12 +236,14 @@ def cpu_paged_attention(q_heads: int, spec: KVSpec, dtype: str, scale: float, ro
             body(qkv, positions, inv_freq, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output,
                  batch)
 
-    @T.prim_func(private=True, s_tir=True)
-    def paged_attention(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle, var_q_indptr: T.handle,
-                        var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
-                        var_last_page_len: T.handle, var_output: T.handle):
-        matched(var_qkv, var_positions, var_inv_freq, var_q_indptr, var_pages, var_page_indptr, var_page_values,
-                var_last_page_len, None, var_output)
+    if not quantized:   # only the form asked for is parsed
+        @T.prim_func(private=True, s_tir=True)
+        def paged_attention(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle, var_q_indptr: T.handle,
+                            var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
+                            var_last_page_len: T.handle, var_output: T.handle):
+            matched(var_qkv, var_positions, var_inv_freq, var_q_indptr, var_pages, var_page_indptr, var_page_values,
+                    var_last_page_len, None, var_output)
+        return paged_attention
 
     @T.prim_func(private=True, s_tir=True)
     def paged_attention_scaled(var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle,
@@ -251,4 +253,4 @@ def cpu_paged_attention(q_heads: int, spec: KVSpec, dtype: str, scale: float, ro
         matched(var_qkv, var_positions, var_inv_freq, var_q_indptr, var_pages, var_page_indptr, var_page_values,
                 var_last_page_len, var_scales, var_output)
 
-    return paged_attention_scaled if quantized else paged_attention
+    return paged_attention_scaled

@@ -82,17 +82,19 @@ def cpu_kv_append(q_heads: int, spec: KVSpec, dtype: str, rope: RotaryLoad | Non
                             pages[page, kind, h, slot_row, d] = encode(
                                 row[kind, d], None if scales is None else scales[page, kind, h, slot_row])
 
-    @T.prim_func(private=True, s_tir=True)
-    def kv_append(var_pages: T.handle, var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle,
-                  var_slots: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        num_pages, tokens, n_pos = T.int64(), T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
-        qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
-        positions = T.match_buffer(var_positions, (n_pos,), "int32")
-        inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
-        slots = T.match_buffer(var_slots, (tokens,), "int32")
-        append(pages, None, qkv, positions, inv_freq, slots, tokens)
+    if scheme is None:   # only the form asked for is parsed
+        @T.prim_func(private=True, s_tir=True)
+        def kv_append(var_pages: T.handle, var_qkv: T.handle, var_positions: T.handle, var_inv_freq: T.handle,
+                      var_slots: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            num_pages, tokens, n_pos = T.int64(), T.int64(), T.int64()
+            pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
+            qkv = T.match_buffer(var_qkv, (tokens, width), dtype)
+            positions = T.match_buffer(var_positions, (n_pos,), "int32")
+            inv_freq = T.match_buffer(var_inv_freq, (freqs,), "float32")
+            slots = T.match_buffer(var_slots, (tokens,), "int32")
+            append(pages, None, qkv, positions, inv_freq, slots, tokens)
+        return kv_append
 
     @T.prim_func(private=True, s_tir=True)
     def kv_append_scaled(var_pages: T.handle, var_scales: T.handle, var_qkv: T.handle, var_positions: T.handle,
@@ -107,4 +109,4 @@ def cpu_kv_append(q_heads: int, spec: KVSpec, dtype: str, rope: RotaryLoad | Non
         slots = T.match_buffer(var_slots, (tokens,), "int32")
         append(pages, scales, qkv, positions, inv_freq, slots, tokens)
 
-    return kv_append if scheme is None else kv_append_scaled
+    return kv_append_scaled

@@ -13,7 +13,7 @@ The expanded form's kernels (prefill steps, passes/specialize_mla.py):
   expanded_attend one task per (sequence, head): keys [k_nope | k_pe] N + P wide and values V wide
                   from the rows kiln's linear kernel rebuilt, online softmax in float32, the same
                   loop structure as latent_attend (a scalar dot per key, a vector mix of values)
-Latent pages: [num_pages, 1, 1, page_size, R + P] (ir/kv_spec.py kind "latent"); TVM's kernels see
+Latent pages: [num_pages, 1, 1, page_size, R + P] (kiln/interface.py KVSpec kind "latent"); TVM's kernels see
 them as [num_pages, page_size, R + P], the same bytes.
 """
 from __future__ import annotations
@@ -65,15 +65,17 @@ def latent_append_kernel(spec: KVSpec, dtype: str):
                         pages[page, 0, 0, slot_row, d] = encode(
                             row[d], None if scales is None else scales[page, 0, 0, slot_row])
 
-    @T.prim_func(private=True, s_tir=True)
-    def latent_append(var_pages: T.handle, var_c: T.handle, var_pe: T.handle, var_slots: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        num_pages, tokens = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
-        c_kv = T.match_buffer(var_c, (tokens, rank), dtype)
-        k_pe = T.match_buffer(var_pe, (tokens, rope), dtype)
-        slots = T.match_buffer(var_slots, (tokens,), "int32")
-        append(pages, None, c_kv, k_pe, slots, tokens)
+    if scheme is None:   # only the form asked for is parsed
+        @T.prim_func(private=True, s_tir=True)
+        def latent_append(var_pages: T.handle, var_c: T.handle, var_pe: T.handle, var_slots: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            num_pages, tokens = T.int64(), T.int64()
+            pages = T.match_buffer(var_pages, spec.page_shape(num_pages), storage)
+            c_kv = T.match_buffer(var_c, (tokens, rank), dtype)
+            k_pe = T.match_buffer(var_pe, (tokens, rope), dtype)
+            slots = T.match_buffer(var_slots, (tokens,), "int32")
+            append(pages, None, c_kv, k_pe, slots, tokens)
+        return latent_append
 
     @T.prim_func(private=True, s_tir=True)
     def latent_append_scaled(var_pages: T.handle, var_scales: T.handle, var_c: T.handle, var_pe: T.handle,
@@ -87,7 +89,7 @@ def latent_append_kernel(spec: KVSpec, dtype: str):
         slots = T.match_buffer(var_slots, (tokens,), "int32")
         append(pages, scales, c_kv, k_pe, slots, tokens)
 
-    return latent_append if scheme is None else latent_append_scaled
+    return latent_append_scaled
 
 
 @functools.cache
@@ -176,12 +178,14 @@ def latent_attend_kernel(heads: int, spec: KVSpec, dtype: str, scale: float):
             output = T.match_buffer(var_output, (total_len, heads, rank), dtype)
             attend(q_latent, q_rope, q_indptr, pages, page_indptr, page_values, last_page_len, scales, output, batch)
 
-    @T.prim_func(private=True, s_tir=True)
-    def latent_attend(var_ql: T.handle, var_qr: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
-                      var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
-                      var_output: T.handle):
-        matched(var_ql, var_qr, var_q_indptr, var_pages, var_page_indptr, var_page_values, var_last_page_len, None,
-                var_output)
+    if not quantized:   # only the form asked for is parsed
+        @T.prim_func(private=True, s_tir=True)
+        def latent_attend(var_ql: T.handle, var_qr: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
+                          var_page_indptr: T.handle, var_page_values: T.handle, var_last_page_len: T.handle,
+                          var_output: T.handle):
+            matched(var_ql, var_qr, var_q_indptr, var_pages, var_page_indptr, var_page_values, var_last_page_len, None,
+                    var_output)
+        return latent_attend
 
     @T.prim_func(private=True, s_tir=True)
     def latent_attend_scaled(var_ql: T.handle, var_qr: T.handle, var_q_indptr: T.handle, var_pages: T.handle,
@@ -190,7 +194,7 @@ def latent_attend_kernel(heads: int, spec: KVSpec, dtype: str, scale: float):
         matched(var_ql, var_qr, var_q_indptr, var_pages, var_page_indptr, var_page_values, var_last_page_len,
                 var_scales, var_output)
 
-    return latent_attend_scaled if quantized else latent_attend
+    return latent_attend_scaled
 
 
 @functools.cache
@@ -246,14 +250,16 @@ def latent_gather_kernel(spec: KVSpec, dtype: str):
                 for d in range(width):
                     out[vi, d] = T.Cast(dtype, T.Cast("float32", pages[page, 0, 0, row, d]) * row_scale(scales, page, row))
 
-    @T.prim_func(private=True, s_tir=True)
-    def latent_gather(var_pages: T.handle, var_slots: T.handle, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        num_pages, rows = T.int64(), T.int64()
-        pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
-        slots = T.match_buffer(var_slots, (rows,), "int32")
-        out = T.match_buffer(var_out, (rows, width), dtype)
-        gather(pages, slots, None, out, rows)
+    if not quantized:   # only the form asked for is parsed
+        @T.prim_func(private=True, s_tir=True)
+        def latent_gather(var_pages: T.handle, var_slots: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            num_pages, rows = T.int64(), T.int64()
+            pages = T.match_buffer(var_pages, spec.page_shape(num_pages), kv_dtype)
+            slots = T.match_buffer(var_slots, (rows,), "int32")
+            out = T.match_buffer(var_out, (rows, width), dtype)
+            gather(pages, slots, None, out, rows)
+        return latent_gather
 
     @T.prim_func(private=True, s_tir=True)
     def latent_gather_scaled(var_pages: T.handle, var_slots: T.handle, var_scales: T.handle, var_out: T.handle):
@@ -265,7 +271,7 @@ def latent_gather_kernel(spec: KVSpec, dtype: str):
         out = T.match_buffer(var_out, (rows, width), dtype)
         gather(pages, slots, scales, out, rows)
 
-    return latent_gather_scaled if quantized else latent_gather
+    return latent_gather_scaled
 
 
 @functools.cache
