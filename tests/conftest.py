@@ -51,8 +51,8 @@ def compiled_family(make_model):
 
 # ---------------------------------------------------------------------------- tiers
 # `make test-fast` runs with --no-build: the tests marked `build` (they build with TVM, lower a graph
-# to TVM's IR, or run what TVM built) are left out, and an unmarked test that builds fails, naming
-# the mark, so the fast tier stays fast.
+# to TVM's IR, run what TVM built, or build kiln's CUDA kernels for the CPU emulator) are left out,
+# and an unmarked test that builds with TVM fails, naming the mark, so the fast tier stays fast.
 BUILD_FIXTURES = {"llama_cpu", "compiled_family", "gpu_bundle", "gpu_family"}
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from test_mma_emulated import ACTIVATIONS, NUMPY, check, compile_emulated, expected, pointer, stored
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+# builds kiln's CUDA kernels for the CPU emulator (g++) and runs them: the build tier, not make test-fast
+pytestmark = [pytest.mark.build, pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")]
 
 N, K = 64, 512
 # (dtype, weight format, q4 group, bias + residual, activation, (rows a block, threads, batch))

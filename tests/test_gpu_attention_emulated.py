@@ -13,7 +13,8 @@ import pytest
 from attention_cases import CASES, PAGE, SCALE, case_id, check, numpy_dtype, random_step, reference, shape_of
 from test_mma_emulated import compile_emulated, pointer
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+# builds kiln's CUDA kernels for the CPU emulator (g++) and runs them: the build tier, not make test-fast
+pytestmark = [pytest.mark.build, pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+# builds kiln's CUDA kernels for the CPU emulator (g++) and runs them: the build tier, not make test-fast
+pytestmark = [pytest.mark.build, pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")]
 
 EMULATOR = Path(__file__).with_name("mma_emulator.h")
 N, K, EXPERTS = 128, 256, 3
