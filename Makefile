@@ -6,7 +6,7 @@ MODEL  ?=
 DEMO   := build/demo
 PROMPT ?= The quick brown fox
 
-.PHONY: demo test test-fast setup clean rocm-deps metal-deps
+.PHONY: demo test test-fast setup clean rocm-deps metal-deps flashinfer-deps
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY_SYS) -m venv $(VENV)
@@ -53,6 +53,13 @@ rocm-deps:
 
 metal-deps:
 	apt-get update -qq && apt-get install -y --no-install-recommends lld-22
+
+# Optional compile-time extra for `kiln compile --target cuda --attention flashinfer`: FlashInfer's JIT
+# (its sources; nvcc builds them) without the CUDA packages it declares, which kiln's build does not use.
+# Without it that option fails with the release it needs and its tests skip.
+flashinfer-deps: setup
+	$(PY) -m pip install -q -c constraints.txt --no-deps "flashinfer-python==0.6.6" "nvidia-ml-py==13.615.71" \
+	    "einops==0.8.2" "tabulate==0.10.0" "ninja==1.13.2"
 
 clean:
 	rm -rf build $(VENV)

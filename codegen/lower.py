@@ -31,9 +31,11 @@ from kiln.selection.layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored
 from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
+from .kernels.gpu.flashinfer import static_libraries
 from .lowering import elementwise, mla, moe
 from .lowering.attention import emit_paged_attention, emit_paged_attention_fused
 from .lowering.embed import emit_embed
+from .lowering.flashinfer import flashinfer_use
 from .lowering.linear import emit_linear
 
 ENTRY_NAMES = {"mixed": "forward", "decode": "decode", "prefill": "prefill",     # step kind -> Relax function
@@ -46,6 +48,7 @@ class LoweredModel:
     inputs: list[str]
     weights: list[StoredWeight] = field(default_factory=list)
     entries: dict[str, str] = field(default_factory=lambda: {"mixed": "forward"})
+    flashinfer: dict | None = None      # what the runtime needs to plan FlashInfer's steps (lowering/flashinfer.py)
 
 
 class _Context:
@@ -200,10 +203,12 @@ def entry_steps(graph: Graph) -> list[str]:
             + (["prefill"] if prefill_min_tokens(graph) else []))
 
 
-def _emit_entry(ctx: _Context, name: str) -> None:
+def _emit_entry(ctx: _Context, name: str, extra_inputs: dict) -> None:
     graph, bb = ctx.graph, ctx.bb
     for input_name, ty in graph.inputs.items():
         ctx.inputs[input_name] = relax.Var(input_name, relax.TensorType(ctx.shape(ty.shape), ty.dtype))
+    for input_name, (shape, dtype) in extra_inputs.items():
+        ctx.inputs[input_name] = relax.Var(input_name, relax.TensorType(ctx.shape(shape), dtype))
     weight_vars = [ctx.weight(param, layout) for param, layout in _weight_layouts(graph, ctx.target)]
     nodes, outputs = for_step(graph, ctx.step)      # "decode_wide" runs the decode step's nodes
     with bb.function(name, list(ctx.inputs.values()) + weight_vars):
@@ -228,13 +233,20 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
     micro_kernels: set[tuple[int, int]] = set()
+    flashinfer = flashinfer_use(graph, entries)
+    extra_inputs = flashinfer.inputs() if flashinfer else {}
     for step, name in entries.items():
         ctx = _Context(graph, target, bb, step, kernels, micro_kernels)
-        _emit_entry(ctx, name)
+        _emit_entry(ctx, name, extra_inputs)
     module = bb.get()
+    external = []
     if micro_kernels:
         # LLVM IR kiln writes itself (codegen/kernels/cpu/bf16_micro.py): the Relax build links it into the library
-        module = module.with_attr("external_mods", [micro_module(sorted(micro_kernels), target.tvm_target())])
+        external.append(micro_module(sorted(micro_kernels), target.tvm_target()))
+    if flashinfer:
+        external += static_libraries(flashinfer.variant, target.arch)
+    if external:
+        module = module.with_attr("external_mods", external)
     if target.graph_batches:
         # the decode-step function again (a copy with fresh variables), marked for capture
         decode = module[entries.get("decode", "forward")]
@@ -244,7 +256,8 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
             wide = copy_with_new_vars(module["decode_wide"])
             module[WIDE_GRAPH_ENTRY] = _graph_attrs(wide, max(target.graph_batches), WIDE_GRAPH_ENTRY)
             entries[WIDE_GRAPH_ENTRY] = WIDE_GRAPH_ENTRY
-    return LoweredModel(module, list(graph.inputs), [w for w, _ in ctx.weights.values()], entries)
+    return LoweredModel(module, list(graph.inputs) + list(extra_inputs), [w for w, _ in ctx.weights.values()], entries,
+                        flashinfer.manifest() if flashinfer else None)
 
 
 

@@ -14,7 +14,7 @@ import click
 
 import kiln
 from kiln.errors import KilnError
-from kiln.options import DTYPES, GROUP_SIZES, KV_DTYPES, WEIGHT_QUANTS
+from kiln.options import ATTENTION_CHOICES, DTYPES, GROUP_SIZES, KV_DTYPES, WEIGHT_QUANTS
 from kiln.serve.reasoning import PARSERS as REASONING_PARSERS
 from kiln.serve.tool_calls import FORMATS as TOOL_FORMATS
 
@@ -134,11 +134,15 @@ def main(debug):
               help="q8/q4: int8 quantises each linear's input rows in blocks of 32 and multiplies in integer "
                    "dot products (as llama.cpp's Q8_0 does); float keeps float activations. Default: int8 "
                    "where the target has the kernel (cpu with AVX2), else float.")
+@click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="builtin", show_default=True,
+              help="cuda: flashinfer links FlashInfer's batch prefill (tensor cores) into the artifact for "
+                   "every step that is not a plain decode (needs flashinfer-python at compile time: make "
+                   "flashinfer-deps; not at run time); builtin: kiln's and TVM's kernels.")
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
-            force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, weights):
+            force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, attention, weights):
     """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile
@@ -159,7 +163,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              int8_activations=None if activations is None else activations == "int8",
                              mla_expanded_from=mla_expanded_from, disable_passes=frozenset(disable_pass),
-                             weights=weights)
+                             attention=attention, weights=weights)
     m = compile_model(model_dir, output, options, force=force, dump=dump)
     _err(f"wrote {output} (target {target}): {len(m.kernels)} kernels, {m.dtype}, "
          f"{sum(f['bytes'] for f in m.files.values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 import time
 from pathlib import Path
 from typing import Callable
@@ -118,9 +119,15 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
     from kiln.frontend import load_hf_model
     model = phases.run("import", load_hf_model, model_dir)      # no TVM yet: a bad model is refused at once
 
+    if options.attention == "flashinfer":
+        from kiln.codegen.kernels.gpu.flashinfer import check_release
+        check_release()                                           # before TVM, as the model
     from kiln.targets import get_target  # CUDA must set up its loader before TVM is imported
     target = options.target
     tgt = get_target(target, options.arch) if isinstance(target, str) else target
+    if options.attention == "flashinfer":
+        from kiln.selection.order import CUDA_FLASHINFER_KERNELS
+        tgt = replace(tgt, kernels=CUDA_FLASHINFER_KERNELS)
     dtype = options.dtype or tgt.default_dtype
     quant, kv_dtype = options.quant, options.kv_dtype
     tgt.check_dtype(dtype)
@@ -149,6 +156,9 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         return tgt.build(mod), kernels, launches
     executable, kernels, launches = phases.run("build", build)
 
+    if lowered.flashinfer:          # FlashInfer's objects call CUDA's runtime library
+        from kiln.codegen.kernels.gpu.flashinfer import cudart_link_options
+        tgt = replace(tgt, link_options=tuple(cudart_link_options()))
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
     from kiln.weights.convert import write_weights
@@ -190,6 +200,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         launches_per_step=_launch_counts(launches),
         linear_kernels=_step_kernels(graph, lowered.entries, "linear"),
         expert_kernels=_step_kernels(graph, lowered.entries, "moe_experts"),
+        flashinfer=lowered.flashinfer,
         passes=tuple({"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                       "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records),
         compile_seconds=phases.seconds,

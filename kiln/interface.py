@@ -253,6 +253,7 @@ class Manifest:
     launches_per_step: dict = field(default_factory=dict)
     linear_kernels: dict = field(default_factory=dict)         # step kind -> the kernels its linears run
     expert_kernels: dict = field(default_factory=dict)         # step kind -> its moe_experts' grouped GEMMs
+    flashinfer: dict | None = None     # FlashInfer's build and what the runtime plans (codegen/lowering/flashinfer.py)
     passes: tuple[dict, ...] = ()
     compile_seconds: dict = field(default_factory=dict)
     tokenizer_files: tuple[str, ...] = ()

@@ -12,6 +12,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 WEIGHT_QUANTS = ("q8", "q4", "fp8")          # ir/quant.py SCHEMES
 KV_DTYPES = ("int8", "fp8")                  # ir/quant.py KV_SCHEMES
 GROUP_SIZES = (32, 128)                      # q4's input channels per scale
+ATTENTION_CHOICES = ("builtin", "flashinfer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,7 @@ class CompileOptions:
     mla_expanded_from: int | None = None     # MLA prefill steps of this many tokens a sequence and up run the
     #                                          expanded form (None: the target's; 0: never)
     disable_passes: frozenset[str] = field(default_factory=frozenset)
+    attention: str = "builtin"               # flashinfer: FlashInfer's prefill linked in (cuda; selection/order.py)
     weights: bool = True                     # False: no weights file (attach-weights or fill-weights write it)
 
     def __post_init__(self):
@@ -35,6 +37,10 @@ class CompileOptions:
                                    ("kv-dtype", self.kv_dtype, KV_DTYPES)):
             if value is not None and value not in known:
                 raise KilnError(f"--{name} {value} is not one of {', '.join(known)}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise KilnError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_CHOICES)}")
+        if self.attention == "flashinfer" and self.target_name != "cuda":
+            raise KilnError(f"--attention flashinfer is for --target cuda, not {self.target_name}")
         if self.group_size not in GROUP_SIZES:
             raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.mla_expanded_from is not None and self.mla_expanded_from < 0:

@@ -23,6 +23,7 @@ from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY, KVSpec,
 from kiln.safetensors_io import ALIGNMENT, map_file, read_header
 
 from .device_sampler import DeviceSampler
+from .flashinfer_plan import FlashInferPlanner
 from .kv_transfer import layout_of, page_runs
 from .launch import Launcher
 from .step import context_rows, graph_step_capacities, no_context_rows, pad_decode_step
@@ -81,6 +82,9 @@ class CompiledModel:
         verified()
         self.kv_tensors: dict = {}         # each layer's KV inputs (kiln/interface.py KVSpec), made by allocate_kv
         self.input_names = list(m.inputs)
+        # artifacts with FlashInfer's prefill: its plans, made per step on the host
+        self.planner = FlashInferPlanner(m.flashinfer, self.dir / m.library, self.device, self.page_size) \
+            if m.flashinfer else None
 
     def _load_weights(self) -> list:
         """The weights in argument order: views of the file's memory map on the CPU, uploads from it
@@ -199,8 +203,8 @@ class CompiledModel:
                                      self.page_size)
             # the whole buffer, every step: its length is part of the captured graph's key
             buffers, lengths = self.graph_buffers, {"page_values": self.graph_buffers.capacity("page_values")}
-        args = [self.kv_tensors[n] if n in self.kv_tensors else buffers.put(n, inputs[n], lengths.get(n))
-                for n in self.input_names]
+        held = {**self.kv_tensors, **self.planner.inputs(inputs, kind)} if self.planner else self.kv_tensors
+        args = [held[n] if n in held else buffers.put(n, inputs[n], lengths.get(n)) for n in self.input_names]
         return kind, args, seqs
 
     def call(self, kind: str, args: list, seqs: int):

@@ -60,6 +60,18 @@ def load_vm(library: Path, on_device):
     return VirtualMachine(tvm.runtime.load_module(str(library)), on_device)
 
 
+def library_function(library: Path, name: str):
+    """The function `name` a compiled library exports (its linked objects' included)."""
+    import tvm
+    return tvm.runtime.load_module(str(library)).get_function(name, query_imports=True)
+
+
+def host_tensor(array: np.ndarray):
+    """A CPU tensor holding a copy of `array`."""
+    import tvm
+    return tvm.runtime.tensor(np.ascontiguousarray(array))
+
+
 def empty(shape, dtype: str, on_device):
     """An uninitialised tensor on `on_device`."""
     import tvm

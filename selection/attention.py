@@ -11,6 +11,11 @@
                 ratio; a block per tile of a sequence's query rows.
   kiln_gpu_decode  the same kernel for decode steps, each sequence's keys split over thread
                 blocks and the shares merged: long contexts fill the GPU with few sequences.
+  flashinfer    FlashInfer's batch prefill over paged KV (codegen/kernels/gpu/flashinfer.py), linked
+                into the artifact with `--attention flashinfer`: tensor cores, ragged rows of any step
+                (chunks of prompts beside decode rows and verify rows), sliding windows and soft-capped
+                scores; float16/bfloat16 pages (FlashInfer has no int8 KV) and head dims 64, 128, 256.
+                The runtime plans each step on the host (runtime/flashinfer_plan.py).
   kiln_gpu_fallback  kiln's CPU attention kernel bound to GPU thread blocks, one per (sequence,
                 KV head), after TVM's append: correct for sliding windows and soft-capped scores,
                 which TVM's kernels lack, but one thread walks each task's keys: slow. GPU targets
@@ -46,13 +51,17 @@ class AttentionKernel:
     windows: bool                      # runs sliding-window layers
     softcap: bool = False              # soft-caps scores (Gemma 2)
     row_bytes: int = 0                 # a stored row's bytes must be a multiple of this (its loads' width)
+    head_dims: tuple[int, ...] = ()    # the head dims it is built for (empty: any)
+    page_dtypes: tuple[str, ...] = ()  # the page dtypes it reads (empty: any it reads by quantized_kv)
 
     def supports(self, site: AttentionSite) -> bool:
         spec = site.spec
         row = spec.head_dim * numpy_dtype(spec.dtype).itemsize
         return (site.step in self.steps and (site.op == "paged_attention" or self.fused_qkv)
                 and (self.quantized_kv or spec.scales == "none") and (self.windows or spec.kind == "full")
-                and (self.softcap or not site.softcap) and (not self.row_bytes or row % self.row_bytes == 0))
+                and (self.softcap or not site.softcap) and (not self.row_bytes or row % self.row_bytes == 0)
+                and (not self.head_dims or spec.head_dim in self.head_dims)
+                and (not self.page_dtypes or spec.dtype in self.page_dtypes))
 
 
 ATTENTION_KERNELS = {k.name: k for k in (
@@ -63,6 +72,8 @@ ATTENTION_KERNELS = {k.name: k for k in (
                     row_bytes=16),
     AttentionKernel("kiln_gpu_decode", ("decode",), quantized_kv=True, fused_qkv=False, windows=True, softcap=True,
                     row_bytes=16),
+    AttentionKernel("flashinfer", ("mixed",), quantized_kv=False, fused_qkv=False, windows=True, softcap=True,
+                    head_dims=(64, 128, 256), page_dtypes=("float16", "bfloat16")),
     AttentionKernel("kiln_gpu_fallback", BOTH_STEPS, quantized_kv=False, fused_qkv=False, windows=True,
                     softcap=True),
 )}

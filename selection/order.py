@@ -67,6 +67,13 @@ CUDA_KERNELS = KernelOrder(
     experts=("mma", "te"),
 )
 
+# `kiln compile --attention flashinfer`: FlashInfer's prefill for the steps that are not plain decode
+# (prompts, chunks beside decodes, speculative verification); decode steps keep kiln's split kernel,
+# which CUDA graphs capture. Layers FlashInfer cannot serve take CUDA's kernels (kiln inspect says which).
+CUDA_FLASHINFER_KERNELS = replace(CUDA_KERNELS, name="cuda-flashinfer",
+                                  attention={**CUDA_KERNELS.attention,
+                                             "mixed": ("flashinfer", *CUDA_KERNELS.attention["mixed"])})
+
 # ROCm and Metal: TVM's kernels and schedules. No own_linear: on ROCm TVM's LLVM codegen emits the
 # rule's lane shuffles with a 64-bit lane index, which LLVM's verifier rejects (kernels with a residual).
 GPU_KERNELS = KernelOrder(

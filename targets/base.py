@@ -24,6 +24,7 @@ class Target:
     kernels: KernelOrder = CPU_KERNELS      # its kernels in order of preference (selection/order.py)
     kv_dtypes: tuple[str, ...] = ()  # quantised KV caches its attention kernel reads (ir/quant.py KV_SCHEMES)
     graph_batches: tuple[int, ...] = ()   # decode batch buckets replayed as CUDA graphs (none: no graphs)
+    link_options: tuple[str, ...] = ()    # the library's link: what linked external objects call (FlashInfer's: cudart)
     device_sampling: bool = False    # compile the sampler into the artifact (codegen/lowering/sampling.py)
     # MLA prefill steps whose every sequence brings at least this many new tokens run the expanded
     # form (passes/specialize_mla.py); 0: the absorbed form in every step
@@ -83,8 +84,12 @@ class Target:
             return tvm.compile(mod, target=target, relax_pipeline=None)
 
     def export_library(self, executable, path: str) -> None:
-        """Write the built library (host code + device code) as one shared library at `path`."""
-        executable.export_library(path)
+        """Write the built library (host code + device code) as one shared library at `path`, linked
+        with `link_options` (the libraries external objects call)."""
+        if self.link_options:
+            executable.export_library(path, options=list(self.link_options))
+        else:
+            executable.export_library(path)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from ..kernels.cpu.kv_append import cpu_kv_append
 from ..kernels.gpu.attention import DECODE_SPLITS, append_kernel, attention_kernel
 from ..kernels.gpu.attention_source import AttentionShape
 from ..kernels.rope_load import RotaryLoad
+from .flashinfer import emit_flashinfer
 
 
 def _masking(window: int, softcap: float) -> str:
@@ -182,4 +183,5 @@ def _kiln_gpu_decode(*args):
 
 # how each kernel of selection/attention.py's ATTENTION_KERNELS is emitted for paged_attention
 EMITTERS = {"kiln_cpu": _kiln_cpu, "tvm_prefill": _tvm_prefill, "tvm_decode": _tvm_decode,
-            "kiln_gpu": _kiln_gpu_attention, "kiln_gpu_decode": _kiln_gpu_decode, "kiln_gpu_fallback": _kiln_gpu_fallback}
+            "kiln_gpu": _kiln_gpu_attention, "kiln_gpu_decode": _kiln_gpu_decode, "kiln_gpu_fallback": _kiln_gpu_fallback,
+            "flashinfer": emit_flashinfer}

@@ -1,0 +1,138 @@
+"""FlashInfer's batch prefill attention over paged KV, compiled at `kiln compile` and linked into a
+CUDA artifact's library.
+
+flashinfer-python (a compile-time extra, release FLASHINFER_RELEASE) generates the CUDA sources of
+one variant (dtypes, head dim, sliding window, soft-capped scores) through its JIT, and nvcc builds
+them. kiln builds only what its graphs call: the paged kernels of the causal mask (a decode row is a
+causal row of one query) and FlashInfer's plan/run, about a third of FlashInfer's whole prefill
+module; the run's dispatch to the other masks stays unresolved in the library, and the dynamic
+loader binds functions when first called, which kiln never does. kiln's own binding
+(flashinfer_binding.cc) exports the two functions the artifact uses: `kiln_flashinfer_plan`
+(the runtime plans each step on the host) and `kiln_flashinfer_attend` (destination-passing, for the
+graph). The runtime needs neither torch nor flashinfer.
+
+The objects are cached under FlashInfer's JIT directory inside kiln's cache (KILN_CACHE_DIR, else
+~/.cache/kiln), keyed by release, arch and variant: a second compile builds nothing.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+FLASHINFER_RELEASE = "0.6.6"      # its plan/run signatures are the ones flashinfer_binding.cc declares
+FALLBACK = "--attention builtin (kiln's and TVM's kernels)"
+BINDING = Path(__file__).with_name("flashinfer_binding.cc")
+EXPORTS = ("kiln_flashinfer_plan", "kiln_flashinfer_attend")
+SCALARS = ["logits_soft_cap", "sm_scale", "rope_rcp_scale", "rope_rcp_theta"]     # the binding's order
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class FlashInferVariant:
+    """One build of FlashInfer's prefill: every attention layer of an artifact runs it."""
+    dtype: str                 # q, pages and output alike
+    head_dim: int
+    window: bool               # built with its sliding-window mask (window_left < 0: full layers)
+    softcap: bool              # built with soft-capped scores
+
+    @property
+    def name(self) -> str:
+        return f"kiln_prefill_{self.dtype}_d{self.head_dim}{'_window' if self.window else ''}" \
+               f"{'_softcap' if self.softcap else ''}"
+
+
+def check_release() -> None:
+    """flashinfer-python must be the release whose functions the binding declares."""
+    try:
+        found = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        raise KilnError(f"--attention flashinfer needs flashinfer-python=={FLASHINFER_RELEASE} at compile time, and it "
+                        f"is not installed (`make flashinfer-deps` installs it); or compile with {FALLBACK}") from None
+    if found != FLASHINFER_RELEASE:
+        raise KilnError(f"--attention flashinfer needs flashinfer-python=={FLASHINFER_RELEASE}; {found} is installed "
+                        f"(its plan/run signatures differ): install {FLASHINFER_RELEASE}, or compile with {FALLBACK}")
+    if ninja() is None:
+        raise KilnError(f"--attention flashinfer builds with ninja, which is not installed (`make flashinfer-deps` "
+                        f"installs it); or compile with {FALLBACK}")
+
+
+def ninja() -> str | None:
+    """The ninja FlashInfer's build runs: on PATH, or the pip package's beside this Python."""
+    beside = Path(sys.executable).with_name("ninja")
+    return shutil.which("ninja") or (str(beside) if beside.exists() else None)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+
+
+def arch_list(arch: str) -> str:
+    """FlashInfer's FLASHINFER_CUDA_ARCH_LIST entry for a kiln arch (sm_90 -> 9.0a: Hopper's
+    arch-specific instructions)."""
+    number = arch.removeprefix("sm_")
+    return f"{number[:-1]}.{number[-1]}" + ("a" if number in ("90", "100") else "")
+
+
+def _spec(variant: FlashInferVariant):
+    """FlashInfer's JIT spec of the variant (its sources written under its JIT directory)."""
+    import torch     # flashinfer's JIT names dtypes as torch's (compile time only)
+    from flashinfer.jit.attention.modules import gen_customize_batch_prefill_module
+    dtype = getattr(torch, variant.dtype)
+    return gen_customize_batch_prefill_module(
+        "fa2", variant.name, dtype, dtype, dtype, torch.int32, variant.head_dim, variant.head_dim, [], [],
+        SCALARS, ["double"] * len(SCALARS),
+        f"DefaultAttention<false, {str(variant.window).lower()}, {str(variant.softcap).lower()}, false>",
+        "#include <flashinfer/attention/variants.cuh>", pos_encoding_mode=0, use_sliding_window=variant.window,
+        use_logits_soft_cap=variant.softcap)
+
+
+def build_objects(variant: FlashInferVariant, arch: str) -> list[Path]:
+    """The object files of `variant` for `arch` (built where missing or stale): FlashInfer's, then kiln's binding."""
+    check_release()
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = str(cache_dir())
+    os.environ["FLASHINFER_CUDA_ARCH_LIST"] = arch_list(arch)
+    spec = _spec(variant)
+    spec.write_ninja()
+    wanted = ("batch_prefill_paged_kernel_mask_1.cuda.o", "batch_prefill.cuda.o")
+    objects = [o for o in spec.get_object_paths() if o.name in wanted]
+    built = subprocess.run([ninja(), "-C", str(spec.build_dir), "-f", str(spec.ninja_path),
+                            *(str(o) for o in objects)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise KilnError(f"building FlashInfer's {variant.name} for {arch} failed: {built.stdout[-1500:]}")
+    binding = Path(spec.build_dir) / "kiln_flashinfer_binding.o"
+    if not binding.exists() or binding.stat().st_mtime < BINDING.stat().st_mtime:
+        import tvm_ffi.libinfo
+        includes = [f"-I{p}" for p in tvm_ffi.libinfo.include_paths()]
+        compiled = subprocess.run(["g++", "-std=c++17", "-O2", "-fPIC", "-c", str(BINDING), *includes,
+                                   "-o", str(binding)], capture_output=True, text=True)
+        if compiled.returncode != 0:
+            raise KilnError(f"building kiln's FlashInfer binding failed: {compiled.stderr[-1500:]}")
+    return [*objects, binding]
+
+
+def static_libraries(variant: FlashInferVariant, arch: str) -> list:
+    """The variant's objects as TVM static libraries, for the Relax build's external_mods."""
+    import tvm
+    return [tvm.runtime.load_static_library(str(o), func_names=list(EXPORTS) if o.name.startswith("kiln") else [])
+            for o in build_objects(variant, arch)]
+
+
+def cudart_link_options() -> list[str]:
+    """Link options that bind CUDA's runtime library, which FlashInfer's objects call (its kernels
+    register themselves with it when the library loads)."""
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
+    for root in filter(None, roots):
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            if (Path(root) / sub / "libcudart.so").exists():
+                return [f"-L{Path(root) / sub}", "-Wl,--no-as-needed", "-lcudart"]
+    raise KilnError("linking FlashInfer's objects needs CUDA's runtime library (libcudart.so), which was not "
+                    f"found under CUDA_HOME or /usr/local/cuda*: set CUDA_HOME, or compile with {FALLBACK}")
