@@ -3,6 +3,7 @@
     python bench/gpu_kit.py [--out build/gpu-kit] [--shapes llama-3.2-1b llama-3.1-8b]
                             [--modes bfloat16 q8 q4 fp8] [--arch sm_90] [--serve]
     python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
+    python bench/gpu_kit.py --flashinfer [--out build/gpu-kit-flashinfer] [--shapes llama-3.2-1b llama-3.1-8b]
     python bench/gpu_kit.py --gemm [--out build/gpu-kit-gemm] --shapes llama-3.2-1b llama-3.1-8b
                             mixtral-8x7b-4l --modes bfloat16 q4
     python bench/gpu_kit.py --gemv [--out build/gpu-kit-gemv] --modes bfloat16 q4
@@ -64,7 +65,8 @@ from pathlib import Path
 MODES = {"float16": ["--dtype", "float16"], "bfloat16": ["--dtype", "bfloat16"],
          "q8": ["--dtype", "float16", "--quant", "q8"], "q4": ["--dtype", "float16", "--quant", "q4"],
          "fp8": ["--dtype", "float16", "--quant", "fp8"],
-         "bfloat16-kv-int8": ["--dtype", "bfloat16", "--kv-dtype", "int8"]}
+         "bfloat16-kv-int8": ["--dtype", "bfloat16", "--kv-dtype", "int8"],
+         "bfloat16-flashinfer": ["--dtype", "bfloat16", "--attention", "flashinfer"]}
 DEVICE_PYTHON = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
                  *[f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                                                "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -98,7 +100,7 @@ if [ -d $KIT/wheels ]; then     # as a user installs them: what is here and fits
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 python3 -c "import tvm, torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-within 120 python3 tests/gpu/make_bundle.py $KIT/bundle --attach 2>&1 | tee $OUT/attach.log
+[ -d $KIT/bundle ] && within 120 python3 tests/gpu/make_bundle.py $KIT/bundle --attach 2>&1 | tee $OUT/attach.log
 
 # tests/gpu but the server's (serve_tests) and the families' (their own kit, gpu_kit.py --families: with
 # this one it would pass 64 MiB)
@@ -116,7 +118,7 @@ stage_weights() {
   for d in $(artifacts); do within 120 python3 -m kiln.cli fill-weights $d --seed 0 --force || return 1; done
 }
 stage_serve() {        # kiln serve under load on the first shape's bfloat16 artifact
-  within ${SERVE_SECONDS:-240} python3 bench/serve_gpu.py $(artifacts | grep /bfloat16/ | head -1) \\
+  within ${SERVE_SECONDS:-240} python3 bench/serve_gpu.py ${SERVE_ARTIFACT:-$(artifacts | grep /bfloat16/ | head -1)} \\
     ${SERVE_ARGS:---concurrency 1,8,32 --num-prompts 32} 2>&1 | tee $OUT/serve_gpu.md
 }
 stage_gemm() {         # kiln's tensor-core tiles beside cuBLAS; the fastest per shape as codegen's table
@@ -168,6 +170,17 @@ stage_speculative() {  # the verify step (k + 1 tokens of one sequence) against 
   within ${SPECULATIVE_SECONDS:-60} python3 bench/speculative.py verify-cost --artifacts \
     $(artifacts | grep -e /bfloat16/ -e /q4/) 2>&1 | tee $OUT/speculative_gpu.md
 }
+stage_flashinfer_tests() {   # --attention flashinfer artifacts against the interpreter (tests/gpu/test_flashinfer_gpu.py)
+  within 120 python3 tests/gpu/test_flashinfer_gpu.py $KIT/flashinfer --attach 2>&1 | tail -3 | tee $OUT/attach.log
+  KILN_FLASHINFER_BUNDLE=$PWD/$KIT/flashinfer within ${FLASHINFER_TESTS_SECONDS:-120} python3 -m pytest -q -rs \
+    -p no:cacheprovider tests/gpu/test_flashinfer_gpu.py 2>&1 | tee $OUT/tests_flashinfer.log
+}
+stage_prefill_profile() {    # a 2,048-token prefill step of each artifact, kernel by kernel (CUPTI): attention's share
+  for d in $(artifacts | grep /bfloat16); do
+    within ${PROFILE_SECONDS:-60} python3 bench/step_profile.py $d --step prefill --tokens 2048 --top 8 2>&1 \
+      | tee -a $OUT/prefill_profile.md
+  done
+}
 stage_decode() {
   within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
     ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
@@ -176,7 +189,8 @@ for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$st
 """
 STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve speculative decode",
           "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode",
-          "attention": "tests weights windows longctx moe_mla"}
+          "attention": "tests weights windows longctx moe_mla",
+          "flashinfer": "flashinfer_tests weights prefill speculative prefill_profile serve"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -269,10 +283,16 @@ def main() -> None:
                     help="add the tensor-core GEMM kernels (bench/gemm_gpu.py build) and the gemm and prefill stages")
     ap.add_argument("--gemv", action="store_true",
                     help="add the decode GEMV kernels (bench/gemv_gpu.py build) and the gemv and profile stages")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="--attention flashinfer artifacts beside bfloat16 ones (modes bfloat16 bfloat16-flashinfer), "
+                         "tests/gpu/test_flashinfer_gpu.py's bundle, and the prefill, verify-cost and serve stages")
     ap.add_argument("--attention", action="store_true",
                     help="the windows and longctx stages (kiln's GPU attention beside TVM's, long contexts)")
     args = ap.parse_args()
-    out: Path = args.out or Path("build/gpu-kit-families" if args.families else "build/gpu-kit-gemm" if args.gemm
+    if args.flashinfer:
+        args.modes, args.serve = ["bfloat16", "bfloat16-flashinfer"], True
+    out: Path = args.out or Path("build/gpu-kit-flashinfer" if args.flashinfer else
+                                 "build/gpu-kit-families" if args.families else "build/gpu-kit-gemm" if args.gemm
                                  else "build/gpu-kit-gemv" if args.gemv else "build/gpu-kit-attention" if args.attention
                                  else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
@@ -296,7 +316,10 @@ def main() -> None:
     if args.gemv and not (out / "gemv" / "kernels.json").exists():
         subprocess.run([sys.executable, "bench/gemv_gpu.py", "build", str(out / "gemv"), "--arch", args.arch],
                        check=True)
-    if not (out / "bundle" / "cuda-q4").exists():
+    if args.flashinfer and not (out / "flashinfer" / "deepseek_v2" / "cuda-flashinfer" / "manifest.json").exists():
+        subprocess.run([sys.executable, "tests/gpu/test_flashinfer_gpu.py", str(out / "flashinfer"), args.arch],
+                       check=True)
+    elif not args.flashinfer and not (out / "bundle" / "cuda-q4").exists():
         subprocess.run([sys.executable, "tests/gpu/make_bundle.py", str(out / "bundle"), "--arch", args.arch,
                         "--without-weights"], check=True)
     for shape in args.shapes:
@@ -308,7 +331,7 @@ def main() -> None:
         for mode in args.modes:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
-    kind = ("gemm" if args.gemm else "gemv" if args.gemv else "attention" if args.attention else "serve" if args.serve
+    kind = ("flashinfer" if args.flashinfer else "gemm" if args.gemm else "gemv" if args.gemv else "attention" if args.attention else "serve" if args.serve
             else "plain")
     (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[kind]))
     print_sizes(out)

@@ -61,7 +61,7 @@ def _embedding_storage(graph) -> tuple[str, bool]:
 
 def _attention_layers(graph) -> list[dict]:
     """Per layer: the kernel variant and the attention kernel select_kernels recorded for each step
-    kind. A latent (MLA) layer runs one kernel family in every step, and its expanded form's kernels
+    kind. A latent (MLA) layer runs its families' kernels, and its expanded form's kernels
     in prefill steps where the graph has that form."""
     expanded = {n.attrs["layer"]: recorded(n, "prefill") for n in graph.nodes if n.op == "expanded_attend"}
     layers = []
@@ -70,8 +70,8 @@ def _attention_layers(graph) -> list[dict]:
             layers.append({"layer": n.attrs["layer"], "variant": n.attrs["variant"],
                            **{step: recorded(n, step) for step in ("mixed", "decode")}})
         elif n.op == "latent_attend":
-            kernel = recorded(n, "mixed")
-            layers.append({"layer": n.attrs["layer"], "variant": "mla", "mixed": kernel, "decode": kernel})
+            layers.append({"layer": n.attrs["layer"], "variant": "mla",
+                           **{step: recorded(n, step) for step in ("mixed", "decode")}})
             if n.attrs["layer"] in expanded:            # long prefill chunks: the expanded form
                 layers[-1]["prefill"] = expanded[n.attrs["layer"]]
     return layers

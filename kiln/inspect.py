@@ -138,6 +138,10 @@ def summary(artifact_dir) -> str:
         f"weights    {len(m.weights)} tensors, {_weights_origin(m)}",
         f"attention  paged, page size {m.kv.page_size}, kernel variant {', '.join(m.attention_variants)}; "
         + _attention_kernels(m),
+        *([f"flashinfer {m.flashinfer['release']} linked in ({m.flashinfer['variant']}); the runtime plans each step "
+           f"on the host, {len(m.flashinfer['plans'])} plan(s) (windows: "
+           + ", ".join(str(p["window_left"] + 1) if p["window_left"] >= 0 else "full" for p in m.flashinfer["plans"])
+           + ")"] if m.flashinfer else []),
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
                          if m.sampling == "device" else "on the host (NumPy), from the step's logits"),
         *_by_step("linears", m, m.linear_kernels),

@@ -18,7 +18,7 @@ from .latent import LATENT_KERNELS
 from .linear import GATE_ACTIVATIONS, LINEAR_KERNELS, gate_of, linear_site
 
 STEP_FALLBACK = {"decode": "mixed", "decode_wide": "decode", "prefill": "mixed"}
-LATENT_FAMILY_OPS = ("latent_append", "latent_attend")          # run the layer's family in every step
+LATENT_FAMILY_OPS = ("latent_append", "latent_attend")          # run the layer's family (per step kind)
 EXPANDED_OPS = ("latent_gather", "expanded_attend")             # its expanded prefill form's
 CHOSEN_OPS = (*ATTENTION_OPS, *LATENT_FAMILY_OPS, *EXPANDED_OPS, "linear", "moe_experts")
 
@@ -71,10 +71,10 @@ def _attention(node, graph: Graph, target) -> dict[str, str]:
     return kernels
 
 
-def _latent_family(node, graph: Graph, target):
+def _latent_family(node, graph: Graph, target, step: str = "mixed"):
     spec = graph.kv_specs[node.attrs["layer"]]
     for name in target.kernels.latent:
-        if LATENT_KERNELS[name].supports(spec):
+        if LATENT_KERNELS[name].supports(spec, step):
             return LATENT_KERNELS[name]
     raise KilnError(f"target {target.name} has no MLA attention kernel for a latent KV cache of {spec.describe()} "
                     f"(kernels: {', '.join(target.kernels.latent)})")
@@ -113,7 +113,7 @@ def choose(node, graph: Graph, target, types: dict) -> dict[str, str] | None:
     if node.op in ATTENTION_OPS:
         kernels = _attention(node, graph, target)
     elif node.op in LATENT_FAMILY_OPS:
-        kernels = {"mixed": _latent_family(node, graph, target).name}
+        kernels = {step: _latent_family(node, graph, target, step).name for step in ("mixed", "decode")}
     elif node.op in EXPANDED_OPS:
         kernels = {"mixed": _expanded(node, graph, target)}
     elif node.op == "linear":

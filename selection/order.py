@@ -72,7 +72,8 @@ CUDA_KERNELS = KernelOrder(
 # which CUDA graphs capture. Layers FlashInfer cannot serve take CUDA's kernels (kiln inspect says which).
 CUDA_FLASHINFER_KERNELS = replace(CUDA_KERNELS, name="cuda-flashinfer",
                                   attention={**CUDA_KERNELS.attention,
-                                             "mixed": ("flashinfer", *CUDA_KERNELS.attention["mixed"])})
+                                             "mixed": ("flashinfer", *CUDA_KERNELS.attention["mixed"])},
+                                  latent=("flashinfer_mla", *CUDA_KERNELS.latent))
 
 # ROCm and Metal: TVM's kernels and schedules. No own_linear: on ROCm TVM's LLVM codegen emits the
 # rule's lane shuffles with a 64-bit lane index, which LLVM's verifier rejects (kernels with a residual).

@@ -43,7 +43,7 @@ def environment_digest() -> str:
     for the host) and nvcc's version: everything besides a test's own inputs that an entry depends on."""
     h = hashlib.sha256()
     for path in sorted(p for folder in SOURCES for p in (REPO / folder).rglob("*")
-                       if p.suffix in (".py", ".c", ".json") and "__pycache__" not in p.parts):
+                       if p.suffix in (".py", ".c", ".cc", ".h", ".json") and "__pycache__" not in p.parts):
         h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
     h.update((REPO / "pyproject.toml").read_bytes())
     for name in LIBRARIES:

@@ -34,8 +34,7 @@ def flashinfer_graph(model_dir, kv_dtype=None):
 
 def attention_kernels(graph):
     from kiln.ir.ops import ATTENTION_OPS
-    from kiln.selection.choice import recorded
-    return {(recorded(n, "mixed"), recorded(n, "decode")) for n in graph.nodes if n.op in ATTENTION_OPS}
+    return {recorded_pair(n) for n in graph.nodes if n.op in ATTENTION_OPS}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +74,29 @@ def test_windows_and_soft_capped_scores_build_one_variant_with_a_plan_per_window
                                  "flashinfer_int_workspace_w48", "flashinfer_plan_w0", "flashinfer_plan_w48"}
 
 
+def test_mla_layers_of_deepseeks_widths_run_flashinfers_mla_kernel(tmp_path, make_model):
+    """DeepSeek's latent widths (512 + 64 rope) take FlashInfer's MLA kernel outside plain decodes;
+    other widths keep TVM's."""
+    pytest.importorskip("transformers")
+    from kiln.codegen.lowering.flashinfer import flashinfer_use
+    from kiln.testing.tiny import make_tiny_model
+    model = make_tiny_model(tmp_path / "deepseek", "deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64,
+                            head_dim=64, qk_nope_head_dim=64, v_head_dim=64, num_attention_heads=4)
+    graph = flashinfer_graph(model)
+    latent = {recorded_pair(n) for n in graph.nodes if n.op in ("latent_append", "latent_attend")}
+    assert latent == {("flashinfer_mla", "tvm_mla")}
+    use = flashinfer_use(graph, ["mixed", "decode"])
+    assert (use.variant.name, use.q_heads, use.kv_heads) == ("kiln_mla_bfloat16_512x64", 4, 1)
+    assert use.manifest()["kind"] == "mla" and len(use.manifest()["plans"]) == 1
+    other = flashinfer_graph(make_model("deepseek_v2"))           # the tiny preset's 32-wide latent
+    assert {recorded_pair(n) for n in other.nodes if n.op == "latent_attend"} == {("tvm_mla", "tvm_mla")}
+
+
+def recorded_pair(node):
+    from kiln.selection.choice import recorded
+    return recorded(node, "mixed"), recorded(node, "decode")
+
+
 def test_layers_flashinfer_cannot_serve_take_cudas_kernels(head_dim_64, make_model):
     """int8 pages (FlashInfer has no int8 KV) and head dims it is not built for fall back to the
     kernels CUDA runs without it; the artifact then needs no FlashInfer at all."""
@@ -101,7 +123,8 @@ def test_a_missing_or_other_release_is_refused_naming_it_and_the_fallback(monkey
     with pytest.raises(KilnError, match=r"flashinfer-python==0\.6\.6 .* not installed .* --attention builtin"):
         flashinfer.check_release()
     installed("0.7.2")
-    with pytest.raises(KilnError, match=r"needs flashinfer-python==0\.6\.6; 0\.7\.2 is installed .* --attention builtin"):
+    other = r"needs flashinfer-python==0\.6\.6; 0\.7\.2 is installed .* --attention builtin"
+    with pytest.raises(KilnError, match=other):
         flashinfer.check_release()
 
 
@@ -145,8 +168,9 @@ def compile_flashinfer(model_dir, out, cache):
 
 @pytest.fixture(scope="module")
 def flashinfer_artifact(head_dim_64, tmp_path_factory):
-    # FlashInfer's objects persist between runs in the test cache (a second run builds none of them)
-    cache = ROOT / "build" / "test-cache" / "flashinfer-objects"
+    # FlashInfer's objects persist between runs (outside build/test-cache, which another checkout's
+    # environment prunes): a second run builds none of them
+    cache = ROOT / "build" / "kiln-cache"
     out = tmp_path_factory.mktemp("flashinfer") / "artifact"
     return head_dim_64("llama"), out, cache, compile_flashinfer(head_dim_64("llama"), out, cache)
 

@@ -1,5 +1,6 @@
-"""FlashInfer's prefill in a graph (the `flashinfer` attention kernel, selection/attention.py): the one
-variant its layers need, the step inputs it adds, and its emitter.
+"""FlashInfer in a graph (the `flashinfer` attention kernel, selection/attention.py, and the
+`flashinfer_mla` latent one, selection/latent.py): the one variant its layers need, the step inputs it
+adds, and their emitters.
 
 FlashInfer plans a step on the host before the step's launches (runtime/flashinfer_plan.py): each
 entry of an artifact that runs it takes, besides the graph's inputs, a float workspace, and per
@@ -53,7 +54,8 @@ class FlashInferUse:
     def manifest(self) -> dict:
         """What the runtime needs to plan (the manifest's `flashinfer`)."""
         v = self.variant
-        return {"release": FLASHINFER_RELEASE, "variant": v.name, "dtype": v.dtype, "head_dim": v.head_dim,
+        return {"release": FLASHINFER_RELEASE, "kind": v.kind, "variant": v.name, "dtype": v.dtype,
+                "head_dim": v.head_dim,
                 "q_heads": self.q_heads, "kv_heads": self.kv_heads,
                 "float_workspace": {"input": FLOAT_WORKSPACE, "bytes": FLOAT_WORKSPACE_BYTES},
                 "plans": [{"input": plan_input(w), "int_workspace": int_workspace_input(w),
@@ -63,23 +65,31 @@ class FlashInferUse:
 
 def flashinfer_use(graph, steps) -> FlashInferUse | None:
     """The variant the graph's FlashInfer layers need (in the entries of `steps`), or None without any.
-    One build serves an artifact, so its layers must agree on dtype, head dim and head counts."""
-    nodes = {n.output: n for step in steps for n in for_step(graph, step)[0]
-             if n.op in ATTENTION_OPS and recorded(n, step) == "flashinfer"}
-    if not nodes:
-        return None
+    One build serves an artifact, so its layers must agree on kind, dtype, head dims and head counts."""
     types = graph.value_types()
-    specs = {name: graph.kv_specs[n.attrs["layer"]] for name, n in nodes.items()}
-    shapes = {(specs[name].dtype, specs[name].head_dim, int(types[input_of(n, "q")].shape[1]), specs[name].kv_heads)
-              for name, n in nodes.items()}
+    shapes, windows, softcap = set(), set(), False
+    for step in steps:
+        for n in for_step(graph, step)[0]:
+            spec = graph.kv_specs[n.attrs["layer"]] if "layer" in n.attrs else None
+            if n.op in ATTENTION_OPS and recorded(n, step) == "flashinfer":
+                q_heads = int(types[input_of(n, "q")].shape[1])
+                shapes.add(("prefill", spec.dtype, spec.head_dim, 0, q_heads, spec.kv_heads))
+                windows.add(int(n.attrs["window"]))
+                softcap = softcap or bool(n.attrs["softcap"])
+            elif n.op == "latent_attend" and recorded(n, step) == "flashinfer_mla":
+                q_heads = int(types[input_of(n, "q_latent")].shape[1])
+                shapes.add(("mla", spec.dtype, spec.v_head_dim, spec.k_head_dim - spec.v_head_dim, q_heads, 1))
+                windows.add(0)
+    if not shapes:
+        return None
     if len(shapes) > 1:
         raise KilnError(f"--attention flashinfer builds one FlashInfer variant an artifact, and these layers need "
-                        f"several (dtype, head dim, q heads, KV heads): {sorted(shapes)}; compile with "
+                        f"several (kind, dtype, head dim, rope, q heads, KV heads): {sorted(shapes)}; compile with "
                         f"--attention builtin")
-    (dtype, head_dim, q_heads, kv_heads), = shapes
-    windows = tuple(sorted({int(n.attrs["window"]) for n in nodes.values()}))
-    softcap = any(n.attrs["softcap"] for n in nodes.values())
-    return FlashInferUse(FlashInferVariant(dtype, head_dim, windows != (0,), softcap), windows, q_heads, kv_heads)
+    (kind, dtype, head_dim, rope, q_heads, kv_heads), = shapes
+    windows = tuple(sorted(windows))
+    variant = FlashInferVariant(kind, dtype, head_dim, rope, window=windows != (0,), softcap=softcap)
+    return FlashInferUse(variant, windows, q_heads, kv_heads)
 
 
 def emit_flashinfer(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, page_values, last_page_len,
@@ -97,3 +107,13 @@ def emit_flashinfer(ctx, node, q, k, v, pages, slots, q_indptr, page_indptr, pag
             relax.prim_value(tvm.tirx.FloatImm("float64", float(a["softcap"] or 0.0))),
             relax.prim_value(tvm.tirx.FloatImm("float64", float(a["scale"])))]
     return ctx.bb.emit(relax.call_dps_packed("kiln_flashinfer_attend", args, relax.TensorType(q.ty.shape, q.ty.dtype)))
+
+
+def emit_flashinfer_mla(ctx, node, q_latent, q_rope, pages, q_indptr, page_indptr, page_values, last_page_len,
+                        scales):
+    """FlashInfer's causal MLA attention over the latent pages (after TVM's append, which the
+    latent family's append emits), through kiln's MLA binding."""
+    args = [q_latent, q_rope, pages, page_values, ctx.input(FLOAT_WORKSPACE), ctx.input(int_workspace_input(0)),
+            ctx.input(plan_input(0)), relax.prim_value(tvm.tirx.FloatImm("float64", float(node.attrs["scale"])))]
+    return ctx.bb.emit(relax.call_dps_packed("kiln_flashinfer_attend", args,
+                                             relax.TensorType(q_latent.ty.shape, q_latent.ty.dtype)))

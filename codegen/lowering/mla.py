@@ -1,7 +1,8 @@
 """Lowering of Multi-head Latent Attention's ops (passes/specialize_mla.py) to the latent layer's
 kernel family, as select_kernels recorded it (selection/latent.py): kiln's CPU kernels
-(codegen/kernels/cpu/mla.py: kiln_latent, and kiln_expanded for the expanded prefill form), or TVM's
-MLA append and attention kernels (codegen/kernels/tvm_kernels.py: tvm_mla). The per-head linear is
+(codegen/kernels/cpu/mla.py: kiln_latent, and kiln_expanded for the expanded prefill form), TVM's
+MLA append and attention kernels (codegen/kernels/tvm_kernels.py: tvm_mla), or TVM's append and
+FlashInfer's attention (lowering/flashinfer.py: flashinfer_mla). The per-head linear is
 kiln's, built for the target's threads (codegen/kernels/gpu/head_linear.py on GPUs). Latent pages:
 [num_pages, 1, 1, page_size, R + P] (kiln/interface.py KVSpec kind "latent"); TVM's kernels see them
 as [num_pages, page_size, R + P], the same bytes.
@@ -20,6 +21,7 @@ from ..kernels import tvm_kernels
 from ..kernels.cpu.mla import expanded_attend_kernel, latent_append_kernel, latent_attend_kernel, latent_gather_kernel
 from ..kernels.cpu.mla import head_linear_kernel as cpu_head_linear
 from ..kernels.gpu.head_linear import head_linear_kernel as gpu_head_linear
+from .flashinfer import emit_flashinfer_mla
 
 
 def _latent_rows(ctx, pages):
@@ -85,7 +87,8 @@ class LatentEmitters:
 
 # how each family of selection/latent.py's LATENT_KERNELS emits latent_append and latent_attend
 EMITTERS = {"kiln_latent": LatentEmitters(_kiln_append, _kiln_attend),
-            "tvm_mla": LatentEmitters(_tvm_append, _tvm_attend)}
+            "tvm_mla": LatentEmitters(_tvm_append, _tvm_attend),
+            "flashinfer_mla": LatentEmitters(_tvm_append, emit_flashinfer_mla)}     # the same pages as tvm_mla's
 
 
 def emit_latent_append(ctx, node, c_kv, k_pe, pages, slots, scales=None):

@@ -7,17 +7,18 @@
 //   kiln_flashinfer_attend  destination-passing: the output tensor comes last, as relax.call_dps_packed
 //                           passes it. It reads kiln's page layout [pages, 2, kv_heads, page_size, head_dim]
 //                           (FlashInfer's HND with K and V interleaved per page) through strided views.
-// Every tensor is passed to FlashInfer with its byte offset folded into its data pointer: FlashInfer reads
-// `data` alone.
-#include <dlpack/dlpack.h>
+// Every tensor reaches FlashInfer as a kiln::View (flashinfer_views.h).
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include "flashinfer_views.h"
+
 using tvm::ffi::Array;
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
+using kiln::View;
 
 // FlashInfer's functions (its batch_prefill.cu, built with the scalars logits_soft_cap, sm_scale,
 // rope_rcp_scale and rope_rcp_theta, in that order).
@@ -42,43 +43,12 @@ namespace {
 constexpr int64_t kCausal = 1;  // FlashInfer's MaskMode::kCausal: the only mask kiln builds
 constexpr int64_t kHND = 1;     // FlashInfer's QKVLayout::kHND
 
-// A DLTensor that views `base` `extra_bytes` further on, with its offset in the data pointer.
-struct View {
-  DLTensor tensor;
-  int64_t shape[5];
-  int64_t strides[5];
-
-  explicit View(const TensorView& base, int64_t extra_bytes = 0) {
-    tensor.data = static_cast<char*>(base.data_ptr()) + base.byte_offset() + extra_bytes;
-    tensor.device = base.device();
-    tensor.ndim = base.ndim();
-    tensor.dtype = base.dtype();
-    tensor.byte_offset = 0;
-    for (int i = 0; i < base.ndim(); ++i) {
-      shape[i] = base.shape()[i];
-      strides[i] = base.strides()[i];
-    }
-    tensor.shape = shape;
-    tensor.strides = strides;
-  }
-
-  TensorView view() const { return TensorView(&tensor); }
-};
-
 // K (half 0) or V (half 1) of kiln's pages: [pages, kv_heads, page_size, head_dim], each page's
 // halves apart by kv_heads * page_size * head_dim elements.
 View PagesHalf(const TensorView& pages, int half) {
   const int64_t heads = pages.shape()[2], page = pages.shape()[3], dim = pages.shape()[4];
-  const int64_t elem = (pages.dtype().bits * pages.dtype().lanes) / 8;
-  View v(pages, half * heads * page * dim * elem);
-  const int64_t shape[4] = {pages.shape()[0], heads, page, dim};
-  const int64_t strides[4] = {2 * heads * page * dim, page * dim, dim, 1};
-  v.tensor.ndim = 4;
-  for (int i = 0; i < 4; ++i) {
-    v.shape[i] = shape[i];
-    v.strides[i] = strides[i];
-  }
-  return v;
+  return View(pages, half * heads * page * dim, {pages.shape()[0], heads, page, dim},
+              {2 * heads * page * dim, page * dim, dim, 1});
 }
 
 Array<int64_t> Plan(TensorView float_workspace, TensorView int_workspace, TensorView pinned_workspace,
@@ -96,13 +66,11 @@ void Attend(TensorView q, TensorView pages, TensorView qo_indptr, TensorView pag
             TensorView page_values, TensorView last_page_len, TensorView float_workspace,
             TensorView int_workspace, TensorView plan, int64_t window_left, double logits_soft_cap,
             double sm_scale, TensorView out) {
-  const int64_t* info = static_cast<const int64_t*>(plan.data_ptr());
-  Array<int64_t> plan_info(info, info + plan.size(0));
   const View k = PagesHalf(pages, 0), v = PagesHalf(pages, 1);
   const View q_view(q), out_view(out);
   const View qo(qo_indptr), indptr(page_indptr);
   const View values(page_values), last(last_page_len);
-  BatchPrefillWithPagedKVCacheRun(float_workspace, int_workspace, plan_info, q_view.view(), k.view(),
+  BatchPrefillWithPagedKVCacheRun(float_workspace, int_workspace, kiln::PlanInfo(plan), q_view.view(), k.view(),
                                   v.view(), qo.view(), indptr.view(), values.view(), last.view(),
                                   out_view.view(), Optional<TensorView>(), kCausal, kHND, window_left,
                                   /*enable_pdl=*/false, logits_soft_cap, sm_scale, /*rope_rcp_scale=*/1.0,
