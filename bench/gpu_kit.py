@@ -88,7 +88,7 @@ left() { echo $(( BUDGET - (SECONDS - START) )); }
 # within SECONDS CMD...: timeout ends CMD's whole process group (a server it started too)
 within() { local s=$1; shift; (( s >= 5 )) || { echo "no time left for $*"; return 124; }; timeout $s "$@"; }
 # the kit's artifacts, those whose path matches $ONLY (an extended regex) where it is set
-artifacts() { ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/ | grep -E "${ONLY:-.}"; }
+artifacts() { ls -d $KIT/*/*/ | grep -v -e /model/ -e /bundle/ -e /site/ -e $KIT/flashinfer/ | grep -E "${ONLY:-.}"; }
 export PYTHONPATH=$PWD/$KIT/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tee $OUT/pip.log || exit 1
@@ -136,7 +136,7 @@ stage_profile() {      # a batch-1 decode step of each bfloat16 and q4 artifact,
   done
 }
 stage_prefill() {      # TTFT of 512 / 2048 / 8192-token prompts beside HF eager, each bfloat16 artifact
-  for d in $(artifacts | grep /bfloat16/); do
+  for d in $(artifacts | grep -e /bfloat16/ -e /bfloat16-flashinfer/); do
     within ${PREFILL_SECONDS:-70} python3 bench/prefill_gpu.py $d ${PREFILL_ARGS:-} 2>&1 | tee -a $OUT/prefill_gpu.md
   done
 }
@@ -168,7 +168,7 @@ stage_moe_mla() {      # the mixtures of experts and MLA shapes: decode and a 2,
 }
 stage_speculative() {  # the verify step (k + 1 tokens of one sequence) against a one-token step, each artifact
   within ${SPECULATIVE_SECONDS:-60} python3 bench/speculative.py verify-cost --artifacts \
-    $(artifacts | grep -e /bfloat16/ -e /q4/) 2>&1 | tee $OUT/speculative_gpu.md
+    $(artifacts | grep -e /bfloat16/ -e /bfloat16-flashinfer/ -e /q4/) 2>&1 | tee $OUT/speculative_gpu.md
 }
 stage_flashinfer_tests() {   # --attention flashinfer artifacts against the interpreter (tests/gpu/test_flashinfer_gpu.py)
   within 120 python3 tests/gpu/test_flashinfer_gpu.py $KIT/flashinfer --attach 2>&1 | tail -3 | tee $OUT/attach.log

@@ -14,6 +14,13 @@ from kiln.runtime.config import EngineConfig
 KILN = [sys.executable, "-m", "kiln.cli"]
 
 
+def as_from_a_terminal():
+    """A child's SIGINT as a terminal's Ctrl-C finds it (a suite started as a background job of a
+    shell hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def kiln(*args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([*KILN, *map(str, args)], capture_output=True, text=True, timeout=600, **kw)
 
@@ -218,7 +225,7 @@ def test_a_signal_in_the_build_phase_stops_the_compile_cleanly(make_model, tmp_p
     import time
     out = tmp_path / "a"
     proc = subprocess.Popen([*KILN, "compile", str(make_model("llama")), "-o", str(out)], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.DEVNULL, text=True, preexec_fn=as_from_a_terminal)
     seen = []
     for line in proc.stderr:                  # a phase's line comes when it ends: build is next after codegen
         seen.append(line)
@@ -302,7 +309,8 @@ def test_ctrl_c_that_tvm_turned_into_an_error_is_still_a_ctrl_c(tmp_path):
         "def build():\n"
         "    tvm_ffi.get_global_func('kiln_test.interrupted')()\n"
         "group(['build'])\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=as_from_a_terminal)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "Aborted!"
 

@@ -38,8 +38,6 @@ OBJECTS = {"prefill": ("batch_prefill_paged_kernel_mask_1.cuda.o", "batch_prefil
            "mla": ("batch_mla_plan.cuda.o", "batch_mla_run.cuda.o")}
 EXPORTS = ("kiln_flashinfer_plan", "kiln_flashinfer_attend")
 SCALARS = ["logits_soft_cap", "sm_scale", "rope_rcp_scale", "rope_rcp_theta"]     # the binding's order
-DTYPES = ("float16", "bfloat16")
-HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
