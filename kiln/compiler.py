@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
