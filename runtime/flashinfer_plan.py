@@ -34,14 +34,15 @@ class FlashInferPlanner:
             self.workspaces[p["int_workspace"]] = empty((p["int_workspace_bytes"],), "uint8", on_device)
             self.pinned[p["input"]] = [empty((p["int_workspace_bytes"],), "uint8", host) for _ in range(PINNED_RING)]
         self.float_workspace = self.workspaces[ws["input"]]
-        # what steps that do not plan pass (and the first step's, before any plan)
-        self.unplanned = {p["input"]: host_tensor(np.zeros(1, np.int64)) for p in record["plans"]}
+        # what steps that do not plan pass: the workspaces and placeholder plans, the same tensors every step
+        self.unplanned = {**self.workspaces,
+                          **{p["input"]: host_tensor(np.zeros(1, np.int64)) for p in record["plans"]}}
 
     def inputs(self, step: dict[str, np.ndarray], kind: str) -> dict:
         """The FlashInfer inputs of a step of entry `kind` with the host arrays `step`: planned where
         the entry runs FlashInfer."""
         if kind not in PLANNED_STEPS:
-            return {**self.workspaces, **self.unplanned}
+            return self.unplanned
         qo_indptr = step["q_indptr"].astype(np.int32)
         page_indptr = step["page_indptr"].astype(np.int32)
         pages = np.diff(page_indptr)

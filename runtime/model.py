@@ -203,8 +203,9 @@ class CompiledModel:
                                      self.page_size)
             # the whole buffer, every step: its length is part of the captured graph's key
             buffers, lengths = self.graph_buffers, {"page_values": self.graph_buffers.capacity("page_values")}
-        held = {**self.kv_tensors, **self.planner.inputs(inputs, kind)} if self.planner else self.kv_tensors
-        args = [held[n] if n in held else buffers.put(n, inputs[n], lengths.get(n)) for n in self.input_names]
+        planned = self.planner.inputs(inputs, kind) if self.planner else {}
+        args = [self.kv_tensors[n] if n in self.kv_tensors else planned[n] if n in planned
+                else buffers.put(n, inputs[n], lengths.get(n)) for n in self.input_names]
         return kind, args, seqs
 
     def call(self, kind: str, args: list, seqs: int):
