@@ -6,11 +6,14 @@
 `build` compiles, for every Llama-3.1-8B and Llama-3.2-1B linear (bf16, no bias), one kernel per
 candidate tile of selection/tiles.py and one with the compiler's present choice by rows
 ("default"), plus the small kernels tests/gpu/test_mma_gemm.py checks (bias, residual, bf16 and
-fp16), into OUT/gemm_kernels.so with OUT/kernels.json. `run` needs only TVM's runtime and torch:
-each kernel and torch.matmul on the same device, weights rotated through copies that exceed the L2
-cache, median of CUDA-event timings. It prints TFLOP/s, the share of cuBLAS and, for M <= 64, the
-weight bytes' share of the copy rate; --write-table writes the fastest tile per shape and rows
-bucket in selection/tiles.json's format.
+fp16), into OUT/gemm_kernels.so with OUT/kernels.json. For sm_90 it adds CUTLASS's Hopper GEMM
+(codegen/kernels/gpu/hopper_gemm.py) in every candidate tile of HOPPER_CANDIDATES, called for every
+row count, and tests/gpu/test_mma_gemm.py's Hopper kernels (the default tile over odd shapes); the
+default is then the compiler's Hopper choice (mma's tiles up to HOPPER_FROM rows, wgmma above).
+`run` needs only TVM's runtime and torch: each kernel and torch.matmul on the same device, weights
+rotated through copies that exceed the L2 cache, median of CUDA-event timings. It prints TFLOP/s,
+the share of cuBLAS and, for M <= 64, the weight bytes' share of the copy rate; --write-table writes
+the fastest mma tile per shape and rows bucket in selection/tiles.json's format.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ SHAPES = {"llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 143
 TEST_SHAPES = [(256, 512), (512, 256)]          # small shapes every candidate tile divides
 TEST_ROWS = (1, 7, 16, 17, 64, 100, 1000)
 QUANTISED = (("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128))     # weight formats the tests check
+# the Hopper GEMM's test shapes besides TEST_SHAPES: outputs not a whole number of 128-wide tiles,
+# inputs not of 64-wide ones (TMA fills the edges)
+HOPPER_TEST_SHAPES = [(520, 264), (136, 1032)]
 EXPERTS = 4
 
 
@@ -77,17 +83,44 @@ def kernel_specs(tests_only: bool) -> list[dict]:
 
 def default_specs(arch: str, tests_only: bool) -> list[dict]:
     """The compiler's present choice by rows for each shape (what an artifact built now runs)."""
-    from kiln.selection.tiles import tiles_for
+    from kiln.selection.shapes import wgmma_takes
+    from kiln.selection.tiles import hopper_tiles, tiles_for
     out = []
     shapes = [(n, k, "bfloat16", False, False) for group in SHAPES.values() for n, k in group] if not tests_only else []
     shapes += [(n, k, d, True, True) for n, k in TEST_SHAPES for d in ("bfloat16", "float16")]
     for n, k, dtype, bias, residual in shapes:
-        tiles = tiles_for(arch, dtype, n, k)
+        hopper = wgmma_takes(arch, dtype, dtype, n, k)
+        tiles = (hopper_tiles if hopper else tiles_for)(arch, dtype, n, k)
         suffix = ("_bias" if bias else "") + ("_residual" if residual else "")
         out.append({"name": f"gemm_{dtype}_{n}x{k}_default{suffix}", "n": n, "k": k, "dtype": dtype, "bias": bias,
-                    "residual": residual, "tile": "default", "weight": "float", "group": 0,
+                    "residual": residual, "tile": "default", "weight": "float", "group": 0, "hopper": hopper,
                     "tiles": [[r, t.name] for r, t in tiles]})
     return out
+
+
+def hopper_specs(arch: str, tests_only: bool) -> list[dict]:
+    """On sm_90: the Hopper GEMM alone (every row count) in each candidate tile for the Llama shapes,
+    and in the default tile for the tests' shapes, plain and with bias and residual."""
+    from kiln.selection.shapes import HOPPER_ARCHS
+    from kiln.selection.tiles import HOPPER_CANDIDATES, HOPPER_DEFAULTS
+    if arch not in HOPPER_ARCHS:
+        return []
+    specs = []
+
+    def add(n, k, dtype, epilogue, tile):
+        suffix = "_bias_residual" if epilogue else ""
+        specs.append({"name": f"gemm_{dtype}_{n}x{k}_{tile}{suffix}", "n": n, "k": k, "dtype": dtype, "bias": epilogue,
+                      "residual": epilogue, "tile": tile, "weight": "float", "group": 0, "hopper": True,
+                      "tiles": [[0, tile]]})
+    shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
+    for n, k in shapes:
+        for tile in HOPPER_CANDIDATES:
+            add(n, k, "bfloat16", False, tile.name)
+    for n, k in TEST_SHAPES + HOPPER_TEST_SHAPES:
+        for dtype in ("bfloat16", "float16"):
+            for epilogue in (False, True):
+                add(n, k, dtype, epilogue, HOPPER_DEFAULTS[-1][1])
+    return specs
 
 
 def build(out: Path, arch: str, tests_only: bool) -> None:
@@ -95,14 +128,20 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
     target = make_target(arch)
     import tvm
 
-    from kiln.codegen.kernels.gpu.mma_gemm import mma_experts_kernel, mma_linear_kernel
-    from kiln.selection.tiles import parse_tile
-    specs = kernel_specs(tests_only) + default_specs(arch, tests_only)
-    funcs = {}
+    from kiln.codegen.kernels.gpu import hopper_gemm
+    from kiln.codegen.kernels.gpu.cuda_objects import cudart_link_options
+    from kiln.codegen.kernels.gpu.mma_gemm import mma_experts_kernel, mma_linear_kernel, wgmma_linear_kernel
+    from kiln.selection.tiles import parse_hopper_tile, parse_tile
+    specs = kernel_specs(tests_only) + default_specs(arch, tests_only) + hopper_specs(arch, tests_only)
+    funcs, variants = {}, set()
     for spec in specs:
-        tiles = [(rows, parse_tile(name)) for rows, name in spec["tiles"]]
-        assert all(spec["n"] % t.bn == 0 and spec["k"] % t.bk == 0 for _, t in tiles), spec
-        if spec.get("experts"):
+        tiles = [(rows, parse_hopper_tile(name) if name.startswith("wg") else parse_tile(name))
+                 for rows, name in spec["tiles"]]
+        assert all(spec["n"] % t.bn == 0 and spec["k"] % t.bk == 0 for _, t in tiles if not spec.get("hopper")), spec
+        if spec.get("hopper"):
+            func, used = wgmma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles)
+            variants.update(used)
+        elif spec.get("experts"):
             func = mma_experts_kernel(spec["experts"], spec["n"], spec["k"], spec["dtype"], tiles, spec["weight"],
                                       spec["group"], spec["gather"], spec["weighted"])
         else:
@@ -111,8 +150,10 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
         funcs[spec["name"]] = func.with_attr("global_symbol", spec["name"])
     with target.tvm_target():
         library = tvm.tirx.build(tvm.IRModule(funcs), target=target.tvm_target())
+    for static in hopper_gemm.static_libraries(variants):      # CUTLASS's objects (a minute of nvcc each, cached)
+        library.import_module(static)
     out.mkdir(parents=True, exist_ok=True)
-    library.export_library(str(out / "gemm_kernels.so"))
+    library.export_library(str(out / "gemm_kernels.so"), options=cudart_link_options() if variants else None)
     (out / "kernels.json").write_text(json.dumps({"arch": arch, "kernels": specs}, indent=1))
     print(f"{len(specs)} kernels for {arch} in {out / 'gemm_kernels.so'}")
 
@@ -213,7 +254,7 @@ def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
         entry = []
         for bucket in ROW_BUCKETS:
             rows = [r for r in results if (r["n"], r["k"]) == (n, k) and r["kernel"] != "default"
-                    and r["error"] < 2e-2]
+                    and not r["kernel"].startswith("wg") and r["error"] < 2e-2]      # mma's tiles: its table
             measured = sorted({r["m"] for r in rows}, key=lambda m: (abs(m - bucket), m))
             if not measured:
                 continue

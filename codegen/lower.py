@@ -31,7 +31,7 @@ from kiln.selection.layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored
 from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
-from .kernels.gpu.flashinfer import static_libraries
+from .kernels.gpu import flashinfer, hopper_gemm
 from .lowering import elementwise, mla, moe
 from .lowering.attention import emit_paged_attention, emit_paged_attention_fused
 from .lowering.embed import emit_embed
@@ -49,13 +49,20 @@ class LoweredModel:
     weights: list[StoredWeight] = field(default_factory=list)
     entries: dict[str, str] = field(default_factory=lambda: {"mixed": "forward"})
     flashinfer: dict | None = None      # what the runtime needs to plan FlashInfer's steps (lowering/flashinfer.py)
+    hopper_gemms: tuple[str, ...] = ()  # CUTLASS's Hopper GEMM variants linked in (kernels/gpu/hopper_gemm.py)
+
+    @property
+    def links_cuda_objects(self) -> bool:
+        """Whether objects built with nvcc are linked in: they call CUDA's runtime library."""
+        return bool(self.flashinfer or self.hopper_gemms)
 
 
 class _Context:
     """What an op lowering may use while one entry function is built: the block builder, the step
     kind, symbolic dims, weights, and the kernels (shared by every entry)."""
 
-    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict, micro_kernels: set):
+    def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict, micro_kernels: set,
+                 hopper_gemms: set):
         self.graph, self.target, self.bb, self.step = graph, target, bb, step
         self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
@@ -66,6 +73,7 @@ class _Context:
         # or "interleaved" (its gate and up columns alternate)
         self.gated: dict[str, str] = {}
         self.micro_kernels = micro_kernels     # (rows, vectors) of the bf16 micro-kernels kernels call
+        self.hopper_gemms = hopper_gemms       # the Hopper GEMM variants linears call
 
     def shape(self, dims) -> list:
         return [self.dims.setdefault(d, tirx.Var(d, "int64")) if isinstance(d, str) else d for d in dims]
@@ -233,18 +241,21 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
     micro_kernels: set[tuple[int, int]] = set()
-    flashinfer = flashinfer_use(graph, entries)
-    extra_inputs = flashinfer.inputs() if flashinfer else {}
+    hopper_gemms: set = set()
+    fi_use = flashinfer_use(graph, entries)
+    extra_inputs = fi_use.inputs() if fi_use else {}
     for step, name in entries.items():
-        ctx = _Context(graph, target, bb, step, kernels, micro_kernels)
+        ctx = _Context(graph, target, bb, step, kernels, micro_kernels, hopper_gemms)
         _emit_entry(ctx, name, extra_inputs)
     module = bb.get()
     external = []
     if micro_kernels:
         # LLVM IR kiln writes itself (codegen/kernels/cpu/bf16_micro.py): the Relax build links it into the library
         external.append(micro_module(sorted(micro_kernels), target.tvm_target()))
-    if flashinfer:
-        external += static_libraries(flashinfer.variant, target.arch)
+    if fi_use:
+        external += flashinfer.static_libraries(fi_use.variant, target.arch)
+    if hopper_gemms:
+        external += hopper_gemm.static_libraries(hopper_gemms)
     if external:
         module = module.with_attr("external_mods", external)
     if target.graph_batches:
@@ -257,7 +268,7 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
             module[WIDE_GRAPH_ENTRY] = _graph_attrs(wide, max(target.graph_batches), WIDE_GRAPH_ENTRY)
             entries[WIDE_GRAPH_ENTRY] = WIDE_GRAPH_ENTRY
     return LoweredModel(module, list(graph.inputs) + list(extra_inputs), [w for w, _ in ctx.weights.values()], entries,
-                        flashinfer.manifest() if flashinfer else None)
+                        fi_use.manifest() if fi_use else None, tuple(sorted(v.name for v in hopper_gemms)))
 
 
 

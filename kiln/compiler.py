@@ -14,6 +14,7 @@ from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.step_forms import for_step, prefill_min_tokens
 from kiln.options import CompileOptions
 from kiln.selection.choice import recorded
+from kiln.selection.tiles import HOPPER_FROM
 
 
 class Phases:
@@ -93,6 +94,15 @@ def _step_kernels(graph, entries, op: str) -> dict:
     return {step: names for step, names in kernels.items() if names}
 
 
+def _hopper_gemms(variants: tuple[str, ...]) -> dict | None:
+    """The manifest's hopper_gemms: CUTLASS's release, the variants linked in, and the rows from which
+    a wgmma linear calls them (fewer: mma's tiles)."""
+    if not variants:
+        return None
+    from kiln.codegen.kernels.gpu.hopper_gemm import CUTLASS_RELEASE
+    return {"cutlass": CUTLASS_RELEASE, "variants": list(variants), "from_rows": HOPPER_FROM + 1}
+
+
 def compile_model(model_dir: str | Path, out_dir: str | Path, options: CompileOptions = CompileOptions(),
                   force: bool = False, show: Callable[[str], None] | None = _stderr,
                   dump: Callable | None = None) -> Manifest:
@@ -156,8 +166,8 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         return tgt.build(mod), kernels, launches
     executable, kernels, launches = phases.run("build", build)
 
-    if lowered.flashinfer:          # FlashInfer's objects call CUDA's runtime library
-        from kiln.codegen.kernels.gpu.flashinfer import cudart_link_options
+    if lowered.links_cuda_objects:      # FlashInfer's and CUTLASS's objects call CUDA's runtime library
+        from kiln.codegen.kernels.gpu.cuda_objects import cudart_link_options
         tgt = replace(tgt, link_options=tuple(cudart_link_options()))
     phases.run("export", lambda: tgt.export_library(executable, str(out_dir / tgt.library_name)))
 
@@ -201,6 +211,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         linear_kernels=_step_kernels(graph, lowered.entries, "linear"),
         expert_kernels=_step_kernels(graph, lowered.entries, "moe_experts"),
         flashinfer=lowered.flashinfer,
+        hopper_gemms=_hopper_gemms(lowered.hopper_gemms),
         passes=tuple({"name": r.name, "seconds": round(r.seconds, 4), "nodes_before": r.nodes_before,
                       "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records),
         compile_seconds=phases.seconds,

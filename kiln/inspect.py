@@ -142,6 +142,9 @@ def summary(artifact_dir) -> str:
            f"on the host, {len(m.flashinfer['plans'])} plan(s) (windows: "
            + ", ".join(str(p["window_left"] + 1) if p["window_left"] >= 0 else "full" for p in m.flashinfer["plans"])
            + ")"] if m.flashinfer else []),
+        *([f"cutlass    {m.hopper_gemms['cutlass']} Hopper GEMMs linked in (wgmma + TMA; wgmma linears call them in "
+           f"steps of {m.hopper_gemms['from_rows']} rows or more, mma's tiles below): "
+           + ", ".join(m.hopper_gemms["variants"])] if m.hopper_gemms else []),
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
                          if m.sampling == "device" else "on the host (NumPy), from the step's logits"),
         *_by_step("linears", m, m.linear_kernels),

@@ -254,6 +254,7 @@ class Manifest:
     linear_kernels: dict = field(default_factory=dict)         # step kind -> the kernels its linears run
     expert_kernels: dict = field(default_factory=dict)         # step kind -> its moe_experts' grouped GEMMs
     flashinfer: dict | None = None     # FlashInfer's build and what the runtime plans (codegen/lowering/flashinfer.py)
+    hopper_gemms: dict | None = None   # CUTLASS's Hopper GEMMs linked in (codegen/kernels/gpu/hopper_gemm.py)
     passes: tuple[dict, ...] = ()
     compile_seconds: dict = field(default_factory=dict)
     tokenizer_files: tuple[str, ...] = ()

@@ -61,9 +61,9 @@ CUDA_KERNELS = KernelOrder(
     # for windows, soft-capped scores and int8/fp8 pages.
     attention={"mixed": ("tvm_prefill", "kiln_gpu"), "decode": ("kiln_gpu_decode", "tvm_decode", "tvm_prefill")},
     latent=("tvm_mla",),
-    # own_linear before te_linear: between the opaque tensor-core kernels the default fusion would
-    # group a linear dlight cannot take with its elementwise neighbours
-    linear=("mma", "gemv", "dlight_gemv", "own_linear", "te_linear"),
+    # wgmma (sm_90 only) before mma; own_linear before te_linear: between the opaque tensor-core
+    # kernels the default fusion would group a linear dlight cannot take with its elementwise neighbours
+    linear=("wgmma", "mma", "gemv", "dlight_gemv", "own_linear", "te_linear"),
     experts=("mma", "te"),
 )
 

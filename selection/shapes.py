@@ -8,6 +8,7 @@ from .formats import WeightFormat
 
 # -- CUDA -------------------------------------------------------------------------------------------
 MMA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")      # mma.sync for bf16 and fp16
+HOPPER_ARCHS = ("sm_90", "sm_90a")                              # wgmma and TMA (built for sm_90a)
 HALF_DTYPES = ("bfloat16", "float16")                           # the activations kiln's CUDA linears take
 # the stored weight each format's kernels read (WeightFormat kinds; "float": the activations' dtype)
 STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
@@ -33,6 +34,16 @@ def mma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in:
     return (arch in MMA_ARCHS and dtype in HALF_DTYPES and weight_dtype == stored_dtype(weight, dtype)
             and (weight != "q4" or group_size % 16 == 0 and n_in % group_size == 0)
             and all(n_out % t.bn == 0 and n_in % t.bk == 0 for _, t in tiles))
+
+
+def wgmma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: int,
+                weight: str = "float") -> bool:
+    """Whether the Hopper GEMM (codegen/kernels/gpu/hopper_gemm.cu) takes this linear: bf16/fp16
+    activations and weights of their dtype on sm_90, its rows (inputs) and outputs whole 16-byte
+    lines, which TMA moves."""
+    line = CHUNK_BYTES // 2
+    return (arch in HOPPER_ARCHS and dtype in HALF_DTYPES and weight == "float" and weight_dtype == dtype
+            and n_in % line == 0 and n_out % line == 0)
 
 
 def gemv_takes(dtype: str, weight_dtype: str, n_out: int, n_in: int, weight: str = "float", group_size: int = 0,

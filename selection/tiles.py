@@ -105,3 +105,56 @@ def tiles_for(arch: str, dtype: str, n_out: int, n_in: int) -> list[tuple[int, T
             chosen.append((rows, tile))
     chosen[-1] = (0, chosen[-1][1])
     return chosen
+
+
+# -- Hopper (sm_90a): CUTLASS's warp-specialised wgmma GEMM (codegen/kernels/gpu/hopper_gemm.cu) ----------
+@dataclass(frozen=True)
+class HopperTile:
+    """A Hopper GEMM's tile. The kernel swaps its operands (the weight is its A), so M runs over the
+    linear's outputs and N over the step's rows; clusters of CLUSTER tiles along the outputs share
+    the activations' TMA loads. Cooperative: two consumer warp groups split one tile (M >= 128);
+    else ping-pong, two tiles in flight."""
+    m: int
+    n: int
+    k: int
+    cluster: int = 1
+    cooperative: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"wg{self.m}x{self.n}x{self.k}c{self.cluster}{'' if self.cooperative else 'p'}"
+
+
+def parse_hopper_tile(name: str) -> HopperTile:
+    """'wg128x256x64c2' -> HopperTile(128, 256, 64, 2); a trailing 'p': ping-pong."""
+    shape, cluster = name.removeprefix("wg").split("c")
+    m, n, k = (int(v) for v in shape.split("x"))
+    return HopperTile(m, n, k, int(cluster.removesuffix("p")), not cluster.endswith("p"))
+
+
+# Steps of up to HOPPER_FROM rows keep the mma tiles (at 64 rows and fewer they matched or beat cuBLAS
+# on an H100, docs/BENCHMARKS.md); larger ones take these (up to rows, tile). One tile until a GPU run
+# tunes them (bench/gemm_gpu.py --hopper times every candidate beside mma and cuBLAS): each variant is a
+# minute of nvcc at a cold compile.
+HOPPER_FROM = 64
+HOPPER_DEFAULTS = ((0, "wg128x128x64c1"),)
+HOPPER_CANDIDATES = tuple(parse_hopper_tile(n) for n in (
+    "wg128x128x64c1", "wg128x128x64c2", "wg128x256x64c2", "wg128x128x64c1p", "wg256x128x64c1"))
+
+
+def hopper_tiles(arch: str, dtype: str, n_out: int, n_in: int) -> list[tuple[int, object]] | None:
+    """The Hopper GEMM's (up to rows, tile) list for one linear: the mma tiles of steps up to
+    HOPPER_FROM rows, then the Hopper tiles; None where the mma tiles do not divide it."""
+    small = tiles_for(arch, dtype, n_out, n_in)
+    if small is None:
+        return None
+    chosen = []
+    for rows, tile in small:
+        bound = HOPPER_FROM if rows == 0 or rows >= HOPPER_FROM else rows
+        if not chosen or chosen[-1][1] != tile:
+            chosen.append((bound, tile))
+        else:
+            chosen[-1] = (bound, tile)
+        if bound == HOPPER_FROM:
+            break
+    return chosen + [(rows, parse_hopper_tile(name)) for rows, name in HOPPER_DEFAULTS]

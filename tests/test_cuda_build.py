@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 
@@ -111,3 +112,22 @@ def test_quantised_kv_cache_builds_for_cuda_with_kilns_attention():
         assert name in kernels, kernels
     library = (out / "model.cuda.so").read_bytes()
     assert all(f"{k}_kernel".encode() in library for k in kernels)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_hopper_linears_link_cutlass_wgmma_gemms():
+    """On sm_90 the bf16/fp16 linears of steps with many rows call CUTLASS's Hopper GEMM (built by nvcc,
+    linked into the library with CUDA's runtime, which its kernels register with), mma's tiles below
+    HOPPER_FROM rows; decode steps keep the streaming GEMV, and the gated MLP's activation runs apart."""
+    from kiln.selection.tiles import HOPPER_FROM
+    out = cuda_artifact("gemma2-fp8kv-sm_90")   # kiln compile TINY_GEMMA2 --target cuda --arch sm_90 --kv-dtype fp8
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["linear_kernels"] == {"mixed": ["wgmma"], "decode": ["gemv"], "decode_wide": ["wgmma"]}
+    hopper = manifest["hopper_gemms"]
+    assert hopper["variants"] == ["kiln_hopper_gemm_f16_wg128x128x64c1"] and hopper["from_rows"] == HOPPER_FROM + 1
+    library = (out / "model.cuda.so").read_bytes()
+    assert all(v.encode() in library for v in hopper["variants"])
+    needed = subprocess.run(["readelf", "-d", str(out / "model.cuda.so")], capture_output=True, text=True).stdout
+    assert "libcudart.so" in needed
+    assert not any(k.endswith("_gelu_tanh") for k in manifest["kernels"])      # no GEMM applies the gate
+    assert any(k.startswith("wgmma_") for k in manifest["launches_per_step"]["by_kernel"])

@@ -17,27 +17,39 @@ from kiln.selection.order import CPU_KERNELS, KernelOrder
 from kiln.targets import target_defaults
 
 
-def cuda():
-    return replace(target_defaults("cuda"), arch="sm_90")
+def cuda(arch="sm_90"):
+    return replace(target_defaults("cuda"), arch=arch)
 
 
 def chosen(target, step, layout="nk", fmt=WeightFormat(), dtype="bfloat16", shape=(2048, 2048)):
-    weight_dtype = {"q8": "int8", "q4": "uint8"}.get(fmt.kind, dtype)
+    weight_dtype = {"q8": "int8", "q4": "uint8", "fp8": "float8_e4m3fn"}.get(fmt.kind, dtype)
     site = LinearSite(target, step, layout, *shape, dtype, weight_dtype, fmt)
     return next(name for name in target.kernels.linear if LINEAR_KERNELS[name].supports(site))
 
 
 @pytest.mark.parametrize("target,step,want", [
-    ("cuda", "mixed", "mma"),            # tensor cores wherever a step brings chunks
-    ("cuda", "prefill", "mma"),
+    ("cuda", "mixed", "wgmma"),          # Hopper: CUTLASS's wgmma GEMM (mma's tiles for few rows)
+    ("cuda", "prefill", "wgmma"),
     ("cuda", "decode", "gemv"),          # kiln's streaming GEMV in small decode steps
-    ("cuda", "decode_wide", "mma"),      # from decode_mma_from sequences
+    ("cuda", "decode_wide", "wgmma"),    # from decode_mma_from sequences
+    ("cuda-sm_89", "mixed", "mma"),      # before Hopper: mma.sync wherever a step brings chunks
+    ("cuda-sm_80", "prefill", "mma"),
+    ("cuda-sm_80", "decode", "gemv"),
+    ("cuda-sm_80", "decode_wide", "mma"),
     ("rocm", "decode", "te_linear"),     # TVM's schedules off CUDA
     ("metal", "mixed", "te_linear"),
 ])
 def test_gpu_linears(target, step, want):
-    gpu = cuda() if target == "cuda" else target_defaults(target)
+    gpu = cuda(*target.split("-")[1:]) if target.startswith("cuda") else target_defaults(target)
     assert chosen(gpu, step) == want
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("q8"), WeightFormat("q4", group_size=32), WeightFormat("fp8")])
+def test_hopper_gemm_takes_only_weights_in_the_activations_dtype(fmt):
+    """Quantised weights on sm_90 keep mma's mixed-input main loop: the Hopper GEMM reads bf16/fp16 alone."""
+    assert chosen(cuda(), "mixed", fmt=fmt) == "mma"
+    assert chosen(cuda(), "decode_wide", fmt=fmt) == "mma"
+    assert chosen(cuda(), "mixed", dtype="float32") == "own_linear"
 
 
 def test_cuda_linears_the_tensor_cores_cannot_take():
@@ -109,7 +121,7 @@ def select(graph, target):
 
 
 def test_cuda_records_each_steps_linear_kernel_and_the_gate_its_gemm_applies():
-    graph = select(mlp_graph(), cuda())
+    graph = select(mlp_graph(), cuda("sm_80"))
     gate_up, _, down = graph.nodes
     assert gate_up.attrs["kernels"] == down.attrs["kernels"] == {"mixed": "mma", "decode": "gemv",
                                                                   "decode_wide": "mma"}
@@ -117,6 +129,16 @@ def test_cuda_records_each_steps_linear_kernel_and_the_gate_its_gemm_applies():
         ["mma", "mma", "gemv", "mma"]
     # the tensor-core GEMM applies the swiglu after gate/up (its weight stored gated); down has no gate
     assert gated_activation(gate_up, graph) == "silu" and gated_activation(down, graph) is None
+
+
+def test_hopper_records_wgmma_and_leaves_the_gate_to_its_own_kernel():
+    """CUTLASS's epilogue does not pair gate and up columns: on sm_90 the gate/up weight stays 'nk' and
+    no step's kernel applies the swiglu (the GEMV of decode steps included)."""
+    graph = select(mlp_graph(), cuda())
+    gate_up, _, down = graph.nodes
+    assert gate_up.attrs["kernels"] == down.attrs["kernels"] == {"mixed": "wgmma", "decode": "gemv",
+                                                                  "decode_wide": "wgmma"}
+    assert gated_activation(gate_up, graph) is None
 
 
 def test_cpu_records_the_gemm_and_no_gate():

@@ -11,6 +11,7 @@ from tvm import relax, tirx
 from kiln.selection.formats import WeightFormat
 from kiln.selection.layouts import nibble_span, packed_block
 from kiln.selection.linear import mma_tiles
+from kiln.selection.tiles import hopper_tiles
 
 from ..kernels.cpu.bf16_linear import bf16_linear_kernel, micro_kernels
 from ..kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
@@ -20,7 +21,7 @@ from ..kernels.cpu.packed_linear import packed_linear_kernel
 from ..kernels.cpu.vnni_linear import vnni_linear_kernel
 from ..kernels.gpu.dlight_gemv import decode_kernel
 from ..kernels.gpu.gemv import gemv_kernel
-from ..kernels.gpu.mma_gemm import mma_linear_kernel
+from ..kernels.gpu.mma_gemm import mma_linear_kernel, wgmma_linear_kernel
 from ..kernels.te_linear import nt_matmul, own_kernel
 
 
@@ -113,6 +114,13 @@ def _mma(s: LinearCall) -> relax.Expr:
     return s.call(func, "mma", scheduled=True, gated=bool(s.activation))
 
 
+def _wgmma(s: LinearCall) -> relax.Expr:
+    func, variants = wgmma_linear_kernel(s.n_out, s.n_in, s.dtype, *s.epilogue,
+                                         hopper_tiles(s.target.arch, s.dtype, s.n_out, s.n_in))
+    s.ctx.hopper_gemms.update(variants)        # linked into the library (codegen/lower.py)
+    return s.call(func, "wgmma", scheduled=True)
+
+
 def _gemv(s: LinearCall) -> relax.Expr:
     func, _ = gemv_kernel(s.n_out, s.n_in, s.dtype, *s.epilogue, s.fmt.kind, s.fmt.group_size, s.activation,
                           arch=s.target.arch)
@@ -136,7 +144,7 @@ def _te_linear(s: LinearCall) -> relax.Expr:
 
 # how each kernel of selection/linear.py's LINEAR_KERNELS is emitted
 EMITTERS = {"bf16dot": _bf16dot, "vnni": _vnni, "int8_gemv": _int8_gemv, "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
-            "packed_linear": _packed_linear, "mma": _mma, "gemv": _gemv, "dlight_gemv": _dlight_gemv,
+            "packed_linear": _packed_linear, "wgmma": _wgmma, "mma": _mma, "gemv": _gemv, "dlight_gemv": _dlight_gemv,
             "own_linear": _own_linear, "te_linear": _te_linear}
 
 

@@ -2,7 +2,9 @@
 
 Every candidate tile of selection/tiles.py, and the compiler's choice by rows, in bf16 and fp16,
 plain and with bias and residual; q8, fp8 and q4 (groups of 32 and 128) weights on three tiles; at
-the row counts that cross the tiles' edges (1, 7, 16, 17, 64, 100, 1000). The kernels come from
+the row counts that cross the tiles' edges (1, 7, 16, 17, 64, 100, 1000). On sm_90 the compiler's
+choice is the Hopper one (mma's tiles, then CUTLASS's wgmma GEMM from 65 rows), and CUTLASS's GEMM
+alone runs every row count over shapes that leave partial tiles at both edges. The kernels come from
 KILN_GEMM_KERNELS (`bench/gemm_gpu.py build DIR --tests-only` on a build machine) or are built here.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gemm_gpu import TEST_ROWS, default_specs, kernel_specs, reference  # noqa: E402
+from gemm_gpu import TEST_ROWS, default_specs, hopper_specs, kernel_specs, reference  # noqa: E402
 from kernel_builds import kernel_folder  # noqa: E402
 
 # one rounding of the output is 2^-8 (bf16) or 2^-11 (fp16) of its size; the sums' order differs
@@ -107,6 +109,34 @@ def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, e
             torch.cuda.synchronize()
             want = reference(x, values, bias, residual, scale).float()
             check(torch, y, want, dtype, f"{spec['name']} at M={m}")
+
+
+HOPPER_CASES = sorted({(s["n"], s["k"], s["bias"]) for s in hopper_specs("sm_90", tests_only=True)})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n,k,epilogue", HOPPER_CASES)
+def test_hopper_gemm_matches_the_float32_product(kernels, dtype, n, k, epilogue):
+    """CUTLASS's Hopper GEMM alone at every row count (codegen/kernels/gpu/hopper_gemm.cu: operands
+    swapped, the bias a per-row broadcast, the residual its source), over whole and partial tiles."""
+    import torch
+    library, specs = kernels
+    torch_dtype = getattr(torch, dtype)
+    spec = next((s for s in specs if s.get("hopper") and s["tile"] != "default"
+                 and (s["dtype"], s["n"], s["k"], s["bias"]) == (dtype, n, k, epilogue)), None)
+    if spec is None:
+        pytest.skip("the kernel library has no Hopper GEMM: it was built for this GPU's arch, which is not sm_90")
+    func = library[spec["name"]]
+    gen = torch.Generator(device="cuda").manual_seed(n * k)
+    w = torch.randn(n, k, device="cuda", generator=gen).to(torch_dtype) * 0.05
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
+    for m in TEST_ROWS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch_dtype)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
+        func(x, w, *[t for t in (bias, residual) if t is not None], y)
+        torch.cuda.synchronize()
+        check(torch, y, reference(x, w, bias, residual).float(), dtype, f"{spec['name']} at M={m}")
 
 
 EXPERT_CASES = sorted({(s["tile"], s["weight"], s["group"], s["gather"])

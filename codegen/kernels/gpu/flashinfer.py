@@ -17,7 +17,6 @@ The objects are cached under FlashInfer's JIT directory inside kiln's cache (KIL
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import subprocess
@@ -27,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 
 from kiln.errors import KilnError
+
+from .cuda_objects import cache_dir
 
 FLASHINFER_RELEASE = "0.6.6"      # its plan/run signatures are the ones flashinfer_binding.cc declares
 FALLBACK = "--attention builtin (kiln's and TVM's kernels)"
@@ -83,10 +84,6 @@ def ninja() -> str | None:
     return shutil.which("ninja") or (str(beside) if beside.exists() else None)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-
-
 def arch_list(arch: str) -> str:
     """FlashInfer's FLASHINFER_CUDA_ARCH_LIST entry for a kiln arch (sm_90 -> 9.0a: Hopper's
     arch-specific instructions)."""
@@ -138,15 +135,3 @@ def static_libraries(variant: FlashInferVariant, arch: str) -> list:
     import tvm
     return [tvm.runtime.load_static_library(str(o), func_names=list(EXPORTS) if o.name.startswith("kiln_") else [])
             for o in build_objects(variant, arch)]
-
-
-def cudart_link_options() -> list[str]:
-    """Link options that bind CUDA's runtime library, which FlashInfer's objects call (its kernels
-    register themselves with it when the library loads)."""
-    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
-    for root in filter(None, roots):
-        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
-            if (Path(root) / sub / "libcudart.so").exists():
-                return [f"-L{Path(root) / sub}", "-Wl,--no-as-needed", "-lcudart"]
-    raise KilnError("linking FlashInfer's objects needs CUDA's runtime library (libcudart.so), which was not "
-                    f"found under CUDA_HOME or /usr/local/cuda*: set CUDA_HOME, or compile with {FALLBACK}")

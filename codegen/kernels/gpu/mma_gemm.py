@@ -14,8 +14,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from kiln.selection.shapes import stored_dtype
-from kiln.selection.tiles import TileConfig
+from kiln.selection.tiles import HopperTile, TileConfig
 
+from .hopper_gemm import BIAS, RESIDUAL, HopperGemm
 from .mma_source import CTYPES, experts_kernel_source, kernel_source
 
 
@@ -79,6 +80,30 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
     launch = lambda name, tile, ptrs, indent: _launch(name, tile, n_out, ptrs, indent, weight)      # noqa: E731
     return prim_func(*linear_signature(n_out, n_in, dtype, bias, residual, weight, group_size, activation),
                      tiles, names, sources, launch), list(sources)
+
+
+def wgmma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool,
+                        tiles: list[tuple[int, TileConfig | HopperTile]]) -> tuple[tirx.PrimFunc, list[HopperGemm]]:
+    """The PrimFunc (x, w, [bias], [residual], y) of a bf16/fp16 linear on Hopper, and the Hopper
+    GEMMs it calls. `tiles` (selection/tiles.py hopper_tiles): steps within an mma tile's rows launch
+    that tile's kernel; larger ones call a Hopper GEMM variant (codegen/kernels/gpu/hopper_gemm.py)
+    through call_packed, on TVM's stream, with absent operands passed as y (its epilogue code says
+    which are real)."""
+    small = [(rows, t) for rows, t in tiles if isinstance(t, TileConfig)]
+    names, sources = linear_sources("mma", dtype, n_out, n_in, bias, residual, "float", 0, None, small,
+                                    lambda name, tile: kernel_source(name, dtype, tile, n_out, n_in, bias, residual,
+                                                                     "float", 0, None))
+    variants = [HopperGemm(dtype, t) for _, t in tiles if isinstance(t, HopperTile)]
+    names += [v.name for v in variants]
+    operands = f"x, w, y, {'bias' if bias else 'y'}, {'residual' if residual else 'y'}, " \
+               f"{(BIAS if bias else 0) | (RESIDUAL if residual else 0)}"
+
+    def launch(name, tile, pointers, indent):
+        if isinstance(tile, HopperTile):
+            return [f"{indent}T.evaluate(T.call_packed(\"{name}\", {operands}))"]
+        return _launch(name, tile, n_out, pointers, indent, "float")
+    return prim_func(*linear_signature(n_out, n_in, dtype, bias, residual, "float", 0, None), tiles, names, sources,
+                     launch), variants
 
 
 def linear_sources(family: str, dtype: str, n_out: int, n_in: int, bias: bool, residual: bool, weight: str,
