@@ -34,6 +34,8 @@ QUANTISED = (("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128))     # weight format
 # the Hopper GEMM's test shapes besides TEST_SHAPES: outputs not a whole number of 128-wide tiles,
 # inputs not of 64-wide ones (TMA fills the edges)
 HOPPER_TEST_SHAPES = [(520, 264), (136, 1032)]
+HOPPER_Q4_GROUP = 128                            # kiln's q4 group that CUTLASS's mixed-input loop takes
+HOPPER_Q4_TEST_SHAPES = [(512, 256), (520, 384)]
 EXPERTS = 4
 
 
@@ -100,26 +102,34 @@ def default_specs(arch: str, tests_only: bool) -> list[dict]:
 
 def hopper_specs(arch: str, tests_only: bool) -> list[dict]:
     """On sm_90: the Hopper GEMM alone (every row count) in each candidate tile for the Llama shapes,
-    and in the default tile for the tests' shapes, plain and with bias and residual."""
+    bf16 and q4 (groups of 128; beside them mma's q4 tiles and the compiler's q4 choice), and in the
+    default tile for the tests' shapes, plain and with bias and residual."""
     from kiln.selection.shapes import HOPPER_ARCHS
-    from kiln.selection.tiles import HOPPER_CANDIDATES, HOPPER_DEFAULTS
+    from kiln.selection.tiles import HOPPER_CANDIDATES, HOPPER_DEFAULTS, hopper_tiles, tiles_for
     if arch not in HOPPER_ARCHS:
         return []
     specs = []
 
-    def add(n, k, dtype, epilogue, tile):
+    def add(n, k, dtype, epilogue, label, tiles, weight="float", hopper=True):
         suffix = "_bias_residual" if epilogue else ""
-        specs.append({"name": f"gemm_{dtype}_{n}x{k}_{tile}{suffix}", "n": n, "k": k, "dtype": dtype, "bias": epilogue,
-                      "residual": epilogue, "tile": tile, "weight": "float", "group": 0, "hopper": True,
-                      "tiles": [[0, tile]]})
+        form, group = ("", 0) if weight == "float" else (f"_q4g{HOPPER_Q4_GROUP}", HOPPER_Q4_GROUP)
+        specs.append({"name": f"gemm_{dtype}{form}_{n}x{k}_{label}{suffix}", "n": n, "k": k, "dtype": dtype,
+                      "bias": epilogue, "residual": epilogue, "tile": label, "weight": weight, "group": group,
+                      "hopper": hopper, "tiles": [[rows, t if isinstance(t, str) else t.name] for rows, t in tiles]})
     shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
     for n, k in shapes:
         for tile in HOPPER_CANDIDATES:
-            add(n, k, "bfloat16", False, tile.name)
-    for n, k in TEST_SHAPES + HOPPER_TEST_SHAPES:
-        for dtype in ("bfloat16", "float16"):
-            for epilogue in (False, True):
-                add(n, k, dtype, epilogue, HOPPER_DEFAULTS[-1][1])
+            add(n, k, "bfloat16", False, tile.name, [(0, tile)])
+            add(n, k, "bfloat16", False, tile.name, [(0, tile)], "q4")
+        add(n, k, "bfloat16", False, "default", hopper_tiles(arch, "bfloat16", n, k), "q4")
+        add(n, k, "bfloat16", False, "mma", tiles_for(arch, "bfloat16", n, k), "q4", hopper=False)
+    default = HOPPER_DEFAULTS[-1][1]
+    for dtype in ("bfloat16", "float16"):
+        for epilogue in (False, True):
+            for n, k in TEST_SHAPES + HOPPER_TEST_SHAPES:
+                add(n, k, dtype, epilogue, default, [(0, default)])
+            for n, k in HOPPER_Q4_TEST_SHAPES:
+                add(n, k, dtype, epilogue, default, [(0, default)], "q4")
     return specs
 
 
@@ -139,7 +149,8 @@ def build(out: Path, arch: str, tests_only: bool) -> None:
                  for rows, name in spec["tiles"]]
         assert all(spec["n"] % t.bn == 0 and spec["k"] % t.bk == 0 for _, t in tiles if not spec.get("hopper")), spec
         if spec.get("hopper"):
-            func, used = wgmma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles)
+            func, used = wgmma_linear_kernel(spec["n"], spec["k"], spec["dtype"], spec["bias"], spec["residual"], tiles,
+                                             spec["weight"], spec["group"])
             variants.update(used)
         elif spec.get("experts"):
             func = mma_experts_kernel(spec["experts"], spec["n"], spec["k"], spec["dtype"], tiles, spec["weight"],
@@ -168,6 +179,16 @@ def reference(x, w, bias, residual, scale=None):
         y = y + bias.float()
     y = y.to(x.dtype)
     return y if residual is None else (y.float() + residual.float()).to(x.dtype)
+
+
+def q4_weight(torch, n: int, k: int, group: int):
+    """kiln's q4 weight on the device: (nibbles [n, k / 2], scales [k / group, n] float16, CUTLASS's
+    zeros = -8 scales, the float32 values (nibble - 8) x scale)."""
+    nibbles = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)          # input k in byte k / 2, odd k high
+    scale = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
+    values = (nibbles.float() - 8) * scale.float().repeat_interleave(group, dim=0).T
+    return packed.contiguous(), scale, scale * -8, values
 
 
 def copy_rate(torch) -> float:
@@ -214,33 +235,45 @@ def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None
           "| max rel. err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
-    specs = [s for s in meta["kernels"] if not s["bias"] and s["dtype"] == "bfloat16" and s["weight"] == "float"
-             and not s.get("experts") and not s.get("activation") and (s["n"], s["k"]) not in
-             [tuple(t) for t in TEST_SHAPES]]
+    tests = [tuple(t) for t in TEST_SHAPES + HOPPER_TEST_SHAPES + HOPPER_Q4_TEST_SHAPES]
+    specs = [s for s in meta["kernels"] if not s["bias"] and s["dtype"] == "bfloat16" and s["weight"] in ("float", "q4")
+             and not s.get("experts") and not s.get("activation") and (s["n"], s["k"]) not in tests]
     shapes = sorted({(s["n"], s["k"]) for s in specs}, key=lambda s: -s[0] * s[1])
     for n, k in shapes:
         copies = max(2, -(-(256 << 20) // (n * k * 2)))        # weights that overflow L2 together
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        q4s = [q4_weight(torch, n, k, HOPPER_Q4_GROUP) for _ in range(copies * 4)] \
+            if any(s["weight"] == "q4" for s in specs) else []
+
+        def weights(spec, i):       # the kernel's weight arguments from copy i, and their bytes
+            if spec["weight"] == "float":
+                return (ws[i % copies],), n * k * 2
+            packed, scale, zeros, _ = q4s[i % len(q4s)]
+            return (packed, scale, zeros) if spec.get("hopper") else (packed, scale), n * k // 2 + scale.numel() * 2
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            want = reference(x, ws[0], None, None).float()
+            want = {"float": reference(x, ws[0], None, None).float()}
+            if q4s:
+                want["q4"] = reference(x, q4s[0][3], None, None).float()
             cublas = timed(torch, lambda i: torch.matmul(x, ws[i % copies].T, out=y), reps)
             flops = 2 * m * n * k
             for spec in [s for s in specs if (s["n"], s["k"]) == (n, k)]:
                 func = library[spec["name"]]
-                func(x, ws[0], y)
+                func(x, *weights(spec, 0)[0], y)
                 torch.cuda.synchronize()
-                err = ((y.float() - want).abs().max() / want.abs().max()).item()
-                seconds = timed(torch, lambda i: func(x, ws[i % copies], y), reps)
-                row = {"n": n, "k": k, "m": m, "kernel": spec["tile"], "seconds": seconds, "cublas_seconds": cublas,
-                       "error": err}
+                err = ((y.float() - want[spec["weight"]]).abs().max() / want[spec["weight"]].abs().max()).item()
+                seconds = timed(torch, lambda i: func(x, *weights(spec, i)[0], y), reps)
+                label = spec["tile"] + ("" if spec["weight"] == "float" else f" q4g{spec['group']}")
+                row = {"n": n, "k": k, "m": m, "kernel": spec["tile"], "weight": spec["weight"], "seconds": seconds,
+                       "cublas_seconds": cublas, "error": err}
                 results.append(row)
-                share = f"{n * k * 2 / seconds / rate:.0%}" if m <= 64 else ""
-                print(f"| {n}×{k} | {m} | {spec['tile']} | {seconds * 1e6:.1f} | {flops / seconds / 1e12:.1f} | "
+                nbytes = weights(spec, 0)[1]
+                share = f"{nbytes / seconds / rate:.0%}" if m <= 64 else ""
+                print(f"| {n}×{k} | {m} | {label} | {seconds * 1e6:.1f} | {flops / seconds / 1e12:.1f} | "
                       f"{cublas * 1e6:.1f} | {flops / cublas / 1e12:.1f} | {cublas / seconds:.0%} | "
-                      f"{n * k * 2 / seconds / 1e9:.0f} | {share} | {err:.1e} |", flush=True)
-        del ws
+                      f"{nbytes / seconds / 1e9:.0f} | {share} | {err:.1e} |", flush=True)
+        del ws, q4s
     (Path(out) / "results.json").write_text(json.dumps(results, indent=1))
     if write_table:
         write_tuning_table(results, meta["arch"], write_table)
@@ -253,8 +286,8 @@ def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
     for n, k in sorted({(r["n"], r["k"]) for r in results}):
         entry = []
         for bucket in ROW_BUCKETS:
-            rows = [r for r in results if (r["n"], r["k"]) == (n, k) and r["kernel"] != "default"
-                    and not r["kernel"].startswith("wg") and r["error"] < 2e-2]      # mma's tiles: its table
+            rows = [r for r in results if (r["n"], r["k"]) == (n, k) and r["kernel"] not in ("default", "mma")
+                    and r["weight"] == "float" and not r["kernel"].startswith("wg") and r["error"] < 2e-2]
             measured = sorted({r["m"] for r in rows}, key=lambda m: (abs(m - bucket), m))
             if not measured:
                 continue

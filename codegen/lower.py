@@ -27,7 +27,7 @@ from kiln.ir.step_forms import for_step, prefill_min_tokens
 from kiln.selection.choice import differs, gated_activation, recorded
 from kiln.selection.experts import expert_layout
 from kiln.selection.formats import WeightFormat
-from kiln.selection.layouts import GATED, GATED_COLUMNS, q4_scale_layout, stored_shape
+from kiln.selection.layouts import GATED, GATED_COLUMNS, Q4_ZEROS, q4_scale_layout, stored_shape
 from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
@@ -120,8 +120,10 @@ def _emit_linear(ctx, node, x, w, scale=None, bias=None, residual=None):
     n_in = ctx.types[input_of(node, "x")].shape[-1]
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
     activation = gated_activation(node, ctx.graph)
-    y = emit_linear(ctx, recorded(node, ctx.step), x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype,
-                    WeightFormat.of(node), activation)
+    kernel = recorded(node, ctx.step)
+    zeros = ctx.weight(input_of(node, "scale"), Q4_ZEROS) if kernel == "wgmma" and _reads_zeros(node) else None
+    y = emit_linear(ctx, kernel, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype,
+                    WeightFormat.of(node), activation, zeros)
     if activation:
         ctx.gated[node.output] = "fused" if int(y.ty.shape[-1]) == n_out // 2 else "interleaved"
     return y
@@ -192,13 +194,22 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
     return "nk"
 
 
+def _reads_zeros(node) -> bool:
+    """A q4 linear that some step runs on the Hopper GEMM: it reads its scales a second time, times
+    -8, as CUTLASS's zeros (selection/layouts.py Q4_ZEROS)."""
+    return (node.op == "linear" and weight_format(node) == "q4" and "wgmma" in node.attrs.get("kernels", {}).values()
+            and input_of(node, "scale") is not None)
+
+
 def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
     """(param, layout) pairs in first-use order."""
     plan: list[tuple[str, str]] = []
     for node in graph.nodes:
-        for pos, name in enumerate(node.inputs):
-            if name in graph.params and (name, _layout_for(node, pos, graph, target)) not in plan:
-                plan.append((name, _layout_for(node, pos, graph, target)))
+        uses = [(name, _layout_for(node, pos, graph, target)) for pos, name in enumerate(node.inputs)]
+        uses += [(input_of(node, "scale"), Q4_ZEROS)] if _reads_zeros(node) else []
+        for use in uses:
+            if use[0] in graph.params and use not in plan:
+                plan.append(use)
     return plan
 
 

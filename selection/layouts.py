@@ -106,6 +106,9 @@ def stored_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 GATED, GATED_COLUMNS = "gated", "gatedcols"
+# q4 scales again as CUTLASS's zeros (the Hopper GEMM, codegen/kernels/gpu/hopper_gemm.cu): -8 x scale,
+# exact in float16, so level x scale + zero is kiln's (nibble - 8) x scale
+Q4_ZEROS = "q4zeros"
 
 
 def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
@@ -115,7 +118,10 @@ def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
     [j // NB, k // F, F (j % NB) + k % F]: the int16 pairs of vpmaddwd after one sign extension
     (F = 2), the byte quads of vpdpbusd (F = 4). 'nS' first re-pairs the nibbles of q4 bytes (two
     neighbouring inputs a byte, the even one low) S inputs apart. 'gated' / 'gatedcols': a gated
-    MLP's gate and up halves interleaved, by row of the weight / by column of its scales."""
+    MLP's gate and up halves interleaved, by row of the weight / by column of its scales. 'q4zeros':
+    q4 scales times -8 (Q4_ZEROS)."""
+    if layout == Q4_ZEROS:
+        return (arr * np.asarray(-8, arr.dtype)).astype(arr.dtype)
     if layout in (GATED, GATED_COLUMNS):
         # a gated MLP's gate/up rows [.., 2F, K] (or their scales' columns [.., 2F]) interleaved:
         # gate 0, up 0, gate 1, ..., so one thread's two neighbouring outputs are a pair (codegen/kernels/gpu/mma_gemm.py)

@@ -3,9 +3,10 @@ linear's weight is stored in, and the site a record is asked about.
 
 GPUs: on CUDA sm_80+, bf16 and fp16 linears run kiln's tensor-core GEMM (mma; q8, fp8 and q4 weights
 converted in its main loop) in every step but small decode steps, which run kiln's streaming GEMV
-(gemv); on sm_90, steps of more than HOPPER_FROM rows (selection/tiles.py) with bf16/fp16 weights run
-CUTLASS's warp-specialised wgmma + TMA GEMM instead (wgmma: one kernel that launches mma's tiles below
-that); what those do not take, a TE matmul that dlight schedules (dlight_gemv in decode steps, a
+(gemv); on sm_90, steps of more than HOPPER_FROM rows (selection/tiles.py) with bf16/fp16 weights, or
+q4 in groups of 64 or more, run CUTLASS's warp-specialised wgmma + TMA GEMM instead (wgmma: one
+kernel that launches mma's tiles below that; q4 takes a second copy of its scales, times -8, as
+CUTLASS's zeros); what those do not take, a TE matmul that dlight schedules (dlight_gemv in decode steps, a
 kernel of its own elsewhere: own_linear), or one the target's pipeline fuses (te_linear).
 CPUs: kiln's packed-weight kernel (packed_linear), weights stored [out/nb, in', nb] so a task
 accumulates nb outputs in vector registers; in steps that bring chunks the register-blocked GEMM
@@ -93,7 +94,7 @@ LINEAR_KERNELS = {k.name: k for k in (
     # Hopper's wgmma for steps of many rows (mma's tiles for the others): in every step but small decode
     # ones. It leaves a gated MLP's activation to a kernel of its own (CUTLASS's epilogue reads no pairs).
     LinearKernel("wgmma", lambda s: s.nb is None and s.step != "decode" and bool(s.tiles) and wgmma_takes(
-        s.target.arch, s.dtype, s.weight_dtype, s.n_out, s.n_in, s.fmt.kind)),
+        s.target.arch, s.dtype, s.weight_dtype, s.n_out, s.n_in, s.fmt.kind, s.fmt.group_size)),
     # CUDA's tensor cores, in every step but small decode ones
     LinearKernel("mma", lambda s: s.nb is None and bool(s.tiles) and s.step != "decode", applies_gate=True),
     # decode steps: kiln's streaming GEMV where it reads the format, else dlight's

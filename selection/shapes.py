@@ -9,6 +9,7 @@ from .formats import WeightFormat
 # -- CUDA -------------------------------------------------------------------------------------------
 MMA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")      # mma.sync for bf16 and fp16
 HOPPER_ARCHS = ("sm_90", "sm_90a")                              # wgmma and TMA (built for sm_90a)
+HOPPER_TILE_K = 64                  # every Hopper GEMM tile's inputs (selection/tiles.py HOPPER_CANDIDATES)
 HALF_DTYPES = ("bfloat16", "float16")                           # the activations kiln's CUDA linears take
 # the stored weight each format's kernels read (WeightFormat kinds; "float": the activations' dtype)
 STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
@@ -37,12 +38,14 @@ def mma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in:
 
 
 def wgmma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in: int,
-                weight: str = "float") -> bool:
+                weight: str = "float", group_size: int = 0) -> bool:
     """Whether the Hopper GEMM (codegen/kernels/gpu/hopper_gemm.cu) takes this linear: bf16/fp16
-    activations and weights of their dtype on sm_90, its rows (inputs) and outputs whole 16-byte
-    lines, which TMA moves."""
+    activations on sm_90 with weights of their dtype, or q4 in groups of a multiple of its K tile
+    (CUTLASS's mixed-input main loop loads a group's scales once per K tile); its rows (inputs) and
+    outputs whole 16-byte lines, which TMA moves."""
     line = CHUNK_BYTES // 2
-    return (arch in HOPPER_ARCHS and dtype in HALF_DTYPES and weight == "float" and weight_dtype == dtype
+    form = weight == "float" or weight == "q4" and group_size % HOPPER_TILE_K == 0 and n_in % group_size == 0
+    return (arch in HOPPER_ARCHS and dtype in HALF_DTYPES and form and weight_dtype == stored_dtype(weight, dtype)
             and n_in % line == 0 and n_out % line == 0)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from .shapes import WEIGHT_BITS
+from .shapes import HOPPER_TILE_K, WEIGHT_BITS
 
 TABLE = Path(__file__).with_name("tiles.json")
 ELEMENT_BYTES = 2           # bf16 and fp16 activations
@@ -139,7 +139,8 @@ def parse_hopper_tile(name: str) -> HopperTile:
 HOPPER_FROM = 64
 HOPPER_DEFAULTS = ((0, "wg128x128x64c1"),)
 HOPPER_CANDIDATES = tuple(parse_hopper_tile(n) for n in (
-    "wg128x128x64c1", "wg128x128x64c2", "wg128x256x64c2", "wg128x128x64c1p", "wg256x128x64c1"))
+    "wg128x128x64c1", "wg128x64x64c1", "wg128x128x64c2", "wg128x256x64c2", "wg128x128x64c1p", "wg256x128x64c1"))
+assert all(t.k == HOPPER_TILE_K for t in HOPPER_CANDIDATES)      # q4 groups are taken by this K (shapes.py)
 
 
 def hopper_tiles(arch: str, dtype: str, n_out: int, n_in: int) -> list[tuple[int, object]] | None:

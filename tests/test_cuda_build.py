@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from artifact_cache import cuda_artifact
@@ -102,7 +103,7 @@ def test_quantised_kv_cache_builds_for_cuda_with_kilns_attention():
     """Gemma 2 with an fp8 KV cache on sm_90: every layer (windowed or not, soft-capped scores)
     appends through kiln's quantising append and attends with kiln's GPU kernel in every step; no
     layer is left to the fallback, and the pages are stored as e4m3 with a scale per row."""
-    out = cuda_artifact("gemma2-fp8kv-sm_90")   # kiln compile TINY_GEMMA2 --target cuda --arch sm_90 --kv-dtype fp8
+    out = cuda_artifact("gemma2-fp8kv-sm_90")   # kiln compile TINY_GEMMA2 --target cuda --arch sm_90 --kv-dtype fp8 ...
     manifest = json.loads((out / "manifest.json").read_text())
     kernels = manifest["kernels"]
     assert manifest["quantization"]["kv_cache"] == "fp8"
@@ -116,15 +117,32 @@ def test_quantised_kv_cache_builds_for_cuda_with_kilns_attention():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_hopper_linears_link_cutlass_wgmma_gemms():
-    """On sm_90 the bf16/fp16 linears of steps with many rows call CUTLASS's Hopper GEMM (built by nvcc,
-    linked into the library with CUDA's runtime, which its kernels register with), mma's tiles below
-    HOPPER_FROM rows; decode steps keep the streaming GEMV, and the gated MLP's activation runs apart."""
+    """On sm_90 the fp16 linears (q4 in groups of 128 here) of steps with many rows call CUTLASS's
+    Hopper GEMM (built by nvcc, linked into the library with CUDA's runtime, which its kernels
+    register with), mma's tiles below HOPPER_FROM rows; decode steps keep the streaming GEMV, and the
+    gated MLP's activation runs apart. Each q4 linear's scales are stored a second time, times -8, as
+    CUTLASS's zeros: by compile from the checkpoint and by fill-weights from the drawn scales."""
+    from safetensors.numpy import load_file
+
+    from kiln.interface import StoredWeight
     from kiln.selection.tiles import HOPPER_FROM
-    out = cuda_artifact("gemma2-fp8kv-sm_90")   # kiln compile TINY_GEMMA2 --target cuda --arch sm_90 --kv-dtype fp8
+    from kiln.weights.generated import _Drawer
+    out = cuda_artifact("gemma2-fp8kv-sm_90")   # ... --quant q4 --group-size 128
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["linear_kernels"] == {"mixed": ["wgmma"], "decode": ["gemv"], "decode_wide": ["wgmma"]}
     hopper = manifest["hopper_gemms"]
-    assert hopper["variants"] == ["kiln_hopper_gemm_f16_wg128x128x64c1"] and hopper["from_rows"] == HOPPER_FROM + 1
+    assert hopper["variants"] == ["kiln_hopper_gemm_f16_q4_wg128x128x64c1"] and hopper["from_rows"] == HOPPER_FROM + 1
+    weights = [StoredWeight(**{**w, "shape": tuple(w["shape"])}) for w in manifest["weights"]]
+    zeros = [i for i, w in enumerate(weights) if w.layout == "q4zeros"]
+    scales = [next(i for i, s in enumerate(weights) if s.param == weights[z].param and s.layout == "nk") for z in zeros]
+    assert len(zeros) == 2 * 4 + 1            # per layer qkv, o, gate_up, down; the LM head
+    stored = load_file(out / "weights.safetensors")
+    drawer = _Drawer(None, tuple(weights), manifest["model"]["config"], seed=3)
+    for z, s in zip(zeros, scales):
+        assert weights[z].dtype == weights[s].dtype == "float16"
+        assert np.array_equal(stored[weights[z].name], stored[weights[s].name] * np.float16(-8))
+        drawer.start(z)
+        assert np.array_equal(drawer.started.pop(z)[0], drawer.draw(s) * np.float16(-8))
     library = (out / "model.cuda.so").read_bytes()
     assert all(v.encode() in library for v in hopper["variants"])
     needed = subprocess.run(["readelf", "-d", str(out / "model.cuda.so")], capture_output=True, text=True).stdout

@@ -45,10 +45,13 @@ def test_gpu_linears(target, step, want):
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat("q8"), WeightFormat("q4", group_size=32), WeightFormat("fp8")])
-def test_hopper_gemm_takes_only_weights_in_the_activations_dtype(fmt):
-    """Quantised weights on sm_90 keep mma's mixed-input main loop: the Hopper GEMM reads bf16/fp16 alone."""
+def test_hopper_gemm_takes_q4_in_groups_its_k_tile_divides(fmt):
+    """On sm_90 q8, fp8 and q4 in groups of 32 keep mma's mixed-input main loop (CUTLASS's loads a
+    group's scales per 64-wide K tile); q4 in groups of 128 takes the Hopper GEMM."""
     assert chosen(cuda(), "mixed", fmt=fmt) == "mma"
     assert chosen(cuda(), "decode_wide", fmt=fmt) == "mma"
+    assert chosen(cuda(), "mixed", fmt=WeightFormat("q4", group_size=128)) == "wgmma"
+    assert chosen(cuda(), "decode", fmt=WeightFormat("q4", group_size=128)) == "gemv"
     assert chosen(cuda(), "mixed", dtype="float32") == "own_linear"
 
 

@@ -31,7 +31,7 @@ class LinearCall:
     kernel is called."""
     ctx: object
     args: list                       # x as rows, w, then the optional operands present
-    present: list[str]               # which of scale, bias, residual are
+    present: list[str]               # which of scale, zeros, bias, residual are
     layout: str
     n_out: int
     n_in: int
@@ -68,7 +68,8 @@ class LinearCall:
     def call(self, kern, family: str, scheduled: bool = False, gated: bool = False) -> relax.Expr:
         """`kern` as a kernel of its own (packed or not), named by family and shape, called on the
         operands; `gated`: it returns act(gate) * up, half the columns."""
-        suffix = "".join(f"_{k}" for k in self.present if k != "scale") + (f"_{self.activation}" if gated else "")
+        suffix = "".join(f"_{k}" for k in self.present if k in ("bias", "residual")) \
+            + (f"_{self.activation}" if gated else "")
         packing = f"_packed{self.nb}" if self.nb is not None else ""
         gv = self.ctx.add_kernel(kern, f"{family}{self.fmt.suffix}{packing}_{self.n_out}x{self.n_in}{suffix}",
                                  scheduled=scheduled)
@@ -116,7 +117,8 @@ def _mma(s: LinearCall) -> relax.Expr:
 
 def _wgmma(s: LinearCall) -> relax.Expr:
     func, variants = wgmma_linear_kernel(s.n_out, s.n_in, s.dtype, *s.epilogue,
-                                         hopper_tiles(s.target.arch, s.dtype, s.n_out, s.n_in))
+                                         hopper_tiles(s.target.arch, s.dtype, s.n_out, s.n_in), s.fmt.kind,
+                                         s.fmt.group_size)
     s.ctx.hopper_gemms.update(variants)        # linked into the library (codegen/lower.py)
     return s.call(func, "wgmma", scheduled=True)
 
@@ -150,14 +152,16 @@ EMITTERS = {"bf16dot": _bf16dot, "vnni": _vnni, "int8_gemv": _int8_gemv, "int8_g
 
 def emit_linear(ctx, kernel: str, x: relax.Expr, w: relax.Expr, scale: relax.Expr | None, bias: relax.Expr | None,
                 residual: relax.Expr | None, layout: str, n_out: int, n_in: int, dtype: str,
-                fmt: WeightFormat = WeightFormat(), activation: str | None = None) -> relax.Expr:
+                fmt: WeightFormat = WeightFormat(), activation: str | None = None,
+                zeros: relax.Expr | None = None) -> relax.Expr:
     """Emit y = x @ W.T (+ b) (+ residual) for x [..., n_in], flattened to rows, with `kernel`.
     `activation`: W is a gated MLP's gate/up stored 'gated'; the tensor-core kernel and the
     streaming GEMV then return act(gate) * up ([..., n_out / 2]), every other kernel the
-    interleaved columns."""
+    interleaved columns. `zeros`: q4's scales times -8, which the Hopper GEMM reads (wgmma)."""
     def rows(v, width):
         return ctx.bb.emit(relax.op.reshape(v, (-1, width))) if len(v.ty.shape) != 2 else v
-    optional = {"scale": scale, "bias": bias, "residual": rows(residual, n_out) if residual is not None else None}
+    optional = {"scale": scale, "zeros": zeros, "bias": bias,
+                "residual": rows(residual, n_out) if residual is not None else None}
     present = [k for k, v in optional.items() if v is not None]
     call = LinearCall(ctx, [rows(x, n_in), w] + [optional[k] for k in present], present, layout, n_out, n_in, dtype,
                       fmt, activation)

@@ -16,7 +16,9 @@ keeps a real model numerically sane:
   drawn -8 becomes 0, so the mean stays 0); fp8 codes: float8 e4m3 in ±[32, 128), never NaN;
 - scales (what ir/quant.py calls a scheme's "scale" part): 0.02 / the codes' RMS, times a factor in
   [0.75, 1.25] per scale, so that dequantised weights have std about 0.02;
-- rope's inverse frequencies, which compile computes from the config: computed the same way.
+- rope's inverse frequencies, which compile computes from the config: computed the same way;
+- a tensor stored from the same param as another in a layout that computes it (q4's zeros for the
+  Hopper GEMM: its scales times -8): computed from that tensor's draw.
 
 Every tensor is cut into CHUNK_BYTES pieces, each drawn by its own generator seeded by (seed, tensor
 index, chunk index): the file depends on the seed alone, not on the number of threads. The chunks
@@ -45,6 +47,7 @@ from kiln.interface import Manifest, StoredWeight
 from kiln.ir.quant import SCHEMES
 from kiln.ir.types import numpy_dtype
 from kiln.safetensors_io import TensorSpec, read_header, write_safetensors
+from kiln.selection.layouts import Q4_ZEROS, apply_layout
 
 GENERATOR = "kiln fill-weights"         # in the weights file's metadata: the mark of a file written here
 CHUNK_BYTES = 8 << 20                   # fixed: the bytes depend on it (and not on the thread count)
@@ -192,6 +195,8 @@ class _Drawer:
             return
         w, spec = self.weights[index], self.specs[index]
         value = computed_weight(w, self.config)
+        if w.layout == Q4_ZEROS:
+            value = apply_layout(Q4_ZEROS, self.draw(self._drawn_as(w)))
         if value is not None:
             self.started[index] = value, []
             return
@@ -201,6 +206,19 @@ class _Drawer:
         self.started[index] = flat.reshape(spec.shape), [
             self.pool.submit(_fill_chunk, fill, self.seed, index, i, flat[begin:begin + step])
             for i, begin in enumerate(range(0, flat.size, step))]
+
+    def _drawn_as(self, derived: StoredWeight) -> int:
+        """The entry a derived weight is computed from: its param's, in a layout that is drawn."""
+        return next(i for i, w in enumerate(self.weights) if w.param == derived.param and w.layout != derived.layout)
+
+    def draw(self, index: int) -> np.ndarray:
+        """Tensor `index` drawn again, into an array of its own (the same chunks, the same values)."""
+        spec = self.specs[index]
+        flat = np.empty(spec.nbytes, np.uint8).view(numpy_dtype(spec.dtype))
+        step = max(1, CHUNK_BYTES // flat.itemsize)
+        for i, begin in enumerate(range(0, flat.size, step)):
+            _fill_chunk(filler_for(self.weights[index]), self.seed, index, i, flat[begin:begin + step])
+        return flat.reshape(spec.shape)
 
     def take(self, index: int) -> np.ndarray:
         """Tensor `index`, drawn; tensor `index + 1` is started first, to be drawn while this one is

@@ -111,32 +111,36 @@ def test_tile_matches_the_float32_product(kernels, dtype, tile, weight, group, e
             check(torch, y, want, dtype, f"{spec['name']} at M={m}")
 
 
-HOPPER_CASES = sorted({(s["n"], s["k"], s["bias"]) for s in hopper_specs("sm_90", tests_only=True)})
+HOPPER_CASES = sorted({(s["n"], s["k"], s["bias"], s["weight"], s["group"])
+                       for s in hopper_specs("sm_90", tests_only=True)})
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("n,k,epilogue", HOPPER_CASES)
-def test_hopper_gemm_matches_the_float32_product(kernels, dtype, n, k, epilogue):
+@pytest.mark.parametrize("n,k,epilogue,weight,group", HOPPER_CASES)
+def test_hopper_gemm_matches_the_float32_product(kernels, dtype, n, k, epilogue, weight, group):
     """CUTLASS's Hopper GEMM alone at every row count (codegen/kernels/gpu/hopper_gemm.cu: operands
-    swapped, the bias a per-row broadcast, the residual its source), over whole and partial tiles."""
+    swapped, the bias a per-row broadcast, the residual its source), over whole and partial tiles;
+    q4 weights as kiln stores them, widened in registers with their scales and zeros (-8 scales)."""
     import torch
     library, specs = kernels
     torch_dtype = getattr(torch, dtype)
     spec = next((s for s in specs if s.get("hopper") and s["tile"] != "default"
-                 and (s["dtype"], s["n"], s["k"], s["bias"]) == (dtype, n, k, epilogue)), None)
+                 and (s["dtype"], s["n"], s["k"], s["bias"], s["weight"]) == (dtype, n, k, epilogue, weight)), None)
     if spec is None:
         pytest.skip("the kernel library has no Hopper GEMM: it was built for this GPU's arch, which is not sm_90")
     func = library[spec["name"]]
     gen = torch.Generator(device="cuda").manual_seed(n * k)
-    w = torch.randn(n, k, device="cuda", generator=gen).to(torch_dtype) * 0.05
+    stored, values, _ = weights_of(torch, weight, group, n, k, torch_dtype, gen)
+    if weight == "q4":
+        stored.append(stored[1] * -8)           # CUTLASS's zeros (selection/layouts.py Q4_ZEROS)
     bias = torch.randn(n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
     for m in TEST_ROWS:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch_dtype)
         residual = torch.randn(m, n, device="cuda", generator=gen).to(torch_dtype) if epilogue else None
         y = torch.full((m, n), float("nan"), device="cuda", dtype=torch_dtype)
-        func(x, w, *[t for t in (bias, residual) if t is not None], y)
+        func(x, *stored, *[t for t in (bias, residual) if t is not None], y)
         torch.cuda.synchronize()
-        check(torch, y, reference(x, w, bias, residual).float(), dtype, f"{spec['name']} at M={m}")
+        check(torch, y, reference(x, values, bias, residual).float(), dtype, f"{spec['name']} at M={m}")
 
 
 EXPERT_CASES = sorted({(s["tile"], s["weight"], s["group"], s["gather"])

@@ -36,19 +36,23 @@ BIAS, RESIDUAL = 1, 2
 
 @dataclass(frozen=True)
 class HopperGemm:
-    """One variant: the function `name`(x, w, y, bias, residual, epilogue) for one dtype and tile."""
+    """One variant: the function `name`(x, w, y, bias, residual, epilogue) for one dtype, weight
+    format and tile; q4's takes its scales and zeros after w (any group the tile's K divides)."""
     dtype: str
     tile: HopperTile
+    weight: str = "float"          # or "q4"
 
     @property
     def name(self) -> str:
-        return f"kiln_hopper_gemm_{ELEMENTS[self.dtype][1]}_{self.tile.name}"
+        form = "" if self.weight == "float" else f"_{self.weight}"
+        return f"kiln_hopper_gemm_{ELEMENTS[self.dtype][1]}{form}_{self.tile.name}"
 
     def defines(self) -> list[str]:
         t = self.tile
         return [f"-DKILN_GEMM_NAME={self.name}", f"-DKILN_ELEMENT={ELEMENTS[self.dtype][0]}",
                 f"-DKILN_TILE_M={t.m}", f"-DKILN_TILE_N={t.n}", f"-DKILN_TILE_K={t.k}",
-                f"-DKILN_CLUSTER_M={t.cluster}", "-DKILN_CLUSTER_N=1", f"-DKILN_SCHEDULE={int(t.cooperative)}"]
+                f"-DKILN_CLUSTER_M={t.cluster}", "-DKILN_CLUSTER_N=1", f"-DKILN_SCHEDULE={int(t.cooperative)}",
+                f"-DKILN_Q4={int(self.weight == 'q4')}"]
 
 
 def cutlass_include() -> Path:

@@ -83,27 +83,32 @@ def mma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: b
 
 
 def wgmma_linear_kernel(n_out: int, n_in: int, dtype: str, bias: bool, residual: bool,
-                        tiles: list[tuple[int, TileConfig | HopperTile]]) -> tuple[tirx.PrimFunc, list[HopperGemm]]:
-    """The PrimFunc (x, w, [bias], [residual], y) of a bf16/fp16 linear on Hopper, and the Hopper
-    GEMMs it calls. `tiles` (selection/tiles.py hopper_tiles): steps within an mma tile's rows launch
-    that tile's kernel; larger ones call a Hopper GEMM variant (codegen/kernels/gpu/hopper_gemm.py)
+                        tiles: list[tuple[int, TileConfig | HopperTile]], weight: str = "float",
+                        group_size: int = 0) -> tuple[tirx.PrimFunc, list[HopperGemm]]:
+    """The PrimFunc (x, w, [scale, zeros], [bias], [residual], y) of a bf16/fp16 linear on Hopper,
+    weights in their dtype or q4 (zeros: its scales times -8, selection/layouts.py Q4_ZEROS), and the
+    Hopper GEMMs it calls. `tiles` (selection/tiles.py hopper_tiles): steps within an mma tile's rows
+    launch that tile's kernel; larger ones call a Hopper GEMM variant (codegen/kernels/gpu/hopper_gemm.py)
     through call_packed, on TVM's stream, with absent operands passed as y (its epilogue code says
     which are real)."""
     small = [(rows, t) for rows, t in tiles if isinstance(t, TileConfig)]
-    names, sources = linear_sources("mma", dtype, n_out, n_in, bias, residual, "float", 0, None, small,
+    names, sources = linear_sources("mma", dtype, n_out, n_in, bias, residual, weight, group_size, None, small,
                                     lambda name, tile: kernel_source(name, dtype, tile, n_out, n_in, bias, residual,
-                                                                     "float", 0, None))
-    variants = [HopperGemm(dtype, t) for _, t in tiles if isinstance(t, HopperTile)]
+                                                                     weight, group_size, None))
+    variants = [HopperGemm(dtype, t, weight) for _, t in tiles if isinstance(t, HopperTile)]
     names += [v.name for v in variants]
-    operands = f"x, w, y, {'bias' if bias else 'y'}, {'residual' if residual else 'y'}, " \
+    quantised = "scale, zeros, " if weight == "q4" else ""
+    operands = f"x, w, {quantised}y, {'bias' if bias else 'y'}, {'residual' if residual else 'y'}, " \
                f"{(BIAS if bias else 0) | (RESIDUAL if residual else 0)}"
 
     def launch(name, tile, pointers, indent):
         if isinstance(tile, HopperTile):
             return [f"{indent}T.evaluate(T.call_packed(\"{name}\", {operands}))"]
-        return _launch(name, tile, n_out, pointers, indent, "float")
-    return prim_func(*linear_signature(n_out, n_in, dtype, bias, residual, "float", 0, None), tiles, names, sources,
-                     launch), variants
+        return _launch(name, tile, n_out, pointers, indent, weight)
+    params, buffers, pointers = linear_signature(n_out, n_in, dtype, bias, residual, weight, group_size, None)
+    if weight == "q4":          # CUTLASS's zeros after the scales; mma's kernels read only the scales
+        params.insert(3, f"zeros: T.Buffer(({n_in // group_size}, {n_out}), \"float16\")")
+    return prim_func(params, buffers, pointers, tiles, names, sources, launch), variants
 
 
 def linear_sources(family: str, dtype: str, n_out: int, n_in: int, bias: bool, residual: bool, weight: str,
