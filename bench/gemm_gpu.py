@@ -280,29 +280,42 @@ def run(out: Path, rows: list[int], write_table: Path | None, reps: int) -> None
 
 
 def write_tuning_table(results: list[dict], arch: str, path: Path) -> None:
-    """The fastest correct tile per (shape, rows bucket) of selection/tiles.py, as its table."""
-    from kiln.selection.tiles import ROW_BUCKETS
+    """The fastest correct tile per (shape, rows bucket) of selection/tiles.py, as its table: mma's
+    tiles alone, and on sm_90 also the fastest of mma's and the Hopper GEMM's (the wgmma entries)."""
+    from kiln.selection.shapes import HOPPER_ARCHS
+    from kiln.selection.tiles import hopper_key
     table = json.loads(path.read_text()) if path.exists() else {}
     for n, k in sorted({(r["n"], r["k"]) for r in results}):
-        entry = []
-        for bucket in ROW_BUCKETS:
-            rows = [r for r in results if (r["n"], r["k"]) == (n, k) and r["kernel"] not in ("default", "mma")
-                    and r["weight"] == "float" and not r["kernel"].startswith("wg") and r["error"] < 2e-2]
-            measured = sorted({r["m"] for r in rows}, key=lambda m: (abs(m - bucket), m))
-            if not measured:
-                continue
-            at = [r for r in rows if r["m"] == measured[0]]
-            best = min(at, key=lambda r: r["seconds"])["kernel"]
-            if entry and entry[-1][1] == best:
-                entry[-1][0] = bucket
-            else:
-                entry.append([bucket, best])
-        if entry:
-            entry[-1][0] = 0
-            for dtype in ("bfloat16", "float16"):        # same bytes and tensor-core rate
-                table[f"{arch} {dtype} {n}x{k}"] = entry
+        measured = [r for r in results if (r["n"], r["k"]) == (n, k) and r["kernel"] not in ("default", "mma")
+                    and r["weight"] == "float" and r["error"] < 2e-2]
+        mma = _fastest_by_bucket([r for r in measured if not r["kernel"].startswith("wg")])
+        both = _fastest_by_bucket(measured)
+        for dtype in ("bfloat16", "float16"):            # same bytes and tensor-core rate
+            if mma:
+                table[f"{arch} {dtype} {n}x{k}"] = mma
+            if arch in HOPPER_ARCHS and both and any(name.startswith("wg") for _, name in both):
+                table[hopper_key(arch, dtype, n, k)] = both
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"\nwrote {len(table)} entries to {path}")
+
+
+def _fastest_by_bucket(rows: list[dict]) -> list[list]:
+    """[[up to rows, kernel], ...] over ROW_BUCKETS: the fastest at the measured row count nearest
+    each bucket, neighbours that agree merged, the last for every larger step."""
+    from kiln.selection.tiles import ROW_BUCKETS
+    entry = []
+    for bucket in ROW_BUCKETS:
+        measured = sorted({r["m"] for r in rows}, key=lambda m: (abs(m - bucket), m))
+        if not measured:
+            continue
+        best = min((r for r in rows if r["m"] == measured[0]), key=lambda r: r["seconds"])["kernel"]
+        if entry and entry[-1][1] == best:
+            entry[-1][0] = bucket
+        else:
+            entry.append([bucket, best])
+    if entry:
+        entry[-1][0] = 0
+    return entry
 
 
 def kernel_bench_main(doc: str, build_fn, run_fn, test_file: str, rows: list[int]) -> None:

@@ -5,7 +5,7 @@
     python bench/gpu_kit.py --families [--out build/gpu-kit-families] [--arch sm_90]
     python bench/gpu_kit.py --flashinfer [--out build/gpu-kit-flashinfer] [--shapes llama-3.2-1b llama-3.1-8b]
     python bench/gpu_kit.py --gemm [--out build/gpu-kit-gemm] --shapes llama-3.2-1b llama-3.1-8b
-                            mixtral-8x7b-4l --modes bfloat16 q4
+                            --modes bfloat16 q4 q4g128     (sm_90: the Hopper GEMM's candidates too)
     python bench/gpu_kit.py --gemv [--out build/gpu-kit-gemv] --modes bfloat16 q4
     python bench/gpu_kit.py --attention [--out build/gpu-kit-attention] --shapes llama-3.2-1b llama-3.1-8b
                             --modes bfloat16 bfloat16-kv-int8
@@ -28,7 +28,8 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
   <shape>/<mode>/       its CUDA artifact compiled with --no-weights; `kiln fill-weights` draws seeded
                         random weights there (bench/decode_gpu.py builds the HF side from model/)
   gemm/                 with --gemm: kiln's tensor-core GEMM tiles for the Llama shapes and
-                        tests/gpu/test_mma_gemm.py's, built by bench/gemm_gpu.py build
+                        tests/gpu/test_mma_gemm.py's, built by bench/gemm_gpu.py build (for sm_90
+                        with CUTLASS's Hopper GEMM candidates, bf16 and q4 in groups of 128)
   gemv/                 with --gemv: kiln's decode GEMV candidates for the Llama shapes and
                         tests/gpu/test_gemv.py's, built by bench/gemv_gpu.py build
   run.sh                installs kiln, then runs its stages, each under its own time limit: tests
@@ -64,6 +65,7 @@ from pathlib import Path
 
 MODES = {"float16": ["--dtype", "float16"], "bfloat16": ["--dtype", "bfloat16"],
          "q8": ["--dtype", "float16", "--quant", "q8"], "q4": ["--dtype", "float16", "--quant", "q4"],
+         "q4g128": ["--dtype", "float16", "--quant", "q4", "--group-size", "128"],   # sm_90: the Hopper GEMM's q4
          "fp8": ["--dtype", "float16", "--quant", "fp8"],
          "bfloat16-kv-int8": ["--dtype", "bfloat16", "--kv-dtype", "int8"],
          "bfloat16-flashinfer": ["--dtype", "bfloat16", "--attention", "flashinfer"]}

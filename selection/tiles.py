@@ -132,10 +132,11 @@ def parse_hopper_tile(name: str) -> HopperTile:
     return HopperTile(m, n, k, int(cluster.removesuffix("p")), not cluster.endswith("p"))
 
 
-# Steps of up to HOPPER_FROM rows keep the mma tiles (at 64 rows and fewer they matched or beat cuBLAS
-# on an H100, docs/BENCHMARKS.md); larger ones take these (up to rows, tile). One tile until a GPU run
-# tunes them (bench/gemm_gpu.py --hopper times every candidate beside mma and cuBLAS): each variant is a
-# minute of nvcc at a cold compile.
+# Without a table entry, steps of up to HOPPER_FROM rows keep the mma tiles (at 64 rows and fewer they
+# matched or beat cuBLAS on an H100, docs/BENCHMARKS.md) and larger ones take these (up to rows, tile):
+# one tile, as each variant is a minute of nvcc at a cold compile. The table's "arch dtype NxK wgmma"
+# entries (bench/gemm_gpu.py --write-table: the fastest of mma's and the Hopper candidates per rows
+# bucket) replace both.
 HOPPER_FROM = 64
 HOPPER_DEFAULTS = ((0, "wg128x128x64c1"),)
 HOPPER_CANDIDATES = tuple(parse_hopper_tile(n) for n in (
@@ -143,12 +144,24 @@ HOPPER_CANDIDATES = tuple(parse_hopper_tile(n) for n in (
 assert all(t.k == HOPPER_TILE_K for t in HOPPER_CANDIDATES)      # q4 groups are taken by this K (shapes.py)
 
 
+def parse_any_tile(name: str) -> TileConfig | HopperTile:
+    return parse_hopper_tile(name) if name.startswith("wg") else parse_tile(name)
+
+
+def hopper_key(arch: str, dtype: str, n_out: int, n_in: int) -> str:
+    return f"{arch} {dtype} {n_out}x{n_in} wgmma"
+
+
 def hopper_tiles(arch: str, dtype: str, n_out: int, n_in: int) -> list[tuple[int, object]] | None:
-    """The Hopper GEMM's (up to rows, tile) list for one linear: the mma tiles of steps up to
-    HOPPER_FROM rows, then the Hopper tiles; None where the mma tiles do not divide it."""
+    """The Hopper GEMM's (up to rows, tile) list for one linear: its table entry, else the mma tiles
+    of steps up to HOPPER_FROM rows, then the default Hopper tiles; None where no mma tile divides it
+    (the Hopper kernel's few-row steps run mma's)."""
     small = tiles_for(arch, dtype, n_out, n_in)
     if small is None:
         return None
+    entry = _table().get(hopper_key(arch, dtype, n_out, n_in))
+    if entry:
+        return [(rows, parse_any_tile(name)) for rows, name in entry]
     chosen = []
     for rows, tile in small:
         bound = HOPPER_FROM if rows == 0 or rows >= HOPPER_FROM else rows

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from kiln.selection.tiles import (HOPPER_CANDIDATES, HOPPER_DEFAULTS, HOPPER_FROM, HopperTile, TileConfig,
-                                  hopper_tiles, parse_hopper_tile, tiles_for)
+from kiln.selection.tiles import (HOPPER_CANDIDATES, HOPPER_DEFAULTS, HOPPER_FROM, HopperTile, TileConfig, _table,
+                                  hopper_key, hopper_tiles, parse_hopper_tile, tiles_for)
 
 
 @pytest.mark.parametrize("shape", [(28672, 4096), (4096, 14336), (2048, 2048), (512, 256)])
 def test_steps_of_few_rows_keep_mmas_tiles_and_larger_ones_take_the_hopper_gemm(shape):
+    """Without a tuned entry: mma's own tiles up to HOPPER_FROM rows, the default Hopper tile above."""
     chosen = hopper_tiles("sm_90", "bfloat16", *shape)
+    tuned = _table().get(hopper_key("sm_90", "bfloat16", *shape))
+    if tuned:
+        assert [(rows, t.name) for rows, t in chosen] == [tuple(e) for e in tuned]
+        return
     small = [(rows, t) for rows, t in chosen if isinstance(t, TileConfig)]
     large = [(rows, t) for rows, t in chosen if isinstance(t, HopperTile)]
     assert chosen == small + large
