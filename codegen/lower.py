@@ -27,7 +27,7 @@ from kiln.ir.step_forms import for_step, prefill_min_tokens
 from kiln.selection.choice import differs, gated_activation, recorded
 from kiln.selection.experts import expert_layout
 from kiln.selection.formats import WeightFormat
-from kiln.selection.layouts import GATED, GATED_COLUMNS, Q4_ZEROS, q4_scale_layout, stored_shape
+from kiln.selection.layouts import GATED, GATED_COLUMNS, Q4_ZEROS, Q4_ZEROS_GATED, q4_scale_layout, stored_shape
 from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
@@ -121,7 +121,7 @@ def _emit_linear(ctx, node, x, w, scale=None, bias=None, residual=None):
     layout = _layout_for(node, 1, ctx.graph, ctx.target)
     activation = gated_activation(node, ctx.graph)
     kernel = recorded(node, ctx.step)
-    zeros = ctx.weight(input_of(node, "scale"), Q4_ZEROS) if kernel == "wgmma" and _reads_zeros(node) else None
+    zeros = ctx.weight(*_zeros(node, ctx.graph)) if kernel == "wgmma" and _reads_zeros(node) else None
     y = emit_linear(ctx, kernel, x, w, scale, bias, residual, layout, n_out, n_in, node.type.dtype,
                     WeightFormat.of(node), activation, zeros)
     if activation:
@@ -201,12 +201,17 @@ def _reads_zeros(node) -> bool:
             and input_of(node, "scale") is not None)
 
 
+def _zeros(node, graph: Graph) -> tuple[str, str]:
+    """(param, layout) of a q4 linear's zeros: its scales times -8, in the order of its scales' columns."""
+    return input_of(node, "scale"), Q4_ZEROS_GATED if gated_activation(node, graph) else Q4_ZEROS
+
+
 def _weight_layouts(graph: Graph, target) -> list[tuple[str, str]]:
     """(param, layout) pairs in first-use order."""
     plan: list[tuple[str, str]] = []
     for node in graph.nodes:
         uses = [(name, _layout_for(node, pos, graph, target)) for pos, name in enumerate(node.inputs)]
-        uses += [(input_of(node, "scale"), Q4_ZEROS)] if _reads_zeros(node) else []
+        uses += [_zeros(node, graph)] if _reads_zeros(node) else []
         for use in uses:
             if use[0] in graph.params and use not in plan:
                 plan.append(use)

@@ -107,8 +107,9 @@ def stored_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 GATED, GATED_COLUMNS = "gated", "gatedcols"
 # q4 scales again as CUTLASS's zeros (the Hopper GEMM, codegen/kernels/gpu/hopper_gemm.cu): -8 x scale,
-# exact in float16, so level x scale + zero is kiln's (nibble - 8) x scale
-Q4_ZEROS = "q4zeros"
+# exact in float16, so level x scale + zero is kiln's (nibble - 8) x scale; a gated gate/up's in the
+# order of its scales' columns ('gatedcols')
+Q4_ZEROS, Q4_ZEROS_GATED = "q4zeros", "q4zerosgated"
 
 
 def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
@@ -119,7 +120,9 @@ def apply_layout(layout: str, arr: np.ndarray) -> np.ndarray:
     (F = 2), the byte quads of vpdpbusd (F = 4). 'nS' first re-pairs the nibbles of q4 bytes (two
     neighbouring inputs a byte, the even one low) S inputs apart. 'gated' / 'gatedcols': a gated
     MLP's gate and up halves interleaved, by row of the weight / by column of its scales. 'q4zeros':
-    q4 scales times -8 (Q4_ZEROS)."""
+    q4 scales times -8 (Q4_ZEROS); 'q4zerosgated': the same of 'gatedcols' scales."""
+    if layout == Q4_ZEROS_GATED:
+        return apply_layout(Q4_ZEROS, apply_layout(GATED_COLUMNS, arr))
     if layout == Q4_ZEROS:
         return (arr * np.asarray(-8, arr.dtype)).astype(arr.dtype)
     if layout in (GATED, GATED_COLUMNS):

@@ -92,9 +92,10 @@ LINEAR_KERNELS = {k.name: k for k in (
     LinearKernel("gemm", lambda s: s.nb is not None and not s.decoding),
     LinearKernel("packed_linear", lambda s: s.nb is not None),
     # Hopper's wgmma for steps of many rows (mma's tiles for the others): in every step but small decode
-    # ones. It leaves a gated MLP's activation to a kernel of its own (CUTLASS's epilogue reads no pairs).
+    # ones. A gated MLP's gate/up is stored 'gated' so that the decode GEMV applies the activation; wgmma
+    # returns the interleaved columns (CUTLASS's epilogue reads no pairs) and a kernel of its own applies it.
     LinearKernel("wgmma", lambda s: s.nb is None and s.step != "decode" and bool(s.tiles) and wgmma_takes(
-        s.target.arch, s.dtype, s.weight_dtype, s.n_out, s.n_in, s.fmt.kind, s.fmt.group_size)),
+        s.target.arch, s.dtype, s.weight_dtype, s.n_out, s.n_in, s.fmt.kind, s.fmt.group_size), applies_gate=True),
     # CUDA's tensor cores, in every step but small decode ones
     LinearKernel("mma", lambda s: s.nb is None and bool(s.tiles) and s.step != "decode", applies_gate=True),
     # decode steps: kiln's streaming GEMV where it reads the format, else dlight's

@@ -120,8 +120,9 @@ def test_hopper_linears_link_cutlass_wgmma_gemms():
     """On sm_90 the fp16 linears (q4 in groups of 128 here) of steps with many rows call CUTLASS's
     Hopper GEMM (built by nvcc, linked into the library with CUDA's runtime, which its kernels
     register with), mma's tiles below HOPPER_FROM rows; decode steps keep the streaming GEMV, and the
-    gated MLP's activation runs apart. Each q4 linear's scales are stored a second time, times -8, as
-    CUTLASS's zeros: by compile from the checkpoint and by fill-weights from the drawn scales."""
+    gated MLP's activation runs apart in those steps (the GEMV applies it). Each q4 linear's scales are
+    stored a second time, times -8, as CUTLASS's zeros (in the gate/up's interleaved column order): by
+    compile from the checkpoint and by fill-weights from the drawn scales."""
     from safetensors.numpy import load_file
 
     from kiln.interface import StoredWeight
@@ -133,8 +134,10 @@ def test_hopper_linears_link_cutlass_wgmma_gemms():
     hopper = manifest["hopper_gemms"]
     assert hopper["variants"] == ["kiln_hopper_gemm_f16_q4_wg128x128x64c1"] and hopper["from_rows"] == HOPPER_FROM + 1
     weights = [StoredWeight(**{**w, "shape": tuple(w["shape"])}) for w in manifest["weights"]]
-    zeros = [i for i, w in enumerate(weights) if w.layout == "q4zeros"]
-    scales = [next(i for i, s in enumerate(weights) if s.param == weights[z].param and s.layout == "nk") for z in zeros]
+    zeros = [i for i, w in enumerate(weights) if w.layout.startswith("q4zeros")]
+    scales = [next(i for i, s in enumerate(weights) if s.param == weights[z].param and s.layout in ("nk", "gatedcols"))
+              for z in zeros]
+    assert sorted(weights[z].layout for z in zeros) == ["q4zeros"] * 7 + ["q4zerosgated"] * 2      # gate/up gated
     assert len(zeros) == 2 * 4 + 1            # per layer qkv, o, gate_up, down; the LM head
     stored = load_file(out / "weights.safetensors")
     drawer = _Drawer(None, tuple(weights), manifest["model"]["config"], seed=3)
@@ -147,5 +150,5 @@ def test_hopper_linears_link_cutlass_wgmma_gemms():
     assert all(v.encode() in library for v in hopper["variants"])
     needed = subprocess.run(["readelf", "-d", str(out / "model.cuda.so")], capture_output=True, text=True).stdout
     assert "libcudart.so" in needed
-    assert not any(k.endswith("_gelu_tanh") for k in manifest["kernels"])      # no GEMM applies the gate
+    assert {k for k in manifest["kernels"] if k.endswith("_gelu_tanh")} == {"gemv_q4g128_1024x256_gelu_tanh"}
     assert any(k.startswith("wgmma_") for k in manifest["launches_per_step"]["by_kernel"])

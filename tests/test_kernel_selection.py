@@ -134,14 +134,14 @@ def test_cuda_records_each_steps_linear_kernel_and_the_gate_its_gemm_applies():
     assert gated_activation(gate_up, graph) == "silu" and gated_activation(down, graph) is None
 
 
-def test_hopper_records_wgmma_and_leaves_the_gate_to_its_own_kernel():
-    """CUTLASS's epilogue does not pair gate and up columns: on sm_90 the gate/up weight stays 'nk' and
-    no step's kernel applies the swiglu (the GEMV of decode steps included)."""
+def test_hopper_records_wgmma_and_the_gate_the_decode_gemv_applies():
+    """On sm_90 the gate/up weight is stored gated, so the decode GEMV applies the swiglu; wgmma returns
+    the interleaved columns (CUTLASS's epilogue does not pair them) for a kernel of its own."""
     graph = select(mlp_graph(), cuda())
     gate_up, _, down = graph.nodes
     assert gate_up.attrs["kernels"] == down.attrs["kernels"] == {"mixed": "wgmma", "decode": "gemv",
                                                                   "decode_wide": "wgmma"}
-    assert gated_activation(gate_up, graph) is None
+    assert gated_activation(gate_up, graph) == "silu" and gated_activation(down, graph) is None
 
 
 def test_cpu_records_the_gemm_and_no_gate():

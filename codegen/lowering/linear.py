@@ -116,6 +116,7 @@ def _mma(s: LinearCall) -> relax.Expr:
 
 
 def _wgmma(s: LinearCall) -> relax.Expr:
+    # a gated gate/up (weights 'gated'): the interleaved columns, whose activation a kernel of its own applies
     func, variants = wgmma_linear_kernel(s.n_out, s.n_in, s.dtype, *s.epilogue,
                                          hopper_tiles(s.target.arch, s.dtype, s.n_out, s.n_in), s.fmt.kind,
                                          s.fmt.group_size)

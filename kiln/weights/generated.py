@@ -47,7 +47,9 @@ from kiln.interface import Manifest, StoredWeight
 from kiln.ir.quant import SCHEMES
 from kiln.ir.types import numpy_dtype
 from kiln.safetensors_io import TensorSpec, read_header, write_safetensors
-from kiln.selection.layouts import Q4_ZEROS, apply_layout
+from kiln.selection.layouts import Q4_ZEROS, Q4_ZEROS_GATED, apply_layout
+
+ZEROS_LAYOUTS = (Q4_ZEROS, Q4_ZEROS_GATED)      # computed from the param's drawn scales
 
 GENERATOR = "kiln fill-weights"         # in the weights file's metadata: the mark of a file written here
 CHUNK_BYTES = 8 << 20                   # fixed: the bytes depend on it (and not on the thread count)
@@ -195,7 +197,7 @@ class _Drawer:
             return
         w, spec = self.weights[index], self.specs[index]
         value = computed_weight(w, self.config)
-        if w.layout == Q4_ZEROS:
+        if w.layout in ZEROS_LAYOUTS:         # the scales as stored (gated or not), times -8
             value = apply_layout(Q4_ZEROS, self.draw(self._drawn_as(w)))
         if value is not None:
             self.started[index] = value, []
@@ -209,7 +211,7 @@ class _Drawer:
 
     def _drawn_as(self, derived: StoredWeight) -> int:
         """The entry a derived weight is computed from: its param's, in a layout that is drawn."""
-        return next(i for i, w in enumerate(self.weights) if w.param == derived.param and w.layout != derived.layout)
+        return next(i for i, w in enumerate(self.weights) if w.param == derived.param and w.layout not in ZEROS_LAYOUTS)
 
     def draw(self, index: int) -> np.ndarray:
         """Tensor `index` drawn again, into an array of its own (the same chunks, the same values)."""
