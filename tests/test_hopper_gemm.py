@@ -114,3 +114,14 @@ def test_the_hopper_gemm_object_runs_wgmma_on_tma_loads(weight):
         "no fp16 warp-group MMA over the tile's rows"
     assert "UTMALDG" in sass and "UTMASTG" in sass, "no TMA loads and stores"
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory: registers spilled"
+
+
+@pytest.mark.parametrize("release,message", [(None, r"nvidia-cutlass's headers are not installed: pip install "
+                                                    r"--no-deps nvidia-cutlass==4\.2\.0\.0"),
+                                             ("4.1.0", r"against nvidia-cutlass 4\.2\.0\.0; 4\.1\.0 is installed")])
+def test_compile_refuses_cutlass_headers_it_was_not_written_against(monkeypatch, release, message):
+    from kiln.codegen.kernels.gpu import hopper_gemm
+    from kiln.errors import KilnError
+    monkeypatch.setattr(hopper_gemm, "installed_release", lambda name: release)
+    with pytest.raises(KilnError, match=message):
+        hopper_gemm.cutlass_include()

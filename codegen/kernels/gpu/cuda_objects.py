@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+from importlib import metadata
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -14,6 +15,14 @@ from kiln.errors import KilnError
 def cache_dir() -> Path:
     """kiln's build cache: KILN_CACHE_DIR, else ~/.cache/kiln."""
     return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+
+
+def installed_release(package: str) -> str | None:
+    """The installed release of a compile-time package (flashinfer-python, nvidia-cutlass), or None."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def cudart_link_options() -> list[str]:

@@ -22,12 +22,11 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from kiln.errors import KilnError
 
-from .cuda_objects import cache_dir
+from .cuda_objects import cache_dir, installed_release
 
 FLASHINFER_RELEASE = "0.6.6"      # its plan/run signatures are the ones flashinfer_binding.cc declares
 FALLBACK = "--attention builtin (kiln's and TVM's kernels)"
@@ -65,11 +64,10 @@ class FlashInferVariant:
 
 def check_release() -> None:
     """flashinfer-python must be the release whose functions the binding declares."""
-    try:
-        found = metadata.version("flashinfer-python")
-    except metadata.PackageNotFoundError:
+    found = installed_release("flashinfer-python")
+    if found is None:
         raise KilnError(f"--attention flashinfer needs flashinfer-python=={FLASHINFER_RELEASE} at compile time, and it "
-                        f"is not installed (`make flashinfer-deps` installs it); or compile with {FALLBACK}") from None
+                        f"is not installed (`make flashinfer-deps` installs it); or compile with {FALLBACK}")
     if found != FLASHINFER_RELEASE:
         raise KilnError(f"--attention flashinfer needs flashinfer-python=={FLASHINFER_RELEASE}; {found} is installed "
                         f"(its plan/run signatures differ): install {FLASHINFER_RELEASE}, or compile with {FALLBACK}")

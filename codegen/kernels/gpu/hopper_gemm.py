@@ -18,13 +18,12 @@ import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.selection.tiles import HopperTile
 
-from .cuda_objects import cache_dir
+from .cuda_objects import cache_dir, installed_release
 
 CUTLASS_RELEASE = "4.2.0.0"      # nvidia-cutlass, whose headers hopper_gemm.cu is written against
 SOURCE = Path(__file__).with_name("hopper_gemm.cu")
@@ -58,11 +57,10 @@ class HopperGemm:
 def cutlass_include() -> Path:
     """nvidia-cutlass's header folder, where its release is CUTLASS_RELEASE."""
     install = f"pip install --no-deps nvidia-cutlass=={CUTLASS_RELEASE} (make setup does)"
-    try:
-        found = metadata.version("nvidia-cutlass")
-    except metadata.PackageNotFoundError:
+    found = installed_release("nvidia-cutlass")
+    if found is None:
         raise KilnError(f"sm_90 linears build CUTLASS's Hopper GEMMs, and nvidia-cutlass's headers are not "
-                        f"installed: {install}") from None
+                        f"installed: {install}")
     if found != CUTLASS_RELEASE:
         raise KilnError(f"sm_90 linears build against nvidia-cutlass {CUTLASS_RELEASE}; {found} is installed: "
                         f"{install}")
