@@ -105,8 +105,8 @@ void CheckOperand(const TensorView& t, const char* what) {
 
 // The product's arguments but the epilogue's: weight (with its scales and zeros for q4) and activations.
 #if KILN_Q4
-typename Mainloop::Arguments MainloopArgs(const TensorView& x, const TensorView& w,
-                                                         const TensorView& scale, const TensorView& zeros) {
+typename Mainloop::Arguments MainloopArgs(const TensorView& x, const TensorView& w, const TensorView& scale,
+                                          const TensorView& zeros) {
   const int k = static_cast<int>(x.shape()[1]), out = static_cast<int>(w.shape()[0]);
   const int groups = static_cast<int>(scale.shape()[0]);
   CheckOperand(scale, "the scales");
@@ -157,7 +157,9 @@ void Run(const TensorView& x, const TensorView& w, typename Mainloop::Arguments 
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = has_residual ? 1.0f : 0.0f;
   args.epilogue.thread.bias_ptr = has_bias ? static_cast<const Element*>(bias.data_ptr()) : nullptr;
-  args.hw_info.device_id = x.device().device_id;
+  // the device TVM's runtime made current (the tensors TIR passes need not name it)
+  TVM_FFI_CHECK(cudaGetDevice(&args.hw_info.device_id) == cudaSuccess, RuntimeError)
+      << KILN_STR(KILN_GEMM_NAME) << ": no current CUDA device";
   args.hw_info.sm_count = MultiprocessorCount(args.hw_info.device_id);
 
   Gemm gemm;
