@@ -65,14 +65,15 @@ class Quantize(GraphPass):
 
     @staticmethod
     def _linears_feeding(graph: Graph, values: list[str]) -> set[str]:
-        """The linears whose results become `values` (through casts only)."""
+        """The linears whose results become `values` (through casts and soft-capping only: Gemma 2's
+        head caps its logits)."""
         producers = {n.output: n for n in graph.nodes}
         heads, todo = set(), list(values)
         while todo:
             node = producers.get(todo.pop())
             if node is None:
                 continue
-            if node.op == "cast":
+            if node.op in ("cast", "softcap"):
                 todo.append(input_of(node, "x"))
             elif node.op == "linear":
                 heads.add(node.output)

@@ -152,7 +152,9 @@ def cli_artifact(model_dir: Path, *flags: str) -> Path:
 CUDA_BUILDS = {
     "llama-sm_80": ("llama", ["--arch", "sm_80"]),
     "llama-fp8-sm_90": ("llama", ["--arch", "sm_90", "--quant", "fp8"]),
-    "gemma2-fp8kv-sm_90": ("gemma2", ["--arch", "sm_90", "--kv-dtype", "fp8", "--quant", "q4", "--group-size", "128"]),
+    # sm_90's Hopper GEMMs: q4 in groups of 128 for the layers, the (tied) LM head in float16: both variants
+    "gemma2-fp8kv-sm_90": ("gemma2", ["--arch", "sm_90", "--kv-dtype", "fp8", "--quant", "q4", "--group-size", "128",
+                                      "--no-quant-lm-head", "--no-quant-embedding"]),
     **{f"{family}-sm_80": (family, ["--arch", "sm_80"])
        for family in ("qwen3", "olmo2", "gemma3", "qwen2_moe", "deepseek_v3")},
 }

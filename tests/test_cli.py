@@ -230,7 +230,7 @@ def test_a_signal_in_the_build_phase_stops_the_compile_cleanly(make_model, tmp_p
     for line in proc.stderr:                  # a phase's line comes when it ends: build is next after codegen
         seen.append(line)
         if line.strip().startswith("codegen"):
-            time.sleep(0.5)
+            time.sleep(0.1)             # the build takes seconds; a loaded machine may delay this reader
             proc.send_signal(getattr(signal, sig))
             break
     rest = proc.stderr.read()

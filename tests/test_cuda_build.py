@@ -5,8 +5,10 @@ The artifacts come from tests/artifact_cache.py, which builds all of them in one
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,17 +130,18 @@ def test_hopper_linears_link_cutlass_wgmma_gemms():
     from kiln.interface import StoredWeight
     from kiln.selection.tiles import HOPPER_FROM
     from kiln.weights.generated import _Drawer
-    out = cuda_artifact("gemma2-fp8kv-sm_90")   # ... --quant q4 --group-size 128
+    out = cuda_artifact("gemma2-fp8kv-sm_90")   # ... --quant q4 --group-size 128, LM head float16
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["linear_kernels"] == {"mixed": ["wgmma"], "decode": ["gemv"], "decode_wide": ["wgmma"]}
     hopper = manifest["hopper_gemms"]
-    assert hopper["variants"] == ["kiln_hopper_gemm_f16_q4_wg128x128x64c1"] and hopper["from_rows"] == HOPPER_FROM + 1
+    assert hopper["variants"] == ["kiln_hopper_gemm_f16_q4_wg128x128x64c1", "kiln_hopper_gemm_f16_wg128x128x64c1"]
+    assert hopper["from_rows"] == HOPPER_FROM + 1
     weights = [StoredWeight(**{**w, "shape": tuple(w["shape"])}) for w in manifest["weights"]]
     zeros = [i for i, w in enumerate(weights) if w.layout.startswith("q4zeros")]
     scales = [next(i for i, s in enumerate(weights) if s.param == weights[z].param and s.layout in ("nk", "gatedcols"))
               for z in zeros]
-    assert sorted(weights[z].layout for z in zeros) == ["q4zeros"] * 7 + ["q4zerosgated"] * 2      # gate/up gated
-    assert len(zeros) == 2 * 4 + 1            # per layer qkv, o, gate_up, down; the LM head
+    # per layer qkv, o, gate_up (its scales' columns gated), down; the LM head is float16
+    assert sorted(weights[z].layout for z in zeros) == ["q4zeros"] * 6 + ["q4zerosgated"] * 2
     stored = load_file(out / "weights.safetensors")
     drawer = _Drawer(None, tuple(weights), manifest["model"]["config"], seed=3)
     for z, s in zip(zeros, scales):
@@ -152,3 +155,37 @@ def test_hopper_linears_link_cutlass_wgmma_gemms():
     assert "libcudart.so" in needed
     assert {k for k in manifest["kernels"] if k.endswith("_gelu_tanh")} == {"gemv_q4g128_1024x256_gelu_tanh"}
     assert any(k.startswith("wgmma_") for k in manifest["launches_per_step"]["by_kernel"])
+
+
+def cuobjdump() -> str | None:
+    try:
+        import nvidia
+        found = [Path(p) / "cu13" / "bin" / "cuobjdump" for p in nvidia.__path__]
+    except ImportError:
+        found = []
+    return next((str(p) for p in found if p.exists()), shutil.which("cuobjdump"))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("weight", ["float", "q4"])
+def test_the_hopper_gemm_objects_run_wgmma_on_tma_loads(weight):
+    """The variants the sm_90 artifact links (its compile built them; taken here from the cache), as
+    nvcc built them for sm_90a: warp-group MMAs on fp16 over the tile's rows (q4 levels widened in
+    registers: the MMA's A operand from registers), TMA loads and stores, no local-memory spills,
+    and the global function the linears call registered by name."""
+    from kiln.codegen.kernels.gpu.hopper_gemm import HopperGemm, build_objects
+    from kiln.selection.tiles import HOPPER_DEFAULTS, parse_hopper_tile
+    cuda_artifact("gemma2-fp8kv-sm_90")
+    variant = HopperGemm("float16", parse_hopper_tile(HOPPER_DEFAULTS[-1][1]), weight)
+    obj, = build_objects([variant])
+    assert variant.name.encode() in obj.read_bytes()
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump)")
+    sass = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
+    assert "arch = sm_90a" in sass
+    operands = r"R\d+, gdesc" if weight == "q4" else r"gdesc"        # A from registers, or both from shared memory
+    assert re.search(rf"HGMMA\.64x{variant.tile.n}x16\.F32 R\d+, {operands}\[UR\d+\]", sass), \
+        "no fp16 warp-group MMA over the tile's rows"
+    assert "UTMALDG" in sass and "UTMASTG" in sass, "no TMA loads and stores"
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory: registers spilled"

@@ -8,7 +8,7 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.interface import KVSpec
-from kiln.ir import GraphBuilder, interpret, parse_graph, print_graph, verify, weight_loader
+from kiln.ir import GraphBuilder, interpret, parse_graph, print_graph, verify, weight_format, weight_loader
 from kiln.options import CompileOptions
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
@@ -314,6 +314,17 @@ def test_quantize_near_miss_keeps_lm_head_and_embedding():
     ops = {n.output: (n.op, n.attrs.get("format")) for n in after.nodes}
     assert ops == {"h": ("embed", "none"), "x": ("linear", "q8"), "y": ("linear", "none"), "logits": ("cast", None)}
     assert after.params["embed.weight"].type.dtype == "float32"
+
+
+def test_no_quant_lm_head_keeps_a_soft_capped_head_in_float():
+    """Gemma 2 caps its logits after the head (softcap, then the cast): the head is still the head."""
+    b = GraphBuilder("lm")
+    x = b.input("x", ("tokens", 8), "float32")
+    y = b.op("linear", x, b.param("head.weight", (16, 8), "float32"), name="y")
+    capped = b.op("softcap", y, cap=30.0, name="capped")
+    after = Quantize("q4", lm_head=False, group_size=4)(verify(b.output(b.op("cast", capped, dtype="float32",
+                                                                            name="logits"))))
+    assert weight_format(next(n for n in after.nodes if n.output == "y")) == "none"
 
 
 # ---------------------------------------------------------------------------- select_kernels (attention)

@@ -1,13 +1,13 @@
 """Hopper GEMMs (sm_90a): CUTLASS's warp-specialised TMA + wgmma GEMM for bf16/fp16 linears, compiled
 at `kiln compile` and linked into a CUDA artifact's library.
 
-One object per variant (activation dtype, tile: selection/tiles.py HopperTile), built by nvcc from
-hopper_gemm.cu with the variant as macros against nvidia-cutlass's headers (a compile-time
-dependency, release CUTLASS_RELEASE; the runtime needs neither it nor nvcc). Each object registers one
-global function, the variant's name, which a linear's TIR calls (codegen/kernels/gpu/mma_gemm.py
-wgmma_linear_kernel). Objects are cached under kiln's cache (KILN_CACHE_DIR, else ~/.cache/kiln)
-keyed by their source, macros, nvcc and CUTLASS: a second compile builds nothing, and the variants a
-compile lacks build in parallel, one per core.
+One object per variant (activation dtype, weight format: float or q4; tile: selection/tiles.py
+HopperTile), built by nvcc from hopper_gemm.cu with the variant as macros against nvidia-cutlass's
+headers (a compile-time dependency, release CUTLASS_RELEASE; the runtime needs neither it nor nvcc).
+Each object registers one global function, the variant's name, which a linear's TIR calls
+(codegen/kernels/gpu/mma_gemm.py wgmma_linear_kernel). Objects are cached under kiln's cache
+(KILN_CACHE_DIR, else ~/.cache/kiln) keyed by their source, flags, macros, nvcc and CUTLASS: a second
+compile builds nothing, and the variants a compile lacks build in parallel, one per core.
 """
 from __future__ import annotations
 
@@ -81,20 +81,23 @@ def _nvcc_version() -> str:
     return subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout
 
 
+# -DNDEBUG: with CUTLASS's asserts in, ptxas serialises the wgmma pipeline (warning C7510). Host code
+# at -O1: CUTLASS's host side is force-inlined templates, and -O3 only made gcc take 13 s, not 9.
+FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC,-O1",
+         f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}")
+
+
 def _command(variant: HopperGemm, out: Path) -> list[str]:
     import tvm_ffi.libinfo
     includes = [f"-I{cutlass_include()}", *(f"-I{p}" for p in tvm_ffi.libinfo.include_paths())]
-    # -DNDEBUG: with CUTLASS's asserts in, ptxas serialises the wgmma pipeline (warning C7510)
-    return [nvcc(), "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC",
-            f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}", *includes, *variant.defines(),
-            "-c", str(SOURCE), "-o", str(out)]
+    return [nvcc(), *FLAGS, *includes, *variant.defines(), "-c", str(SOURCE), "-o", str(out)]
 
 
 def object_path(variant: HopperGemm) -> Path:
     """Where the variant's object is cached: named by a digest of everything that makes it."""
     import tvm_ffi
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *variant.defines(), _nvcc_version(), CUTLASS_RELEASE,
-                                    tvm_ffi.__version__, ARCH]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), *FLAGS, *variant.defines(), _nvcc_version(), CUTLASS_RELEASE,
+                                    tvm_ffi.__version__]).encode()).hexdigest()[:16]
     return cache_dir() / "hopper_gemm" / f"{variant.name}-{key}.o"
 
 
