@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -143,12 +144,13 @@ def test_hopper_linears_link_cutlass_wgmma_gemms():
     # per layer qkv, o, gate_up (its scales' columns gated), down; the LM head is float16
     assert sorted(weights[z].layout for z in zeros) == ["q4zeros"] * 6 + ["q4zerosgated"] * 2
     stored = load_file(out / "weights.safetensors")
-    drawer = _Drawer(None, tuple(weights), manifest["model"]["config"], seed=3)
-    for z, s in zip(zeros, scales):
-        assert weights[z].dtype == weights[s].dtype == "float16"
-        assert np.array_equal(stored[weights[z].name], stored[weights[s].name] * np.float16(-8))
-        drawer.start(z)
-        assert np.array_equal(drawer.started.pop(z)[0], drawer.draw(s) * np.float16(-8))
+    with ThreadPoolExecutor(2) as pool:        # fill-weights' drawer: the scales drawn as every tensor is
+        drawer = _Drawer(pool, tuple(weights), manifest["model"]["config"], seed=3)
+        for z, s in zip(zeros, scales):
+            assert weights[z].dtype == weights[s].dtype == "float16"
+            assert np.array_equal(stored[weights[z].name], stored[weights[s].name] * np.float16(-8))
+            drawn = drawer.take(s).copy()
+            assert np.array_equal(drawer.take(z), drawn * np.float16(-8))
     library = (out / "model.cuda.so").read_bytes()
     assert all(v.encode() in library for v in hopper["variants"])
     needed = subprocess.run(["readelf", "-d", str(out / "model.cuda.so")], capture_output=True, text=True).stdout

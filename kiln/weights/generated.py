@@ -178,6 +178,12 @@ def _fill_chunk(fill: Filler, seed: int, tensor: int, chunk: int, out: np.ndarra
     fill(np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed, spawn_key=(tensor, chunk)))), out)
 
 
+def _chunks(flat: np.ndarray):
+    """(chunk index, view) of a flat tensor in CHUNK_BYTES pieces: each is drawn by its own generator."""
+    step = max(1, CHUNK_BYTES // flat.itemsize)
+    return enumerate(flat[begin:begin + step] for begin in range(0, flat.size, step))
+
+
 class _Drawer:
     """Draws manifest weights on a thread pool, chunk by chunk, each tensor started one ahead of use.
 
@@ -204,10 +210,8 @@ class _Drawer:
             return
         fill = filler_for(w)
         flat = self.buffers[index % 2][:spec.nbytes].view(numpy_dtype(spec.dtype))
-        step = max(1, CHUNK_BYTES // flat.itemsize)
         self.started[index] = flat.reshape(spec.shape), [
-            self.pool.submit(_fill_chunk, fill, self.seed, index, i, flat[begin:begin + step])
-            for i, begin in enumerate(range(0, flat.size, step))]
+            self.pool.submit(_fill_chunk, fill, self.seed, index, i, chunk) for i, chunk in _chunks(flat)]
 
     def _drawn_as(self, derived: StoredWeight) -> int:
         """The entry a derived weight is computed from: its param's, in a layout that is drawn."""
@@ -217,9 +221,8 @@ class _Drawer:
         """Tensor `index` drawn again, into an array of its own (the same chunks, the same values)."""
         spec = self.specs[index]
         flat = np.empty(spec.nbytes, np.uint8).view(numpy_dtype(spec.dtype))
-        step = max(1, CHUNK_BYTES // flat.itemsize)
-        for i, begin in enumerate(range(0, flat.size, step)):
-            _fill_chunk(filler_for(self.weights[index]), self.seed, index, i, flat[begin:begin + step])
+        for i, chunk in _chunks(flat):
+            _fill_chunk(filler_for(self.weights[index]), self.seed, index, i, chunk)
         return flat.reshape(spec.shape)
 
     def take(self, index: int) -> np.ndarray:
