@@ -1,6 +1,7 @@
 """Read a local Hugging Face model directory: config.json, safetensors weights, tokenizer files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -72,6 +73,16 @@ class HFModel:
             names.append("tokenizer.json")
         return sorted(names)
 
+    def default_options(self, options):
+        """`options` as given: the checkpoint's float weights unless --quant names a format."""
+        return dataclasses.replace(options, quant=None) if options.quant == "none" else options
+
+    def quantizers(self, base: dict) -> dict:
+        return base
+
+    def source_record(self) -> None:
+        return None
+
 
 def _convert_sentencepiece(model_dir: Path, out: Path) -> None:
     try:
@@ -87,7 +98,7 @@ def load_hf_model(model_dir: str | Path) -> HFModel:
     model_dir = Path(model_dir)
     if model_dir.exists() and not model_dir.is_dir():
         raise KilnError(f"{model_dir} is a file; kiln compiles a Hugging Face model directory (config.json, "
-                        "tokenizer.json, *.safetensors)")
+                        "tokenizer.json, *.safetensors) or a GGUF file (*.gguf)")
     if not model_dir.is_dir():
         raise KilnError(f"model directory {model_dir} does not exist")
     cfg_path = model_dir / "config.json"

@@ -105,7 +105,7 @@ def main(debug):
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
 @click.option("--quant", type=click.Choice(["f32", "f16", "bf16", *WEIGHT_QUANTS]), default=None,
-              help="f32/f16/bf16: that dtype, unquantised; q8: int8 weights with per-channel scales; "
+              help="f32/f16/bf16: that dtype, unquantised; default: the model's own (a GGUF file's, else unquantised); q8: int8 weights with per-channel scales; "
                    "q4: int4 weights in groups with float16 scales; fp8: float8 e4m3 weights with "
                    "per-channel scales (cuda sm_89+, and cpu in software).")
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
@@ -143,7 +143,10 @@ def main(debug):
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
             force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, attention, weights):
-    """Compile MODEL_DIR (a Hugging Face model directory) into an artifact.
+    """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
+
+    A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16, Q4_0 as q4 in groups of
+    32); other types are requantised (q8) unless --quant names a format (f32/f16/bf16: unquantised).
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile
     leaves nothing behind, and nothing but a kiln artifact (with --force) is ever replaced.
@@ -157,7 +160,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
     if quant in as_dtype:
         if dtype and dtype != as_dtype[quant]:
             raise KilnError(f"--quant {quant} means --dtype {as_dtype[quant]}, not {dtype}")
-        dtype, quant = as_dtype[quant], None
+        dtype, quant = as_dtype[quant], "none"
     options = CompileOptions(target=target, arch=arch, dtype=dtype, quant=quant, group_size=int(group_size),
                              quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,

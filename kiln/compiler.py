@@ -1,4 +1,4 @@
-"""`kiln compile`: HF directory -> IR -> passes -> TVM module -> built library + weights -> artifact."""
+"""`kiln compile`: HF directory or GGUF file -> IR -> passes -> TVM module -> built library + weights -> artifact."""
 from __future__ import annotations
 
 import sys
@@ -126,8 +126,9 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
     """Compile `model_dir` into the empty directory `out_dir`. Without `options.weights`, no weights file
     is written (the manifest says they are absent; `kiln fill-weights` draws them)."""
     phases = Phases(show)
-    from kiln.frontend import load_hf_model
-    model = phases.run("import", load_hf_model, model_dir)      # no TVM yet: a bad model is refused at once
+    from kiln.frontend import load_model
+    model = phases.run("import", load_model, model_dir)      # no TVM yet: a bad model is refused at once
+    options = model.default_options(options)                # a GGUF file's quantisation where none is named
 
     if options.attention == "flashinfer":
         from kiln.codegen.kernels.gpu.flashinfer import check_release
@@ -216,4 +217,5 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
                       "nodes_after": r.nodes_after, "ops": r.ops, "rewritten": r.rewritten} for r in pass_records),
         compile_seconds=phases.seconds,
         tokenizer_files=tuple(tokenizer_files),
+        source=model.source_record(),
     ))

@@ -258,6 +258,7 @@ class Manifest:
     passes: tuple[dict, ...] = ()
     compile_seconds: dict = field(default_factory=dict)
     tokenizer_files: tuple[str, ...] = ()
+    source: dict | None = None         # the model file's format and what each tensor became (GGUF files)
     kiln_version: str = ""
     interface_version: int = INTERFACE_VERSION
     files: dict[str, dict] = field(default_factory=dict)        # file -> blake3 (or sha256), bytes, …

@@ -20,7 +20,8 @@ class CompileOptions:
     target: object = "cpu"                   # a target's name, or a Target (tests and benchmarks give one)
     arch: str | None = None                  # the target's --arch (None: its default)
     dtype: str | None = None                 # weights and activations (None: the target's default)
-    quant: str | None = None                 # weight quantisation: q8, q4, fp8 (None: the dtype's weights)
+    quant: str | None = None                 # weight quantisation: q8, q4, fp8; None: as the model stores
+    #                                          its weights (a GGUF file's format), "none": the dtype's
     group_size: int = 32                     # q4's input channels per scale
     quant_lm_head: bool = True
     quant_embedding: bool = True             # with quant: the embedding table in the same scheme
@@ -33,7 +34,7 @@ class CompileOptions:
     weights: bool = True                     # False: no weights file (attach-weights or fill-weights write it)
 
     def __post_init__(self):
-        for name, value, known in (("dtype", self.dtype, DTYPES), ("quant", self.quant, WEIGHT_QUANTS),
+        for name, value, known in (("dtype", self.dtype, DTYPES), ("quant", self.quant, (*WEIGHT_QUANTS, "none")),
                                    ("kv-dtype", self.kv_dtype, KV_DTYPES)):
             if value is not None and value not in known:
                 raise KilnError(f"--{name} {value} is not one of {', '.join(known)}")

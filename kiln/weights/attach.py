@@ -59,11 +59,11 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
     same config) and record them in its manifest; return the new manifest. The file is written
     beside its place and renamed there, then the manifest likewise (as `kiln fill-weights` does)."""
     from kiln.weights.convert import write_weights
-    from kiln.frontend import load_hf_model
+    from kiln.frontend import load_model
     artifact_dir = Path(artifact_dir)
     manifest = read_manifest(artifact_dir, verify=False)
     check_replaceable(artifact_dir, manifest, force, "attach-weights")
-    model = load_hf_model(model_dir)
+    model = load_model(model_dir)
     differ = _config_differences(model.config.to_json(), manifest.model.config)
     if differ:
         raise KilnError(f"{model_dir} is not the model {artifact_dir} was compiled from: its config differs in "

@@ -26,7 +26,7 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
     def declared(name: str) -> str:       # a param may keep another dtype (DeepSeek's float32 router)
         return graph.params[name].type.dtype if name in graph.params else dtype
 
-    load = weight_loader(graph, lambda name: model.weight(name, declared(name)), quantizers=fast_quantizers(),
+    load = weight_loader(graph, lambda name: model.weight(name, declared(name)), quantizers=model.quantizers(fast_quantizers()),
                          load_source=lambda name: model.weight_source(name, declared(name)))
     model.checkpoint.read_ahead(plain_reads(graph, [w.param for w in stored]))
     uses_left = Counter(w.param for w in stored)

@@ -1,0 +1,159 @@
+"""A GGUF model as kiln's importer sees any model: a DecoderConfig, a graph and weights by HF name,
+and the tokenizer files (frontend/hf.py's interface), read from the file alone.
+
+Weights keep the file's numbers where kiln has the format (F32/F16/BF16 as stored, Q4_0 as q4 in
+groups of 32); every other type is dequantised by llama.cpp's own dequantiser and, where the compile
+quantises, requantised. `default_options` picks the kiln format nearest the file's when `--quant` is
+not given, and `source_record` tells the manifest (and `kiln inspect`) what each tensor got."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.ir import Graph
+from kiln.ir.types import numpy_dtype
+
+from .decoder import DecoderConfig, build_graph
+from .families import parse_config
+from .gguf_config import hf_config
+from .gguf_file import GGUFFile, open_gguf
+from .gguf_tensors import FLOAT_TYPES, GGUFBlocks, GGUFCheckpoint
+from .gguf_tokenizer import write_gguf_tokenizer
+
+# The kiln format a compile without --quant gives each file type (general.file_type's dominant linear
+# type): the same numbers where kiln stores them, else the nearest format that keeps llama.cpp's quality.
+FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8", 0)}
+REQUANTIZED_FORMAT = ("q8", 0)
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
+
+
+@dataclass
+class GGUFModel:
+    path: Path
+    file: GGUFFile
+    config: DecoderConfig
+    checkpoint: GGUFCheckpoint
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path
+
+    def build_graph(self, dtype: str, page_size: int) -> Graph:
+        graph = build_graph(self.config, dtype, page_size)
+        computed = self.config.computed_weights()
+        for name, param in graph.params.items():
+            if param.recipe is None and name not in computed:
+                self._check_shape(name, tuple(param.type.shape))
+        return graph
+
+    def _check_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        file_name = self.checkpoint.file_name(name)[0]
+        if name not in self.checkpoint:
+            raise KilnError(f"{self.path}: no tensor {file_name!r}, which the metadata's "
+                            f"{self.config.architecture} needs (kiln's {name})")
+        stored = self.checkpoint.shape(name)
+        if stored != expected:
+            raise KilnError(f"{self.path}: tensor {file_name!r} is {list(stored)}, the metadata implies "
+                            f"{list(expected)}")
+
+    def weight(self, name: str, dtype: str) -> np.ndarray:
+        computed = self.config.computed_weights()
+        if name in computed:
+            return computed[name]()
+        arr = self.checkpoint.get(name)
+        if isinstance(arr, GGUFBlocks):
+            arr = arr.dequantize(f"to {dtype}")
+        return arr.astype(numpy_dtype(dtype), copy=False)
+
+    def weight_source(self, name: str, dtype: str):
+        """`weight(name, dtype)` for a quantiser: a quantised tensor's blocks as they are (the quantiser
+        repacks them exactly where it can), a float one as stored where widening it to `dtype` is exact."""
+        if name in self.config.computed_weights():
+            return self.weight(name, dtype)
+        arr = self.checkpoint.get(name)
+        if isinstance(arr, GGUFBlocks):
+            return arr
+        exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
+        return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
+
+    def quantizers(self, base: dict) -> dict:
+        """kiln's quantisers (`base`: scheme -> function), each given a file's blocks first: it keeps
+        them exactly where its format is theirs, and dequantises and requantises them otherwise."""
+        from kiln.ir.quant import SCHEMES
+
+        def wrapped(scheme: str):
+            run = base.get(scheme, SCHEMES[scheme].quantize)
+
+            def quantize(w, **options):
+                if isinstance(w, GGUFBlocks):
+                    exact = w.exact_parts(scheme, **options)
+                    if exact is not None:
+                        return exact
+                    group = f" in groups of {options['group_size']}" if options.get("group_size") else ""
+                    w = w.dequantize(f"requantised to {scheme}{group}")
+                return run(w, **options)
+            return quantize
+        return {scheme: wrapped(scheme) for scheme in SCHEMES}
+
+    def linear_types(self) -> Counter:
+        """The file's types of the blocks' matrices (what general.file_type names), by count."""
+        return Counter(t.type_name for name, t in self.file.tensors.items()
+                       if name.startswith("blk.") and len(t.shape) >= 2)
+
+    def default_options(self, options):
+        """`options` with the kiln format nearest the file's where the compile did not name one (--quant)."""
+        if options.quant == "none":
+            return replace(options, quant=None)
+        if options.quant is not None:
+            return options
+        dominant = self.linear_types().most_common(1)[0][0]
+        fmt = FILE_TYPE_FORMATS.get(dominant, REQUANTIZED_FORMAT)
+        if fmt is None:
+            return options
+        quant, group = fmt
+        return replace(options, quant=quant, group_size=group or options.group_size)
+
+    def source_record(self) -> dict:
+        """The manifest's `source`: the file, its tensor types and what each tensor became."""
+        kinds = Counter(self.checkpoint.record.values())
+        return {"format": "gguf", "file": self.path.name, "architecture": self.file.architecture,
+                "name": self.file.metadata.get("general.name"), "tensor_types": self.checkpoint.tensor_types(),
+                "treatments": dict(kinds.most_common())}
+
+    def write_tokenizer(self, out_dir: Path) -> list[str]:
+        return write_gguf_tokenizer(self.file.path, self.file.metadata, out_dir)
+
+
+def _rope_factors(gguf: GGUFFile) -> np.ndarray | None:
+    name = next((n for n in ROPE_FACTOR_TENSORS if n in gguf.tensors), None)
+    return None if name is None else np.asarray(gguf.tensors[name].data, np.float32).reshape(-1)
+
+
+def _check_types(gguf: GGUFFile) -> None:
+    """Every tensor type of the file is one llama.cpp's dequantiser reads (tried on one row of each)."""
+    from gguf.quants import dequantize
+    firsts = {}
+    for t in gguf.tensors.values():
+        firsts.setdefault(t.type_name, t)
+    for name, t in firsts.items():
+        if name in FLOAT_TYPES:
+            continue
+        try:
+            dequantize(np.asarray(t.data.reshape(-1, t.data.shape[-1])[:1]), t.qtype)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise KilnError(f"{gguf.path}: tensor {t.name!r} is {name}, a type kiln cannot read "
+                            f"({type(e).__name__}: {e})") from None
+
+
+def load_gguf_model(path: str | Path) -> GGUFModel:
+    gguf = open_gguf(path)
+    _check_types(gguf)
+    cfg = hf_config(gguf, _rope_factors(gguf))
+    config = parse_config(cfg)
+    permute = (config.num_heads, config.num_kv_heads) if gguf.architecture == "llama" else None
+    offset = 1.0 if gguf.architecture in ("gemma2", "gemma3") else 0.0
+    return GGUFModel(Path(path), gguf, config, GGUFCheckpoint(gguf, permute, offset))

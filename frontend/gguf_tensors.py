@@ -1,0 +1,133 @@
+"""A GGUF file's tensors under the Hugging Face names kiln's graph asks for, undoing what llama.cpp's
+converter did to them:
+  - names: gguf's own table (TensorNameMap) maps each HF name to the file's; experts stored one by one
+    in HF (experts.{j}.w1 ...) are slice j of the file's stacked tensor (ffn_gate_exps ...);
+  - llama's q and k rows were permuted into interleaved rope pairs: permuted back (rows only, so a
+    quantised tensor's blocks move whole and stay exact);
+  - Gemma's norm weights were stored plus one: one is taken off.
+A quantised tensor is handed out as `GGUFBlocks`: the file's blocks, which a quantiser may repack
+exactly into kiln's format (Q4_0 -> q4 in groups of 32) or dequantise with llama.cpp's own
+dequantiser (`gguf.quants`). Each tensor's treatment is recorded for the manifest and `kiln inspect`."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from kiln.errors import KilnError
+
+from .gguf_file import GGUFFile
+
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                    r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSORS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+Q4_0_BLOCK = 32
+
+
+@dataclass
+class GGUFBlocks:
+    """A quantised tensor's blocks as the file stores them: raw [..., rows, bytes per row]."""
+    name: str                      # the file's tensor name
+    qtype: object                  # gguf.GGMLQuantizationType
+    raw: np.ndarray
+    record: dict                   # the checkpoint's treatments, name -> what was done
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+    @property
+    def ndim(self) -> int:
+        return self.raw.ndim
+
+    def __iter__(self):            # a stacked expert tensor, one expert at a time
+        return (GGUFBlocks(f"{self.name}[{j}]", self.qtype, part, self.record) for j, part in enumerate(self.raw))
+
+    def dequantize(self, then: str = "") -> np.ndarray:
+        """float32 values as llama.cpp's dequantiser gives them; `then` says what becomes of them."""
+        from gguf.quants import dequantize
+        self.record[self.name] = f"{self.type_name} dequantised" + (f", {then}" if then else "")
+        return dequantize(np.asarray(self.raw), self.qtype)
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.dequantize("to float")
+        return values if dtype is None else values.astype(dtype)
+
+    def exact_parts(self, scheme: str, group_size: int = 0) -> dict[str, np.ndarray] | None:
+        """The file's numbers in kiln's `scheme`, unchanged, where that scheme stores them: Q4_0 is kiln's
+        q4 in groups of 32 (the same nibbles, level + 8, and the same float16 scales), repacked."""
+        if not (self.type_name == "Q4_0" and scheme == "q4" and group_size == Q4_0_BLOCK):
+            return None
+        rows = np.asarray(self.raw)
+        blocks = rows.reshape(rows.shape[0], -1, 18)
+        scale = blocks[..., :2].copy().view(np.float16)[..., 0]               # [rows, blocks]
+        qs = blocks[..., 2:]                                                   # element j low, j + 16 high
+        nibbles = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows.shape[0], -1)
+        self.record[self.name] = "Q4_0 kept exactly (q4 in groups of 32)"
+        return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), "scale": np.ascontiguousarray(scale.T)}
+
+
+class GGUFCheckpoint:
+    """The checkpoint interface kiln's weight writer reads (frontend/checkpoint.py), over a GGUF file."""
+
+    def __init__(self, gguf: GGUFFile, permute_heads: tuple[int, int] | None, norm_offset: float):
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+        self.gguf = gguf
+        self.permute_heads, self.norm_offset = permute_heads, norm_offset
+        arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == gguf.architecture), None)
+        layers = int(gguf.metadata.get(f"{gguf.architecture}.block_count", 0))
+        self.names = get_tensor_name_map(arch, layers)
+        self.record: dict[str, str] = {}
+
+    def file_name(self, name: str) -> tuple[str, int | None]:
+        """The file's tensor holding HF tensor `name`, and the expert it is a slice of (None: all of it)."""
+        m = EXPERT.match(name)
+        if m:
+            return f"blk.{m[1]}.ffn_{EXPERT_TENSORS[m[3]]}_exps.weight", int(m[2])
+        mapped = self.names.get_name(name, try_suffixes=(".weight", ".bias"))
+        return (mapped or name), None
+
+    def __contains__(self, name: str) -> bool:
+        return self.file_name(name)[0] in self.gguf.tensors
+
+    def read_ahead(self, order: list[str]) -> None:
+        """The file is mapped: the OS reads ahead."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file_name, expert = self.file_name(name)
+        shape = self.tensor(name, file_name).shape
+        return shape[1:] if expert is not None else shape
+
+    def tensor(self, name: str, file_name: str):
+        if file_name not in self.gguf.tensors:
+            raise KilnError(f"{self.gguf.path}: no tensor {file_name!r} (kiln's {name})")
+        return self.gguf.tensors[file_name]
+
+    def get(self, name: str) -> np.ndarray | GGUFBlocks:
+        """HF tensor `name`: a float array as stored, or a quantised tensor's GGUFBlocks."""
+        file_name, expert = self.file_name(name)
+        t = self.tensor(name, file_name)
+        data = t.data if expert is None else t.data[expert]
+        label = file_name if expert is None else f"{file_name}[{expert}]"
+        if t.type_name in FLOAT_TYPES:
+            arr = np.asarray(data).view(FLOAT_TYPES[t.type_name])
+            self.record[label] = f"{t.type_name} as stored"
+            return self._undo(name, arr)
+        return GGUFBlocks(label, t.qtype, self._undo(name, np.asarray(data)), self.record)
+
+    def _undo(self, name: str, arr: np.ndarray) -> np.ndarray:
+        """Undo the converter's rewrites: llama's q/k row permutation, Gemma's norm offset."""
+        if self.permute_heads and re.search(r"self_attn\.[qk]_proj\.(weight|bias)$", name):
+            heads = self.permute_heads[0] if ".q_proj." in name else self.permute_heads[1]
+            rows = arr.shape[0]
+            arr = arr.reshape(heads, rows // heads // 2, 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
+        if self.norm_offset and name.endswith("norm.weight"):
+            arr = (arr.astype(np.float32) - np.float32(self.norm_offset)).astype(arr.dtype)
+        return arr
+
+    def tensor_types(self) -> dict[str, int]:
+        return dict(Counter(t.type_name for t in self.gguf.tensors.values()).most_common())

