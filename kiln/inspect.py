@@ -117,6 +117,17 @@ def _weights_origin(m: Manifest) -> str:
     return "from the checkpoint"
 
 
+def _source(m: Manifest) -> list[str]:
+    """A GGUF file's tensor types and what each became: kept as stored, repacked exactly, or requantised."""
+    if not m.source:
+        return []
+    src = m.source
+    types = ", ".join(f"{kind} ×{n}" for kind, n in src["tensor_types"].items())
+    lines = [f"source     {src['format'].upper()} {src['file']} ({src['architecture']}): tensors {types}"]
+    lines += [f"             {n:4d} {treatment}" for treatment, n in src["treatments"].items()]
+    return lines
+
+
 def summary(artifact_dir) -> str:
     m = read_manifest(artifact_dir, verify=False)
     c = m.model.config
@@ -130,6 +141,7 @@ def summary(artifact_dir) -> str:
         f"model      {m.model.architecture}: {c['num_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_heads']} heads / {c['num_kv_heads']} kv heads, head_dim {c['head_dim']}, vocab {c['vocab_size']}",
         f"target     {t.name}" + (f" {t.arch}" if t.arch else "") + f" ({where})",
+        *_source(m),
         "quant      " + _quantization(m),
         f"dtype      {m.dtype}; KV pages of {m.kv.page_size} tokens; context {m.max_context}",
         f"kv cache   {sum(KVSpec.from_json(s).bytes_per_token for s in m.kv.layers)} bytes per token over "

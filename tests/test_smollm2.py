@@ -37,6 +37,10 @@ def test_manifest_says_what_became_of_each_tensor(artifact):
     assert all(kind.startswith(("Q4_1 dequantised, requantised to q8", "Q8_0 dequantised, requantised to q8", "F32"))
                for kind in treated)
     assert {"chat_template.jinja", "tokenizer.json"} <= set(m["tokenizer_files"])
+    from kiln.inspect import summary
+    text = summary(artifact)
+    assert "source     GGUF SmolLM2-135M-Instruct.Q4_1.gguf (llama): tensors Q4_1 ×210, F32 ×61, Q8_0 ×1" in text
+    assert "  61 F32 as stored" in text
 
 
 def test_chat_answers_factual_questions(artifact):
