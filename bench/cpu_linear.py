@@ -156,7 +156,7 @@ def _kernels(n_out: int, n_in: int):
     from kiln.host_cpu import has_bf16_dot, has_quad_dot
     from kiln.ir.quant import SCHEMES
     from kiln.selection.formats import WeightFormat
-    from kiln.selection.layouts import apply_layout, q4_scale_layout
+    from kiln.selection.layouts import apply_layout, group_scale_layout
     from kiln.selection.linear import linear_layout
     from kiln.targets.cpu import CPUTarget, host_cpu_target
     target, nb = host_cpu_target(), 64
@@ -189,7 +189,7 @@ def _kernels(n_out: int, n_in: int):
             n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))
         if has_quad_dot(target):            # AVX-512 VNNI: the CPU target's kernel for every step
             layout = linear_layout(CPUTarget(int8_dot="vnni"), *parts["q"].shape, operands=quant, act_block=32)
-            quads = [apply_layout(layout, parts["q"]), apply_layout(q4_scale_layout(layout, 32) if quant == "q4"
+            quads = [apply_layout(layout, parts["q"]), apply_layout(group_scale_layout(layout, 32) if quant == "q4"
                                                                     else "nk", parts["scale"])]
             yield (f"{quant} VNNI", "quad_dot", quads, "float32", built(vnni_linear_kernel(
                 n_out, n_in, nb, "float32", WeightFormat(quant, group, 32), False, False)))

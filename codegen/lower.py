@@ -27,7 +27,7 @@ from kiln.ir.step_forms import for_step, prefill_min_tokens
 from kiln.selection.choice import differs, gated_activation, recorded
 from kiln.selection.experts import expert_layout
 from kiln.selection.formats import WeightFormat
-from kiln.selection.layouts import GATED, GATED_COLUMNS, Q4_ZEROS, Q4_ZEROS_GATED, q4_scale_layout, stored_shape
+from kiln.selection.layouts import GATED, GATED_COLUMNS, Q4_ZEROS, Q4_ZEROS_GATED, group_scale_layout, stored_shape
 from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
@@ -184,8 +184,8 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
         return expert_layout(target, graph.params[name].type.shape)
     if node.op == "linear" and role == "weight":
         return target_layout(node, graph, target)
-    if node.op == "linear" and weight_format(node) == "q4" and role == "scale":
-        return q4_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
+    if node.op == "linear" and weight_format(node) in ("q4", "q8g") and role == "scale":
+        return group_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op == "embed" and role in ("table", "scale"):
         head = next((n for n in graph.nodes if n.op == "linear" and input_of(n, "weight") == input_of(node, "table")),
                     None)

@@ -25,9 +25,10 @@ from .gguf_tensors import FLOAT_TYPES, GGUFBlocks, GGUFCheckpoint
 from .gguf_tokenizer import write_gguf_tokenizer
 
 # The kiln format a compile without --quant gives each file type (general.file_type's dominant linear
-# type): the same numbers where kiln stores them, else the nearest format that keeps llama.cpp's quality.
-FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8", 0)}
-REQUANTIZED_FORMAT = ("q8", 0)
+# type): the same numbers where kiln stores them, else the nearest format that keeps llama.cpp's quality
+# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32) has CPU kernels only: GPU targets get q8.
+FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8g", 32)}
+REQUANTIZED_FORMAT = ("q8g", 32)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
 
 
@@ -115,12 +116,14 @@ class GGUFModel:
         if fmt is None:
             return options
         quant, group = fmt
+        if quant == "q8g" and options.target_name != "cpu":
+            quant = "q8"
         return replace(options, quant=quant, group_size=group or options.group_size)
 
     def source_record(self) -> dict:
         """The manifest's `source`: the file, its tensor types and what each tensor became."""
-        kinds = Counter(self.checkpoint.record.values())
-        return {"format": "gguf", "file": self.path.name, "architecture": self.file.architecture,
+        kinds = Counter(treatment for _, treatment in self.checkpoint.record)
+        return {"format": "gguf", "file": self.file.path.name, "architecture": self.file.architecture,
                 "name": self.file.metadata.get("general.name"), "tensor_types": self.checkpoint.tensor_types(),
                 "treatments": dict(kinds.most_common())}
 

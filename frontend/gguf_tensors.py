@@ -25,7 +25,7 @@ EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.
                     r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_TENSORS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-Q4_0_BLOCK = 32
+BLOCK = 32                         # Q4_0's and Q8_0's inputs per scale
 
 
 @dataclass
@@ -34,7 +34,7 @@ class GGUFBlocks:
     name: str                      # the file's tensor name
     qtype: object                  # gguf.GGMLQuantizationType
     raw: np.ndarray
-    record: dict                   # the checkpoint's treatments, name -> what was done
+    record: dict                   # the checkpoint's treatments: (name, what was done) -> True
 
     @property
     def type_name(self) -> str:
@@ -50,7 +50,7 @@ class GGUFBlocks:
     def dequantize(self, then: str = "") -> np.ndarray:
         """float32 values as llama.cpp's dequantiser gives them; `then` says what becomes of them."""
         from gguf.quants import dequantize
-        self.record[self.name] = f"{self.type_name} dequantised" + (f", {then}" if then else "")
+        self.record[self.name, f"{self.type_name} dequantised" + (f", {then}" if then else "")] = True
         return dequantize(np.asarray(self.raw), self.qtype)
 
     def __array__(self, dtype=None, copy=None):
@@ -59,15 +59,20 @@ class GGUFBlocks:
 
     def exact_parts(self, scheme: str, group_size: int = 0) -> dict[str, np.ndarray] | None:
         """The file's numbers in kiln's `scheme`, unchanged, where that scheme stores them: Q4_0 is kiln's
-        q4 in groups of 32 (the same nibbles, level + 8, and the same float16 scales), repacked."""
-        if not (self.type_name == "Q4_0" and scheme == "q4" and group_size == Q4_0_BLOCK):
+        q4 in groups of 32 (the same nibbles, level + 8, and the same float16 scales), repacked; Q8_0 is
+        q8g in groups of 32 (the same int8 levels and float16 scales)."""
+        kept = {("Q4_0", "q4"): 18, ("Q8_0", "q8g"): 34}.get((self.type_name, scheme))
+        if kept is None or group_size != BLOCK:
             return None
         rows = np.asarray(self.raw)
-        blocks = rows.reshape(rows.shape[0], -1, 18)
-        scale = blocks[..., :2].copy().view(np.float16)[..., 0]               # [rows, blocks]
+        blocks = rows.reshape(rows.shape[0], -1, kept)
+        scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]      # [rows, blocks]
+        self.record[self.name, f"{self.type_name} kept exactly ({scheme} in groups of {BLOCK})"] = True
+        if scheme == "q8g":
+            levels = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows.shape[0], -1)
+            return {"q": levels, "scale": np.ascontiguousarray(scale.T)}
         qs = blocks[..., 2:]                                                   # element j low, j + 16 high
         nibbles = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows.shape[0], -1)
-        self.record[self.name] = "Q4_0 kept exactly (q4 in groups of 32)"
         return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), "scale": np.ascontiguousarray(scale.T)}
 
 
@@ -81,7 +86,7 @@ class GGUFCheckpoint:
         arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == gguf.architecture), None)
         layers = int(gguf.metadata.get(f"{gguf.architecture}.block_count", 0))
         self.names = get_tensor_name_map(arch, layers)
-        self.record: dict[str, str] = {}
+        self.record: dict[tuple[str, str], bool] = {}      # (tensor, what became of it): a tensor may serve twice
 
     def file_name(self, name: str) -> tuple[str, int | None]:
         """The file's tensor holding HF tensor `name`, and the expert it is a slice of (None: all of it)."""
@@ -115,7 +120,7 @@ class GGUFCheckpoint:
         label = file_name if expert is None else f"{file_name}[{expert}]"
         if t.type_name in FLOAT_TYPES:
             arr = np.asarray(data).view(FLOAT_TYPES[t.type_name])
-            self.record[label] = f"{t.type_name} as stored"
+            self.record[label, f"{t.type_name} as stored"] = True
             return self._undo(name, arr)
         return GGUFBlocks(label, t.qtype, self._undo(name, np.asarray(data)), self.record)
 

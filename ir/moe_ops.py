@@ -26,6 +26,8 @@ import numpy as np
 
 from .opdef import ACTIVATIONS, REQUIRED, as_type, f32, op
 from .quant import SCHEMES as QUANT_SCHEMES
+
+EXPERT_FORMATS = ("q8", "q4", "fp8")       # a q8g model's experts are q8 (passes/quantize.py)
 from .types import IRError, TensorType
 
 SCHEMES = ("softmax_topk", "topk_softmax", "softmax_group_max", "sigmoid_group_top2")
@@ -160,8 +162,8 @@ def _moe_experts():
             if down != TensorType((experts, hidden, gate_up.shape[1] // 2), x.dtype) or gate_up.dtype != x.dtype:
                 fail(f"down must be {x.dtype}[{experts}, {hidden}, {gate_up.shape[1] // 2}], got {down}")
             return x
-        if fmt not in QUANT_SCHEMES:
-            fail(f"format must be none or one of {', '.join(QUANT_SCHEMES)}, got {fmt!r}")
+        if fmt not in EXPERT_FORMATS:
+            fail(f"format must be none or one of {', '.join(EXPERT_FORMATS)}, got {fmt!r}")
         scheme = QUANT_SCHEMES[fmt]
         if gate_up_scale is None or down_scale is None:
             fail(f"experts of format {fmt} take gate_up_scale and down_scale")

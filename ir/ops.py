@@ -136,8 +136,8 @@ def _check_format(attrs, fail) -> str:
     fmt = attrs.get("format", "none")
     if fmt not in WEIGHT_FORMATS:
         fail(f"format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-    if fmt == "q4" and (attrs.get("group_size", 0) <= 0 or attrs["group_size"] % 2):
-        fail(f"format q4 needs an even group_size > 0, got {attrs.get('group_size', 0)}")
+    if fmt in ("q4", "q8g") and (attrs.get("group_size", 0) <= 0 or attrs["group_size"] % 2):
+        fail(f"format {fmt} needs an even group_size > 0, got {attrs.get('group_size', 0)}")
     return fmt
 
 
@@ -166,6 +166,8 @@ def _embed():
                 fail(f"table must be 2-D [vocab, hidden], got {table}")
             return TensorType((ids.shape[0], table.shape[1]), table.dtype)
         scheme = SCHEMES[fmt]
+        if fmt == "q8g":
+            fail("an embedding table is stored q8 (a scale per row), not q8g")
         short = str(TensorType((), scheme.weight_dtype))[:-2]
         if attrs.get("dtype") not in FLOAT_DTYPES:
             fail(f"dtype must be a float dtype, got {attrs.get('dtype')!r}")
@@ -225,10 +227,12 @@ def _linear():
       fp8   float8 e4m3 weight [out, in] with float32 per-output-channel scales, read the same way.
       q4    u8 weight [out, in/2] of two nibbles (q + 8, even input index low) with f16 scales
             [in/group_size, out]: W[n, k] = (nibble - 8) * scale[k // group_size, n].
-    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4; dividing the
+      q8g   int8 weight [out, in] with f16 scales [in/group_size, out]: W[n, k] = weight[n, k] *
+            scale[k // group_size, n] (GGUF's Q8_0 for groups of 32).
+    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4, q8g; dividing the
     group_size): x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
     quantize_activations) and each block's integer dot with the levels scaled by x's block scale
-    (times q4's group scale), the blocks summed in order, then scaled by q8's channel scale
+    (times q4's or q8g's group scale), the blocks summed in order, then scaled by q8's channel scale
     (llama.cpp's Q8_0 × Q8_0).
 
     The product is rounded to x's dtype and then the residual added, exactly as a separate add
@@ -244,12 +248,12 @@ def _linear():
                 fail(f"weight must be [out, {k}], got {w}")
             if w.dtype != x.dtype:
                 fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
-        elif fmt == "q4":
-            g = attrs["group_size"]
+        elif fmt in ("q4", "q8g"):
+            g, per_byte, short = attrs["group_size"], SCHEMES[fmt].per_byte, "u8" if fmt == "q4" else "i8"
             if not isinstance(k, int) or k % g:
                 fail(f"input width {k} must be a multiple of an even group_size {g}")
-            if w.dtype != "uint8" or w.rank != 2 or w.shape[1] * 2 != k:
-                fail(f"weight must be u8[out, {k // 2}], got {w}")
+            if w.dtype != SCHEMES[fmt].weight_dtype or w.rank != 2 or w.shape[1] * per_byte != k:
+                fail(f"weight must be {short}[out, {k // per_byte}], got {w}")
             if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
                 fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
         else:
@@ -258,9 +262,9 @@ def _linear():
                 fail(f"weight must be {str(TensorType((), weight_dtype))[:-2]}[out, {k}], got {w}")
             if s.dtype != "float32" or s.shape != (w.shape[0],):
                 fail(f"scale must be f32[{w.shape[0]}], got {s}")
-        if attrs.get("act_block", 0) and fmt not in ("q8", "q4"):
-            fail(f"act_block applies to q8 and q4 weights, not {fmt}")
-        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if fmt == "q4" else 0)
+        if attrs.get("act_block", 0) and fmt not in ("q8", "q4", "q8g"):
+            fail(f"act_block applies to q8, q8g and q4 weights, not {fmt}")
+        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if fmt in ("q4", "q8g") else 0)
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
@@ -268,9 +272,10 @@ def _linear():
         epilogue = x[3:]
         if fmt == "none":
             return _linear_ref(f32(x[0]) @ f32(x[1]).T, epilogue, ty)
-        if fmt == "q4":
+        if fmt in ("q4", "q8g"):
             packed = np.asarray(x[1])
-            levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
+            levels = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
+                      if fmt == "q4" else packed.astype(np.float32))
             scale, g = f32(x[2]), at["group_size"]
             if block:
                 rows = f32(x[0]).reshape(-1, x[0].shape[-1])

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from kiln.errors import KilnError
 
 DTYPES = ("float32", "float16", "bfloat16")
-WEIGHT_QUANTS = ("q8", "q4", "fp8")          # ir/quant.py SCHEMES
+WEIGHT_QUANTS = ("q8", "q4", "fp8", "q8g")   # ir/quant.py SCHEMES
 KV_DTYPES = ("int8", "fp8")                  # ir/quant.py KV_SCHEMES
-GROUP_SIZES = (32, 128)                      # q4's input channels per scale
+GROUP_SIZES = (32, 128)                      # q4's and q8g's input channels per scale
 ATTENTION_CHOICES = ("builtin", "flashinfer")
 
 
@@ -46,8 +46,9 @@ class CompileOptions:
             raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.mla_expanded_from is not None and self.mla_expanded_from < 0:
             raise KilnError(f"--mla-expanded-from {self.mla_expanded_from} is negative")
-        if self.int8_activations and self.quant not in ("q8", "q4"):
-            raise KilnError("--activations int8 needs --quant q8 or q4 (the integer dot products read those weights)")
+        if self.int8_activations and self.quant not in ("q8", "q4", "q8g"):
+            raise KilnError("--activations int8 needs --quant q8, q8g or q4 (the integer dot products read those "
+                            "weights)")
         object.__setattr__(self, "disable_passes", frozenset(self.disable_passes))
 
     @property

@@ -94,8 +94,9 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
         act_block = target.activation_block if options.int8_activations is not False else 0
         passes.append(Quantize(options.quant, lm_head=options.quant_lm_head, group_size=options.group_size,
                                act_block=act_block))
-        if options.quant_embedding:
-            passes.append(QuantizeEmbedding(options.quant, group_size=options.group_size))
+        if options.quant_embedding:        # a q8g model's table: q8, a scale per row (an embed's format)
+            passes.append(QuantizeEmbedding("q8" if options.quant == "q8g" else options.quant,
+                                            group_size=options.group_size))
     if options.kv_dtype:
         passes.append(QuantizeKV(options.kv_dtype))
     passes.append(SelectKernels(target))           # last: what codegen emits is chosen from the graph as it is

@@ -1,6 +1,7 @@
 """quantize: projections read int8 weights with per-channel scales (weight-only quantisation).
 
-Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales):
+Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales; q8g
+too, with int8 levels; MoE experts of a q8g model are q8):
     %y = linear(%x, @w[, _, @b][, %r])
   ->
     %y = linear(%x, @w.q8, @w.q8_scale[, @b][, %r]) {format='q8'}
@@ -100,7 +101,7 @@ class Quantize(GraphPass):
             node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
             node.attrs = attrs_for("linear", format=self.mode, **({"group_size": self.group_size} if grouped else {}),
-                                   act_block=self.act_block if self.mode in ("q8", "q4")
+                                   act_block=self.act_block if self.mode in ("q8", "q4", "q8g")
                                    and self._int8_activations(w.type.shape[1]) else 0)
         return drop_unused_params(graph)
 
@@ -108,15 +109,16 @@ class Quantize(GraphPass):
         """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
         and, for q4, its groups)."""
         return (self.act_block > 0 and n_in % self.act_block == 0
-                and (self.mode != "q4" or self.group_size % self.act_block == 0))
+                and (not SCHEMES[self.mode].grouped or self.group_size % self.act_block == 0))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
+        mode = "q8" if self.mode == "q8g" else self.mode        # the grouped expert kernels read q4's groups only
         gate_up, down = (graph.params[input_of(node, name)] for name in ("gate_up", "down"))
-        if SCHEMES[self.mode].grouped and (gate_up.type.shape[2] % self.group_size or down.type.shape[2] % self.group_size):
+        if SCHEMES[mode].grouped and (gate_up.type.shape[2] % self.group_size or down.type.shape[2] % self.group_size):
             return                        # widths the groups do not divide stay in float
-        (gate_up_q, gate_up_scale), (down_q, down_scale) = (add_quantized_params(graph, w, self.mode, self.group_size)
+        (gate_up_q, gate_up_scale), (down_q, down_scale) = (add_quantized_params(graph, w, mode, self.group_size)
                                                             for w in (gate_up, down))
         node.inputs = named_inputs("moe_experts", x=input_of(node, "x"), routing=input_of(node, "routing"),
                                    gate_up=gate_up_q, gate_up_scale=gate_up_scale, down=down_q, down_scale=down_scale)
-        node.attrs = {**node.attrs, "format": self.mode,
-                      **({"group_size": self.group_size} if SCHEMES[self.mode].grouped else {})}
+        node.attrs = {**node.attrs, "format": mode,
+                      **({"group_size": self.group_size} if SCHEMES[mode].grouped else {})}

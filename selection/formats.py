@@ -9,6 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class WeightFormat:
     kind: str = "float"          # "float" | "q8", "fp8" (per-output scale) | "q4" (nibbles, group scales)
+    #                              | "q8g" (int8 levels, group scales)
     group_size: int = 0
     act_block: int = 0           # > 0: x quantised to int8 in blocks of this many inputs (ir/ops.py)
 
@@ -17,6 +18,21 @@ class WeightFormat:
         """The format a linear, embed or moe_experts node reads (its `format`, group_size, act_block)."""
         fmt = node.attrs.get("format", "none")
         return cls("float" if fmt == "none" else fmt, node.attrs.get("group_size", 0), node.attrs.get("act_block", 0))
+
+    @property
+    def nibbles(self) -> bool:
+        """Two 4-bit levels per stored byte (q4)."""
+        return self.kind == "q4"
+
+    @property
+    def grouped(self) -> bool:
+        """Float16 scales per group of inputs, applied in the reduction (q4, q8g), not in the epilogue."""
+        return self.kind in ("q4", "q8g")
+
+    @property
+    def int8_levels(self) -> bool:
+        """Integer levels int8 activations multiply (q8, q8g, q4)."""
+        return self.kind in ("q8", "q8g", "q4")
 
     @property
     def suffix(self) -> str:

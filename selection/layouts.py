@@ -60,9 +60,9 @@ def in_byte_quads(layout: str, act_block: int) -> bool:
     return act_block > 0 and packed_block(layout) is not None and interleave(layout) == 4
 
 
-def q4_scale_layout(weight_layout: str, act_block: int) -> str:
-    """Where q4 group scales are stored for the kernel that reads them: by weight panel for the
-    VNNI kernel, [groups, out] elsewhere."""
+def group_scale_layout(weight_layout: str, act_block: int) -> str:
+    """Where q4's and q8g's group scales are stored for the kernel that reads them: by weight panel for
+    the VNNI kernel, [groups, out] elsewhere."""
     return panels_layout(packed_block(weight_layout)) if in_byte_quads(weight_layout, act_block) else "nk"
 
 

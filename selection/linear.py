@@ -141,8 +141,9 @@ def target_layout(node, graph: Graph, target) -> str:
     if name not in graph.params:
         return "nk"
     weight, act_block = graph.params[name].type, node.attrs.get("act_block", 0)
-    operands = (weight_format(node) if act_block > 0
-                else "bf16" if weight_format(node) == "none" and weight.dtype == "bfloat16" else None)
+    fmt = weight_format(node)
+    operands = (("q8" if fmt == "q8g" else fmt) if act_block > 0         # q8g's levels are stored as q8's
+                else "bf16" if fmt == "none" and weight.dtype == "bfloat16" else None)
     return linear_layout(target, *weight.shape, operands=operands, act_block=act_block)
 
 

@@ -68,13 +68,13 @@ INT8_GEMV_GROUP = 16     # the int8 GEMV's output columns per step: 16 int16 lan
 def vnni_takes(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
     """Whether the VNNI kernel (codegen/kernels/cpu/vnni_linear.py) takes q8/q4 weights in panels of
     `nb` columns with int8 activations in `fmt.act_block`s: blocks of whole stored rows."""
-    paired = 2 if fmt.kind == "q4" else 1            # blocks whose inputs share stored bytes
-    return (fmt.kind in ("q8", "q4") and fmt.act_block % QUAD == 0 and n_in % (paired * fmt.act_block) == 0
+    paired = 2 if fmt.nibbles else 1                 # blocks whose inputs share stored bytes
+    return (fmt.int8_levels and fmt.act_block % QUAD == 0 and n_in % (paired * fmt.act_block) == 0
             and nb % VNNI_LANES == 0)
 
 
 def int8_gemv_takes(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
     """Whether the AVX2 int8 GEMV (codegen/kernels/cpu/int8_gemv.py) takes this linear (else the int8
     GEMM serves decode steps too)."""
-    run = 4 if fmt.kind == "q4" else 2
-    return nb % INT8_GEMV_GROUP == 0 and fmt.act_block % run == 0 and fmt.kind in ("q8", "q4")
+    run = 4 if fmt.nibbles else 2
+    return nb % INT8_GEMV_GROUP == 0 and fmt.act_block % run == 0 and fmt.int8_levels

@@ -13,6 +13,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from artifact_cache import REPO, entry, files_digest
 from filelock import FileLock
@@ -116,33 +117,43 @@ def converted(model_dir: Path, outtype: str = "f32") -> Path:
     return entry("gguf", f"{label}-{outtype}-{files_digest(model_dir)[:16]}", build) / "model.gguf"
 
 
+def rewritten(source: Path, out: Path, field: str | None = None, value=None, tensor=None, **writer_options) -> Path:
+    """`source` written again by gguf-py's writer: metadata `field` set to `value` (as its type), each
+    tensor's data replaced by `tensor(reader_tensor) -> (data, raw_dtype or None)` where given."""
+    import gguf
+    reader = gguf.GGUFReader(source)
+    arch = value if field == "general.architecture" else reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch, **writer_options)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = f.types[0]
+        contents = value if key == field else f.contents()
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, contents, kind, sub_type=f.types[-1])
+        else:
+            writer.add_key_value(key, contents, kind)
+    for t in reader.tensors:
+        data, raw_dtype = tensor(t) if tensor else (np.asarray(t.data), None)
+        writer.add_tensor(t.name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def quantized(source: Path, qtype: str) -> Path:
     """`source` (an F32 GGUF) with its blocks' matrices quantised to `qtype` by gguf-py (as llama-quantize
     quantises a pure file: every 2-D weight of the blocks; embedding, output and norms kept)."""
     def build(folder: Path) -> None:
         import gguf
         from gguf.quants import quantize
-        reader = gguf.GGUFReader(source)
-        arch = reader.fields["general.architecture"].contents()
-        writer = gguf.GGUFWriter(folder / "model.gguf", arch)
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            value_type = field.types[0]
-            value = field.contents()
-            if value_type == gguf.GGUFValueType.ARRAY:
-                writer.add_key_value(key, value, value_type, sub_type=field.types[-1])
-            else:
-                writer.add_key_value(key, value, value_type)
         kind = gguf.GGMLQuantizationType[qtype]
-        for t in reader.tensors:
-            data = t.data
+
+        def tensor(t):
             if t.name.startswith("blk.") and len(t.shape) >= 2 and t.name.endswith(".weight"):
-                writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
-            else:
-                writer.add_tensor(t.name, data)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+                return quantize(np.asarray(t.data), kind), kind
+            return np.asarray(t.data), None
+        rewritten(source, folder / "model.gguf", tensor=tensor)
     return entry("gguf", f"{source.parent.name}-{qtype}", build) / "model.gguf"

@@ -1,8 +1,8 @@
 """kiln's register-blocked CPU GEMMs against the reference interpreter's linear ops, on the same
 (quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
-codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4 and fp8 weights, and codegen/kernels/cpu/int8_gemm.py,
-int8_gemv.py, vnni_linear.py (and the TE form codegen/kernels/te_linear.py gives unpacked weights) on q8 and
-q4 weights with int8 activations, codegen/kernels/cpu/bf16_linear.py on bfloat16; with bias and residual."""
+codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4, q8g and fp8 weights, and codegen/kernels/cpu/int8_gemm.py,
+int8_gemv.py, vnni_linear.py (and the TE form codegen/kernels/te_linear.py gives unpacked weights) on q8, q4
+and q8g weights with int8 activations, codegen/kernels/cpu/bf16_linear.py on bfloat16; with bias and residual."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -17,7 +17,9 @@ CASES = [  # (op, dtype, bias, residual)
     ("linear", "float32", False, False), ("linear", "float32", True, False), ("linear", "float32", False, True),
     ("linear", "float32", True, True), ("linear", "bfloat16", False, True), ("linear_q8", "float32", True, False),
     ("linear_q4", "float32", False, True), ("linear_q4", "bfloat16", True, False), ("linear_fp8", "float32", False, False),
+    ("linear_q8g", "float32", True, True),
 ]
+GROUPED = ("linear_q4", "linear_q8g")      # float16 scales per group of 32 inputs
 
 
 def _weights(op, rng) -> list[np.ndarray]:
@@ -29,6 +31,9 @@ def _weights(op, rng) -> list[np.ndarray]:
     if op == "linear_fp8":
         return [(rng.standard_normal((N_OUT, N_IN)) * 8).astype(ml_dtypes.float8_e4m3fn),
                 (rng.random(N_OUT) * 0.01).astype(np.float32)]
+    if op == "linear_q8g":
+        return [rng.integers(-127, 128, (N_OUT, N_IN)).astype(np.int8),
+                (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
     return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
             (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
 
@@ -37,6 +42,7 @@ INT8_CASES = [  # (op, dtype, bias, residual)
     ("linear_q8", "float32", False, False), ("linear_q8", "float32", True, True),
     ("linear_q8", "bfloat16", False, True), ("linear_q4", "float32", False, False),
     ("linear_q4", "float32", True, False), ("linear_q4", "bfloat16", True, True),
+    ("linear_q8g", "float32", False, True), ("linear_q8g", "bfloat16", True, False),
 ]
 
 
@@ -50,7 +56,7 @@ def test_gemm_equals_the_interpreter(op, dtype, bias, residual):
 
 def int8_layout(op: str) -> str:
     """How the CPU target stores the weight of a linear with int8 activations (q8: in input pairs)."""
-    return f"packed{NB}x2" if op == "linear_q8" else f"packed{NB}"
+    return f"packed{NB}x2" if op in ("linear_q8", "linear_q8g") else f"packed{NB}"
 
 
 def pair_dot_or_skip():
@@ -86,7 +92,7 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
         pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4" + ("n32" if op == "linear_q4" else ""),
-        scale_layout=f"panels{NB}" if op == "linear_q4" else "nk")
+        scale_layout=f"panels{NB}" if op in GROUPED else "nk")
 
 
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2])
@@ -98,8 +104,8 @@ def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residua
 
     def kernel(fmt, weight_dtype):
         m = tirx.Var("m", "int64")
-        w_shape = (N_OUT, N_IN // 2) if fmt.kind == "q4" else (N_OUT, N_IN)
-        scale_shape, scale_dtype = ((N_IN // 32, N_OUT), "float16") if fmt.kind == "q4" else ((N_OUT,), "float32")
+        w_shape = (N_OUT, N_IN // 2) if fmt.nibbles else (N_OUT, N_IN)
+        scale_shape, scale_dtype = ((N_IN // 32, N_OUT), "float16") if fmt.grouped else ((N_OUT,), "float32")
         x, w = te.placeholder((m, N_IN), dtype), te.placeholder(w_shape, weight_dtype)
         scale = te.placeholder(scale_shape, scale_dtype)
         b = te.placeholder((N_OUT,), dtype) if bias else None
@@ -162,7 +168,7 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     weights = _weights(op, rng)
     if op == "linear":
         weights = [weights[0].astype(numpy_dtype(dtype))]
-    attrs = {**attrs, "format": op.partition("_")[2] or "none", **({"group_size": 32} if op == "linear_q4" else {})}
+    attrs = {**attrs, "format": op.partition("_")[2] or "none", **({"group_size": 32} if op in GROUPED else {})}
     fmt = WeightFormat.of(type("N", (), {"op": "linear", "attrs": attrs}))
     kernel = make_kernel(fmt, str(weights[0].dtype) if op != "linear" else dtype)
     target = host_cpu_target()

@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from gguf_files import converted
+from gguf_files import converted, rewritten
 from test_cli import assert_clean_error, kiln
 
 gguf = pytest.importorskip("gguf")
@@ -16,29 +16,6 @@ gguf = pytest.importorskip("gguf")
 @pytest.fixture(scope="module")
 def source(make_model):
     return converted(make_model("llama"))
-
-
-def rewritten(source, out, field: str | None = None, value=None, **writer_options):
-    """`source` written again by gguf-py, with metadata `field` set to `value` (as its type)."""
-    reader = gguf.GGUFReader(source)
-    arch = value if field == "general.architecture" else reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(out, arch, **writer_options)
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        kind = f.types[0]
-        contents = value if key == field else f.contents()
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, contents, kind, sub_type=f.types[-1])
-        else:
-            writer.add_key_value(key, contents, kind)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def compile_fails(path, tmp_path, *words):

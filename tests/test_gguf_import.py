@@ -1,6 +1,6 @@
 """GGUF files as llama.cpp's converter writes them, imported by kiln: the interpreted graph gives the
 logits transformers gives on the original checkpoint (llama.cpp's rewrites of q/k rows, norms, fused and
-stacked tensors and rope factors undone), and Q4_0 blocks are stored bit for bit as gguf-py reads them."""
+stacked tensors and rope factors undone), and Q4_0 and Q8_0 blocks are stored bit for bit as gguf-py reads them."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,19 +55,21 @@ def test_converted_file_gives_transformers_logits(make_model, family):
         np.testing.assert_allclose(logits, want, atol=1e-4 * np.ptp(want), rtol=0)
 
 
-def test_q4_0_blocks_are_stored_exactly(make_model):
-    """A Q4_0 file compiled without --quant: kiln's q4 (groups of 32) holds the very numbers gguf-py's
-    dequantiser reads from the file, for every linear (q/k rows permuted back, as the file's float rows)."""
+@pytest.mark.parametrize("qtype, scheme", [("Q4_0", "q4"), ("Q8_0", "q8g")])
+def test_quantised_blocks_are_stored_exactly(make_model, qtype, scheme):
+    """A Q4_0 (Q8_0) file compiled for the CPU without --quant: kiln's q4 (q8g) in groups of 32 holds the
+    very numbers gguf-py's dequantiser reads from the file, for every linear (q/k rows permuted back, as
+    the file's float rows)."""
     import gguf
     from gguf.quants import dequantize
 
     from kiln.ir.quant import SCHEMES
     from kiln.options import CompileOptions
     from kiln.passes import run_pipeline
-    path = quantized(converted(make_model("llama")), "Q4_0")
+    path = quantized(converted(make_model("llama")), qtype)
     model = load_model(path)
     options = model.default_options(CompileOptions())
-    assert (options.quant, options.group_size) == ("q4", 32)
+    assert (options.quant, options.group_size) == (scheme, 32)
     graph, _ = run_pipeline(model.build_graph("float32", PAGE_SIZE), "cpu", options=options)
     load = weight_loader(graph, lambda name: model.weight(name, "float32"),
                          quantizers=model.quantizers({}), load_source=lambda name: model.weight_source(name, "float32"))
@@ -76,10 +78,10 @@ def test_q4_0_blocks_are_stored_exactly(make_model):
     checked = 0
     for name, param in graph.params.items():
         recipe = param.recipe or {}
-        if recipe.get("quantize") != "q4" or recipe["part"] != "q":
+        if recipe.get("quantize") != scheme or recipe["part"] != "q":
             continue
-        parts = {part: load(f"{recipe['of']}.q4{suffix}") for part, suffix in (("q", ""), ("scale", "_scale"))}
-        got = SCHEMES["q4"].dequantize(parts, group_size=32)
+        parts = {part: load(f"{recipe['of']}.{scheme}{suffix}") for part, suffix in (("q", ""), ("scale", "_scale"))}
+        got = SCHEMES[scheme].dequantize(parts, group_size=32)
         fused = graph.params.get(recipe["of"])              # qkv, gate/up: the rows of several tensors
         sources = fused.recipe["concat"] if fused is not None and "concat" in (fused.recipe or {}) else [recipe["of"]]
         if not sources[0].startswith("model.layers."):      # the LM head: F32 in this file, quantised by kiln
@@ -87,9 +89,10 @@ def test_q4_0_blocks_are_stored_exactly(make_model):
         want = []
         for source in sources:
             t = files[model.checkpoint.file_name(source)[0]]
-            assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0
+            assert t.tensor_type == gguf.GGMLQuantizationType[qtype]
             want.append(model.checkpoint._undo(source, dequantize(t.data, t.tensor_type)))
         np.testing.assert_array_equal(got, np.concatenate(want))
         checked += len(sources)
     assert checked == 7 * 2                      # q, k, v, o, gate, up, down in both layers
-    assert set(model.checkpoint.record.values()) >= {"Q4_0 kept exactly (q4 in groups of 32)"}
+    treatments = {treatment for _, treatment in model.checkpoint.record}
+    assert f"{qtype} kept exactly ({scheme} in groups of 32)" in treatments

@@ -174,3 +174,29 @@ def test_q4_quantiser_error_shrinks_with_smaller_groups_and_beats_plain_rounding
     naive_scale = np.abs(groups).max(-1, keepdims=True) / 7
     naive = np.sqrt(((np.clip(np.rint(groups / naive_scale), -7, 7) * naive_scale - groups) ** 2).mean())
     assert err[32] < err[128] and err[32] < 0.9 * naive
+
+
+def test_q8g_is_q8_0s_format_and_rounds_to_the_nearest_stored_value():
+    """q8g in groups of 32 holds what llama.cpp's Q8_0 holds: the same float16 scales as gguf-py's
+    quantiser (bit-exact with ggml-quants.c) and levels within one of its, which gguf-py's dequantiser
+    reads as kiln's does; each level is the one nearest the weight for the scale as stored, ties to even."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    from kiln.ir.quant import SCHEMES
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    w[0, :32] = 0
+    w[1, :4] = np.array([127, 0.5, 1.5, -2.5], np.float32) / 16   # scale 1/16 exactly, then three ties
+    parts = SCHEMES["q8g"].quantize(w, group_size=32)
+    raw = quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(48, -1, 34)
+    theirs = raw[..., 2:].view(np.int8).reshape(48, -1)
+    np.testing.assert_array_equal(parts["scale"].T, np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0])
+    assert np.abs(parts["q"].astype(int) - theirs).max() <= 1
+    as_q8_0 = np.concatenate([np.ascontiguousarray(parts["scale"].T)[..., None].view(np.uint8),
+                              parts["q"].reshape(48, -1, 32).view(np.uint8)], axis=-1).reshape(48, -1)
+    ours = SCHEMES["q8g"].dequantize(parts, group_size=32)
+    np.testing.assert_array_equal(ours, dequantize(as_q8_0, gguf.GGMLQuantizationType.Q8_0))
+    step = np.repeat(parts["scale"].T.astype(np.float32), 32, axis=1)
+    assert np.all(np.abs(w - ours) <= step / 2 * (1 + 1e-6))
+    assert parts["q"][1, :4].tolist() == [127, 0, 2, -2]           # ties to even (llama.cpp: 1, 2, -3)

@@ -13,9 +13,10 @@ from gguf_files import smollm2_file
 
 pytestmark = pytest.mark.build
 
-QUESTIONS = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4"),
-             ("What is the chemical symbol for water?", "H2O"), ("What language is spoken in Spain?", "Spanish"),
-             ("How many legs does a spider have?", "8")]
+# questions the model answers alike in float32 (transformers), as llama.cpp runs the file, and in kiln's
+# formats (the capital of France is not one: llama.cpp's and kiln's int8 activations answer "L'Étoile")
+QUESTIONS = [("How many days are there in a week?", "7"), ("What is 2 + 2?", "4"),
+             ("What is the chemical symbol for water?", "H2O"), ("What language is spoken in Spain?", "Spanish")]
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,16 @@ def test_manifest_says_what_became_of_each_tensor(artifact):
     m = json.loads((artifact / "manifest.json").read_text())
     assert m["source"]["format"] == "gguf" and m["source"]["architecture"] == "llama"
     assert m["source"]["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
-    treated = m["source"]["treatments"]
-    assert sum(treated.values()) == 272 and treated["F32 as stored"] == 61
-    assert all(kind.startswith(("Q4_1 dequantised, requantised to q8", "Q8_0 dequantised, requantised to q8", "F32"))
-               for kind in treated)
+    # the Q4_1 linears requantised into int8 groups of 32; the tied Q8_0 table kept exactly for the LM
+    # head, and requantised to q8 (a scale per row) for the embedding lookup
+    assert m["source"]["treatments"] == {"Q4_1 dequantised, requantised to q8g in groups of 32": 210,
+                                         "F32 as stored": 61, "Q8_0 kept exactly (q8g in groups of 32)": 1,
+                                         "Q8_0 dequantised, requantised to q8": 1}
     assert {"chat_template.jinja", "tokenizer.json"} <= set(m["tokenizer_files"])
     from kiln.inspect import summary
     text = summary(artifact)
     assert "source     GGUF SmolLM2-135M-Instruct.Q4_1.gguf (llama): tensors Q4_1 ×210, F32 ×61, Q8_0 ×1" in text
-    assert "  61 F32 as stored" in text
+    assert "  61 F32 as stored" in text and "   1 Q8_0 kept exactly (q8g in groups of 32)" in text
 
 
 def test_chat_answers_factual_questions(artifact):

@@ -18,7 +18,7 @@ def nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged:
         acc = int8_activation_matmul(x, w, scale, fmt)
     else:
         weight = lambda n, k: weight_value(fmt, lambda j, kk: w[j, kk], scale, n, k)      # noqa: E731
-        if staged and fmt.kind == "q4":
+        if staged and fmt.nibbles:
             weight = te.compute((w.shape[0], x.shape[1]), weight, name="dequantize")
         k = te.reduce_axis((0, x.shape[1]), "k")
         acc = te.compute((x.shape[0], w.shape[0]), lambda m, n: te.sum(
@@ -46,7 +46,7 @@ def int8_activation_matmul(x, w, scale, fmt: WeightFormat):
 
     def block_scale(i, n, b):
         x_scale = amax[i, b] / tirx.const(127, "float32")
-        return x_scale if fmt.kind != "q4" else x_scale * scale[b * block // fmt.group_size, n].astype("float32")
+        return x_scale if not fmt.grouped else x_scale * scale[b * block // fmt.group_size, n].astype("float32")
     b = te.reduce_axis((0, blocks), "b")
     return te.compute((rows, w.shape[0]), lambda i, n: te.sum(
         dots[i, n, b].astype("float32") * block_scale(i, n, b), axis=b), name="matmul")

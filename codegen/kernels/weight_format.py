@@ -10,15 +10,16 @@ from kiln.selection.layouts import nibble_of
 
 def weight_value(fmt: WeightFormat, load, scale, j, k, span: int = 0):
     """W[j, k] as float32: `load(j, kk)` reads the stored element for output j at stored input index
-    kk; q4 bytes hold inputs `span` apart (selection/layouts.py: nibble_of), times their group scale."""
-    if fmt.kind == "q4":
+    kk; q4 bytes hold inputs `span` apart (selection/layouts.py: nibble_of); q4 and q8g levels times
+    their group scale."""
+    if fmt.grouped:
         return weight_level(fmt, load, j, k, span).astype("float32") * scale[k // fmt.group_size, j].astype("float32")
     return load(j, k).astype("float32")
 
 
 def weight_level(fmt: WeightFormat, load, j, k, span: int = 0):
-    """The integer level of W[j, k] (int32) for q8 and q4: the byte, or the nibble - 8."""
-    if fmt.kind == "q4":
+    """The integer level of W[j, k] (int32) for q8, q8g and q4: the byte, or the nibble - 8."""
+    if fmt.nibbles:
         byte_k, high = nibble_of(k, span)
         nibble = (load(j, byte_k) >> (high * 4).astype("uint8")) & tirx.const(15, "uint8")
         return nibble.astype("int32") - 8

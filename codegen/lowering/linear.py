@@ -86,7 +86,7 @@ def _bf16dot(s: LinearCall) -> relax.Expr:
 
 
 def _vnni(s: LinearCall) -> relax.Expr:
-    if s.fmt.kind == "q4" and nibble_span(s.layout) != s.fmt.act_block:
+    if s.fmt.nibbles and nibble_span(s.layout) != s.fmt.act_block:
         raise ValueError(f"the VNNI kernel reads q4 bytes of inputs {s.fmt.act_block} apart, not layout {s.layout}")
     return s.call(vnni_linear_kernel(s.n_out, s.n_in, s.nb, s.dtype, s.fmt, *s.epilogue), "vnni", scheduled=True)
 

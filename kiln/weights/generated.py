@@ -94,6 +94,7 @@ def two_octave_rms(low_exponent: int, mantissa_bits: int) -> float:
 
 # Each scheme's codes: how they are drawn and their RMS (the scale maps it to WEIGHT_STD).
 CODE_RMS = {"q8": float(np.sqrt((2 * sum(k * k for k in range(128)) + 127 ** 2) / 256)),   # -128 drawn -> -127
+            "q8g": float(np.sqrt((2 * sum(k * k for k in range(128)) + 127 ** 2) / 256)),
             "q4": float(np.sqrt(2 * sum(k * k for k in range(8)) / 16)),                   # -8 drawn -> 0
             "fp8": two_octave_rms(FP8_OCTAVE, FORMATS["float8_e4m3fn"].mantissa_bits)}
 
@@ -133,7 +134,7 @@ def scales(rms: float) -> Filler:
     return fill
 
 
-CODES = {"q8": q8_codes, "q4": q4_codes,
+CODES = {"q8": q8_codes, "q8g": q8_codes, "q4": q4_codes,
          "fp8": bit_pattern(*FORMATS["float8_e4m3fn"].two_octaves(FP8_OCTAVE))}
 
 

@@ -42,10 +42,11 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     width = min(2 * lanes, nb)
     k_block = next(b for b in (K_BLOCK, 64, 32, 16, 8, 4, 2, 1) if n_in % b == 0)
     panels, slices = n_out // nb, nb // width
-    stored_in = n_in // 2 if fmt.kind == "q4" else n_in
-    scale_shape = {"q8": (n_out,), "fp8": (n_out,), "q4": (n_in // max(fmt.group_size, 1), n_out)}.get(fmt.kind)
+    stored_in = n_in // 2 if fmt.nibbles else n_in
+    scale_shape = ((n_in // fmt.group_size, n_out) if fmt.grouped else (n_out,) if fmt.kind in ("q8", "fp8")
+                   else None)
     scaled_format = scale_shape is not None
-    scale_dtype = "float16" if fmt.kind == "q4" else "float32"
+    scale_dtype = "float16" if fmt.grouped else "float32"
 
     def weight(w, scale, jo, k, c):                 # evaluated while parsing: the decoded W[j, k]
         if scale is None and scaled_format:       # a signature this format never uses

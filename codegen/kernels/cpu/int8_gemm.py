@@ -116,14 +116,14 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     multiple of 8."""
     if nb % LANES:
         raise ValueError(f"the int8 GEMM takes panels of a multiple of {LANES} columns, not {nb}")
-    block, q4 = fmt.act_block, fmt.kind == "q4"
+    block, q4, grouped = fmt.act_block, fmt.nibbles, fmt.grouped      # q8g: q8's levels, q4's group scales
     k_block = next(b for b in (K_BLOCK, 64, 32, 16, 8, 4, 2) if n_in % b == 0 and b % block == 0) \
         if K_BLOCK % block == 0 else block
     panels, vectors = n_out // nb, nb // LANES
     per_slice = min(2, vectors)            # vectors of columns per micro-kernel step
     slices, pairs = vectors // per_slice, k_block // 2
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
-    scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
+    scale_shape = (n_in // fmt.group_size, n_out) if grouped else (n_out,)
 
     quantize = x_quantizer(n_in, block, "int16")
 
@@ -140,7 +140,7 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
 
     def block_scale(sx, scale, row, kb, col):   # evaluated while parsing: float32x8 for block kb
         x_scale = T.broadcast(sx[row, kb], LANES)
-        if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
+        if not grouped or scale is None:   # q8's weight scale is per output: applied in the epilogue
             return x_scale                 # (and an unscaled signature is parsed, never used)
         columns = T.ramp(T.Cast("int32", col), 1, LANES)       # col is int64 where m is
         return x_scale * T.Cast("float32x8", scale[kb * block // fmt.group_size, columns])
@@ -202,4 +202,4 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                                                                     io * ROWS, jo * nb, r, c)
 
     return signature(gemm, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
-                     "float16" if q4 else "float32", has_bias, has_residual)
+                     "float16" if grouped else "float32", has_bias, has_residual)

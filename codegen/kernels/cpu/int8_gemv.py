@@ -47,11 +47,11 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     if not int8_gemv_takes(n_out, n_in, nb, fmt):
         raise ValueError(f"the int8 GEMV takes panels of a multiple of {GROUP} columns and q8/q4 blocks of "
                          f"a multiple of 4 inputs, not nb={nb}, {fmt}")
-    block, q4 = fmt.act_block, fmt.kind == "q4"
+    block, q4, grouped = fmt.act_block, fmt.nibbles, fmt.grouped      # q8g: q8's levels, q4's group scales
     panels, blocks, groups = n_out // nb, n_in // block, nb // GROUP
     run = next(r for r in (Q4_INT16_RUN, 8, 4) if block % r == 0) if q4 else 2
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
-    scale_shape = (n_in // fmt.group_size, n_out) if q4 else (n_out,)
+    scale_shape = (n_in // fmt.group_size, n_out) if grouped else (n_out,)
     quantize = x_quantizer(n_in, block, "int8", _quad_position) if q4 else x_quantizer(n_in, block, "int16")
     sum_blocks = x_block_sums(n_in, block, needed=q4)     # q8's levels are signed: no offset
     rows_per_block = block // 2                            # stored weight rows per block of x
@@ -89,7 +89,7 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
 
     def block_scale(sx, scale, r, b, col):     # the GEMM's block_scale, for the same rounding
         x_scale = T.broadcast(sx[r, b], LANES)
-        if not q4 or scale is None:
+        if not grouped or scale is None:
             return x_scale
         return x_scale * T.Cast("float32x8", scale[b * block // fmt.group_size, T.ramp(col, 1, LANES)])
 
@@ -162,4 +162,4 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                         y[r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual, r, jo * nb, 0, c)
 
     return signature(gemv, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
-                     "float16" if q4 else "float32", has_bias, has_residual)
+                     "float16" if grouped else "float32", has_bias, has_residual)

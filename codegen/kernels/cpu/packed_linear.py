@@ -18,12 +18,11 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
                          weight_dtype: str | None = None) -> tirx.PrimFunc:
     """CPU kernel over W packed as Wp[n/nb, k', nb]: each task owns nb output columns of every row,
     accumulates them for a tile of rows and reads each block of its weight panel once per row tile."""
-    stored_in = n_in // 2 if fmt.kind == "q4" else n_in
+    stored_in = n_in // 2 if fmt.nibbles else n_in
     x = te.placeholder((m, n_in), dtype, name="x")
     wp = te.placeholder((n_out // nb, stored_in, nb), weight_dtype or dtype, name="w")
-    scale = {"q8": te.placeholder((n_out,), "float32", name="scale"),
-             "fp8": te.placeholder((n_out,), "float32", name="scale"),
-             "q4": te.placeholder((n_in // max(fmt.group_size, 1), n_out), "float16", name="scale")}.get(fmt.kind)
+    scale = (te.placeholder((n_in // fmt.group_size, n_out), "float16", name="scale") if fmt.grouped
+             else te.placeholder((n_out,), "float32", name="scale") if fmt.kind in ("q8", "fp8") else None)
     bias = te.placeholder((n_out,), dtype, name="bias") if has_bias else None
     residual = te.placeholder((m, n_out), dtype, name="residual") if has_residual else None
     k = te.reduce_axis((0, n_in), "k")

@@ -56,7 +56,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     if not vnni_takes(n_out, n_in, nb, fmt):
         raise ValueError(f"the VNNI kernel takes q8/q4 with panels of a multiple of {LANES} columns and "
                          f"activation blocks of whole stored rows, not nb={nb}, {fmt}")
-    block, q4 = fmt.act_block, fmt.kind == "q4"
+    block, q4, grouped = fmt.act_block, fmt.nibbles, fmt.grouped      # q8g: q8's levels, q4's group scales
     parts = 2 if q4 else 1                             # blocks a stored row holds (q4: one per nibble)
     unit = parts * block                               # inputs of one run of stored rows
     unit_rows = block // QUAD                          # its stored rows
@@ -64,7 +64,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
-    scale_shape = (panels, n_in // fmt.group_size, nb) if q4 else (n_out,)      # q4: layout panelsNB
+    scale_shape = (panels, n_in // fmt.group_size, nb) if grouped else (n_out,)      # q4, q8g: layout panelsNB
     quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % parts)) if q4 else None)
     sum_blocks = x_block_sums(n_in, block, times=lambda b: -offset(b % parts))    # each block's dots start there
 
@@ -92,7 +92,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
 
     def block_scale(sx, scale, row, b, jo, vector):   # evaluated while parsing: float32x16, the GEMM's rounding
         x_scale = T.broadcast(sx[row, b], LANES)
-        if not q4 or scale is None:        # q8's weight scale is per output: applied in the epilogue
+        if not grouped or scale is None:   # q8's weight scale is per output: applied in the epilogue
             return x_scale
         columns = T.ramp(vector * LANES, 1, LANES)
         return x_scale * T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns])
@@ -164,4 +164,4 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                                                                     io * ROWS, jo * nb, r, c)
 
     return signature(vnni, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
-                     "float16" if q4 else "float32", has_bias, has_residual)
+                     "float16" if grouped else "float32", has_bias, has_residual)

