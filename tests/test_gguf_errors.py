@@ -19,14 +19,24 @@ def source(make_model):
 
 
 def compile_fails(path, tmp_path, *words):
+    """compile_model refuses `path` with a KilnError naming the file and `words`, and writes nothing."""
+    from kiln.compiler import compile_model
+    from kiln.errors import KilnError
     out = tmp_path / "artifact"
-    assert_clean_error(kiln("compile", path, "-o", out), str(path.name), *words)
+    with pytest.raises(KilnError) as refused:
+        compile_model(path, out, show=None)
+    assert "\n" not in str(refused.value)
+    for word in (str(path.name), *words):
+        assert word in str(refused.value), (word, str(refused.value))
     assert not out.exists() and not any(p.name.startswith("artifact") for p in tmp_path.iterdir())
 
 
-def test_truncated_file(source, tmp_path):
+def test_truncated_file_fails_the_command_with_one_line(source, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(source.read_bytes()[:source.stat().st_size * 2 // 3])
+    out = tmp_path / "artifact"
+    assert_clean_error(kiln("compile", cut, "-o", out), "cut.gguf", "truncated")
+    assert not out.exists()
     compile_fails(cut, tmp_path, "truncated")
 
 

@@ -56,10 +56,14 @@ def test_chat_answers_factual_questions(artifact):
     assert all(out.outputs[0].finish_reason in ("stop", "length") for out in outs)
 
 
-def test_perplexity_within_one_percent_of_transformers(artifact, smollm2):
+def test_perplexity_within_one_percent_of_transformers(artifact, smollm2, monkeypatch):
+    import functools
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    gguf = pytest.importorskip("gguf")
+    # transformers' GGUF loader builds gguf-py's name table once per module (8 s here): once is enough
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     from kiln.runtime.tokenizer import Tokenizer
     from kiln.testing.perplexity import chunks_of, english_text, kiln_perplexity, torch_perplexity
     ids = Tokenizer(artifact).encode(english_text(), add_special_tokens=False)
