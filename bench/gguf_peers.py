@@ -60,7 +60,8 @@ def kiln_compile(gguf: Path, artifact: Path, setting: str) -> Path:
 
 
 def llama_tokens(llama_cpp: Path, gguf: Path, text_file: Path) -> list[int]:
-    out = run([llama_cpp / "build" / "bin" / "llama-tokenize", "-m", gguf, "-f", text_file, "--ids", "--log-disable"])
+    out = run([llama_cpp / "build" / "bin" / "llama-tokenize", "-m", gguf, "-f", text_file, "--ids", "--log-disable",
+               "--no-escape"])          # the text as it is, as llama-perplexity reads it
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -83,8 +84,8 @@ def quality(args, llama_cpp: Path, work: Path) -> None:
     from kiln.runtime.tokenizer import Tokenizer
     from kiln.testing.perplexity import chunks_of, english_text, kiln_perplexity
     original = smollm2_file()
-    text_file = work / "text.txt"
-    text_file.write_text(english_text())
+    text, text_file = english_text(), work / "text.txt"
+    text_file.write_bytes(text.encode())          # as is: read_text() would turn its \r\n into \n
     f16 = quantize(llama_cpp, original, "F16", work / "smollm2-F16.gguf")
     rows = []
     for qtype in args.types.split(","):
@@ -95,7 +96,7 @@ def quality(args, llama_cpp: Path, work: Path) -> None:
         for setting in args.kiln.split(","):
             artifact = kiln_compile(gguf, work / f"artifact-{qtype}-{setting}", setting)
             tok = Tokenizer(artifact)
-            ours = tok.encode(text_file.read_text(), add_special_tokens=True)
+            ours = tok.encode(text, add_special_tokens=True)
             first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             same = "equal" if ours == theirs else f"differ from token {first}"
             bos = tok.token_to_id(tok.bos_token) if tok.adds_bos else None

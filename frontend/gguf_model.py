@@ -105,20 +105,33 @@ class GGUFModel:
         return Counter(t.type_name for name, t in self.file.tensors.items()
                        if name.startswith("blk.") and len(t.shape) >= 2)
 
+    def _nearest(self, type_name: str, target: str) -> tuple[str, int] | None:
+        """The kiln format (scheme, group size) nearest a GGUF tensor type; None for a float type."""
+        quant, group = FILE_TYPE_FORMATS.get(type_name, REQUANTIZED_FORMAT) or (None, 0)
+        if quant is None:
+            return None
+        return ("q8", 0) if quant == "q8g" and target != "cpu" else (quant, group)
+
     def default_options(self, options):
-        """`options` with the kiln format nearest the file's where the compile did not name one (--quant)."""
+        """`options` with the kiln format nearest the file's where the compile did not name one (--quant):
+        the blocks' linears by their dominant type, the LM head and the embedding table each by its own
+        (a Q4_0 file's tied table is Q8_0: kept q8g for the head, q8 for the lookup, not made 4-bit)."""
         if options.quant == "none":
             return replace(options, quant=None)
         if options.quant is not None:
             return options
-        dominant = self.linear_types().most_common(1)[0][0]
-        fmt = FILE_TYPE_FORMATS.get(dominant, REQUANTIZED_FORMAT)
-        if fmt is None:
+        target = options.target_name
+        body = self._nearest(self.linear_types().most_common(1)[0][0], target)
+        if body is None:
             return options
-        quant, group = fmt
-        if quant == "q8g" and options.target_name != "cpu":
-            quant = "q8"
-        return replace(options, quant=quant, group_size=group or options.group_size)
+        quant, group = body
+        table = self.file.tensors.get("token_embd.weight")
+        head = self.file.tensors.get("output.weight", table)
+        head_fmt = self._nearest(head.type_name, target) if head is not None else body
+        table_fmt = self._nearest(table.type_name, target) if table is not None else body
+        return replace(options, quant=quant, group_size=group or options.group_size,
+                       quant_lm_head=head_fmt is not None, lm_head_quant=head_fmt[0] if head_fmt else None,
+                       quant_embedding=table_fmt is not None, embedding_quant=table_fmt[0] if table_fmt else None)
 
     def source_record(self) -> dict:
         """The manifest's `source`: the file, its tensor types and what each tensor became."""

@@ -6,6 +6,8 @@ The vocabulary becomes a `tokenizers` model through transformers' GGUF converter
 BPE from the scores for `llama` ones). Two things are set here to do what llama.cpp does with the file:
   - a SentencePiece vocabulary with add_space_prefix (its default) gets a space before the text, always,
     and spaces become ▁ (llama.cpp's tokenizer; the converter's Metaspace skips the prefix before a space);
+  - byte-level vocabularies whose `tokenizer.ggml.pre` splits digits off first (SmolLM's, StarCoder's)
+    get that split, which the converter leaves out;
   - BOS (and EOS) are added as `tokenizer.ggml.add_bos_token` says (by default for SentencePiece only),
     and generation ends at EOS and at the end-of-turn tokens the file names (eot, eom)."""
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 END_TOKENS = ("eos_token_id", "eot_token_id", "eom_token_id")
+# llama.cpp's pre-tokenizers that split every digit off before GPT-2's split (llama-vocab.cpp), which
+# transformers' converter does not set (it knows Llama 3's, Qwen's, ... splits, not these)
+DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva", "mellum2")
 
 
 def _backend(path: Path, metadata: dict):
@@ -37,6 +42,12 @@ def _space_prefix(tok) -> None:
     from tokenizers import normalizers
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = None
+
+
+def _digits_first(tok) -> None:
+    from tokenizers import Regex, pre_tokenizers
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
 def _special_ends(tok, metadata: dict, add_bos: bool, add_eos: bool) -> None:
@@ -63,6 +74,8 @@ def write_gguf_tokenizer(path: Path, metadata: dict, out_dir: Path) -> list[str]
     if spm and metadata.get("tokenizer.ggml.add_space_prefix", True) and metadata.get("general.architecture") not in (
             "gemma2", "gemma3", "phi3"):       # their converters already spell the prefix as the model does
         _space_prefix(tok)
+    if vocab.get("tokenizer_type") == "gpt2" and vocab.get("pre_tokenizer_type") in DIGITS_FIRST:
+        _digits_first(tok)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", spm))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     _special_ends(tok, metadata, add_bos, add_eos)

@@ -116,6 +116,15 @@ def compile_model(model_dir: str | Path, out_dir: str | Path, options: CompileOp
         return _compile_into(model_dir, partial, options, show, dump)
 
 
+def _lm_head_format(graph, quant: str | None) -> str | None:
+    """The LM head's weight format where it is not the other linears' (None: the same)."""
+    from kiln.passes.quantize import Quantize
+    heads = Quantize._linears_feeding(graph, graph.outputs)
+    head = next((n for n in graph.nodes if n.op == "linear" and n.output in heads), None)
+    fmt = weight_format(head) if head is not None else "none"
+    return fmt if quant and fmt not in ("none", quant) else None
+
+
 def _activation_block(graph) -> int:
     """The int8 activation block of the graph's q8/q4 linears (0: float activations)."""
     return max((n.attrs.get("act_block", 0) for n in graph.nodes if n.op == "linear"), default=0)
@@ -189,7 +198,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         quantization=Quantization(quant or "none", bool(quant and options.quant_lm_head), embedding,
                                   embedding_shared, kv_dtype or "none",
                                   options.group_size if quant in ("q4", "q8g") else None,
-                                  _activation_block(graph)),
+                                  _activation_block(graph), _lm_head_format(graph, quant)),
         kv=KVLayout(tgt.page_size, tuple(graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs)))),
         vocab_size=c.vocab_size,
         max_context=c.max_context,

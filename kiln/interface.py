@@ -211,6 +211,7 @@ class Quantization:
     kv_cache: str = "none"
     group_size: int | None = None                    # q4's
     activation_block: int = 0                        # int8 activations' block (0: float activations)
+    lm_head_format: str | None = None                # the LM head's scheme where it is not `weights`
 
 
 @dataclass(frozen=True)

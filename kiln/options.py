@@ -25,6 +25,8 @@ class CompileOptions:
     group_size: int = 32                     # q4's input channels per scale
     quant_lm_head: bool = True
     quant_embedding: bool = True             # with quant: the embedding table in the same scheme
+    lm_head_quant: str | None = None         # the LM head's scheme where it is not quant's (GGUF files' own)
+    embedding_quant: str | None = None       # the embedding table's likewise
     kv_dtype: str | None = None              # the KV cache stored as int8 or fp8 (None: the dtype)
     int8_activations: bool | None = None     # q8/q4 linears on int8 activations (None: where the target has them)
     mla_expanded_from: int | None = None     # MLA prefill steps of this many tokens a sequence and up run the

@@ -14,11 +14,10 @@ With act_block > 0 (the target's choice), q8/q4 linears get {act_block}: their i
 quantised to int8 in blocks of act_block inputs and multiplied in integer dot products (ir/ops.py
 gives the numerics); MoE experts keep float activations.
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
-  logits) only when `lm_head` is set. MoE routers (linears feeding moe_router) stay in float, as
-  llama.cpp keeps them: a rounding there changes which experts run. MLA's kv_b_proj in the expanded
-  form (feeding expanded_attend) stays in float, as its absorbed halves do, so that both forms compute
-  one function. Embedding tables are left to
-  quantize_embedding.
+  logits) only when `lm_head` is set, in `lm_head_mode` where that is given. MoE routers (linears
+  feeding moe_router) stay in float, as llama.cpp keeps them: a rounding there changes which experts
+  run. MLA's kv_b_proj in the expanded form (feeding expanded_attend) stays in float, as its absorbed
+  halves do, so that both forms compute one function. Embedding tables are left to quantize_embedding.
 Leaves: %y keeps its name and type; the float weight param is dropped once no node reads it.
 """
 from __future__ import annotations
@@ -59,10 +58,12 @@ class Quantize(GraphPass):
     lm_head: bool = True
     group_size: int = 32          # q4 only: inputs per scale
     act_block: int = 0            # q8/q4 linears: > 0 quantises x to int8 in blocks of this many inputs
+    lm_head_mode: str | None = None   # the LM head's scheme where it is not `mode` (a GGUF file's own head's)
 
     def __post_init__(self):
-        if self.mode not in SCHEMES:
-            raise ValueError(f"unknown quantisation mode {self.mode!r} (known: {', '.join(SCHEMES)})")
+        for mode in (self.mode, self.lm_head_mode or self.mode):
+            if mode not in SCHEMES:
+                raise ValueError(f"unknown quantisation mode {mode!r} (known: {', '.join(SCHEMES)})")
 
     @staticmethod
     def _linears_feeding(graph: Graph, values: list[str]) -> set[str]:
@@ -81,12 +82,11 @@ class Quantize(GraphPass):
         return heads
 
     def rewrite(self, graph: Graph) -> Graph:
-        scheme = SCHEMES[self.mode]
         skip = self._linears_feeding(graph, [input_of(n, "logits") for n in graph.nodes if n.op == "moe_router"])
         skip |= self._linears_feeding(graph, [input_of(n, "kv") for n in graph.nodes if n.op == "expanded_attend"])
+        heads = self._linears_feeding(graph, graph.outputs)
         if not self.lm_head:
-            skip |= self._linears_feeding(graph, graph.outputs)
-        grouped = scheme.grouped
+            skip |= heads
         for node in graph.nodes:
             if weight_format(node) != "none":
                 continue
@@ -94,22 +94,24 @@ class Quantize(GraphPass):
                 self._quantize_experts(graph, node)
             if node.op != "linear" or node.output in skip or input_of(node, "weight") not in graph.params:
                 continue
+            mode = self.lm_head_mode if self.lm_head_mode and node.output in heads else self.mode
+            grouped = SCHEMES[mode].grouped
             w = graph.params[input_of(node, "weight")]
             if grouped and w.type.shape[1] % self.group_size:
                 continue                  # a width the groups do not divide stays in float
-            q, scale = add_quantized_params(graph, w, self.mode, self.group_size)
+            q, scale = add_quantized_params(graph, w, mode, self.group_size)
             node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
-            node.attrs = attrs_for("linear", format=self.mode, **({"group_size": self.group_size} if grouped else {}),
-                                   act_block=self.act_block if self.mode in ("q8", "q4", "q8g")
-                                   and self._int8_activations(w.type.shape[1]) else 0)
+            node.attrs = attrs_for("linear", format=mode, **({"group_size": self.group_size} if grouped else {}),
+                                   act_block=self.act_block if mode in ("q8", "q4", "q8g")
+                                   and self._int8_activations(w.type.shape[1], mode) else 0)
         return drop_unused_params(graph)
 
-    def _int8_activations(self, n_in: int) -> bool:
+    def _int8_activations(self, n_in: int, mode: str) -> bool:
         """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
         and, for q4, its groups)."""
         return (self.act_block > 0 and n_in % self.act_block == 0
-                and (not SCHEMES[self.mode].grouped or self.group_size % self.act_block == 0))
+                and (not SCHEMES[mode].grouped or self.group_size % self.act_block == 0))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
         mode = "q8" if self.mode == "q8g" else self.mode        # the grouped expert kernels read q4's groups only

@@ -70,6 +70,8 @@ def test_quantised_blocks_are_stored_exactly(make_model, qtype, scheme):
     model = load_model(path)
     options = model.default_options(CompileOptions())
     assert (options.quant, options.group_size) == (scheme, 32)
+    # the file's F32 output and embedding tables stay float: none is made coarser than the file holds it
+    assert not options.quant_lm_head and not options.quant_embedding
     graph, _ = run_pipeline(model.build_graph("float32", PAGE_SIZE), "cpu", options=options)
     load = weight_loader(graph, lambda name: model.weight(name, "float32"),
                          quantizers=model.quantizers({}), load_source=lambda name: model.weight_source(name, "float32"))

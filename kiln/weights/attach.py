@@ -41,6 +41,8 @@ def planned_graph(model, manifest: Manifest):
     target = planned_target(manifest.target.name, manifest.target.arch, quant.activation_block)
     options = CompileOptions(target=target, quant=None if quant.weights == "none" else quant.weights,
                              quant_lm_head=quant.lm_head, group_size=quant.group_size or 32,
+                             lm_head_quant=quant.lm_head_format,
+                             embedding_quant=None if quant.embedding in ("none", quant.weights) else quant.embedding,
                              kv_dtype=None if quant.kv_cache == "none" else quant.kv_cache,
                              quant_embedding=quant.embedding != "none",
                              # a latent (MLA) model's prefill entry starts at compile's --mla-expanded-from (0: none)
