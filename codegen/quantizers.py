@@ -173,4 +173,4 @@ def fast_quantizers() -> dict:
     from kiln.host_cpu import has_llvm
     assert SCHEMES["q4"].grouped and not SCHEMES["q8"].grouped and not SCHEMES["fp8"].grouped
     return {"q4": quantize_q4 if has_llvm() else SCHEMES["q4"].quantize, "q8": by_rows(SCHEMES["q8"].quantize),
-            "fp8": by_rows(SCHEMES["fp8"].quantize), "q8g": SCHEMES["q8g"].quantize}
+            "fp8": by_rows(SCHEMES["fp8"].quantize), "q8g": SCHEMES["q8g"].quantize, "q4a": SCHEMES["q4a"].quantize}

@@ -1,8 +1,9 @@
 """A GGUF model as kiln's importer sees any model: a DecoderConfig, a graph and weights by HF name,
 and the tokenizer files (frontend/hf.py's interface), read from the file alone.
 
-Weights keep the file's numbers where kiln has the format (F32/F16/BF16 as stored, Q4_0 as q4 in
-groups of 32); every other type is dequantised by llama.cpp's own dequantiser and, where the compile
+Weights keep the file's numbers where kiln has the format (F32/F16/BF16 as stored, Q4_0 as q4, Q8_0
+as q8g, Q4_1 as q4a in groups of 32; Q4_K as q4a, its scales rounded to float16); every other type is
+dequantised by llama.cpp's own dequantiser and, where the compile
 quantises, requantised. `default_options` picks the kiln format nearest the file's when `--quant` is
 not given, and `source_record` tells the manifest (and `kiln inspect`) what each tensor got."""
 from __future__ import annotations
@@ -26,8 +27,10 @@ from .gguf_tokenizer import write_gguf_tokenizer
 
 # The kiln format a compile without --quant gives each file type (general.file_type's dominant linear
 # type): the same numbers where kiln stores them, else the nearest format that keeps llama.cpp's quality
-# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32) has CPU kernels only: GPU targets get q8.
-FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8g", 32)}
+# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32) and q4a (int4 with group minimums) have
+# CPU kernels only: GPU targets get q8.
+FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8g", 32),
+                     "Q4_1": ("q4a", 32), "Q4_K": ("q4a", 32)}
 REQUANTIZED_FORMAT = ("q8g", 32)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
 
@@ -110,7 +113,7 @@ class GGUFModel:
         quant, group = FILE_TYPE_FORMATS.get(type_name, REQUANTIZED_FORMAT) or (None, 0)
         if quant is None:
             return None
-        return ("q8", 0) if quant == "q8g" and target != "cpu" else (quant, group)
+        return ("q8", 0) if quant in ("q8g", "q4a") and target != "cpu" else (quant, group)
 
     def default_options(self, options):
         """`options` with the kiln format nearest the file's where the compile did not name one (--quant):
@@ -131,7 +134,24 @@ class GGUFModel:
         table_fmt = self._nearest(table.type_name, target) if table is not None else body
         return replace(options, quant=quant, group_size=group or options.group_size,
                        quant_lm_head=head_fmt is not None, lm_head_quant=head_fmt[0] if head_fmt else None,
-                       quant_embedding=table_fmt is not None, embedding_quant=table_fmt[0] if table_fmt else None)
+                       quant_embedding=table_fmt is not None, embedding_quant=table_fmt[0] if table_fmt else None,
+                       tensor_quant=self._tensor_formats(body, target))
+
+    def _tensor_formats(self, body: tuple[str, int], target: str) -> tuple[tuple[str, str], ...]:
+        """(kiln weight, scheme) for each block matrix of a type whose nearest format is not the body's
+        (Q4_K_M's Q6_K value and down projections: q8g beside the Q4_K matrices' q4a). A float matrix in
+        a quantised file keeps the body's format; so does one whose group size would differ."""
+        found = []
+        for name, param in self.build_graph("float32", 16).params.items():
+            if param.recipe is not None or len(param.type.shape) != 2 or name not in self.checkpoint:
+                continue
+            file_name, _ = self.checkpoint.file_name(name)
+            if not file_name.startswith("blk."):
+                continue
+            own = self._nearest(self.file.tensors[file_name].type_name, target)
+            if own is not None and own != body and own[1] in (body[1], 0):
+                found.append((name, own[0]))
+        return tuple(found)
 
     def source_record(self) -> dict:
         """The manifest's `source`: the file, its tensor types and what each tensor became."""

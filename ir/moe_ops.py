@@ -27,7 +27,7 @@ import numpy as np
 from .opdef import ACTIVATIONS, REQUIRED, as_type, f32, op
 from .quant import SCHEMES as QUANT_SCHEMES
 
-EXPERT_FORMATS = ("q8", "q4", "fp8")       # a q8g model's experts are q8 (passes/quantize.py)
+EXPERT_FORMATS = ("q8", "q4", "fp8")       # a q8g model's experts are q8, a q4a one's q4 (passes/quantize.py)
 from .types import IRError, TensorType
 
 SCHEMES = ("softmax_topk", "topk_softmax", "softmax_group_max", "sigmoid_group_top2")

@@ -136,7 +136,7 @@ def _check_format(attrs, fail) -> str:
     fmt = attrs.get("format", "none")
     if fmt not in WEIGHT_FORMATS:
         fail(f"format must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
-    if fmt in ("q4", "q8g") and (attrs.get("group_size", 0) <= 0 or attrs["group_size"] % 2):
+    if SCHEMES.get(fmt) and SCHEMES[fmt].grouped and (attrs.get("group_size", 0) <= 0 or attrs["group_size"] % 2):
         fail(f"format {fmt} needs an even group_size > 0, got {attrs.get('group_size', 0)}")
     return fmt
 
@@ -166,8 +166,8 @@ def _embed():
                 fail(f"table must be 2-D [vocab, hidden], got {table}")
             return TensorType((ids.shape[0], table.shape[1]), table.dtype)
         scheme = SCHEMES[fmt]
-        if fmt == "q8g":
-            fail("an embedding table is stored q8 (a scale per row), not q8g")
+        if fmt in ("q8g", "q4a"):
+            fail(f"an embedding table is stored q8 (a scale per row) or q4, not {fmt}")
         short = str(TensorType((), scheme.weight_dtype))[:-2]
         if attrs.get("dtype") not in FLOAT_DTYPES:
             fail(f"dtype must be a float dtype, got {attrs.get('dtype')!r}")
@@ -229,11 +229,15 @@ def _linear():
             [in/group_size, out]: W[n, k] = (nibble - 8) * scale[k // group_size, n].
       q8g   int8 weight [out, in] with f16 scales [in/group_size, out]: W[n, k] = weight[n, k] *
             scale[k // group_size, n] (GGUF's Q8_0 for groups of 32).
-    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4, q8g; dividing the
+      q4a   u8 weight [out, in/2] of two nibbles (the level 0..15, even input index low) with f16
+            scales and minimums [2 · in/group_size, out]: W[n, k] = nibble · scale[2g, n] +
+            scale[2g + 1, n], g = k // group_size (GGUF's Q4_1 for groups of 32).
+    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4, q8g, q4a; dividing the
     group_size): x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
     quantize_activations) and each block's integer dot with the levels scaled by x's block scale
-    (times q4's or q8g's group scale), the blocks summed in order, then scaled by q8's channel scale
-    (llama.cpp's Q8_0 × Q8_0).
+    (times the group's scale), the blocks summed in order (q4a adding Σ x's levels times x's block
+    scale times the group's minimum after each), then scaled by q8's channel scale (llama.cpp's
+    Q8_0 × Q8_0).
 
     The product is rounded to x's dtype and then the residual added, exactly as a separate add
     would; a fused kernel does it in its epilogue."""
@@ -248,23 +252,24 @@ def _linear():
                 fail(f"weight must be [out, {k}], got {w}")
             if w.dtype != x.dtype:
                 fail(f"weight dtype {w.dtype} differs from x dtype {x.dtype}")
-        elif fmt in ("q4", "q8g"):
-            g, per_byte, short = attrs["group_size"], SCHEMES[fmt].per_byte, "u8" if fmt == "q4" else "i8"
+        elif SCHEMES[fmt].grouped:
+            scheme, g = SCHEMES[fmt], attrs["group_size"]
+            per_byte, short = scheme.per_byte, "u8" if scheme.weight_dtype == "uint8" else "i8"
             if not isinstance(k, int) or k % g:
                 fail(f"input width {k} must be a multiple of an even group_size {g}")
-            if w.dtype != SCHEMES[fmt].weight_dtype or w.rank != 2 or w.shape[1] * per_byte != k:
+            if w.dtype != scheme.weight_dtype or w.rank != 2 or w.shape[1] * per_byte != k:
                 fail(f"weight must be {short}[out, {k // per_byte}], got {w}")
-            if s.dtype != "float16" or s.shape != (k // g, w.shape[0]):
-                fail(f"scale must be f16[{k // g}, {w.shape[0]}], got {s}")
+            if s.dtype != "float16" or s.shape != (k // g * scheme.scale_rows, w.shape[0]):
+                fail(f"scale must be f16[{k // g * scheme.scale_rows}, {w.shape[0]}], got {s}")
         else:
             weight_dtype = SCHEMES[fmt].weight_dtype
             if w.dtype != weight_dtype or w.rank != 2 or w.shape[1] != k:
                 fail(f"weight must be {str(TensorType((), weight_dtype))[:-2]}[out, {k}], got {w}")
             if s.dtype != "float32" or s.shape != (w.shape[0],):
                 fail(f"scale must be f32[{w.shape[0]}], got {s}")
-        if attrs.get("act_block", 0) and fmt not in ("q8", "q4", "q8g"):
-            fail(f"act_block applies to q8, q8g and q4 weights, not {fmt}")
-        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if fmt in ("q4", "q8g") else 0)
+        if attrs.get("act_block", 0) and fmt not in ("q8", "q4", "q8g", "q4a"):
+            fail(f"act_block applies to q8, q8g, q4 and q4a weights, not {fmt}")
+        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if fmt in ("q4", "q8g", "q4a") else 0)
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
@@ -272,16 +277,20 @@ def _linear():
         epilogue = x[3:]
         if fmt == "none":
             return _linear_ref(f32(x[0]) @ f32(x[1]).T, epilogue, ty)
-        if fmt in ("q4", "q8g"):
+        if fmt in ("q4", "q8g", "q4a"):
             packed = np.asarray(x[1])
-            levels = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32) - 8
-                      if fmt == "q4" else packed.astype(np.float32))
-            scale, g = f32(x[2]), at["group_size"]
+            levels = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
+                      - (8 if fmt == "q4" else 0) if fmt != "q8g" else packed.astype(np.float32))
+            table, g = f32(x[2]), at["group_size"]
+            scale, minimum = (table[0::2], table[1::2]) if fmt == "q4a" else (table, None)
             if block:
                 rows = f32(x[0]).reshape(-1, x[0].shape[-1])
-                y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block)
+                y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block,
+                                           None if minimum is None else lambda b: minimum[b * block // g])
                 return _linear_ref(y.reshape(*x[0].shape[:-1], -1), epilogue, ty)
-            return _linear_ref(f32(x[0]) @ (levels * np.repeat(scale.T, g, axis=1)).T, epilogue, ty)
+            w = levels * np.repeat(scale.T, g, axis=1)
+            w = w if minimum is None else w + np.repeat(minimum.T, g, axis=1)
+            return _linear_ref(f32(x[0]) @ w.T, epilogue, ty)
         if block:
             rows = f32(x[0]).reshape(-1, x[0].shape[-1])
             y = int8_activation_matmul(rows, np.asarray(x[1]), None, block) * f32(x[2])[None, :]

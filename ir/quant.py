@@ -23,6 +23,7 @@ class Scheme:
     scale_dtype: str = "float32"
     grouped: bool = False          # scales per group of inputs, stored [in / group, out]
     per_byte: int = 1              # levels a stored byte holds (q4: two 4-bit values)
+    scale_rows: int = 1            # rows of the scale table per group (q4a: its scale, then its minimum)
 
     def output_axis(self, part: str) -> int:
         """The axis of a stored part that runs over output features (grouped scales are [in / group, out])."""
@@ -31,7 +32,7 @@ class Scheme:
     def part_shapes(self, out_features: int, in_features: int, group_size: int = 0) -> dict[str, tuple]:
         q = (out_features, in_features // self.per_byte)
         if self.grouped:
-            return {"q": q, "scale": (in_features // group_size, out_features)}
+            return {"q": q, "scale": (in_features // group_size * self.scale_rows, out_features)}
         return {"q": q, "scale": (out_features,)}
 
 
@@ -116,6 +117,36 @@ def _q4_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.nda
     return nibbles * np.repeat(scale.T.astype(np.float32), group_size, axis=1)
 
 
+def _q4a_quantize(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
+    """Asymmetric int4 in groups of `group_size` inputs: W ≈ level · scale + minimum, level in 0..15,
+    a float16 scale and minimum per group (GGUF's Q4_1 layout for groups of 32). minimum is the
+    group's least value and scale (max - min) / 15, each rounded to float16 as stored; the levels are
+    rint((w - minimum) / scale) clipped to 0..15 (0 where the scale is 0). Nibbles as q4's (even k
+    low); the scale table is [2 · in / group, out], group g's scale in row 2g and its minimum in 2g + 1."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    groups = w.reshape(n, k // group_size, group_size)
+    low = groups.min(axis=-1).astype(np.float16).astype(np.float32)
+    scale = ((groups.max(axis=-1) - low) / np.float32(15)).astype(np.float16).astype(np.float32)
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+    q = np.where(scale[..., None] == 0, np.float32(0), np.clip(np.rint((groups - low[..., None]) / safe), 0, 15))
+    nibbles = q.astype(np.uint8).reshape(n, k)
+    return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), "scale": q4a_scale_table(scale, low)}
+
+
+def q4a_scale_table(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+    """A q4a weight's scale table from its [out, groups] scales and minimums: f16 [2 · groups, out]."""
+    table = np.stack([scale, minimum], axis=1)                      # [out, 2, groups]
+    return np.ascontiguousarray(table.transpose(2, 1, 0).reshape(-1, scale.shape[0]).astype(np.float16))
+
+
+def _q4a_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.ndarray:
+    packed, table = parts["q"], parts["scale"].astype(np.float32)
+    n = packed.shape[0]
+    levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1).astype(np.float32)
+    return (levels * np.repeat(table[0::2].T, group_size, axis=1)) + np.repeat(table[1::2].T, group_size, axis=1)
+
+
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
 
 
@@ -133,6 +164,9 @@ SCHEMES = {
     "q4": Scheme("q4", "uint8", _q4_quantize, _q4_dequantize, scale_dtype="float16", grouped=True, per_byte=2),
     # int8 in groups with float16 scales: GGUF's Q8_0 kept exactly (frontend/gguf_tensors.py)
     "q8g": Scheme("q8g", "int8", _q8g_quantize, _q8g_dequantize, scale_dtype="float16", grouped=True),
+    # int4 with a minimum per group: GGUF's Q4_1 kept exactly, its Q4_K nearly (frontend/gguf_tensors.py)
+    "q4a": Scheme("q4a", "uint8", _q4a_quantize, _q4a_dequantize, scale_dtype="float16", grouped=True, per_byte=2,
+                  scale_rows=2),
 }
 WEIGHT_FORMATS = ("none", *SCHEMES)      # a weight's `format` attribute: as stored, or a scheme's
 
@@ -149,10 +183,12 @@ def quantize_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndar
     return np.rint(blocks * inverse[..., None]), amax / np.float32(127)
 
 
-def int8_activation_matmul(x: np.ndarray, w_int: np.ndarray, block_scale, block: int) -> np.ndarray:
-    """sum over blocks b, in order, of float32(xq_b · w_int_b) * (x_scale_b * block_scale(b)):
-    x [rows, k] quantised by quantize_activations, w_int [out, k] integer weight levels,
-    block_scale(b) None (one per block: none) or a float32 [out] factor for block b.
+def int8_activation_matmul(x: np.ndarray, w_int: np.ndarray, block_scale, block: int,
+                           block_minimum=None) -> np.ndarray:
+    """sum over blocks b, in order, of float32(xq_b · w_int_b) * (x_scale_b * block_scale(b)), then
+    (q4a) + float32(Σ xq_b) * (x_scale_b * block_minimum(b)): x [rows, k] quantised by
+    quantize_activations, w_int [out, k] integer weight levels, block_scale(b) None (one per block:
+    none) or a float32 [out] factor for block b, block_minimum(b) likewise the group's minimum.
     The per-block integer dots are exact (|sum| < 2^24), so only the float sum is ordered."""
     q, x_scale = quantize_activations(x, block)
     w_blocks = np.asarray(w_int, np.float64).reshape(w_int.shape[0], -1, block)
@@ -161,6 +197,8 @@ def int8_activation_matmul(x: np.ndarray, w_int: np.ndarray, block_scale, block:
         dots = (q[:, b].astype(np.float64) @ w_blocks[:, b].T).astype(np.float32)
         factor = x_scale[:, b, None] if block_scale is None else x_scale[:, b, None] * block_scale(b)[None, :]
         acc += dots * factor
+        if block_minimum is not None:
+            acc += q[:, b].sum(axis=-1, keepdims=True) * (x_scale[:, b, None] * block_minimum(b)[None, :])
     return acc
 
 @dataclass(frozen=True)

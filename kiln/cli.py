@@ -105,9 +105,11 @@ def main(debug):
 @click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="Weight and activation dtype (default: float32 on cpu, float16 on GPUs).")
 @click.option("--quant", type=click.Choice(["f32", "f16", "bf16", *WEIGHT_QUANTS]), default=None,
-              help="f32/f16/bf16: that dtype, unquantised; default: the model's own (a GGUF file's, else unquantised); q8: int8 weights with per-channel scales; "
-                   "q4: int4 weights in groups with float16 scales; fp8: float8 e4m3 weights with "
-                   "per-channel scales (cuda sm_89+, and cpu in software).")
+              help="f32/f16/bf16: that dtype, unquantised; default: the model's own (a GGUF file's, else "
+                   "unquantised); q8: int8 weights with per-channel scales; q4: int4 weights in groups with "
+                   "float16 scales; q8g: int8 in groups (cpu); q4a: int4 in groups with a float16 scale and "
+                   "minimum each (cpu); fp8: float8 e4m3 weights with per-channel scales (cuda sm_89+, and cpu "
+                   "in software).")
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
@@ -145,8 +147,9 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
             force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, attention, weights):
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
-    A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16, Q4_0 as q4 in groups of
-    32); other types are requantised (q8) unless --quant names a format (f32/f16/bf16: unquantised).
+    A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16; Q4_0 as q4, Q8_0 as q8g,
+    Q4_1 and Q4_K as q4a, in groups of 32); other types are requantised (q8g) unless --quant names a
+    format (f32/f16/bf16: unquantised).
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile
     leaves nothing behind, and nothing but a kiln artifact (with --force) is ever replaced.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 from kiln.artifact import WEIGHTS, read_manifest, verify_files
@@ -81,6 +82,10 @@ def _quantization(m: Manifest) -> str:
                 else "the LM head too" if q.lm_head else f"the LM head in {dtype}")
         table = f"the embedding table {q.embedding}" if q.embedding != "none" else f"the embedding table in {dtype}"
         weights = f"weights {q.weights}{group} ({head}, {table})"
+        if q.tensor_formats:
+            counts = Counter(q.tensor_formats.values())
+            weights += "; " + ", ".join(f"{n} {'tensor' if n == 1 else 'tensors'} {fmt}"
+                                        for fmt, n in sorted(counts.items()))
     if q.embedding_shared_with_lm_head:
         weights += "; the embedding table is the LM head's, stored once"
     if q.activation_block:

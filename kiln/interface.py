@@ -212,6 +212,7 @@ class Quantization:
     group_size: int | None = None                    # q4's
     activation_block: int = 0                        # int8 activations' block (0: float activations)
     lm_head_format: str | None = None                # the LM head's scheme where it is not `weights`
+    tensor_formats: dict | None = None               # weight -> scheme, where not `weights` (a GGUF file's mix)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from kiln.errors import KilnError
 
 DTYPES = ("float32", "float16", "bfloat16")
-WEIGHT_QUANTS = ("q8", "q4", "fp8", "q8g")   # ir/quant.py SCHEMES
+WEIGHT_QUANTS = ("q8", "q4", "fp8", "q8g", "q4a")   # ir/quant.py SCHEMES
 KV_DTYPES = ("int8", "fp8")                  # ir/quant.py KV_SCHEMES
 GROUP_SIZES = (32, 128)                      # q4's and q8g's input channels per scale
 ATTENTION_CHOICES = ("builtin", "flashinfer")
@@ -27,6 +27,8 @@ class CompileOptions:
     quant_embedding: bool = True             # with quant: the embedding table in the same scheme
     lm_head_quant: str | None = None         # the LM head's scheme where it is not quant's (GGUF files' own)
     embedding_quant: str | None = None       # the embedding table's likewise
+    tensor_quant: tuple[tuple[str, str], ...] = ()   # (weight, scheme) where it is not quant's (a GGUF file's
+    #                                          tensors of another type); a fused weight takes its parts' finest
     kv_dtype: str | None = None              # the KV cache stored as int8 or fp8 (None: the dtype)
     int8_activations: bool | None = None     # q8/q4 linears on int8 activations (None: where the target has them)
     mla_expanded_from: int | None = None     # MLA prefill steps of this many tokens a sequence and up run the
@@ -48,9 +50,9 @@ class CompileOptions:
             raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.mla_expanded_from is not None and self.mla_expanded_from < 0:
             raise KilnError(f"--mla-expanded-from {self.mla_expanded_from} is negative")
-        if self.int8_activations and self.quant not in ("q8", "q4", "q8g"):
-            raise KilnError("--activations int8 needs --quant q8, q8g or q4 (the integer dot products read those "
-                            "weights)")
+        if self.int8_activations and self.quant not in ("q8", "q4", "q8g", "q4a"):
+            raise KilnError("--activations int8 needs --quant q8, q8g, q4 or q4a (the integer dot products read "
+                            "those weights)")
         object.__setattr__(self, "disable_passes", frozenset(self.disable_passes))
 
     @property

@@ -93,10 +93,11 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
                             "dot-product linear kernel (the cpu target has one where the CPU has AVX2)")
         act_block = target.activation_block if options.int8_activations is not False else 0
         passes.append(Quantize(options.quant, lm_head=options.quant_lm_head, group_size=options.group_size,
-                               act_block=act_block, lm_head_mode=options.lm_head_quant))
-        if options.quant_embedding:        # a q8g table: q8, a scale per row (an embed's format)
+                               act_block=act_block, lm_head_mode=options.lm_head_quant,
+                               tensor_modes=options.tensor_quant))
+        if options.quant_embedding:        # a q8g or q4a table: q8, a scale per row (an embed's format)
             table = options.embedding_quant or options.quant
-            passes.append(QuantizeEmbedding("q8" if table == "q8g" else table, group_size=options.group_size))
+            passes.append(QuantizeEmbedding("q8" if table in ("q8g", "q4a") else table, group_size=options.group_size))
     if options.kv_dtype:
         passes.append(QuantizeKV(options.kv_dtype))
     passes.append(SelectKernels(target))           # last: what codegen emits is chosen from the graph as it is

@@ -1,7 +1,7 @@
 """quantize: projections read int8 weights with per-channel scales (weight-only quantisation).
 
 Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales; q8g
-too, with int8 levels; MoE experts of a q8g model are q8):
+too, with int8 levels; q4a too, with group minimums; MoE experts of a q8g model are q8, of a q4a one q4):
     %y = linear(%x, @w[, _, @b][, %r])
   ->
     %y = linear(%x, @w.q8, @w.q8_scale[, @b][, %r]) {format='q8'}
@@ -13,6 +13,8 @@ too, with int8 levels; MoE experts of a q8g model are q8):
 With act_block > 0 (the target's choice), q8/q4 linears get {act_block}: their input rows are
 quantised to int8 in blocks of act_block inputs and multiplied in integer dot products (ir/ops.py
 gives the numerics); MoE experts keep float activations.
+A weight named in `tensor_modes` takes its own scheme (a GGUF file's tensors of another type); a fused
+weight the finest of its parts'.
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
   logits) only when `lm_head` is set, in `lm_head_mode` where that is given. MoE routers (linears
   feeding moe_router) stay in float, as llama.cpp keeps them: a rounding there changes which experts
@@ -29,6 +31,8 @@ from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, name
 from kiln.ir.quant import SCHEMES
 
 from .graph_pass import GraphPass
+
+SCHEME_BITS = {"q8": 8, "q8g": 8, "fp8": 8, "q4": 4, "q4a": 4}        # bits a stored weight takes
 from .rewrite import drop_unused_params
 
 
@@ -59,9 +63,10 @@ class Quantize(GraphPass):
     group_size: int = 32          # q4 only: inputs per scale
     act_block: int = 0            # q8/q4 linears: > 0 quantises x to int8 in blocks of this many inputs
     lm_head_mode: str | None = None   # the LM head's scheme where it is not `mode` (a GGUF file's own head's)
+    tensor_modes: tuple[tuple[str, str], ...] = ()   # (weight, scheme) where it is not `mode`
 
     def __post_init__(self):
-        for mode in (self.mode, self.lm_head_mode or self.mode):
+        for mode in (self.mode, self.lm_head_mode or self.mode, *(m for _, m in self.tensor_modes)):
             if mode not in SCHEMES:
                 raise ValueError(f"unknown quantisation mode {mode!r} (known: {', '.join(SCHEMES)})")
 
@@ -94,18 +99,25 @@ class Quantize(GraphPass):
                 self._quantize_experts(graph, node)
             if node.op != "linear" or node.output in skip or input_of(node, "weight") not in graph.params:
                 continue
-            mode = self.lm_head_mode if self.lm_head_mode and node.output in heads else self.mode
-            grouped = SCHEMES[mode].grouped
             w = graph.params[input_of(node, "weight")]
+            mode = self.lm_head_mode if self.lm_head_mode and node.output in heads else self._mode_of(w)
+            grouped = SCHEMES[mode].grouped
             if grouped and w.type.shape[1] % self.group_size:
                 continue                  # a width the groups do not divide stays in float
             q, scale = add_quantized_params(graph, w, mode, self.group_size)
             node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
             node.attrs = attrs_for("linear", format=mode, **({"group_size": self.group_size} if grouped else {}),
-                                   act_block=self.act_block if mode in ("q8", "q4", "q8g")
+                                   act_block=self.act_block if mode in ("q8", "q4", "q8g", "q4a")
                                    and self._int8_activations(w.type.shape[1], mode) else 0)
         return drop_unused_params(graph)
+
+    def _mode_of(self, w: Param) -> str:
+        """The scheme of weight `w`: its own (tensor_modes) or `mode`; a fused weight (qkv, gate/up) takes
+        the scheme of most bits among its parts', so that no part is stored coarser than it was asked for."""
+        modes = dict(self.tensor_modes)
+        parts = (w.recipe or {}).get("concat", [w.name])
+        return max((modes.get(part, self.mode) for part in parts), key=lambda mode: SCHEME_BITS[mode])
 
     def _int8_activations(self, n_in: int, mode: str) -> bool:
         """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
@@ -114,7 +126,7 @@ class Quantize(GraphPass):
                 and (not SCHEMES[mode].grouped or self.group_size % self.act_block == 0))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
-        mode = "q8" if self.mode == "q8g" else self.mode        # the grouped expert kernels read q4's groups only
+        mode = {"q8g": "q8", "q4a": "q4"}.get(self.mode, self.mode)   # the grouped expert kernels read q4's groups only
         gate_up, down = (graph.params[input_of(node, name)] for name in ("gate_up", "down"))
         if SCHEMES[mode].grouped and (gate_up.type.shape[2] % self.group_size or down.type.shape[2] % self.group_size):
             return                        # widths the groups do not divide stay in float

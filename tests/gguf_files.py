@@ -143,17 +143,19 @@ def rewritten(source: Path, out: Path, field: str | None = None, value=None, ten
     return out
 
 
-def quantized(source: Path, qtype: str) -> Path:
+def quantized(source: Path, qtype: str, others: tuple[tuple[str, str], ...] = ()) -> Path:
     """`source` (an F32 GGUF) with its blocks' matrices quantised to `qtype` by gguf-py (as llama-quantize
-    quantises a pure file: every 2-D weight of the blocks; embedding, output and norms kept)."""
+    quantises a pure file: every 2-D weight of the blocks; embedding, output and norms kept), those named
+    in `others` ((tensor name, type): a mixed file, as Q4_K_M's) to their own type."""
     def build(folder: Path) -> None:
         import gguf
         from gguf.quants import quantize
-        kind = gguf.GGMLQuantizationType[qtype]
 
         def tensor(t):
             if t.name.startswith("blk.") and len(t.shape) >= 2 and t.name.endswith(".weight"):
+                kind = gguf.GGMLQuantizationType[dict(others).get(t.name, qtype)]
                 return quantize(np.asarray(t.data), kind), kind
             return np.asarray(t.data), None
         rewritten(source, folder / "model.gguf", tensor=tensor)
-    return entry("gguf", f"{source.parent.name}-{qtype}", build) / "model.gguf"
+    mix = "".join(f"-{name}-{kind}" for name, kind in others)
+    return entry("gguf", f"{source.parent.name}-{qtype}{mix}", build) / "model.gguf"

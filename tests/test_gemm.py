@@ -1,8 +1,9 @@
 """kiln's register-blocked CPU GEMMs against the reference interpreter's linear ops, on the same
 (quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
-codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4, q8g and fp8 weights, and codegen/kernels/cpu/int8_gemm.py,
-int8_gemv.py, vnni_linear.py (and the TE form codegen/kernels/te_linear.py gives unpacked weights) on q8, q4
-and q8g weights with int8 activations, codegen/kernels/cpu/bf16_linear.py on bfloat16; with bias and residual."""
+codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4, q8g, q4a and fp8 weights, and
+codegen/kernels/cpu/int8_gemm.py, int8_gemv.py, vnni_linear.py (and the TE form codegen/kernels/te_linear.py
+gives unpacked weights) on q8, q4, q8g and q4a weights with int8 activations, codegen/kernels/cpu/bf16_linear.py
+on bfloat16; with bias and residual."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -17,9 +18,9 @@ CASES = [  # (op, dtype, bias, residual)
     ("linear", "float32", False, False), ("linear", "float32", True, False), ("linear", "float32", False, True),
     ("linear", "float32", True, True), ("linear", "bfloat16", False, True), ("linear_q8", "float32", True, False),
     ("linear_q4", "float32", False, True), ("linear_q4", "bfloat16", True, False), ("linear_fp8", "float32", False, False),
-    ("linear_q8g", "float32", True, True),
+    ("linear_q8g", "float32", True, True), ("linear_q4a", "float32", False, True),
 ]
-GROUPED = ("linear_q4", "linear_q8g")      # float16 scales per group of 32 inputs
+GROUPED = ("linear_q4", "linear_q8g", "linear_q4a")      # float16 scales per group of 32 inputs
 
 
 def _weights(op, rng) -> list[np.ndarray]:
@@ -34,6 +35,11 @@ def _weights(op, rng) -> list[np.ndarray]:
     if op == "linear_q8g":
         return [rng.integers(-127, 128, (N_OUT, N_IN)).astype(np.int8),
                 (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
+    if op == "linear_q4a":          # scale rows, then minimum rows (about -7.5 scales: a centred group)
+        from kiln.ir.quant import q4a_scale_table
+        scale = rng.random((N_OUT, N_IN // 32)).astype(np.float32) * 0.01
+        return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
+                q4a_scale_table(scale, -scale * rng.uniform(6, 9, scale.shape).astype(np.float32))]
     return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
             (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
 
@@ -42,7 +48,7 @@ INT8_CASES = [  # (op, dtype, bias, residual)
     ("linear_q8", "float32", False, False), ("linear_q8", "float32", True, True),
     ("linear_q8", "bfloat16", False, True), ("linear_q4", "float32", False, False),
     ("linear_q4", "float32", True, False), ("linear_q4", "bfloat16", True, True),
-    ("linear_q8g", "bfloat16", True, True),
+    ("linear_q8g", "bfloat16", True, True), ("linear_q4a", "float32", True, True),
 ]
 
 
@@ -91,11 +97,12 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
     if not has_quad_dot(host_cpu_target()):
         pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
-        N_OUT, N_IN, NB, dtype, fmt, bias, residual), layout=f"packed{NB}x4" + ("n32" if op == "linear_q4" else ""),
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual),
+        layout=f"packed{NB}x4" + ("n32" if op in ("linear_q4", "linear_q4a") else ""),
         scale_layout=f"panels{NB}" if op in GROUPED else "nk")
 
 
-@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2] + INT8_CASES[-1:])
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2] + INT8_CASES[-2:-1])
 def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residual):
     """The TE stages for unpacked weights (nk layout): same scheme, generic loops."""
     from tvm import te, tirx
@@ -105,7 +112,8 @@ def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residua
     def kernel(fmt, weight_dtype):
         m = tirx.Var("m", "int64")
         w_shape = (N_OUT, N_IN // 2) if fmt.nibbles else (N_OUT, N_IN)
-        scale_shape, scale_dtype = ((N_IN // 32, N_OUT), "float16") if fmt.grouped else ((N_OUT,), "float32")
+        scale_shape, scale_dtype = (((N_IN // 32 * fmt.scale_rows, N_OUT), "float16") if fmt.grouped
+                                    else ((N_OUT,), "float32"))
         x, w = te.placeholder((m, N_IN), dtype), te.placeholder(w_shape, weight_dtype)
         scale = te.placeholder(scale_shape, scale_dtype)
         b = te.placeholder((N_OUT,), dtype) if bias else None

@@ -1,6 +1,7 @@
 """GGUF files as llama.cpp's converter writes them, imported by kiln: the interpreted graph gives the
 logits transformers gives on the original checkpoint (llama.cpp's rewrites of q/k rows, norms, fused and
-stacked tensors and rope factors undone), and Q4_0 and Q8_0 blocks are stored bit for bit as gguf-py reads them."""
+stacked tensors and rope factors undone), and Q4_0, Q8_0 and Q4_1 blocks are stored bit for bit as gguf-py reads
+them (Q4_K's within float16's rounding of its scales)."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,9 +56,9 @@ def test_converted_file_gives_transformers_logits(make_model, family):
         np.testing.assert_allclose(logits, want, atol=1e-4 * np.ptp(want), rtol=0)
 
 
-@pytest.mark.parametrize("qtype, scheme", [("Q4_0", "q4"), ("Q8_0", "q8g")])
+@pytest.mark.parametrize("qtype, scheme", [("Q4_0", "q4"), ("Q8_0", "q8g"), ("Q4_1", "q4a")])
 def test_quantised_blocks_are_stored_exactly(make_model, qtype, scheme):
-    """A Q4_0 (Q8_0) file compiled for the CPU without --quant: kiln's q4 (q8g) in groups of 32 holds the
+    """A Q4_0 (Q8_0, Q4_1) file compiled for the CPU without --quant: kiln's q4 (q8g, q4a) in groups of 32 holds the
     very numbers gguf-py's dequantiser reads from the file, for every linear (q/k rows permuted back, as
     the file's float rows)."""
     import gguf
@@ -98,3 +99,56 @@ def test_quantised_blocks_are_stored_exactly(make_model, qtype, scheme):
     assert checked == 7 * 2                      # q, k, v, o, gate, up, down in both layers
     treatments = {treatment for _, treatment in model.checkpoint.record}
     assert f"{qtype} kept exactly ({scheme} in groups of 32)" in treatments
+
+
+def test_a_file_of_mixed_types_keeps_each_tensors_format(make_model):
+    """Q4_1 matrices with layer 0's value and down projections in Q8_0 (as Q4_K_M keeps some in Q6_K): the
+    default compile stores the body q4a and those two q8g, each with the file's numbers; layer 0's fused
+    qkv takes q8g, the finer of its parts' formats."""
+    from kiln.ir import weight_format
+    from kiln.ir.quant import SCHEMES
+    from kiln.options import CompileOptions
+    from kiln.passes import run_pipeline
+    finer = (("blk.0.attn_v.weight", "Q8_0"), ("blk.0.ffn_down.weight", "Q8_0"))
+    model = load_model(quantized(converted(make_model("llama")), "Q4_1", finer))
+    options = model.default_options(CompileOptions())
+    assert (options.quant, options.group_size) == ("q4a", 32)
+    assert set(options.tensor_quant) == {("model.layers.0.self_attn.v_proj.weight", "q8g"),
+                                         ("model.layers.0.mlp.down_proj.weight", "q8g")}
+    graph, _ = run_pipeline(model.build_graph("float32", PAGE_SIZE), "cpu", options=options)
+    formats = {node.output: weight_format(node) for node in graph.nodes if node.op == "linear"}
+    assert formats["qkv0"] == "q8g" and formats["add1"] == "q8g", formats     # layer 0's qkv, and down + residual
+    values = list(formats.values())            # the rest q4a; the F32 LM head stays float
+    assert (values.count("q8g"), values.count("none"), values.count("q4a")) == (2, 1, len(values) - 3), formats
+    load = weight_loader(graph, lambda name: model.weight(name, "float32"),
+                         quantizers=model.quantizers({}), load_source=lambda name: model.weight_source(name, "float32"))
+    for layer, scheme in ((0, "q8g"), (1, "q4a")):       # gguf-py's dequantisation of the file's blocks
+        down = f"model.layers.{layer}.mlp.down_proj.weight"
+        parts = {part: load(f"{down}.{scheme}{suffix}") for part, suffix in (("q", ""), ("scale", "_scale"))}
+        np.testing.assert_array_equal(SCHEMES[scheme].dequantize(parts, group_size=32), model.weight(down, "float32"))
+    treatments = {treatment for _, treatment in model.checkpoint.record}
+    assert {"Q8_0 kept exactly (q8g in groups of 32)", "Q4_1 kept exactly (q4a in groups of 32)"} <= treatments
+
+
+def test_q4_k_blocks_become_q4a_within_float16_rounding():
+    """Q4_K super-blocks (random bytes: every sub-scale, min and nibble pattern) repacked into q4a: each
+    value within float16's rounding of its group's scale and minimum of what gguf-py's dequantiser gives."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from kiln.frontend.gguf_tensors import GGUFBlocks
+    from kiln.ir.quant import SCHEMES
+    rng = np.random.default_rng(3)
+    rows, supers = 24, 3
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    raw[..., 0:4] = (rng.uniform(1e-4, 1e-2, (rows, supers, 2)).astype(np.float16)).view(np.uint8)  # d, dmin
+    blocks = GGUFBlocks("blk.0.attn_q.weight", gguf.GGMLQuantizationType.Q4_K, raw.reshape(rows, -1), {})
+    parts = blocks.exact_parts("q4a", group_size=32)
+    got = SCHEMES["q4a"].dequantize(parts, group_size=32)
+    want = dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K)
+    table = parts["scale"].astype(np.float32)
+    bound = np.repeat((15 * np.abs(table[0::2]) + np.abs(table[1::2])).T, 32, axis=1) * 2.0 ** -10
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.abs(got - want).max() > 0          # the scales did round: not float32's values
+    assert ("blk.0.attn_q.weight", "Q4_K kept nearly (scales and minimums rounded to float16) (q4a in groups of 32)") \
+        in blocks.record

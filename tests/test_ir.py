@@ -183,6 +183,16 @@ def _q4_weight(packed, scale, group):   # written out nibble by nibble, independ
     return w
 
 
+def _q4a_weight(packed, table, group):  # likewise: group g's scale in row 2g of the table, its minimum in 2g + 1
+    n, half = packed.shape
+    w = np.zeros((n, 2 * half))
+    for j in range(n):
+        for k in range(2 * half):
+            nibble = (int(packed[j, k // 2]) >> (4 * (k % 2))) & 15
+            w[j, k] = nibble * float(table[2 * (k // group), j]) + float(table[2 * (k // group) + 1, j])
+    return w
+
+
 def _head_rms(x, w):
     """Per-head RMSNorm of x [T, H * 4] in float64."""
     heads = x.reshape(len(x), -1, 4).astype(np.float64)
@@ -231,6 +241,9 @@ EXAMPLES = {
     "linear/q8g": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 8), "int8"), ((2, 5), "float16")],
                                      {"format": "q8g", "group_size": 4}),
                    lambda a: a["in0"] @ (a["in1"].astype(np.float64) * np.repeat(a["in2"].T, 4, axis=1)).T),
+    "linear/q4a": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 4), "uint8"), ((4, 5), "float16")],
+                                     {"format": "q4a", "group_size": 4}),
+                   lambda a: a["in0"] @ _q4a_weight(a["in1"], a["in2"], 4).T),
     "slice": (lambda: _one_node("slice", [((3, 10), "float32")], {"begin": 2, "end": 7}),
               lambda a: a["in0"][:, 2:7]),
     "swiglu": (lambda: _one_node("swiglu", [((3, 8), "float32")]),
@@ -280,7 +293,7 @@ def test_every_op_has_a_reference_example():
     has an example here or in tests/op_examples.py."""
     from kiln.ir.quant import SCHEMES
     missing = sorted(set(OPS) - {key.split("/")[0] for key in EXAMPLES})
-    linear_only = {"q8g"}                 # an embedding table or experts of a q8g model are q8
+    linear_only = {"q8g", "q4a"}          # an embedding table or experts of a q8g (q4a) model are q8 (q4)
     missing += sorted(f"{op}/{fmt}" for op in ("linear", "embed", "moe_experts") for fmt in SCHEMES
                       if f"{op}/{fmt}" not in EXAMPLES and (op == "linear" or fmt not in linear_only))
     assert not missing, f"ops without an interpreter example in tests/test_ir.py: {missing}"

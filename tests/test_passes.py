@@ -309,6 +309,27 @@ def test_quantize_q4_rewrite_and_exactness():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_quantize_gives_named_weights_their_own_scheme_and_fused_ones_the_finest():
+    """tensor_modes (a GGUF file's Q6_K tensors beside its Q4_K ones): a weight named there takes that
+    scheme; a fused weight whose parts differ takes the scheme of most bits; the rest take `mode`."""
+    b = GraphBuilder("mixed")
+    x = b.input("x", ("tokens", 8), "float32")
+    for name in ("q.weight", "v.weight", "down.weight", "up.weight"):
+        b.param(name, (8, 8), "float32")
+    qv = b.param("qv.weight", (16, 8), "float32", {"concat": ["q.weight", "v.weight"], "axis": 0})
+    y1 = b.op("linear", x, qv, name="y1")
+    y2 = b.op("linear", b.op("slice", y1, begin=0, end=8, name="s"), "down.weight", name="y2")
+    y3 = b.op("linear", y2, "up.weight", name="y3")
+    graph = verify(b.output(b.op("cast", b.op("linear", y3, b.param("head.weight", (16, 8), "float32"), name="y4"),
+                                 dtype="float32", name="logits")))
+    after = Quantize("q4a", group_size=4, lm_head_mode="q8",
+                     tensor_modes=(("v.weight", "q8g"), ("down.weight", "q8g")))(graph)
+    formats = {n.output: n.attrs.get("format") for n in after.nodes if n.op == "linear"}
+    assert formats == {"y1": "q8g", "y2": "q8g", "y3": "q4a", "y4": "q8"}
+    assert "  @qv.weight.q8g_scale: f16[2, 16] = q8g.scale(@qv.weight, group_size=4)" in body(after)
+    assert "  @up.weight.q4a_scale: f16[4, 8] = q4a.scale(@up.weight, group_size=4)" in body(after)
+
+
 def test_quantize_near_miss_keeps_lm_head_and_embedding():
     after = Quantize("q8", lm_head=False)(head_graph())
     ops = {n.output: (n.op, n.attrs.get("format")) for n in after.nodes}

@@ -176,6 +176,40 @@ def test_q4_quantiser_error_shrinks_with_smaller_groups_and_beats_plain_rounding
     assert err[32] < err[128] and err[32] < 0.9 * naive
 
 
+def test_q4a_is_q4_1s_format_and_rounds_to_the_nearest_stored_value():
+    """q4a in groups of 32 is llama.cpp's Q4_1 (float16 scale and minimum, levels 0..15): its parts, written
+    as Q4_1 blocks, read back through gguf-py's dequantiser as kiln's dequantiser reads them; its scales and
+    minimums are gguf-py's quantiser's (bit-exact with ggml-quants.c) within one float16 step (the scale
+    spans the rounded minimum to the peak: within that step's fifteenth more); each level is the one nearest
+    the weight for the scale and minimum as stored."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    from kiln.ir.quant import SCHEMES
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((40, 256)) * rng.uniform(0.01, 3, (40, 1)) + rng.uniform(-1, 1, (40, 1))
+    w = w.astype(np.float32)
+    w[0, :32] = 0.25                                                    # a constant group: scale 0, all at the minimum
+    parts = SCHEMES["q4a"].quantize(w, group_size=32)
+    table = parts["scale"].reshape(-1, 2, 40)                           # [groups, (scale, minimum), out]
+    scale, minimum = table[:, 0].T, table[:, 1].T                       # [out, groups]
+    raw = quantize(w, gguf.GGMLQuantizationType.Q4_1).reshape(40, -1, 20)
+    theirs = np.ascontiguousarray(raw[..., :4]).view(np.float16)        # [out, groups, (d, m)]
+    assert np.abs(minimum.view(np.int16).astype(int) - theirs[..., 1].view(np.int16).astype(int)).max() <= 1
+    slack = np.spacing(np.abs(theirs[..., 0])).astype(np.float32) + np.spacing(np.abs(minimum)).astype(np.float32) / 15
+    assert np.all(np.abs(scale.astype(np.float32) - theirs[..., 0].astype(np.float32)) <= slack)
+    levels = np.stack([parts["q"] & 15, parts["q"] >> 4], axis=-1).reshape(40, -1, 32)
+    qs = levels[..., :16] | (levels[..., 16:] << 4)                     # Q4_1: element j low, j + 16 high
+    as_q4_1 = np.concatenate([np.stack([scale, minimum], axis=-1).view(np.uint8), qs], axis=-1).reshape(40, -1)
+    ours = SCHEMES["q4a"].dequantize(parts, group_size=32)
+    np.testing.assert_array_equal(ours, dequantize(as_q4_1, gguf.GGMLQuantizationType.Q4_1))
+    step = np.repeat(scale.astype(np.float32), 32, axis=1)
+    low = np.repeat(minimum.astype(np.float32), 32, axis=1)
+    inside = (w >= low) & (w <= low + 15 * step)
+    assert np.all(np.abs(w - ours)[inside] <= (step / 2 * (1 + 1e-6) + 1e-7)[inside])
+    np.testing.assert_array_equal(ours[0, :32], np.float32(0.25))
+
+
 def test_q8g_is_q8_0s_format_and_rounds_to_the_nearest_stored_value():
     """q8g in groups of 32 holds what llama.cpp's Q8_0 holds: the same float16 scales as gguf-py's
     quantiser (bit-exact with ggml-quants.c) and levels within one of its, which gguf-py's dequantiser

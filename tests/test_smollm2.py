@@ -33,9 +33,9 @@ def test_manifest_says_what_became_of_each_tensor(artifact):
     m = json.loads((artifact / "manifest.json").read_text())
     assert m["source"]["format"] == "gguf" and m["source"]["architecture"] == "llama"
     assert m["source"]["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
-    # the Q4_1 linears requantised into int8 groups of 32; the tied Q8_0 table kept exactly for the LM
-    # head, and requantised to q8 (a scale per row) for the embedding lookup
-    assert m["source"]["treatments"] == {"Q4_1 dequantised, requantised to q8g in groups of 32": 210,
+    # the Q4_1 linears kept as they are (q4a: int4 with a scale and minimum per group of 32); the tied Q8_0
+    # table kept exactly for the LM head, and requantised to q8 (a scale per row) for the embedding lookup
+    assert m["source"]["treatments"] == {"Q4_1 kept exactly (q4a in groups of 32)": 210,
                                          "F32 as stored": 61, "Q8_0 kept exactly (q8g in groups of 32)": 1,
                                          "Q8_0 dequantised, requantised to q8": 1}
     assert {"chat_template.jinja", "tokenizer.json"} <= set(m["tokenizer_files"])

@@ -30,7 +30,8 @@ def nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged:
 def int8_activation_matmul(x, w, scale, fmt: WeightFormat):
     """The int8-activation scheme (ir/ops.py: linear of format q8/q4 with act_block) as TE stages, for weights
     the packed kernels do not take: x's block peaks, its int8 levels, per-block integer dots, and
-    their sum over blocks, each times x's block scale (and the q4 group's)."""
+    their sum over blocks, each times x's block scale (and the weight group's), plus for q4a Σ x's
+    levels times x's block scale and the group's minimum."""
     rows, width, block = x.shape[0], x.shape[1], fmt.act_block
     blocks = width // block
     k = te.reduce_axis((0, block), "k")
@@ -46,10 +47,21 @@ def int8_activation_matmul(x, w, scale, fmt: WeightFormat):
 
     def block_scale(i, n, b):
         x_scale = amax[i, b] / tirx.const(127, "float32")
-        return x_scale if not fmt.grouped else x_scale * scale[b * block // fmt.group_size, n].astype("float32")
+        if not fmt.grouped:
+            return x_scale
+        return x_scale * scale[fmt.scale_row(b * block // fmt.group_size), n].astype("float32")
+
+    def block_term(i, n, b):
+        term = dots[i, n, b].astype("float32") * block_scale(i, n, b)
+        if not fmt.has_minimums:
+            return term
+        minimum = scale[fmt.minimum_row(b * block // fmt.group_size), n].astype("float32")
+        return term + sums[i, b].astype("float32") * (amax[i, b] / tirx.const(127, "float32") * minimum)
+    if fmt.has_minimums:
+        ks = te.reduce_axis((0, block), "ks")
+        sums = te.compute((rows, blocks), lambda i, b: te.sum(levels[i, b * block + ks], axis=ks), name="x_sums")
     b = te.reduce_axis((0, blocks), "b")
-    return te.compute((rows, w.shape[0]), lambda i, n: te.sum(
-        dots[i, n, b].astype("float32") * block_scale(i, n, b), axis=b), name="matmul")
+    return te.compute((rows, w.shape[0]), lambda i, n: te.sum(block_term(i, n, b), axis=b), name="matmul")
 
 
 def own_kernel(kernel, args: list[relax.Expr]) -> tirx.PrimFunc:

@@ -10,19 +10,21 @@ from kiln.selection.layouts import nibble_of
 
 def weight_value(fmt: WeightFormat, load, scale, j, k, span: int = 0):
     """W[j, k] as float32: `load(j, kk)` reads the stored element for output j at stored input index
-    kk; q4 bytes hold inputs `span` apart (selection/layouts.py: nibble_of); q4 and q8g levels times
-    their group scale."""
+    kk; q4 bytes hold inputs `span` apart (selection/layouts.py: nibble_of); q4, q8g and q4a levels times
+    their group scale (plus q4a's group minimum)."""
     if fmt.grouped:
-        return weight_level(fmt, load, j, k, span).astype("float32") * scale[k // fmt.group_size, j].astype("float32")
+        group = k // fmt.group_size
+        value = weight_level(fmt, load, j, k, span).astype("float32") * scale[fmt.scale_row(group), j].astype("float32")
+        return value + scale[fmt.minimum_row(group), j].astype("float32") if fmt.has_minimums else value
     return load(j, k).astype("float32")
 
 
 def weight_level(fmt: WeightFormat, load, j, k, span: int = 0):
-    """The integer level of W[j, k] (int32) for q8, q8g and q4: the byte, or the nibble - 8."""
+    """The integer level of W[j, k] (int32) for q8, q8g, q4 and q4a: the byte, or the nibble less its offset."""
     if fmt.nibbles:
         byte_k, high = nibble_of(k, span)
         nibble = (load(j, byte_k) >> (high * 4).astype("uint8")) & tirx.const(15, "uint8")
-        return nibble.astype("int32") - 8
+        return nibble.astype("int32") - fmt.level_offset
     return load(j, k).astype("int32")
 
 

@@ -42,6 +42,7 @@ def planned_graph(model, manifest: Manifest):
     options = CompileOptions(target=target, quant=None if quant.weights == "none" else quant.weights,
                              quant_lm_head=quant.lm_head, group_size=quant.group_size or 32,
                              lm_head_quant=quant.lm_head_format,
+                             tensor_quant=tuple((quant.tensor_formats or {}).items()),
                              embedding_quant=None if quant.embedding in ("none", quant.weights) else quant.embedding,
                              kv_dtype=None if quant.kv_cache == "none" else quant.kv_cache,
                              quant_embedding=quant.embedding != "none",

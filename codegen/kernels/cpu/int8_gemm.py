@@ -12,7 +12,8 @@ whose float steps are the same, so a row's outputs do not depend on its step):
   3. a micro-kernel multiplies MICRO_ROWS rows (single rows for the rest of the tile) by two
      vectors of 8 columns with vpmaddwd, 16 products per instruction (twice fp32 FMA's rate), into
      int32 accumulators held in registers for one activation block, then adds them to the tile's
-     float32 accumulators times the block's scales (x's, and for q4 the weight group's).
+     float32 accumulators times the block's scales (x's, and for q4 the weight group's; q4a then
+     adds Σx times x's scale and the group's minimum, Σx per block summed once with the levels).
 The epilogue (q8 scale, bias, rounding, residual) is codegen/kernels/weight_format.py's.
 """
 from __future__ import annotations
@@ -123,9 +124,11 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     per_slice = min(2, vectors)            # vectors of columns per micro-kernel step
     slices, pairs = vectors // per_slice, k_block // 2
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
-    scale_shape = (n_in // fmt.group_size, n_out) if grouped else (n_out,)
+    scale_shape = (n_in // fmt.group_size * fmt.scale_rows, n_out) if grouped else (n_out,)
+    minimums = fmt.has_minimums
 
     quantize = x_quantizer(n_in, block, "int16")
+    sum_blocks = x_block_sums(n_in, block, needed=minimums)
 
     def int32x8(value):
         return T.broadcast(T.int32(value), LANES)
@@ -135,7 +138,7 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         if q4:                             # one byte holds both inputs of a pair
             byte = T.Cast("int32x8", w[jo, kbo * pairs + kp, columns])
             word = (byte & int32x8(15)) | ((byte >> int32x8(4)) << int32x8(16))
-            return T.reinterpret("int16x16", word) - T.broadcast(T.int16(8), 2 * LANES)
+            return T.reinterpret("int16x16", word) - T.broadcast(T.int16(fmt.level_offset), 2 * LANES)
         return T.Cast("int16x16", w[jo, kbo * pairs + kp, T.ramp(v * 2 * LANES, 1, 2 * LANES)])   # stored in pairs
 
     def block_scale(sx, scale, row, kb, col):   # evaluated while parsing: float32x8 for block kb
@@ -143,10 +146,15 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         if not grouped or scale is None:   # q8's weight scale is per output: applied in the epilogue
             return x_scale                 # (and an unscaled signature is parsed, never used)
         columns = T.ramp(T.Cast("int32", col), 1, LANES)       # col is int64 where m is
-        return x_scale * T.Cast("float32x8", scale[kb * block // fmt.group_size, columns])
+        return x_scale * T.Cast("float32x8", scale[fmt.scale_row(kb * block // fmt.group_size), columns])
+
+    def minimum_term(sx, x_sums, scale, row, kb, col):    # evaluated while parsing: q4a's Σx · sx · minimum
+        columns = T.ramp(T.Cast("int32", col), 1, LANES)
+        return T.broadcast(T.Cast("float32", x_sums[row, kb]), LANES) * (T.broadcast(sx[row, kb], LANES) * T.Cast(
+            "float32x8", scale[fmt.minimum_row(kb * block // fmt.group_size), columns]))
 
     @T.macro
-    def micro(xq, sx, wi, acc, dots, scale, jo, row0, r0, kbo, s, count):
+    def micro(xq, sx, x_sums, wi, acc, dots, scale, jo, row0, r0, kbo, s, count):
         """acc[r0 : r0 + count, slice s] += the block-scaled dots over this K block."""
         for b in range(k_block // block):
             for r in T.unroll(count):
@@ -169,18 +177,25 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                         T.Cast("float32x8", dots[r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
                             sx, scale, row0 + r0 + r, kbo * (k_block // block) + b,
                             jo * nb + (s * per_slice + v) * LANES)
+                    if minimums:
+                        acc[r0 + r, T.ramp((s * per_slice + v) * LANES, 1, LANES)] = \
+                            acc[r0 + r, T.ramp((s * per_slice + v) * LANES, 1, LANES)] + minimum_term(
+                                sx, x_sums, scale, row0 + r0 + r, kbo * (k_block // block) + b,
+                                jo * nb + (s * per_slice + v) * LANES)
 
     @T.macro
     def gemm(x, w, scale, bias, residual, y, m):
         xq = T.alloc_buffer((m, n_in), "int16")
         sx = T.alloc_buffer((m, n_in // block), "float32")
+        x_sums = T.alloc_buffer((m, n_in // block if minimums else 1), "int32")     # q4a: Σx per block
         quantize(x, xq, sx, m)
+        sum_blocks(xq, x_sums, m)
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
                 jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
                 io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
                 T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:n_in // block],
-                        w[jo, 0:w_shape[1], 0:w_shape[2]])
+                        x_sums[io * ROWS:io * ROWS + ROWS, 0:x_sums.shape[1]], w[jo, 0:w_shape[1], 0:w_shape[2]])
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
                 wi = T.sblock_alloc_buffer((pairs, 2 * nb), "int16")
@@ -193,9 +208,9 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                     for kp, v in T.grid(pairs, vectors):
                         wi[kp, T.ramp(v * 2 * LANES, 1, 2 * LANES)] = widened(w, jo, kbo, kp, v)
                     for t, s in T.grid(full, slices):
-                        micro(xq, sx, wi, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s, MICRO_ROWS)
+                        micro(xq, sx, x_sums, wi, acc, dots, scale, jo, io * ROWS, t * MICRO_ROWS, kbo, s, MICRO_ROWS)
                     for r, s in T.grid(rows - full * MICRO_ROWS, slices):
-                        micro(xq, sx, wi, acc, dots, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s, 1)
+                        micro(xq, sx, x_sums, wi, acc, dots, scale, jo, io * ROWS, full * MICRO_ROWS + r, kbo, s, 1)
                 for r in range(rows):
                     for c in T.vectorized(nb):
                         y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,

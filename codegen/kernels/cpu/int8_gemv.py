@@ -11,7 +11,8 @@ lines) at a time (q4 prefetching AHEAD blocks on):
     vpmaddubsw's unsigned operand (level + 8, 0..15) against x's signed levels, which x_quantizer
     stores in the order (k0, k2, k1, k3) per four inputs to match: 32 products per instruction.
     Sums stay in int16 for 16 inputs (at most 16 · 15 · 127); 8 · Σx of the block is subtracted
-    once, from its int32 total.
+    once, from its int32 total. q4a's nibbles are the levels: its dots start from 0, and after
+    the block's scaled dots it adds Σx · x's scale · the group's minimum.
   - q8: stored in input pairs (layout packedNBx2), so one sign extension makes vpmaddwd's int16
     pairs for 8 columns, multiplied with x's pair of levels, 16 products per instruction.
 The epilogue (q8 scale, bias, rounding, residual) is codegen/kernels/weight_format.py's.
@@ -51,7 +52,8 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     panels, blocks, groups = n_out // nb, n_in // block, nb // GROUP
     run = next(r for r in (Q4_INT16_RUN, 8, 4) if block % r == 0) if q4 else 2
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
-    scale_shape = (n_in // fmt.group_size, n_out) if grouped else (n_out,)
+    scale_shape = (n_in // fmt.group_size * fmt.scale_rows, n_out) if grouped else (n_out,)
+    minimums = fmt.has_minimums
     quantize = x_quantizer(n_in, block, "int8", _quad_position) if q4 else x_quantizer(n_in, block, "int16")
     sum_blocks = x_block_sums(n_in, block, needed=q4)     # q8's levels are signed: no offset
     rows_per_block = block // 2                            # stored weight rows per block of x
@@ -79,19 +81,23 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         return T.call_llvm_pure_intrin("int16x16", BYTE_DOT, unsigned, signed)
 
     def first_dot(x_sums, r, b):           # evaluated while parsing: q4's levels are nibbles - 8
-        return -8 * x_sums[r, b] if q4 else T.int32(0)
+        return -fmt.level_offset * x_sums[r, b] if q4 else T.int32(0)
 
-    def scale_prefetch(scale, jo, b, line):     # evaluated while parsing (the unscaled signature has none)
+    def scale_prefetch(scale, jo, b, line, row_of):     # evaluated while parsing (the unscaled signature has none)
         if scale is None or not q4:
             return T.int32(0)
         return T.call_intrin("void", "tirx.prefetch", T.address_of(
-            scale[(b + AHEAD) * block // fmt.group_size, jo * nb + line * 32]), 0, 3, 1)
+            scale[row_of((b + AHEAD) * block // fmt.group_size), jo * nb + line * 32]), 0, 3, 1)
 
     def block_scale(sx, scale, r, b, col):     # the GEMM's block_scale, for the same rounding
         x_scale = T.broadcast(sx[r, b], LANES)
         if not grouped or scale is None:
             return x_scale
-        return x_scale * T.Cast("float32x8", scale[b * block // fmt.group_size, T.ramp(col, 1, LANES)])
+        return x_scale * T.Cast("float32x8", scale[fmt.scale_row(b * block // fmt.group_size), T.ramp(col, 1, LANES)])
+
+    def minimum_term(sx, x_sums, scale, r, b, col):     # evaluated while parsing: q4a's Σx · sx · minimum
+        return T.broadcast(T.Cast("float32", x_sums[r, b]), LANES) * (T.broadcast(sx[r, b], LANES) * T.Cast(
+            "float32x8", scale[fmt.minimum_row(b * block // fmt.group_size), T.ramp(col, 1, LANES)]))
 
     @T.macro
     def prefetch(w, scale, jo, b):
@@ -101,7 +107,9 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
             T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(
                 w[jo, (b + AHEAD) * rows_per_block + row, line * 64]), 0, 3, 1))
         for line in T.serial(scale_lines):
-            T.evaluate(scale_prefetch(scale, jo, b, line))
+            T.evaluate(scale_prefetch(scale, jo, b, line, fmt.scale_row))
+            if minimums:
+                T.evaluate(scale_prefetch(scale, jo, b, line, fmt.minimum_row))
 
     @T.macro
     def q4_dots(w, xq, dots, run_sums, jo, r, g, b):
@@ -158,6 +166,10 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                                 acc[0, T.ramp(g * GROUP + v * LANES, 1, LANES)] + \
                                 T.Cast("float32x8", dots[T.ramp(v * LANES, 1, LANES)]) * block_scale(
                                     sx, scale, r, b, jo * nb + g * GROUP + v * LANES)
+                            if minimums:
+                                acc[0, T.ramp(g * GROUP + v * LANES, 1, LANES)] = \
+                                    acc[0, T.ramp(g * GROUP + v * LANES, 1, LANES)] + minimum_term(
+                                        sx, x_sums, scale, r, b, jo * nb + g * GROUP + v * LANES)
                     for c in T.vectorized(nb):
                         y[r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual, r, jo * nb, 0, c)
 

@@ -18,6 +18,9 @@ so one 64-byte row of a panel is the operand for 16 columns:
     q4's group scales are stored by panel (layout panelsNB): a task reads them as one run beside
     its weights' run, not as a 128-byte piece of every scale row (a decode GEMV ~8% faster on
     Zen 4, docs/BENCHMARKS.md).
+  - q4a: q4's bytes, the nibbles the levels themselves (no offset): a block's dots start from 0,
+    and after its scaled dots the block adds Σx · x's scale · the group's minimum (the scale
+    table's odd rows, by panel as q4's).
 A task owns one weight panel (nb columns) and a tile of up to ROWS rows. Per K block (read from
 memory once, then from cache by every micro-tile) a micro-kernel runs MICRO_ROWS rows × 2 vectors
 of 16 columns (leftover rows one at a time × 4 vectors), int32 dots in registers for one activation
@@ -64,9 +67,11 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
-    scale_shape = (panels, n_in // fmt.group_size, nb) if grouped else (n_out,)      # q4, q8g: layout panelsNB
+    scale_shape = (panels, n_in // fmt.group_size * fmt.scale_rows, nb) if grouped else (n_out,)   # layout panelsNB
     quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % parts)) if q4 else None)
-    sum_blocks = x_block_sums(n_in, block, times=lambda b: -offset(b % parts))    # each block's dots start there
+    minimums = fmt.has_minimums
+    # each block's dots start from -offset · Σx; q4a's from 0, its Σx kept for the minimums' term
+    sum_blocks = x_block_sums(n_in, block, times=None if minimums else lambda b: -offset(b % parts))
 
     def unsigned(w, jo, row, v, part):     # evaluated while parsing: the unsigned operand for 16 columns
         stored = w[jo, row, T.ramp(v * QUAD * LANES, 1, QUAD * LANES)]
@@ -76,7 +81,10 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         return T.reinterpret("int8x64", stored & T.broadcast(mask, QUAD * LANES))
 
     def offset(part):                      # evaluated while parsing: the unsigned operand's excess over a level
-        return 8 << 4 * part if q4 else 128
+        return fmt.level_offset << 4 * part if q4 else 128
+
+    def dots_start(x_sums, row, b):        # evaluated while parsing
+        return T.broadcast(T.int32(0) if minimums else x_sums[row, b], LANES)
 
     def together(count):                   # evaluated while parsing: blocks a step takes at once
         return parts if count == 1 else 1  # a single row: q4's two blocks of each stored row it loads
@@ -95,7 +103,13 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         if not grouped or scale is None:   # q8's weight scale is per output: applied in the epilogue
             return x_scale
         columns = T.ramp(vector * LANES, 1, LANES)
-        return x_scale * T.Cast("float32x16", scale[jo, b * block // fmt.group_size, columns])
+        return x_scale * T.Cast("float32x16", scale[jo, fmt.scale_row(b * block // fmt.group_size), columns])
+
+    def minimum_term(sx, x_sums, scale, row, b, jo, vector):   # evaluated while parsing: q4a's Σx · sx · minimum
+        true_scale = sx[row, b] * T.Cast("float32", 1 + 15 * (b % parts))     # x's scale as the scheme has it
+        columns = T.ramp(vector * LANES, 1, LANES)
+        return T.broadcast(T.Cast("float32", x_sums[row, b]), LANES) * (T.broadcast(true_scale, LANES) * T.Cast(
+            "float32x16", scale[jo, fmt.minimum_row(b * block // fmt.group_size), columns]))
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
@@ -108,8 +122,8 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
             for q in T.unroll(together(count)):
                 for r in T.unroll(count):
                     for v in T.unroll(width):
-                        dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = T.broadcast(
-                            x_sums[row0 + r0 + r, kb(kbo, step, q, count)], LANES)
+                        dots[q * count + r, T.ramp(v * LANES, 1, LANES)] = dots_start(
+                            x_sums, row0 + r0 + r, kb(kbo, step, q, count))
             for kr in T.unroll(unit_rows):
                 for v in T.unroll(width):
                     for q in T.unroll(together(count)):
@@ -125,6 +139,10 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                         sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + T.Cast(
                             "float32x16", dots[q * count + r, T.ramp(v * LANES, 1, LANES)]) * block_scale(
                                 sx, scale, row0 + r0 + r, kb(kbo, step, q, count), jo, s * width + v)
+                        if minimums:
+                            sums[r, T.ramp(v * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)] + \
+                                minimum_term(sx, x_sums, scale, row0 + r0 + r, kb(kbo, step, q, count), jo,
+                                             s * width + v)
         for r in T.unroll(count):
             for v in T.unroll(width):
                 acc[r0 + r, T.ramp((s * width + v) * LANES, 1, LANES)] = sums[r, T.ramp(v * LANES, 1, LANES)]
