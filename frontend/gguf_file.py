@@ -9,6 +9,7 @@ types and their block sizes, and dequantises (frontend/gguf_tensors.py). A file 
 tensors do, names a type gguf-py does not know, or is no GGUF file is refused here with its name."""
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,16 @@ class Tensor:
     qtype: object                  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]         # in NumPy order ([out, in] for a matrix)
     data: np.ndarray               # floats as stored, or a quantised type's blocks: uint8 [..., rows, bytes]
+    span: tuple[object, int, int] | None = None     # (the file's mmap, first byte, bytes) for release()
+
+    def release(self) -> None:
+        """Drop this tensor's pages from the process (a compile reads each once: the mapped file would
+        otherwise stay resident whole until the end). Reading it again pages it back in from the file."""
+        if self.span is None:
+            return
+        mapping, begin, nbytes = self.span
+        first = begin // mmap.PAGESIZE * mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, first, begin + nbytes - first)
 
     @property
     def type_name(self) -> str:
@@ -79,7 +90,9 @@ class _Header:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.blob = np.memmap(path, np.uint8, mode="r")
+            with open(path, "rb") as f:
+                self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.blob = np.frombuffer(self.mapping, np.uint8)
         except (OSError, ValueError) as e:
             raise KilnError(f"{path}: cannot be read ({e})") from None
         self.pos = 0
@@ -157,7 +170,7 @@ def _read(path: Path) -> tuple[dict, dict[str, Tensor]]:
         data = h.blob[begin:begin + nbytes].reshape(*shape[:-1], row_bytes)
         if qtype.name in ("F32", "F16", "BF16"):
             data = data.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype.name])
-        tensors[name] = Tensor(name, qtype, shape, data)
+        tensors[name] = Tensor(name, qtype, shape, data, (h.mapping, begin, nbytes))
     return metadata, tensors
 
 

@@ -33,6 +33,7 @@ FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32),
                      "Q4_1": ("q4a", 32), "Q4_K": ("q4a", 32)}
 REQUANTIZED_FORMAT = ("q8g", 32)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
+REQUANTIZE_ELEMENTS = 1 << 24        # float32 values a requantisation holds at once (64 MiB)
 
 
 @dataclass
@@ -86,20 +87,26 @@ class GGUFModel:
 
     def quantizers(self, base: dict) -> dict:
         """kiln's quantisers (`base`: scheme -> function), each given a file's blocks first: it keeps
-        them exactly where its format is theirs, and dequantises and requantises them otherwise."""
+        them exactly where its format is theirs, and dequantises and requantises them otherwise, a few
+        rows at a time (an 8B model's tables are 2 GiB in float32), then drops the file's pages."""
         from kiln.ir.quant import SCHEMES
 
         def wrapped(scheme: str):
             run = base.get(scheme, SCHEMES[scheme].quantize)
 
             def quantize(w, **options):
-                if isinstance(w, GGUFBlocks):
-                    exact = w.exact_parts(scheme, **options)
-                    if exact is not None:
-                        return exact
+                if not isinstance(w, GGUFBlocks):
+                    return run(w, **options)
+                parts = w.exact_parts(scheme, **options)
+                if parts is None:
                     group = f" in groups of {options['group_size']}" if options.get("group_size") else ""
-                    w = w.dequantize(f"requantised to {scheme}{group}")
-                return run(w, **options)
+                    step = max(1, REQUANTIZE_ELEMENTS // w.row_values)
+                    pieces = [run(w.rows(start, start + step).dequantize(f"requantised to {scheme}{group}"),
+                                  **options) for start in range(0, len(w.raw), step)]
+                    parts = {part: np.concatenate([p[part] for p in pieces], axis=SCHEMES[scheme].output_axis(part))
+                             for part in pieces[0]}
+                w.release()
+                return parts
             return quantize
         return {scheme: wrapped(scheme) for scheme in SCHEMES}
 

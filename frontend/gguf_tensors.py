@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -35,6 +36,7 @@ class GGUFBlocks:
     qtype: object                  # gguf.GGMLQuantizationType
     raw: np.ndarray
     record: dict                   # the checkpoint's treatments: (name, what was done) -> True
+    release: Callable[[], None] = lambda: None      # drop the file's pages (gguf_file.Tensor.release)
 
     @property
     def type_name(self) -> str:
@@ -45,7 +47,18 @@ class GGUFBlocks:
         return self.raw.ndim
 
     def __iter__(self):            # a stacked expert tensor, one expert at a time
-        return (GGUFBlocks(f"{self.name}[{j}]", self.qtype, part, self.record) for j, part in enumerate(self.raw))
+        return (replace(self, name=f"{self.name}[{j}]", raw=part) for j, part in enumerate(self.raw))
+
+    @property
+    def row_values(self) -> int:
+        """Values a row of the matrix holds."""
+        from gguf import GGML_QUANT_SIZES
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.raw.shape[-1] // type_size * block
+
+    def rows(self, start: int, stop: int) -> GGUFBlocks:
+        """Rows start .. stop of a matrix's blocks (a quantiser works through a large table by parts)."""
+        return replace(self, raw=self.raw[start:stop])
 
     def dequantize(self, then: str = "") -> np.ndarray:
         """float32 values as llama.cpp's dequantiser gives them; `then` says what becomes of them."""
@@ -173,7 +186,7 @@ class GGUFCheckpoint:
             arr = np.asarray(data).view(FLOAT_TYPES[t.type_name])
             self.record[label, f"{t.type_name} as stored"] = True
             return self._undo(name, arr)
-        return GGUFBlocks(label, t.qtype, self._undo(name, np.asarray(data)), self.record)
+        return GGUFBlocks(label, t.qtype, self._undo(name, np.asarray(data)), self.record, t.release)
 
     def _undo(self, name: str, arr: np.ndarray) -> np.ndarray:
         """Undo the converter's rewrites: llama's q/k row permutation, Gemma's norm offset."""
