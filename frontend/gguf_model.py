@@ -33,6 +33,7 @@ FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32),
                      "Q4_1": ("q4a", 32), "Q4_K": ("q4a", 32)}
 REQUANTIZED_FORMAT = ("q8g", 32)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
+PERMUTED_QK = ("llama", "granitemoe")     # the converter's LlamaModel interleaved their q/k rows for rope
 REQUANTIZE_ELEMENTS = 1 << 24        # float32 values a requantisation holds at once (64 MiB)
 
 
@@ -197,6 +198,7 @@ def load_gguf_model(path: str | Path) -> GGUFModel:
     _check_types(gguf)
     cfg = hf_config(gguf, _rope_factors(gguf))
     config = parse_config(cfg)
-    permute = (config.num_heads, config.num_kv_heads) if gguf.architecture == "llama" else None
+    permuted = gguf.architecture in PERMUTED_QK
+    permute = (config.num_heads, config.num_kv_heads) if permuted else None
     offset = 1.0 if gguf.architecture in ("gemma2", "gemma3") else 0.0
     return GGUFModel(Path(path), gguf, config, GGUFCheckpoint(gguf, permute, offset))

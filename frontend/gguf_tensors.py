@@ -25,6 +25,13 @@ from .gguf_file import GGUFFile
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                     r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_TENSORS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# HF tensors the converter splits in two: Granite-MoE's gate and up experts (one [E, 2F, H] tensor), and
+# DeepSeek's kv_b_proj ([heads · (nope + v), kv_lora] as attn_k_b [heads, kv_lora, nope], transposed for
+# llama.cpp's absorbed MLA, and attn_v_b [heads, v, kv_lora]; older files keep attn_kv_b whole)
+GRANITE_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.input_linear\.weight$")
+MLA_KV_B = re.compile(r"^model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight$")
+# HF tensors under a name gguf's table lacks
+RENAMED = {re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$"): "blk.{}.exp_probs_b.bias"}
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 BLOCK = 32                         # Q4_0's and Q8_0's inputs per scale
 
@@ -152,8 +159,23 @@ class GGUFCheckpoint:
         self.names = get_tensor_name_map(arch, layers)
         self.record: dict[tuple[str, str], bool] = {}      # (tensor, what became of it): a tensor may serve twice
 
+    def joined(self, name: str) -> list[str] | None:
+        """The two file tensors HF tensor `name` was split into (GRANITE_EXPERTS, MLA_KV_B), or None."""
+        m = GRANITE_EXPERTS.match(name)
+        if m:
+            return [f"blk.{m[1]}.ffn_gate_exps.weight", f"blk.{m[1]}.ffn_up_exps.weight"]
+        m = MLA_KV_B.match(name)
+        if m and f"blk.{m[1]}.attn_kv_b.weight" not in self.gguf.tensors:
+            return [f"blk.{m[1]}.attn_k_b.weight", f"blk.{m[1]}.attn_v_b.weight"]
+        return None
+
     def file_name(self, name: str) -> tuple[str, int | None]:
         """The file's tensor holding HF tensor `name`, and the expert it is a slice of (None: all of it)."""
+        if self.joined(name):
+            return self.joined(name)[0], None
+        for pattern, renamed in RENAMED.items():
+            if pattern.match(name):
+                return renamed.format(*pattern.match(name).groups()), None
         m = EXPERT.match(name)
         if m:
             return f"blk.{m[1]}.ffn_{EXPERT_TENSORS[m[3]]}_exps.weight", int(m[2])
@@ -161,12 +183,17 @@ class GGUFCheckpoint:
         return (mapped or name), None
 
     def __contains__(self, name: str) -> bool:
-        return self.file_name(name)[0] in self.gguf.tensors
+        return all(part in self.gguf.tensors for part in self.joined(name) or [self.file_name(name)[0]])
 
     def read_ahead(self, order: list[str]) -> None:
         """The file is mapped: the OS reads ahead."""
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self.joined(name):
+            first, second = (self.tensor(name, part).shape for part in self.joined(name))
+            if MLA_KV_B.match(name):                   # k_b [heads, kv_lora, nope], v_b [heads, v, kv_lora]
+                return (first[0] * (first[2] + second[1]), first[1])
+            return (first[0], first[1] + second[1], *first[2:])
         file_name, expert = self.file_name(name)
         shape = self.tensor(name, file_name).shape
         return shape[1:] if expert is not None else shape
@@ -178,6 +205,8 @@ class GGUFCheckpoint:
 
     def get(self, name: str) -> np.ndarray | GGUFBlocks:
         """HF tensor `name`: a float array as stored, or a quantised tensor's GGUFBlocks."""
+        if self.joined(name):
+            return self._joined(name)
         file_name, expert = self.file_name(name)
         t = self.tensor(name, file_name)
         data = t.data if expert is None else t.data[expert]
@@ -187,6 +216,33 @@ class GGUFCheckpoint:
             self.record[label, f"{t.type_name} as stored"] = True
             return self._undo(name, arr)
         return GGUFBlocks(label, t.qtype, self._undo(name, np.asarray(data)), self.record, t.release)
+
+    def _joined(self, name: str) -> np.ndarray | GGUFBlocks:
+        """The two tensors joined again: Granite's experts row-wise (blocks stay blocks where both are of
+        one type), DeepSeek's k_b (transposed back) and v_b head by head, in float."""
+        parts = [self.tensor(name, part) for part in self.joined(name)]
+        if MLA_KV_B.match(name):
+            for t in parts:
+                self.record[t.name, f"{t.type_name} {'as stored' if t.type_name in FLOAT_TYPES else 'dequantised'}"] \
+                    = True
+            k_b, v_b = (self._values(t).reshape(t.shape) for t in parts)
+            return np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])
+        if len({t.type_name for t in parts}) == 1 and parts[0].type_name not in FLOAT_TYPES:
+            def release():
+                for t in parts:
+                    t.release()
+            return GGUFBlocks(" + ".join(t.name for t in parts), parts[0].qtype,
+                              np.concatenate([np.asarray(t.data) for t in parts], axis=1), self.record, release)
+        for t in parts:
+            self.record[t.name, f"{t.type_name} {'as stored' if t.type_name in FLOAT_TYPES else 'dequantised'}"] = True
+        return np.concatenate([self._values(t) for t in parts], axis=1)
+
+    @staticmethod
+    def _values(t) -> np.ndarray:
+        if t.type_name in FLOAT_TYPES:
+            return np.asarray(t.data).view(FLOAT_TYPES[t.type_name])
+        from gguf.quants import dequantize
+        return dequantize(np.asarray(t.data), t.qtype)
 
     def _undo(self, name: str, arr: np.ndarray) -> np.ndarray:
         """Undo the converter's rewrites: llama's q/k row permutation, Gemma's norm offset."""

@@ -101,6 +101,24 @@ def _with_sentencepiece(model_dir: Path, out: Path) -> None:
     (out / "tokenizer.vocab").unlink()
 
 
+# llama.cpp's converter run as it is, except that a byte-level BPE vocabulary it does not know by hash (the
+# tiny test models', for families whose converter reads one: OLMoE, DeepSeek) takes its "default"
+# pre-tokenizer instead of stopping the conversion (released models' vocabularies are known to it).
+LENIENT_CONVERTER = """
+import runpy, sys
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def lenient(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "default"
+base.TextModel.get_vocab_base_pre = lenient
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def converted(model_dir: Path, outtype: str = "f32") -> Path:
     """`model_dir` converted by llama.cpp's convert_hf_to_gguf.py (`--outtype f32|f16|bf16|q8_0`)."""
     tree = llama_cpp_tree()
@@ -108,9 +126,10 @@ def converted(model_dir: Path, outtype: str = "f32") -> Path:
     def build(folder: Path) -> None:
         source = folder / "hf"
         _with_sentencepiece(model_dir, source)
-        env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py"), "NO_LOCAL_GGUF": ""}
-        run = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(source), "--outtype", outtype,
-                              "--outfile", str(folder / "model.gguf")], capture_output=True, text=True, env=env)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "gguf-py"), str(tree)]), "NO_LOCAL_GGUF": ""}
+        run = subprocess.run([sys.executable, "-c", LENIENT_CONVERTER, str(tree / "convert_hf_to_gguf.py"), str(source),
+                              "--outtype", outtype, "--outfile", str(folder / "model.gguf")],
+                             capture_output=True, text=True, env=env)
         assert run.returncode == 0, run.stderr[-3000:]
         shutil.rmtree(source)
     label = Path(model_dir).parent.name

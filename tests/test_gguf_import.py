@@ -18,14 +18,23 @@ from kiln.ir import interpret, verify, weight_loader  # noqa: E402
 PAGE_SIZE = 16
 # one of each thing llama.cpp's converter does differently: llama's permuted q/k and rope_freqs tensor
 # (Llama 3.1), NEOX rope with q/k norms (Qwen3), norms stored plus one and a window pattern (Gemma 3),
-# fused qkv/gate_up with LongRoPE factors as tensors (Phi-3), experts stacked in one tensor (Mixtral). (The
-# converter takes a SentencePiece vocabulary for these; Qwen-MoE's wants a byte-level BPE one it knows.)
-FAMILIES = ("llama31", "qwen3", "gemma3", "phi3", "mixtral")
-# Tiny models shaped as llama.cpp's architectures can hold them: Gemma 3 files do not store the query
+# soft-capped scores and logits (Gemma 2), fused qkv/gate_up with LongRoPE factors as tensors (Phi-3),
+# experts stacked in one tensor (Mixtral), a gated shared expert (Qwen2-MoE), multipliers and stacked
+# gate/up experts split apart (Granite-MoE), whole-width q/k norms (OLMoE), MLA's kv_b split into k_b
+# and v_b with YaRN, group-limited and sigmoid-with-bias routing (DeepSeek-V2, V3)
+FAMILIES = ("llama31", "qwen3", "gemma3", "gemma2", "phi3", "mixtral", "qwen2_moe", "granitemoe", "olmoe",
+            "deepseek_v2", "deepseek_v3")
+# Tiny models shaped as llama.cpp's architectures can hold them: Gemma 2 and 3 files do not store the query
 # scale or (older ones) which layers are global (llama.cpp takes 1/sqrt(head_dim) and every sixth layer, as
-# the released models have them)
+# the released models have them); DeepSeek files store YaRN's mscale_all_dim alone (llama.cpp takes mscale
+# equal to it, as the released models have it; kiln's tiny DeepSeek-V2 makes them differ); llama.cpp's
+# Qwen2-MoE has experts in every layer (the tiny model's first is dense)
 VARIANTS = {"gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=32,
-                           layer_types=["sliding_attention"] * 5 + ["full_attention"])}
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+            "gemma2": dict(query_pre_attn_scalar=32), "qwen2_moe": dict(mlp_only_layers=[]),
+            "deepseek_v2": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 1024, "mscale": 0.8,
+                                                 "mscale_all_dim": 0.8})}
 
 
 def hf_logits(model_dir, ids) -> np.ndarray:
