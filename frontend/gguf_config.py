@@ -189,9 +189,10 @@ def _deepseek2(m: Metadata, factors) -> dict:
         "norm_topk_prob": bool(m.get("expert_weights_norm", False)), "n_group": groups,
         "topk_group": int(m.get("expert_group_used_count", 1)),
         "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy"}
-    cfg = _common(m, "deepseek_v3" if v3 else "deepseek_v2", "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
-                  factors, q_lora_rank=m.get("attention.q_lora_rank"), kv_lora_rank=int(m.need("attention.kv_lora_rank")),
-                  qk_rope_head_dim=rope, qk_nope_head_dim=key - rope,
+    family = ("deepseek_v3", "DeepseekV3ForCausalLM") if v3 else ("deepseek_v2", "DeepseekV2ForCausalLM")
+    cfg = _common(m, *family, factors, q_lora_rank=m.get("attention.q_lora_rank"),
+                  kv_lora_rank=int(m.need("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+                  qk_nope_head_dim=key - rope,
                   v_head_dim=int(m.need("attention.value_length_mla" if split else "attention.value_length")),
                   rope_interleave=True, **experts)
     cfg["num_key_value_heads"] = cfg["num_attention_heads"]       # the file says 1: MLA read as MQA
