@@ -184,7 +184,7 @@ def _layout_for(node, pos: int, graph: Graph, target) -> str:
         return expert_layout(target, graph.params[name].type.shape)
     if node.op == "linear" and role == "weight":
         return target_layout(node, graph, target)
-    if node.op == "linear" and weight_format(node) in ("q4", "q8g", "q4a") and role == "scale":
+    if node.op == "linear" and role == "scale" and WeightFormat.of(node).grouped:
         return group_scale_layout(_layout_for(node, 1, graph, target), node.attrs.get("act_block", 0))
     if node.op == "embed" and role in ("table", "scale"):
         head = next((n for n in graph.nodes if n.op == "linear" and input_of(n, "weight") == input_of(node, "table")),

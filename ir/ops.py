@@ -23,7 +23,7 @@ from .opdef import (  # noqa: F401
     need_float,
     op,
 )
-from .quant import SCHEMES, WEIGHT_FORMATS, int8_activation_matmul
+from .quant import INTEGER_LEVELS, SCHEMES, WEIGHT_FORMATS, int8_activation_matmul
 from .types import FLOAT_DTYPES, TensorType
 
 # ---------------------------------------------------------------------------- elementwise
@@ -267,9 +267,10 @@ def _linear():
                 fail(f"weight must be {str(TensorType((), weight_dtype))[:-2]}[out, {k}], got {w}")
             if s.dtype != "float32" or s.shape != (w.shape[0],):
                 fail(f"scale must be f32[{w.shape[0]}], got {s}")
-        if attrs.get("act_block", 0) and fmt not in ("q8", "q4", "q8g", "q4a"):
+        if attrs.get("act_block", 0) and fmt not in INTEGER_LEVELS:
             fail(f"act_block applies to q8, q8g, q4 and q4a weights, not {fmt}")
-        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if fmt in ("q4", "q8g", "q4a") else 0)
+        grouped = fmt in SCHEMES and SCHEMES[fmt].grouped
+        _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if grouped else 0)
         return _linear_out(x, w.shape[0], b, r, fail)
 
     def ref(x, at, ty, dims):
@@ -277,7 +278,7 @@ def _linear():
         epilogue = x[3:]
         if fmt == "none":
             return _linear_ref(f32(x[0]) @ f32(x[1]).T, epilogue, ty)
-        if fmt in ("q4", "q8g", "q4a"):
+        if SCHEMES[fmt].grouped:
             packed = np.asarray(x[1])
             levels = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
                       - (8 if fmt == "q4" else 0) if fmt != "q8g" else packed.astype(np.float32))

@@ -169,6 +169,7 @@ SCHEMES = {
                   scale_rows=2),
 }
 WEIGHT_FORMATS = ("none", *SCHEMES)      # a weight's `format` attribute: as stored, or a scheme's
+INTEGER_LEVELS = ("q8", "q4", "q8g", "q4a")   # schemes whose integer levels int8 activations multiply
 
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
-from kiln.ir.quant import SCHEMES
+from kiln.ir.quant import INTEGER_LEVELS, SCHEMES
 
 from .graph_pass import GraphPass
 
@@ -108,7 +108,7 @@ class Quantize(GraphPass):
             node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
             node.attrs = attrs_for("linear", format=mode, **({"group_size": self.group_size} if grouped else {}),
-                                   act_block=self.act_block if mode in ("q8", "q4", "q8g", "q4a")
+                                   act_block=self.act_block if mode in INTEGER_LEVELS
                                    and self._int8_activations(w.type.shape[1], mode) else 0)
         return drop_unused_params(graph)
 
