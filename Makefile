@@ -13,10 +13,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	@echo "kiln: installing TVM, the CPU build of torch, transformers, Ray and the test tools into $(VENV)" \
 	      "(a minute or two on a fresh machine; versions from constraints.txt)"
-	# torch pinned to the local CPU build; transformers/torch are for import and tests only. --no-compile:
-	# Python compiles the modules it imports when first imported, not every file of every package
-	# here (a minute of a fresh setup on 2 cores, most of it for modules nothing imports)
-	$(PY) -m pip install -q --no-compile -c constraints.txt "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
+	# torch pinned to the local CPU build; transformers/torch are for import and tests only.
+	$(PY) -m pip install -q -c constraints.txt "apache-tvm==0.27.0.post1" "apache-tvm-ffi==0.1.14.post1" "torch==2.13.0" \
 	    "transformers>=5" "safetensors>=0.4" "tokenizers>=0.19" "numpy>=1.26" "ml_dtypes>=0.4" \
 	    "jinja2>=3.1" "click>=8.1" "tqdm>=4.66" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
 	    "httpx>=0.27" "pytest>=8" "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "openai>=1.40" \
@@ -25,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	    "gguf==0.19.0" "accelerate>=1.0"
 	# xgrammar (structured output) without its declared triton: kiln masks logits with NumPy;
 	# nvidia-cutlass for its headers alone (sm_90 linears compile CUTLASS's Hopper GEMMs), not its Python tools
-	$(PY) -m pip install -q --no-compile -c constraints.txt --no-deps "xgrammar==0.2.8" "nvidia-cutlass==4.2.0.0"
+	$(PY) -m pip install -q -c constraints.txt --no-deps "xgrammar==0.2.8" "nvidia-cutlass==4.2.0.0"
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
