@@ -128,7 +128,12 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     minimums = fmt.has_minimums
 
     quantize = x_quantizer(n_in, block, "int16")
-    sum_blocks = x_block_sums(n_in, block, needed=minimums)
+    sum_blocks = x_block_sums(n_in, block)
+
+    def tile_reads(xq, sx, x_sums, w, io, jo):      # evaluated while parsing: what a tile reads
+        rows = slice(io * ROWS, io * ROWS + ROWS)
+        sums = [x_sums[rows, 0:n_in // block]] if minimums else []
+        return [xq[rows, 0:n_in], sx[rows, 0:n_in // block], *sums, w[jo, 0:w_shape[1], 0:w_shape[2]]]
 
     def int32x8(value):
         return T.broadcast(T.int32(value), LANES)
@@ -184,18 +189,12 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                                 jo * nb + (s * per_slice + v) * LANES)
 
     @T.macro
-    def gemm(x, w, scale, bias, residual, y, m):
-        xq = T.alloc_buffer((m, n_in), "int16")
-        sx = T.alloc_buffer((m, n_in // block), "float32")
-        x_sums = T.alloc_buffer((m, n_in // block if minimums else 1), "int32")     # q4a: Σx per block
-        quantize(x, xq, sx, m)
-        sum_blocks(xq, x_sums, m)
+    def tiles(xq, sx, x_sums, w, scale, bias, residual, y, m):
         for task in T.parallel(panels * ((m + ROWS - 1) // ROWS)):
             with T.sblock("tile"):
                 jo = T.axis.spatial(panels, panel_and_tile(task, m, ROWS)[0])
                 io = T.axis.spatial((m + ROWS - 1) // ROWS, panel_and_tile(task, m, ROWS)[1])
-                T.reads(xq[io * ROWS:io * ROWS + ROWS, 0:n_in], sx[io * ROWS:io * ROWS + ROWS, 0:n_in // block],
-                        x_sums[io * ROWS:io * ROWS + ROWS, 0:x_sums.shape[1]], w[jo, 0:w_shape[1], 0:w_shape[2]])
+                T.reads(tile_reads(xq, sx, x_sums, w, io, jo))
                 T.writes(y[io * ROWS:io * ROWS + ROWS, jo * nb:jo * nb + nb])
                 acc = T.sblock_alloc_buffer((ROWS, nb), "float32")
                 wi = T.sblock_alloc_buffer((pairs, 2 * nb), "int16")
@@ -215,6 +214,18 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                     for c in T.vectorized(nb):
                         y[io * ROWS + r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual,
                                                                     io * ROWS, jo * nb, r, c)
+
+    @T.macro
+    def gemm(x, w, scale, bias, residual, y, m):
+        xq = T.alloc_buffer((m, n_in), "int16")
+        sx = T.alloc_buffer((m, n_in // block), "float32")
+        quantize(x, xq, sx, m)
+        if minimums:                   # q4a: Σx per block for the minimums' term
+            x_sums = T.alloc_buffer((m, n_in // block), "int32")
+            sum_blocks(xq, x_sums, m)
+            tiles(xq, sx, x_sums, w, scale, bias, residual, y, m)
+        else:                          # no other format reads one: x's scales stand in, unread
+            tiles(xq, sx, sx, w, scale, bias, residual, y, m)
 
     return signature(gemm, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
                      "float16" if grouped else "float32", has_bias, has_residual)
