@@ -3,9 +3,9 @@ and the tokenizer files (frontend/hf.py's interface), read from the file alone.
 
 Weights keep the file's numbers where kiln has the format (F32/F16/BF16 as stored, Q4_0 as q4, Q8_0
 as q8g, Q4_1 as q4a in groups of 32; Q4_K as q4a, its scales rounded to float16); every other type is
-dequantised by llama.cpp's own dequantiser and, where the compile
-quantises, requantised. `default_options` picks the kiln format nearest the file's when `--quant` is
-not given, and `source_record` tells the manifest (and `kiln inspect`) what each tensor got."""
+dequantised by llama.cpp's own dequantiser and, where the compile quantises, requantised.
+`default_options` picks the kiln format nearest each tensor's type when `--quant` is not given, and
+`source_record` tells the manifest (and `kiln inspect`) what each tensor got."""
 from __future__ import annotations
 
 from collections import Counter

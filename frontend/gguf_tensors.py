@@ -221,27 +221,26 @@ class GGUFCheckpoint:
         """The two tensors joined again: Granite's experts row-wise (blocks stay blocks where both are of
         one type), DeepSeek's k_b (transposed back) and v_b head by head, in float."""
         parts = [self.tensor(name, part) for part in self.joined(name)]
-        if MLA_KV_B.match(name):
-            for t in parts:
-                self.record[t.name, f"{t.type_name} {'as stored' if t.type_name in FLOAT_TYPES else 'dequantised'}"] \
-                    = True
-            k_b, v_b = (self._values(t).reshape(t.shape) for t in parts)
-            return np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])
-        if len({t.type_name for t in parts}) == 1 and parts[0].type_name not in FLOAT_TYPES:
+        kv_b = MLA_KV_B.match(name)
+        if not kv_b and len({t.type_name for t in parts}) == 1 and parts[0].type_name not in FLOAT_TYPES:
             def release():
                 for t in parts:
                     t.release()
             return GGUFBlocks(" + ".join(t.name for t in parts), parts[0].qtype,
                               np.concatenate([np.asarray(t.data) for t in parts], axis=1), self.record, release)
-        for t in parts:
-            self.record[t.name, f"{t.type_name} {'as stored' if t.type_name in FLOAT_TYPES else 'dequantised'}"] = True
-        return np.concatenate([self._values(t) for t in parts], axis=1)
+        values = [self._values(t).reshape(t.shape) for t in parts]
+        if kv_b:
+            k_b, v_b = values
+            return np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])
+        return np.concatenate(values, axis=1)
 
-    @staticmethod
-    def _values(t) -> np.ndarray:
+    def _values(self, t) -> np.ndarray:
+        """A whole file tensor's values, as stored or dequantised (and recorded so)."""
         if t.type_name in FLOAT_TYPES:
+            self.record[t.name, f"{t.type_name} as stored"] = True
             return np.asarray(t.data).view(FLOAT_TYPES[t.type_name])
         from gguf.quants import dequantize
+        self.record[t.name, f"{t.type_name} dequantised"] = True
         return dequantize(np.asarray(t.data), t.qtype)
 
     def _undo(self, name: str, arr: np.ndarray) -> np.ndarray:

@@ -31,8 +31,6 @@ from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, name
 from kiln.ir.quant import INTEGER_LEVELS, SCHEMES
 
 from .graph_pass import GraphPass
-
-SCHEME_BITS = {"q8": 8, "q8g": 8, "fp8": 8, "q4": 4, "q4a": 4}        # bits a stored weight takes
 from .rewrite import drop_unused_params
 
 
@@ -117,7 +115,7 @@ class Quantize(GraphPass):
         the scheme of most bits among its parts', so that no part is stored coarser than it was asked for."""
         modes = dict(self.tensor_modes)
         parts = (w.recipe or {}).get("concat", [w.name])
-        return max((modes.get(part, self.mode) for part in parts), key=lambda mode: SCHEME_BITS[mode])
+        return max((modes.get(part, self.mode) for part in parts), key=lambda mode: 8 // SCHEMES[mode].per_byte)
 
     def _int8_activations(self, n_in: int, mode: str) -> bool:
         """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
