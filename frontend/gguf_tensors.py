@@ -6,8 +6,8 @@ converter did to them:
     quantised tensor's blocks move whole and stay exact);
   - Gemma's norm weights were stored plus one: one is taken off.
 A quantised tensor is handed out as `GGUFBlocks`: the file's blocks, which a quantiser may repack
-into kiln's format (Q4_0 -> q4, Q8_0 -> q8g, Q4_1 and Q4_K -> q4a, groups of 32) or dequantise with llama.cpp's own
-dequantiser (`gguf.quants`). Each tensor's treatment is recorded for the manifest and `kiln inspect`."""
+into kiln's format (Q4_0 -> q4, Q8_0 -> q8g, Q4_1 and Q4_K -> q4a, groups of 32) or dequantise with
+llama.cpp's own dequantiser (`gguf.quants`). Each tensor's treatment is recorded for the manifest and `kiln inspect`."""
 from __future__ import annotations
 
 import re
@@ -95,10 +95,9 @@ class GGUFBlocks:
 BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "Q4_1": 20, "Q4_K": 144}
 
 
-def _halves(blocks: np.ndarray, start: int, count: int = 1) -> np.ndarray:
-    """float16 fields of each block from byte `start`: [rows, blocks] (count 1) or [rows, blocks, count]."""
-    values = np.ascontiguousarray(blocks[..., start:start + 2 * count]).view(np.float16)
-    return values[..., 0] if count == 1 else values
+def _halves(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 field of each block at byte `start`: [rows, blocks]."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
 
 
 def _interleaved_nibbles(qs: np.ndarray) -> np.ndarray:
