@@ -1,10 +1,10 @@
 """The weight quantisers compile runs: ir/quant.py's rules (the references), byte for byte, in
 bounded memory and, for q4, fast.
 
-- q4 is a TVM kernel for the host CPU. It computes the reference rule in one pass per group of
-  `group_size` inputs: find the peak, try the 13 candidate scales, keep the first with the least
-  float64 squared error, pack the nibbles. NumPy's version makes a dozen passes over memory per
-  candidate; this one reads each group into registers once per candidate, on every core.
+- q4 is a TVM kernel for the host CPU. It computes the reference rule per group of `group_size`
+  inputs: find the peak, fit a scale to each of the 19 candidates' levels and weigh its error, keep
+  the first least, pack the nibbles. NumPy's version makes dozens of passes over memory per
+  candidate; this one reads each group into registers twice per candidate, on every core.
 - q8 and fp8 (one scale per output row) run the NumPy reference on a block of rows at a time, so its
   temporaries are a block's, not a 2 GB embedding table's several times over.
 """
@@ -15,7 +15,7 @@ import gc
 
 import numpy as np
 
-from kiln.ir.quant import Q4_SHRINKS, SCHEMES
+from kiln.ir.quant import Q4_CANDIDATES, SCHEMES
 
 CHUNK_ELEMENTS = 1 << 24            # float32 inputs per kernel call or NumPy block (64 MiB)
 
@@ -24,7 +24,7 @@ CHUNK_ELEMENTS = 1 << 24            # float32 inputs per kernel call or NumPy bl
 def _kernel(group_size: int, k: int):
     """The kernel for rows of `k` inputs. Each row is first copied group-minor ([group_size,
     k / group_size]) into a buffer of its own: the groups lie side by side, so each step of the rule
-    runs on a vector of groups."""
+    runs on a vector of groups. The importance comes group-minor too (the same for every row)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -32,53 +32,62 @@ def _kernel(group_size: int, k: int):
 
     from kiln.targets.exp_lowering import register_exp_lowering
 
-    groups, half, candidates = k // group_size, group_size // 2, len(Q4_SHRINKS)
+    groups, half, candidates = k // group_size, group_size // 2, len(Q4_CANDIDATES)
     lanes = next(v for v in (8, 4, 2, 1) if groups % v == 0)
 
-    MAGNITUDE, PEAK, SCALE, BEST = range(4)     # rows of the per-group state
-    ERR, BEST_ERR = range(2)
+    MAGNITUDE, PEAK, INVERSE, SCALE, BEST = range(5)     # rows of the per-group state
+    NUM, DEN, ERR, BEST_ERR = range(4)
 
     # Expressions built while the kernel is parsed. (A TVMScript `name = expr` inside a vectorized
     # loop becomes a Let, which TVM 0.27's vectorizer got wrong here: every lane took lane 0's value.)
+    def clipped(v):
+        return T.max(T.min(T.round(v), T.float32(7)), T.float32(-8))
+
     def level(x, scale):
         """clip(rint(x / scale), -8, 7) in float32; 0 where the scale is 0."""
-        return T.Select(scale == T.float32(0), T.float32(0),
-                        T.max(T.min(T.round(x / scale), T.float32(7)), T.float32(-8)))
+        return T.Select(scale == T.float32(0), T.float32(0), clipped(x / scale))
 
     def larger(x, magnitude):
         return T.abs(x) > magnitude
 
+    def wide(x):
+        return T.Cast("float64", x)
+
     def squared_error(x, scale):
         """(q * scale - x)^2 in float64, exact but for the sum: the difference is exact in float32
         (x lies within a factor 2 of q * scale, or q is 0), and its square fits float64's mantissa."""
-        d = T.Cast("float64", level(x, scale) * scale - x)
+        d = wide(level(x, scale) * scale - x)
         return d * d
 
-    def candidate(peak, shrink):
-        """peak * shrink / -8 in float32, with an all-zero group's peak taken as 1."""
-        return T.Select(peak == T.float32(0), T.float32(1), peak) * shrink / T.float32(-8)
+    def as_stored(num, den):
+        """num / den rounded to float32 then float16 (0 where den is 0), back in float32."""
+        return T.Cast("float32", T.Cast("float16", T.Cast(
+            "float32", T.Select(den > T.float64(0), num / T.Select(den > T.float64(0), den, T.float64(1)),
+                                T.float64(0)))))
 
     @T.prim_func(s_tir=True)
-    def quantize_q4(w_handle: T.handle, shrink_handle: T.handle, q_handle: T.handle, s_handle: T.handle):
+    def quantize_q4(w_handle: T.handle, u_handle: T.handle, c_handle: T.handle, q_handle: T.handle,
+                    s_handle: T.handle):
         n = T.int64()
         w = T.match_buffer(w_handle, (n, k), "float32")
-        shrinks = T.match_buffer(shrink_handle, (candidates,), "float32")
+        ut = T.match_buffer(u_handle, (group_size, groups), "float32")
+        cands = T.match_buffer(c_handle, (candidates,), "float32")
         q = T.match_buffer(q_handle, (n, k // 2), "uint8")
         scales = T.match_buffer(s_handle, (groups, n), "float16")
         for task in T.parallel(n):
             with T.sblock("row"):
                 r = T.axis.spatial(n, task)
-                T.reads(w[r, 0:k], shrinks[0:candidates])
+                T.reads(w[r, 0:k], ut[0:group_size, 0:groups], cands[0:candidates])
                 T.writes(q[r, 0:k // 2], scales[0:groups, r])
                 wt = T.sblock_alloc_buffer((group_size, groups), "float32")     # the row, group-minor
-                st = T.sblock_alloc_buffer((4, groups), "float32")       # MAGNITUDE, PEAK, SCALE, BEST
-                err = T.sblock_alloc_buffer((2, groups), "float64")      # ERR, BEST_ERR
+                st = T.sblock_alloc_buffer((5, groups), "float32")       # MAGNITUDE, PEAK, INVERSE, SCALE, BEST
+                acc = T.sblock_alloc_buffer((4, groups), "float64")      # NUM, DEN, ERR, BEST_ERR
                 for g, i in T.grid(groups, group_size):
                     wt[i, g] = w[r, g * group_size + i]
                 for go, gi in T.grid(groups // lanes, lanes):
                     st[MAGNITUDE, go * lanes + gi] = T.float32(-1)
                     st[PEAK, go * lanes + gi] = T.float32(0)
-                    err[BEST_ERR, go * lanes + gi] = T.float64(np.inf)
+                    acc[BEST_ERR, go * lanes + gi] = T.float64(np.inf)
                     st[BEST, go * lanes + gi] = T.float32(0)
                 for i in range(group_size):                                # the first largest magnitude
                     for go in range(groups // lanes):
@@ -88,22 +97,45 @@ def _kernel(group_size: int, k: int):
                                 wt[i, go * lanes + gi], st[PEAK, go * lanes + gi])
                             st[MAGNITUDE, go * lanes + gi] = T.max(T.abs(wt[i, go * lanes + gi]),
                                                                    st[MAGNITUDE, go * lanes + gi])
+                for go in range(groups // lanes):
+                    for gi in T.vectorized(lanes):
+                        st[PEAK, go * lanes + gi] = T.Select(st[PEAK, go * lanes + gi] == T.float32(0),
+                                                             T.float32(1), st[PEAK, go * lanes + gi])
                 for c in range(candidates):
                     for go in range(groups // lanes):
                         for gi in T.vectorized(lanes):
-                            st[SCALE, go * lanes + gi] = T.Cast("float32", T.Cast(
-                                "float16", candidate(st[PEAK, go * lanes + gi], shrinks[c])))
-                            err[ERR, go * lanes + gi] = T.float64(0)
-                    for i in range(group_size):
+                            st[INVERSE, go * lanes + gi] = cands[c] / st[PEAK, go * lanes + gi]
+                            acc[NUM, go * lanes + gi] = T.float64(0)
+                            acc[DEN, go * lanes + gi] = T.float64(0)
+                            acc[ERR, go * lanes + gi] = T.float64(0)
+                    for i in range(group_size):                          # the levels' least-squares scale
                         for go in range(groups // lanes):
                             for gi in T.vectorized(lanes):
-                                err[ERR, go * lanes + gi] = err[ERR, go * lanes + gi] + squared_error(
-                                    wt[i, go * lanes + gi], st[SCALE, go * lanes + gi])
+                                acc[NUM, go * lanes + gi] = acc[NUM, go * lanes + gi] + wide(
+                                    ut[i, go * lanes + gi]) * wide(clipped(
+                                        wt[i, go * lanes + gi] * st[INVERSE, go * lanes + gi])) * wide(
+                                    wt[i, go * lanes + gi])
+                                acc[DEN, go * lanes + gi] = acc[DEN, go * lanes + gi] + wide(
+                                    ut[i, go * lanes + gi]) * wide(clipped(
+                                        wt[i, go * lanes + gi] * st[INVERSE, go * lanes + gi])) * wide(clipped(
+                                        wt[i, go * lanes + gi] * st[INVERSE, go * lanes + gi]))
                     for go in range(groups // lanes):
                         for gi in T.vectorized(lanes):
-                            st[BEST, go * lanes + gi] = T.Select(err[ERR, go * lanes + gi] < err[BEST_ERR, go * lanes + gi],
-                                                                 st[SCALE, go * lanes + gi], st[BEST, go * lanes + gi])
-                            err[BEST_ERR, go * lanes + gi] = T.min(err[ERR, go * lanes + gi], err[BEST_ERR, go * lanes + gi])
+                            st[SCALE, go * lanes + gi] = as_stored(acc[NUM, go * lanes + gi],
+                                                                   acc[DEN, go * lanes + gi])
+                    for i in range(group_size):                          # its weighted error
+                        for go in range(groups // lanes):
+                            for gi in T.vectorized(lanes):
+                                acc[ERR, go * lanes + gi] = acc[ERR, go * lanes + gi] + wide(
+                                    ut[i, go * lanes + gi]) * squared_error(wt[i, go * lanes + gi],
+                                                                            st[SCALE, go * lanes + gi])
+                    for go in range(groups // lanes):
+                        for gi in T.vectorized(lanes):
+                            st[BEST, go * lanes + gi] = T.Select(
+                                acc[ERR, go * lanes + gi] < acc[BEST_ERR, go * lanes + gi],
+                                st[SCALE, go * lanes + gi], st[BEST, go * lanes + gi])
+                            acc[BEST_ERR, go * lanes + gi] = T.min(acc[ERR, go * lanes + gi],
+                                                                   acc[BEST_ERR, go * lanes + gi])
                 for g in range(groups):
                     scales[g, r] = T.Cast("float16", st[BEST, g])
                 for j in range(k // 2):
@@ -115,7 +147,7 @@ def _kernel(group_size: int, k: int):
     return tvm.compile(tvm.IRModule({"quantize_q4": func}), target=host_llvm_target())["quantize_q4"]
 
 
-def quantize_q4(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
+def quantize_q4(w: np.ndarray, group_size: int = 32, importance: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """ir/quant.py's q4 quantiser, run by the TVM kernel: the same parts, byte for byte."""
     import tvm
     n, k = w.shape
@@ -125,7 +157,9 @@ def quantize_q4(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
         # TVMScript's parser keeps the calling frames in a reference cycle, and this frame holds
         # `w` (2 GB for an 8B model's embedding): collect it now, not at some later collection.
         gc.collect()
-    shrinks = tvm.runtime.tensor(Q4_SHRINKS)
+    u = np.ones(k, np.float32) if importance is None else np.asarray(importance, np.float32)
+    u = tvm.runtime.tensor(np.ascontiguousarray(u.reshape(k // group_size, group_size).T))
+    candidates = tvm.runtime.tensor(Q4_CANDIDATES)
     packed = np.empty((n, k // 2), np.uint8)
     scales = np.empty((k // group_size, n), np.float16)
     rows = max(1, min(n, CHUNK_ELEMENTS // k))
@@ -135,7 +169,7 @@ def quantize_q4(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
         np.copyto(staging[:stop - start], w[start:stop], casting="unsafe")     # bf16 is widened here
         q_out = tvm.runtime.empty((stop - start, k // 2), "uint8")
         s_out = tvm.runtime.empty((k // group_size, stop - start), "float16")
-        kernel(tvm.runtime.from_dlpack(staging[:stop - start]), shrinks, q_out, s_out)
+        kernel(tvm.runtime.from_dlpack(staging[:stop - start]), u, candidates, q_out, s_out)
         packed[start:stop] = q_out.numpy()
         scales[:, start:stop] = s_out.numpy()
     return {"q": packed, "scale": scales}

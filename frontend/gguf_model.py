@@ -143,7 +143,7 @@ class GGUFModel:
         return replace(options, quant=quant, group_size=group or options.group_size,
                        quant_lm_head=head_fmt is not None, lm_head_quant=head_fmt[0] if head_fmt else None,
                        quant_embedding=table_fmt is not None, embedding_quant=table_fmt[0] if table_fmt else None,
-                       tensor_quant=self._tensor_formats(body, target))
+                       tensor_quant=self._tensor_formats(body, target), more_bits=False)
 
     def _tensor_formats(self, body: tuple[str, int], target: str) -> tuple[tuple[str, str], ...]:
         """(kiln weight, scheme) for each block matrix of a type whose nearest format is not the body's

@@ -24,6 +24,7 @@ class Scheme:
     grouped: bool = False          # scales per group of inputs, stored [in / group, out]
     per_byte: int = 1              # levels a stored byte holds (q4: two 4-bit values)
     scale_rows: int = 1            # rows of the scale table per group (q4a: its scale, then its minimum)
+    weighted: bool = False         # quantize takes importance= (one weight per input, from calibration)
 
     def output_axis(self, part: str) -> int:
         """The axis of a stored part that runs over output features (grouped scales are [in / group, out])."""
@@ -70,32 +71,48 @@ def _q8g_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.nd
     return parts["q"].astype(np.float32) * np.repeat(parts["scale"].T.astype(np.float32), group_size, axis=1)
 
 
-Q4_SHRINKS = np.linspace(0.7, 1.0, 13).astype(np.float32)
+Q4_CANDIDATES = np.array([-(8 + 0.1 * i) for i in range(-9, 10)], np.float32)   # levels the peak is tried at
 
 
-def _q4_quantize(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
-    """int4 in groups of `group_size` along the input axis, one float16 scale per group.
+def _q4_quantize(w: np.ndarray, group_size: int = 32, importance: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """int4 in groups of `group_size` along the input axis, one float16 scale per group, q in [-8, 7].
 
-    q in [-8, 7]. The group's peak is its first largest-magnitude value (1 if all are zero); each
-    candidate scale is float16(peak * shrink / -8) in float32 arithmetic, for the 13 shrinks of
-    Q4_SHRINKS: shrink 1 maps the peak to -8, using all 16 levels. q = clip(rint(w / scale), -8, 7)
-    (0 where the scale is 0); the chosen scale is the first with the least squared error, summed in
-    float64. q + 8 is stored in a nibble, two per byte along the input axis (even k in the low
-    nibble); scales are stored [in / group, out] so that a kernel reading consecutive outputs reads
-    consecutive scales. This is the reference; compile runs the same rule as a TVM kernel
-    (codegen/quantizers.py), which tests hold to these exact bytes."""
+    The scale is fitted, not taken from the peak alone: for each of the 19 Q4_CANDIDATES c (the peak
+    mapped to level c, from -7.1 to -8.9), levels l = clip(rint(w · (c / peak)), -8, 7), then the
+    least-squares scale for those levels, Σ u·l·w / Σ u·l², rounded to float32 then float16; the
+    weights are re-levelled with it (0 where it is 0) and the first candidate with the least
+    Σ u·(l·scale - w)² is kept. u is `importance` (one per input, the mean square of that input over
+    calibration text: errors on inputs that are large cost more), 1 without it. Sums run in float64
+    in order along the group. The peak is the group's first largest-magnitude value (1 if all are
+    zero). Judged by a real model's perplexity, fitting beats both the peak's own scale (llama.cpp's
+    Q4_0) and a search minimising unweighted error over shrunken peaks (docs/BENCHMARKS.md).
+    q + 8 is stored in a nibble, two per byte along the input axis (even k in the low nibble); scales
+    are stored [in / group, out] so that a kernel reading consecutive outputs reads consecutive scales.
+    This is the reference; compile runs the same rule as a TVM kernel (codegen/quantizers.py), which
+    tests hold to these exact bytes."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
     groups = w.reshape(n, k // group_size, group_size)
+    u = (np.ones(k, np.float64) if importance is None else np.asarray(importance, np.float32).astype(np.float64))
+    u = u.reshape(k // group_size, group_size)
     idx = np.abs(groups).argmax(axis=-1)
     peak = np.take_along_axis(groups, idx[..., None], axis=-1)[..., 0]
     peak = np.where(peak == 0, np.float32(1), peak)
     best_err = np.full(peak.shape, np.inf)
     best_scale = np.zeros(peak.shape, np.float32)
-    for shrink in Q4_SHRINKS:
-        scale = (peak * shrink / np.float32(-8)).astype(np.float16).astype(np.float32)
-        q = _q4_levels(groups, scale)
-        err = ((q.astype(np.float64) * scale[..., None] - groups) ** 2).sum(axis=-1)
+    for c in Q4_CANDIDATES:
+        inverse = c / peak
+        levels = np.clip(np.rint(groups * inverse[..., None]), -8, 7).astype(np.float64)
+        num, den = np.zeros(peak.shape), np.zeros(peak.shape)
+        for i in range(group_size):
+            num += u[:, i] * levels[..., i] * groups[..., i]
+            den += u[:, i] * levels[..., i] * levels[..., i]
+        fitted = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
+        scale = fitted.astype(np.float32).astype(np.float16).astype(np.float32)
+        levels = _q4_levels(groups, scale)
+        err = np.zeros(peak.shape)
+        for i in range(group_size):
+            err += u[:, i] * (levels[..., i] * scale - groups[..., i]).astype(np.float64) ** 2
         better = err < best_err
         best_err, best_scale = np.where(better, err, best_err), np.where(better, scale, best_scale)
     q = _q4_levels(groups, best_scale).astype(np.int8).reshape(n, k)
@@ -117,21 +134,56 @@ def _q4_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.nda
     return nibbles * np.repeat(scale.T.astype(np.float32), group_size, axis=1)
 
 
-def _q4a_quantize(w: np.ndarray, group_size: int = 32) -> dict[str, np.ndarray]:
+def _q4a_quantize(w: np.ndarray, group_size: int = 32, importance: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Asymmetric int4 in groups of `group_size` inputs: W ≈ level · scale + minimum, level in 0..15,
-    a float16 scale and minimum per group (GGUF's Q4_1 layout for groups of 32). minimum is the
-    group's least value and scale (max - min) / 15, each rounded to float16 as stored; the levels are
-    rint((w - minimum) / scale) clipped to 0..15 (0 where the scale is 0). Nibbles as q4's (even k
-    low); the scale table is [2 · in / group, out], group g's scale in row 2g and its minimum in 2g + 1."""
+    a float16 scale and minimum per group (GGUF's Q4_1 layout for groups of 32). Without `importance`,
+    minimum is the group's least value and scale (max - min) / 15, each rounded to float16 as stored
+    (llama.cpp's Q4_1 rule). With it (one weight per input, as q4's), the pair is fitted as llama.cpp
+    fits its K-quants': levels from the min/max rule and from 21 stretched ranges, each followed by the
+    weighted least-squares scale and minimum for those levels; the pair (as float16) whose levels give
+    the least Σ u·(level · scale + minimum - w)² is kept. The levels are rint((w - minimum) / scale)
+    clipped to 0..15 (0 where the scale is 0). Nibbles as q4's (even k low); the scale table is
+    [2 · in / group, out], group g's scale in row 2g and its minimum in 2g + 1."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
     groups = w.reshape(n, k // group_size, group_size)
     low = groups.min(axis=-1).astype(np.float16).astype(np.float32)
     scale = ((groups.max(axis=-1) - low) / np.float32(15)).astype(np.float16).astype(np.float32)
-    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
-    q = np.where(scale[..., None] == 0, np.float32(0), np.clip(np.rint((groups - low[..., None]) / safe), 0, 15))
+    if importance is not None:
+        scale, low = _q4a_fit(groups, np.asarray(importance, np.float32).reshape(k // group_size, group_size),
+                              scale, low)
+    q = _q4a_levels(groups, scale, low)
     nibbles = q.astype(np.uint8).reshape(n, k)
     return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), "scale": q4a_scale_table(scale, low)}
+
+
+def _q4a_levels(groups: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+    return np.where(scale[..., None] == 0, np.float32(0), np.clip(np.rint((groups - low[..., None]) / safe), 0, 15))
+
+
+def _q4a_fit(groups: np.ndarray, u: np.ndarray, scale: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (scale, minimum) of least importance-weighted error among the min/max pair and the
+    least-squares fits to the levels of 22 candidate ranges (_q4a_quantize)."""
+    def error(s, m):
+        return (u * (_q4a_levels(groups, s, m) * s[..., None] + m[..., None] - groups) ** 2).sum(-1)
+    best_err, best_scale, best_low = error(scale, low), scale, low
+    top, bottom = groups.max(-1), groups.min(-1)
+    span = np.where(top > bottom, top - bottom, np.float32(1))
+    su, sx = u.sum(-1), (u * groups).sum(-1)
+    for stretch in (15, *(14 + 0.1 * i for i in range(21))):
+        levels = np.clip(np.rint((groups - bottom[..., None]) * (np.float32(stretch) / span)[..., None]), 0, 15)
+        sl, sll, slx = (u * levels).sum(-1), (u * levels * levels).sum(-1), (u * levels * groups).sum(-1)
+        det = su * sll - sl * sl
+        ok = det > 0
+        safe = np.where(ok, det, 1)
+        s = np.where(ok, (su * slx - sl * sx) / safe, scale).astype(np.float16).astype(np.float32)
+        m = np.where(ok, (sll * sx - sl * slx) / safe, low).astype(np.float16).astype(np.float32)
+        err = error(s, m)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale, best_low = np.where(better, s, best_scale), np.where(better, m, best_low)
+    return best_scale, best_low
 
 
 def q4a_scale_table(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
@@ -161,12 +213,13 @@ def _fp8_quantize(w: np.ndarray) -> dict[str, np.ndarray]:
 SCHEMES = {
     "q8": Scheme("q8", "int8", _q8_quantize, _q8_dequantize),
     "fp8": Scheme("fp8", "float8_e4m3fn", _fp8_quantize, _q8_dequantize),
-    "q4": Scheme("q4", "uint8", _q4_quantize, _q4_dequantize, scale_dtype="float16", grouped=True, per_byte=2),
+    "q4": Scheme("q4", "uint8", _q4_quantize, _q4_dequantize, scale_dtype="float16", grouped=True, per_byte=2,
+                 weighted=True),
     # int8 in groups with float16 scales: GGUF's Q8_0 kept exactly (frontend/gguf_tensors.py)
     "q8g": Scheme("q8g", "int8", _q8g_quantize, _q8g_dequantize, scale_dtype="float16", grouped=True),
     # int4 with a minimum per group: GGUF's Q4_1 kept exactly, its Q4_K nearly (frontend/gguf_tensors.py)
     "q4a": Scheme("q4a", "uint8", _q4a_quantize, _q4a_dequantize, scale_dtype="float16", grouped=True, per_byte=2,
-                  scale_rows=2),
+                  scale_rows=2, weighted=True),
 }
 WEIGHT_FORMATS = ("none", *SCHEMES)      # a weight's `format` attribute: as stored, or a scheme's
 INTEGER_LEVELS = ("q8", "q4", "q8g", "q4a")   # schemes whose integer levels int8 activations multiply

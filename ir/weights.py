@@ -13,7 +13,7 @@
                                           (its V rows, transposed)"""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -48,7 +48,8 @@ def plain_reads(graph: Graph, names: list[str]) -> list[str]:
 
 
 def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: dict[str, Callable] | None = None,
-                  load_source: Callable[[str], np.ndarray] | None = None) -> Callable[[str], np.ndarray]:
+                  load_source: Callable[[str], np.ndarray] | None = None,
+                  importance: Mapping[str, np.ndarray] | None = None) -> Callable[[str], np.ndarray]:
     """A loader for every param of `graph`: `load(name)` for plain weights, recipes applied for derived ones.
 
     `quantizers` replaces a scheme's reference quantiser by a faster one that gives the same bytes.
@@ -56,8 +57,11 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
     narrower float dtype whose widening to the graph's is exact (bfloat16 for float32), as every
     quantiser reads its input as float32 anyway. A fused projection (rows concatenated) is quantised
     part by part and the parts joined: every scheme quantises each output row on its own, so the
-    bytes are those of quantising the concatenation, without making it."""
+    bytes are those of quantising the concatenation, without making it. `importance` (plain weight ->
+    one float32 per input, from calibration) is given to the schemes that weigh their errors by it.
+    (Experts are quantised without: their inputs are the tokens routed to each, not measured.)"""
     quantizers = quantizers or {}
+    importance = importance or {}
     load_source = load_source or load
     quantized: dict[tuple[str, str], dict] = {}      # (scheme, source) -> parts: quantise each weight once
 
@@ -67,14 +71,19 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
 
     def quantize(recipe: dict) -> dict[str, np.ndarray]:
         scheme = SCHEMES[recipe["quantize"]]
-        run = quantizers.get(scheme.name, scheme.quantize)
+        quantizer = quantizers.get(scheme.name, scheme.quantize)
         options = {"group_size": recipe["group_size"]} if "group_size" in recipe else {}
+
+        def run(w: np.ndarray, name: str | None = None, **options) -> dict[str, np.ndarray]:
+            if scheme.weighted and name in importance:
+                options["importance"] = importance[name]
+            return quantizer(w, **options)
 
         def stacked(experts: list[dict]) -> dict[str, np.ndarray]:
             return {part: np.stack([e[part] for e in experts]) for part in experts[0]}
 
         def joined(parts: list[str]) -> dict[str, np.ndarray]:
-            pieces = [run(source(part), **options) for part in parts]
+            pieces = [run(source(part), part, **options) for part in parts]
             return {part: np.concatenate([p[part] for p in pieces], axis=scheme.output_axis(part))
                     for part in pieces[0]}
         fused = graph.params.get(recipe["of"])
@@ -86,7 +95,7 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
         w = source(recipe["of"])
         if w.ndim == 3:
             return stacked([run(expert, **options) for expert in w])
-        return run(w, **options)
+        return run(w, recipe["of"], **options)
 
     def get(name: str) -> np.ndarray:
         param = graph.params.get(name)

@@ -14,7 +14,7 @@ import click
 
 import kiln
 from kiln.errors import KilnError
-from kiln.options import ATTENTION_CHOICES, DTYPES, GROUP_SIZES, KV_DTYPES, WEIGHT_QUANTS
+from kiln.options import ATTENTION_CHOICES, DTYPES, GROUP_SIZES, KV_DTYPES, TENSOR_CLASSES, WEIGHT_QUANTS
 from kiln.serve.reasoning import PARSERS as REASONING_PARSERS
 from kiln.serve.tool_calls import FORMATS as TOOL_FORMATS
 
@@ -96,6 +96,17 @@ def main(debug):
     """kiln: compile Hugging Face models with TVM and run them."""
 
 
+def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--tensor-quant's CLASS=FORMAT items (repeated or comma-separated), in order; a later one wins."""
+    pairs = {}
+    for item in (part.strip() for value in values for part in value.split(",") if part.strip()):
+        cls, sep, fmt = item.partition("=")
+        if not sep:
+            raise KilnError(f"--tensor-quant {item}: expected CLASS=FORMAT, e.g. lm_head=q8")
+        pairs[cls.strip()] = fmt.strip()
+    return tuple(pairs.items())
+
+
 @main.command()
 @click.argument("model_dir")
 @click.option("--target", default="cpu", show_default=True, help="cpu, cuda, rocm or metal.")
@@ -113,10 +124,18 @@ def main(debug):
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
-              help="Quantise the LM head too.")
+              help="Quantise the LM head too (q8 under q4 and q4a, else --quant's scheme).")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
-              help="With --quant: quantise the embedding table with the same scheme (a table tied to a "
-                   "quantised LM head is then stored once); --no-quant-embedding keeps it in --dtype.")
+              help="With --quant: quantise the embedding table too (q8 under q4 and q4a; a table tied to an "
+                   "LM head of the same format is stored once); --no-quant-embedding keeps it in --dtype.")
+@click.option("--tensor-quant", multiple=True, metavar="CLASS=FORMAT",
+              help="With --quant: FORMAT (a --quant scheme, or none for float) for one class of tensors: "
+                   f"{', '.join(TENSOR_CLASSES)} (a projection before its class; repeatable or "
+                   "comma-separated), e.g. --tensor-quant lm_head=q4,down=q8.")
+@click.option("--calibrate", default=None, metavar="TEXT_FILE",
+              help="With --quant q4 or q4a: run the float model over this text (up to 8192 tokens) and weigh "
+                   "each weight's rounding by how large its input is there (an importance matrix, as "
+                   "llama-imatrix's); the artifact keeps the measurement.")
 @click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
               help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a float32 scale "
                    "per token and KV head.")
@@ -143,8 +162,9 @@ def main(debug):
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
-def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, kv_dtype, output,
-            force, print_after_all, print_after, disable_pass, mla_expanded_from, activations, attention, weights):
+def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, tensor_quant, calibrate,
+            kv_dtype, output, force, print_after_all, print_after, disable_pass, mla_expanded_from, activations,
+            attention, weights):
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
     A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16; Q4_0 as q4, Q8_0 as q8g,
@@ -166,6 +186,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
         dtype, quant = as_dtype[quant], "none"
     options = CompileOptions(target=target, arch=arch, dtype=dtype, quant=quant, group_size=int(group_size),
                              quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
+                             tensor_classes=_tensor_classes(tensor_quant), calibrate=calibrate,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              int8_activations=None if activations is None else activations == "int8",
                              mla_expanded_from=mla_expanded_from, disable_passes=frozenset(disable_pass),

@@ -12,6 +12,7 @@ from kiln.interface import GRAPH_ENTRIES, STEP_KINDS, KVLayout, Manifest, ModelR
 from kiln.ir import input_of, weight_format
 from kiln.ir.ops import ATTENTION_OPS
 from kiln.ir.step_forms import for_step, prefill_min_tokens
+from kiln.errors import KilnError
 from kiln.options import CompileOptions
 from kiln.selection.choice import recorded
 from kiln.selection.tiles import HOPPER_FROM
@@ -125,6 +126,23 @@ def _lm_head_format(graph, quant: str | None) -> str | None:
     return fmt if quant and fmt not in ("none", quant) else None
 
 
+def _class_formats(graph) -> dict:
+    """Each kind of weight's formats, in words (passes/tensor_classes.py)."""
+    from kiln.passes.quantize import Quantize
+    from kiln.passes.tensor_classes import class_formats
+    routers = Quantize._linears_feeding(graph, [input_of(n, "logits") for n in graph.nodes if n.op == "moe_router"])
+    return class_formats(graph, Quantize._linears_feeding(graph, graph.outputs), routers, _activation_block(graph))
+
+
+def _calibrate(model, options: CompileOptions, tokenizer_files: list[str], page_size: int, out_dir: Path, progress):
+    """--calibrate: the input importances (kiln/calibrate.py), written into the artifact."""
+    from kiln.calibrate import calibrate
+    if "tokenizer.json" not in tokenizer_files:
+        raise KilnError(f"--calibrate needs the model's tokenizer.json to read {options.calibrate}, and the model "
+                        "has none")
+    return calibrate(model, options.calibrate, out_dir / "tokenizer.json", page_size, out_dir, progress)
+
+
 def _activation_block(graph) -> int:
     """The int8 activation block of the graph's q8/q4 linears (0: float activations)."""
     return max((n.attrs.get("act_block", 0) for n in graph.nodes if n.op == "linear"), default=0)
@@ -153,6 +171,9 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
     tgt.check_dtype(dtype)
     tgt.check_quant(quant, kv_dtype)
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
+    tokenizer_files = model.write_tokenizer(out_dir)
+    importance, calibration = phases.run("calibrate", _calibrate, model, options, tokenizer_files, tgt.page_size,
+                                         out_dir, phases.progress) if options.calibrate else (None, None)
 
     from kiln.passes import run_pipeline
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, options=options))
@@ -184,8 +205,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
     from kiln.weights.convert import write_weights
     weights = options.weights
     weights_digest = phases.run("weights", write_weights, model, graph, lowered.weights, dtype, out_dir / WEIGHTS,
-                                phases.progress) if weights else None
-    tokenizer_files = model.write_tokenizer(out_dir)
+                                phases.progress, importance) if weights else None
 
     c = model.config
     embedding, embedding_shared = _embedding_storage(graph)
@@ -195,11 +215,13 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         target=TargetRecord(tgt.name, tgt.device, tgt.arch, str(tgt.tvm_target()), tgt.runs_here, tgt.note or None,
                             tuple(tgt.cpu_features()) if tgt.device == "cpu" else None),
         dtype=dtype,
-        quantization=Quantization(quant or "none", bool(quant and options.quant_lm_head), embedding,
+        quantization=Quantization(quant or "none", options.head_format() is not None, embedding,
                                   embedding_shared, kv_dtype or "none",
                                   options.group_size if quant in ("q4", "q8g", "q4a") else None,
                                   _activation_block(graph), _lm_head_format(graph, quant),
-                                  dict(options.tensor_quant) if quant and options.tensor_quant else None),
+                                  dict(options.tensor_quant) if quant and options.tensor_quant else None,
+                                  dict(options.tensor_classes) or None, _class_formats(graph) if quant else None,
+                                  options.more_bits_format(), calibration),
         kv=KVLayout(tgt.page_size, tuple(graph.kv_specs[i].to_json() for i in range(len(graph.kv_specs)))),
         vocab_size=c.vocab_size,
         max_context=c.max_context,

@@ -94,6 +94,24 @@ def _quantization(m: Manifest) -> str:
     return weights + "; KV cache " + (f"{dtype} (not quantised)" if kv == "none" else f"{kv} with a scale per row")
 
 
+def _tensor_classes(m: Manifest) -> list[str]:
+    """What each tensor class got (quantised artifacts that record it), and the calibration text."""
+    q = m.quantization
+    lines = []
+    if q.class_formats:
+        lines.append("tensors    " + "; ".join(f"{kind} {text}" for kind, text in q.class_formats.items()))
+    if q.more_bits:
+        lines.append(f"           (v and down {q.more_bits} in the first and last eighth of the layers and every third "
+                     "between, as llama.cpp's Q4_K_M)")
+    if q.tensor_classes:
+        lines.append("           --tensor-quant " + ",".join(f"{c}={f}" for c, f in q.tensor_classes.items()))
+    if q.calibration:
+        c = q.calibration
+        lines.append(f"calibrated on {c['text']} ({c['tokens']} tokens in {c['chunks']} chunks): rounding weighed by "
+                     f"each input's mean square, {c['linears']} linears ({c['file']})")
+    return lines
+
+
 def _passes(passes: tuple[dict, ...]) -> list[str]:
     """What each pass did: the op counts it changed and the nodes it rewrote (from manifests that record
     them; older ones give node counts); the passes that changed nothing on one line."""
@@ -149,6 +167,7 @@ def summary(artifact_dir) -> str:
         f"target     {t.name}" + (f" {t.arch}" if t.arch else "") + f" ({where})",
         *_source(m),
         "quant      " + _quantization(m),
+        *_tensor_classes(m),
         f"dtype      {m.dtype}; KV pages of {m.kv.page_size} tokens; context {m.max_context}",
         f"kv cache   {sum(KVSpec.from_json(s).bytes_per_token for s in m.kv.layers)} bytes per token over "
         f"{len(m.kv.layers)} layers, one page pool:",

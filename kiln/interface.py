@@ -213,6 +213,11 @@ class Quantization:
     activation_block: int = 0                        # int8 activations' block (0: float activations)
     lm_head_format: str | None = None                # the LM head's scheme where it is not `weights`
     tensor_formats: dict | None = None               # weight -> scheme, where not `weights` (a GGUF file's mix)
+    tensor_classes: dict | None = None               # --tensor-quant: class -> scheme or "none"
+    class_formats: dict | None = None                # weight kind (qkv, down, ...) -> its formats, in words
+    more_bits: str | None = None                     # 4-bit: the format of v and down in more_bits_layers
+    calibration: dict | None = None                  # --calibrate: the text's file, tokens, and the artifact's
+    #                                                  file of input importances the quantisers weighed by
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 WEIGHT_QUANTS = ("q8", "q4", "fp8", "q8g", "q4a")   # ir/quant.py SCHEMES
 KV_DTYPES = ("int8", "fp8")                  # ir/quant.py KV_SCHEMES
 GROUP_SIZES = (32, 128)                      # q4's and q8g's input channels per scale
+FOUR_BIT = ("q4", "q4a")                     # weight formats whose LM head and embedding default to q8
+TABLE_FORMATS = ("q8", "q4", "fp8")          # the formats an embedding lookup reads
+# --tensor-quant's tensor classes: the embedding table, the LM head, the attention projections and
+# the dense MLP's (shared experts included) as a whole or one projection at a time, MoE experts
+TENSOR_CLASSES = ("embedding", "lm_head", "attention", "mlp", "experts", "q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_CHOICES = ("builtin", "flashinfer")
 
 
@@ -29,6 +34,11 @@ class CompileOptions:
     embedding_quant: str | None = None       # the embedding table's likewise
     tensor_quant: tuple[tuple[str, str], ...] = ()   # (weight, scheme) where it is not quant's (a GGUF file's
     #                                          tensors of another type); a fused weight takes its parts' finest
+    tensor_classes: tuple[tuple[str, str], ...] = ()   # (TENSOR_CLASSES entry, format or "none"): the user's
+    #                                          --tensor-quant, before every other choice of that tensor's format
+    calibrate: str | None = None             # a text file: weight quantisers weigh each input by its mean square
+    more_bits: bool = True                   # 4-bit: v and down at 8 bits in some layers (passes/tensor_classes.py;
+    #                                          off for a GGUF file's own types)
     kv_dtype: str | None = None              # the KV cache stored as int8 or fp8 (None: the dtype)
     int8_activations: bool | None = None     # q8/q4 linears on int8 activations (None: where the target has them)
     mla_expanded_from: int | None = None     # MLA prefill steps of this many tokens a sequence and up run the
@@ -53,8 +63,44 @@ class CompileOptions:
         if self.int8_activations and self.quant not in ("q8", "q4", "q8g", "q4a"):
             raise KilnError("--activations int8 needs --quant q8, q8g, q4 or q4a (the integer dot products read "
                             "those weights)")
+        for cls, fmt in self.tensor_classes:
+            if cls not in TENSOR_CLASSES:
+                raise KilnError(f"--tensor-quant {cls}={fmt}: {cls} is not one of {', '.join(TENSOR_CLASSES)}")
+            if fmt not in (*WEIGHT_QUANTS, "none"):
+                raise KilnError(f"--tensor-quant {cls}={fmt}: {fmt} is not one of {', '.join(WEIGHT_QUANTS)}, none")
+            if cls == "embedding" and fmt not in (*TABLE_FORMATS, "none"):
+                raise KilnError(f"--tensor-quant embedding={fmt}: the embedding lookup reads "
+                                f"{', '.join(TABLE_FORMATS)} or none, not {fmt}")
+        if (self.tensor_classes or self.calibrate) and self.quant in (None, "none"):
+            flag = "--tensor-quant" if self.tensor_classes else "--calibrate"
+            raise KilnError(f"{flag} needs --quant (it chooses how weights are quantised)")
         object.__setattr__(self, "disable_passes", frozenset(self.disable_passes))
 
     @property
     def target_name(self) -> str:
         return self.target if isinstance(self.target, str) else self.target.name
+
+    def class_format(self, cls: str) -> str | None:
+        """The format --tensor-quant gives a tensor class (None: not given)."""
+        return dict(self.tensor_classes).get(cls)
+
+    def head_format(self) -> str | None:
+        """The LM head's format (None: float): --tensor-quant lm_head=, else float with
+        --no-quant-lm-head, else a GGUF file's own, else q8 under a 4-bit --quant, else --quant's."""
+        chosen = self.class_format("lm_head")
+        if self.quant in (None, "none") or chosen == "none" or not (chosen or self.quant_lm_head):
+            return None
+        return chosen or self.lm_head_quant or ("q8" if self.quant in FOUR_BIT else self.quant)
+
+    def more_bits_format(self) -> str | None:
+        """The format of the v and down projections that a 4-bit model keeps at 8 bits (None: none)."""
+        return "q8" if self.more_bits and self.quant in FOUR_BIT else None
+
+    def table_format(self) -> str | None:
+        """The embedding table's format (None: float), chosen as head_format's; a table the lookup cannot
+        read in --quant's format or the file's (q8g, q4a) is q8."""
+        chosen = self.class_format("embedding")
+        if self.quant in (None, "none") or chosen == "none" or not (chosen or self.quant_embedding):
+            return None
+        table = chosen or self.embedding_quant or ("q8" if self.quant in FOUR_BIT else self.quant)
+        return table if table in TABLE_FORMATS else "q8"

@@ -70,9 +70,10 @@ def _record(name: str, seconds: float, signatures: Counter, after: Graph) -> tup
 
 def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[GraphPass]:
     """The passes for a target (a Target, or a target's name for its defaults), in order: fuse (with
-    the fusions the target's kernels want; MLA absorbed) -> quantise weights (the embedding table too
-    unless `options.quant_embedding` is off), KV -> kernel choice. MLA prefill steps run the expanded
-    form from `options.mla_expanded_from` new tokens per sequence (default: the target's; 0: never).
+    the fusions the target's kernels want; MLA absorbed) -> quantise weights, the LM head and the
+    embedding table in their own formats (options.head_format, table_format), KV -> kernel choice.
+    MLA prefill steps run the expanded form from `options.mla_expanded_from` new tokens per sequence
+    (default: the target's; 0: never).
     q8/q4 linears take int8 activations in the target's blocks unless `options.int8_activations` is
     False (None: the target's choice; True where the target has no such kernel is refused)."""
     target = target_defaults(target) if isinstance(target, str) else target
@@ -92,12 +93,14 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
             raise KilnError(f"--activations int8 is not supported on target {target.name}: it has no integer "
                             "dot-product linear kernel (the cpu target has one where the CPU has AVX2)")
         act_block = target.activation_block if options.int8_activations is not False else 0
-        passes.append(Quantize(options.quant, lm_head=options.quant_lm_head, group_size=options.group_size,
-                               act_block=act_block, lm_head_mode=options.lm_head_quant,
-                               tensor_modes=options.tensor_quant))
-        if options.quant_embedding:        # a q8g or q4a table: q8, a scale per row (an embed's format)
-            table = options.embedding_quant or options.quant
-            passes.append(QuantizeEmbedding("q8" if table in ("q8g", "q4a") else table, group_size=options.group_size))
+        head = options.head_format()
+        passes.append(Quantize(options.quant, lm_head=head is not None, group_size=options.group_size,
+                               act_block=act_block, lm_head_mode=head, tensor_modes=options.tensor_quant,
+                               class_modes=tuple((c, f) for c, f in options.tensor_classes
+                                                 if c not in ("lm_head", "embedding")),
+                               more_bits=options.more_bits_format()))
+        if options.table_format():
+            passes.append(QuantizeEmbedding(options.table_format(), group_size=options.group_size))
     if options.kv_dtype:
         passes.append(QuantizeKV(options.kv_dtype))
     passes.append(SelectKernels(target))           # last: what codegen emits is chosen from the graph as it is

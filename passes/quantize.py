@@ -13,8 +13,12 @@ too, with int8 levels; q4a too, with group minimums; MoE experts of a q8g model 
 With act_block > 0 (the target's choice), q8/q4 linears get {act_block}: their input rows are
 quantised to int8 in blocks of act_block inputs and multiplied in integer dot products (ir/ops.py
 gives the numerics); MoE experts keep float activations.
-A weight named in `tensor_modes` takes its own scheme (a GGUF file's tensors of another type); a fused
-weight the finest of its parts'.
+A weight of a tensor class named in `class_modes` (--tensor-quant: its projection, as q or down, before
+its group, as attention or mlp) takes that scheme, or stays float for "none"; else a weight named in
+`tensor_modes` its own (a GGUF file's tensors of another type); else, with `more_bits` (a 4-bit
+policy), the v and down projections of the layers llama.cpp's Q4_K_M gives more bits
+(tensor_classes.more_bits_layers) take that scheme. A fused weight takes the finest of its parts'.
+Refuses (KilnError naming it): a grouped scheme for a weight whose inputs its groups do not divide.
 Requires: the weight is a param (plain or fused); the LM head (the linear producing the graph's
   logits) only when `lm_head` is set, in `lm_head_mode` where that is given. MoE routers (linears
   feeding moe_router) stay in float, as llama.cpp keeps them: a rounding there changes which experts
@@ -27,11 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kiln.errors import KilnError
 from kiln.ir import Graph, IRError, Param, TensorType, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.quant import INTEGER_LEVELS, SCHEMES
 
 from .graph_pass import GraphPass
 from .rewrite import drop_unused_params
+from .tensor_classes import MORE_BITS_CLASSES, layer_of, more_bits_layers, tensor_classes
 
 
 def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> tuple[str, str]:
@@ -62,9 +68,12 @@ class Quantize(GraphPass):
     act_block: int = 0            # q8/q4 linears: > 0 quantises x to int8 in blocks of this many inputs
     lm_head_mode: str | None = None   # the LM head's scheme where it is not `mode` (a GGUF file's own head's)
     tensor_modes: tuple[tuple[str, str], ...] = ()   # (weight, scheme) where it is not `mode`
+    class_modes: tuple[tuple[str, str], ...] = ()    # (tensor class, scheme or "none"), before tensor_modes
+    more_bits: str | None = None  # the scheme of v and down in tensor_classes.more_bits_layers (4-bit policy)
 
     def __post_init__(self):
-        for mode in (self.mode, self.lm_head_mode or self.mode, *(m for _, m in self.tensor_modes)):
+        for mode in (self.mode, self.lm_head_mode or self.mode, *(m for _, m in self.tensor_modes),
+                     *(m for _, m in self.class_modes if m != "none"), self.more_bits or self.mode):
             if mode not in SCHEMES:
                 raise ValueError(f"unknown quantisation mode {mode!r} (known: {', '.join(SCHEMES)})")
 
@@ -88,6 +97,8 @@ class Quantize(GraphPass):
         skip = self._linears_feeding(graph, [input_of(n, "logits") for n in graph.nodes if n.op == "moe_router"])
         skip |= self._linears_feeding(graph, [input_of(n, "kv") for n in graph.nodes if n.op == "expanded_attend"])
         heads = self._linears_feeding(graph, graph.outputs)
+        layers = {layer_of(name) for name in graph.params} - {None}
+        more = more_bits_layers(max(layers) + 1) if self.more_bits and layers else set()
         if not self.lm_head:
             skip |= heads
         for node in graph.nodes:
@@ -98,10 +109,11 @@ class Quantize(GraphPass):
             if node.op != "linear" or node.output in skip or input_of(node, "weight") not in graph.params:
                 continue
             w = graph.params[input_of(node, "weight")]
-            mode = self.lm_head_mode if self.lm_head_mode and node.output in heads else self._mode_of(w)
+            mode = self.lm_head_mode if self.lm_head_mode and node.output in heads else self._mode_of(w, more)
+            if mode == "none":
+                continue
             grouped = SCHEMES[mode].grouped
-            if grouped and w.type.shape[1] % self.group_size:
-                continue                  # a width the groups do not divide stays in float
+            self._check_groups(w, mode, "the LM head" if node.output in heads else None)
             q, scale = add_quantized_params(graph, w, mode, self.group_size)
             node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
@@ -110,12 +122,33 @@ class Quantize(GraphPass):
                                    and self._int8_activations(w.type.shape[1], mode) else 0)
         return drop_unused_params(graph)
 
-    def _mode_of(self, w: Param) -> str:
-        """The scheme of weight `w`: its own (tensor_modes) or `mode`; a fused weight (qkv, gate/up) takes
-        the scheme of most bits among its parts', so that no part is stored coarser than it was asked for."""
-        modes = dict(self.tensor_modes)
+    def _mode_of(self, w: Param, more_layers: set[int]) -> str:
+        """The scheme of weight `w` ("none": float): its class's (class_modes), its own (tensor_modes),
+        more_bits for a v or down projection in `more_layers`, or `mode`; a fused weight (qkv, gate/up)
+        takes the finest among its parts' (float before 8 bits before 4), so that no part is stored
+        coarser than it was asked for."""
+        modes, classes = dict(self.tensor_modes), dict(self.class_modes)
+
+        def own(part: str) -> str:
+            chosen = next((classes[c] for c in tensor_classes(part) if c in classes), None)
+            if chosen or part in modes:
+                return chosen or modes[part]
+            projection = tensor_classes(part)[0] if tensor_classes(part) else None
+            more = layer_of(part) in more_layers and projection in MORE_BITS_CLASSES
+            return self.more_bits if more else self.mode
         parts = (w.recipe or {}).get("concat", [w.name])
-        return max((modes.get(part, self.mode) for part in parts), key=lambda mode: 8 // SCHEMES[mode].per_byte)
+        return max(map(own, parts), key=lambda mode: 16 if mode == "none" else 8 // SCHEMES[mode].per_byte)
+
+    def _check_groups(self, w: Param, mode: str, role: str | None = None) -> None:
+        """Refuse a grouped scheme for a weight whose input width the groups do not divide."""
+        width = w.type.shape[-1]
+        if not SCHEMES[mode].grouped or width % self.group_size == 0:
+            return
+        parts = (w.recipe or {}).get("concat", [w.name])
+        cls = "lm_head" if role else (tensor_classes(parts[0]) or ("its class",))[0]
+        raise KilnError(f"{mode} in groups of {self.group_size} cannot hold {role or w.name}: its {width} inputs are "
+                        f"not a multiple of {self.group_size} (use --group-size 32, or --tensor-quant {cls}=q8 "
+                        f"or {cls}=none for it)")
 
     def _int8_activations(self, n_in: int, mode: str) -> bool:
         """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
@@ -124,10 +157,13 @@ class Quantize(GraphPass):
                 and (not SCHEMES[mode].grouped or self.group_size % self.act_block == 0))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
-        mode = {"q8g": "q8", "q4a": "q4"}.get(self.mode, self.mode)   # the grouped expert kernels read q4's groups only
+        mode = dict(self.class_modes).get("experts", self.mode)
+        if mode == "none":
+            return
+        mode = {"q8g": "q8", "q4a": "q4"}.get(mode, mode)   # the grouped expert kernels read q4's groups only
         gate_up, down = (graph.params[input_of(node, name)] for name in ("gate_up", "down"))
-        if SCHEMES[mode].grouped and (gate_up.type.shape[2] % self.group_size or down.type.shape[2] % self.group_size):
-            return                        # widths the groups do not divide stay in float
+        for w in (gate_up, down):
+            self._check_groups(w, mode)
         (gate_up_q, gate_up_scale), (down_q, down_scale) = (add_quantized_params(graph, w, mode, self.group_size)
                                                             for w in (gate_up, down))
         node.inputs = named_inputs("moe_experts", x=input_of(node, "x"), routing=input_of(node, "routing"),

@@ -9,7 +9,7 @@ and f16 group scales):
 The quantised params are named as `quantize` names those of a linear weight, so a tied table
 whose LM head was quantised with the same scheme is one pair of params that the gather and the
 LM head both read: the artifact stores the table once.
-Requires: the table is a float param; q4: group_size divides the hidden width.
+Requires: the table is a float param. Refuses (KilnError): q4 where group_size does not divide the width.
 Leaves: %h keeps its name and type; the float table is dropped once no node reads it (a tied
   table whose LM head stays float is still read, and stored, for the head).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kiln.errors import KilnError
 from kiln.ir import Graph, attrs_for, input_of, named_inputs, weight_format
 from kiln.ir.quant import SCHEMES
 
@@ -43,7 +44,9 @@ class QuantizeEmbedding(GraphPass):
                 continue
             table = graph.params[input_of(node, "table")]
             if grouped and table.type.shape[1] % self.group_size:
-                continue                  # a width the groups do not divide stays in float
+                raise KilnError(f"{self.mode} in groups of {self.group_size} cannot hold the embedding table "
+                                f"{table.name}: its width {table.type.shape[1]} is not a multiple of "
+                                f"{self.group_size} (use --group-size 32, or --tensor-quant embedding=q8)")
             q, scale = add_quantized_params(graph, table, self.mode, self.group_size)
             node.inputs = named_inputs("embed", ids=input_of(node, "ids"), table=q, scale=scale)
             node.attrs = attrs_for("embed", format=self.mode, dtype=node.type.dtype,

@@ -17,6 +17,16 @@ def english_text(chars: int = 200_000) -> str:
     return "\n\n".join(corpus())[:chars]
 
 
+def calibration_text(chars: int = 100_000) -> str:
+    """Text to calibrate quantisers on: the same docstrings' last `chars` characters, none of which
+    english_text's first 200,000 holds (the corpus has some 476,000)."""
+    from .tiny import corpus
+    text = "\n\n".join(corpus())
+    if len(text) < 200_000 + chars:
+        raise ValueError(f"the corpus has {len(text)} characters: too few to keep calibration apart")
+    return text[-chars:]
+
+
 def chunks_of(ids: list[int], n_ctx: int, count: int, bos: int | None = None) -> list[list[int]]:
     """The first `count` chunks of n_ctx tokens; with `bos`, each chunk's first token is BOS (llama.cpp
     puts it there when the vocabulary adds one)."""

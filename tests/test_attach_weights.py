@@ -138,3 +138,28 @@ def test_attaching_imports_no_tvm_compiler_module(make_model, compiled_family, t
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert weights_digest(bare) == weights_digest(artifact)
+
+
+def test_a_calibrated_artifact_with_tensor_choices_attaches_the_same_bytes(make_model, compiled_family, tmp_path):
+    """--calibrate and --tensor-quant: the importances travel in the artifact (calibration.safetensors), and
+    attach-weights quantises with them to the bytes compile wrote; they changed the q4 weights (the digest
+    differs from the same compile uncalibrated); inspect states each kind of weight's format and the text."""
+    from kiln.calibrate import CALIBRATION_FILE
+    from kiln.inspect import summary
+    from kiln.testing.perplexity import calibration_text
+    text = tmp_path / "calibration.txt"
+    text.write_text(calibration_text(20_000))
+    choices = (("o", "q8"), ("lm_head", "q4"))
+    artifact = compiled_family("llama", quant="q4", calibrate=str(text), tensor_classes=choices)
+    plain = compiled_family("llama", quant="q4", tensor_classes=choices)
+    manifest = read_manifest(artifact)
+    q = manifest.quantization
+    assert CALIBRATION_FILE in manifest.files and q.calibration["tokens"] > 1000
+    assert q.class_formats["o"] == "q8" and q.class_formats["lm_head"].startswith("q4 g32")
+    assert q.class_formats["qkv"].startswith("q4 g32") and q.class_formats["embedding"] == "q8"
+    assert weights_digest(artifact) != weights_digest(plain)
+    bare = without_weights(artifact, tmp_path)
+    attach_weights(bare, make_model("llama"))
+    assert weights_digest(bare) == weights_digest(artifact)
+    shown = summary(artifact)
+    assert "calibrated on" in shown and "o q8" in shown and "--tensor-quant o=q8,lm_head=q4" in shown

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from kiln.errors import KilnError
+
 from kiln.ir import GraphBuilder, interpret, print_graph, verify, weight_loader
 from kiln.ir.quant import SCHEMES
 from kiln.options import CompileOptions
@@ -136,9 +138,9 @@ def test_quantize_embedding_keeps_the_lm_head_output_close():
 # ---------------------------------------------------------------------------- near misses
 
 def test_quantize_embedding_near_miss():
-    # q4 groups that do not divide the hidden width: the table stays float
-    odd = rows_graph(hidden=12)
-    assert print_graph(QuantizeEmbedding("q4", group_size=8)(odd)) == print_graph(odd)
+    # q4 groups that do not divide the hidden width: refused, naming the table and the way out
+    with pytest.raises(KilnError, match=r"cannot hold the embedding table .*width 12 .*--tensor-quant embedding=q8"):
+        QuantizeEmbedding("q4", group_size=8)(rows_graph(hidden=12))
     # an embedding already quantised is left alone
     once = QuantizeEmbedding("q8")(rows_graph())
     assert print_graph(QuantizeEmbedding("q8")(once)) == print_graph(once)
@@ -220,6 +222,11 @@ def weight_bytes(weights) -> int:
     return sum(item[w["dtype"]] * int(np.prod(w["shape"])) for w in weights)
 
 
+def table_classes(quant: str) -> tuple:
+    """--tensor-quant giving the embedding table and the LM head `quant` (a 4-bit --quant makes them q8)."""
+    return (("embedding", quant), ("lm_head", quant)) if quant == "q4" else ()
+
+
 @pytest.fixture(scope="module", params=[("llama32", "q8"), ("llama32", "q4"), ("llama", "q8"), ("llama", "q4"),
                                         ("llama", "fp8")],
                 ids=lambda p: f"{'tied' if p[0] == 'llama32' else 'untied'}-{p[1]}")
@@ -232,7 +239,8 @@ def artifact(request, make_model):
     # Float activations: with int8 ones (tests/test_int8_activations.py) these tiny random models
     # with an int8 table move their logits by ~0.7% when the table's scales move by 3e-7 (activation
     # levels flip), so one-ulp kernel differences upstream would decide the comparison below.
-    out = cpu_artifact(model_dir, quant=quant, int8_activations=False)
+    # the table (and the head) in `quant` itself, not the q8 a 4-bit model gives them by default
+    out = cpu_artifact(model_dir, quant=quant, int8_activations=False, tensor_classes=table_classes(quant))
     manifest = read_manifest(out).to_json()
     model = CompiledModel(out)
     model.allocate_kv(16 * model.bytes_per_page)
@@ -249,7 +257,7 @@ def test_compiled_quantised_embedding_matches_the_interpreter(artifact):
     from kiln.passes import run_pipeline
     tied, quant, model_dir, _, _, compiled = artifact
     hf_model = load_hf_model(model_dir)
-    options = CompileOptions(quant=quant, int8_activations=False)
+    options = CompileOptions(quant=quant, int8_activations=False, tensor_classes=table_classes(quant))
     graph, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", options=options)
     assert (graph.nodes[0].op, graph.nodes[0].attrs["format"]) == ("embed", quant)
     weights = weight_loader(graph, lambda n: hf_model.weight(n, "float32"))
@@ -288,7 +296,7 @@ def test_compiled_artifact_stores_the_table_once_and_is_smaller(artifact):
     assert f"the embedding table {quant}" in summary(out)
     # the same model with the embedding kept in float32 (what kiln stored before)
     hf_model = load_hf_model(model_dir)
-    options = CompileOptions(quant=quant, quant_embedding=False)
+    options = CompileOptions(quant=quant, quant_embedding=False, tensor_classes=table_classes(quant)[1:])
     kept, _ = run_pipeline(hf_model.build_graph("float32", 16), "cpu", options=options)
     before = [w.__dict__ for w in lower_graph(kept, CPUTarget()).weights]       # kept: the pipeline ran
     c = hf_model.config

@@ -140,14 +140,21 @@ def _q4_inputs():
 
 @pytest.mark.build
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_q4_kernel_gives_the_reference_bytes(group_size):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_q4_kernel_gives_the_reference_bytes(group_size, weighted):
+    """Without and with calibration's importances (some inputs silent: the floor's 1e-4)."""
     from kiln.codegen.quantizers import quantize_q4
     from kiln.ir.quant import SCHEMES
+    rng = np.random.default_rng(5)
     for w in _q4_inputs():
         if w.shape[1] % group_size:
             continue
-        ref = SCHEMES["q4"].quantize(w, group_size=group_size)
-        fast = quantize_q4(w, group_size=group_size)
+        importance = None
+        if weighted:
+            importance = rng.lognormal(0, 2, w.shape[1]).astype(np.float32)
+            importance[::7] = 1e-4
+        ref = SCHEMES["q4"].quantize(w, group_size=group_size, importance=importance)
+        fast = quantize_q4(w, group_size=group_size, importance=importance)
         for part in ("q", "scale"):
             assert fast[part].dtype == ref[part].dtype and fast[part].shape == ref[part].shape
             assert np.array_equal(fast[part].view(np.uint8), ref[part].view(np.uint8)), (w.shape, part)

@@ -39,11 +39,15 @@ def planned_graph(model, manifest: Manifest):
     from kiln.targets import planned_target
     quant = manifest.quantization
     target = planned_target(manifest.target.name, manifest.target.arch, quant.activation_block)
+    # the head and the table in the formats the manifest records (defaults for them have changed before)
     options = CompileOptions(target=target, quant=None if quant.weights == "none" else quant.weights,
                              quant_lm_head=quant.lm_head, group_size=quant.group_size or 32,
-                             lm_head_quant=quant.lm_head_format,
+                             lm_head_quant=quant.lm_head_format or quant.weights,
                              tensor_quant=tuple((quant.tensor_formats or {}).items()),
-                             embedding_quant=None if quant.embedding in ("none", quant.weights) else quant.embedding,
+                             tensor_classes=tuple((c, f) for c, f in (quant.tensor_classes or {}).items()
+                                                  if c not in ("lm_head", "embedding")),
+                             embedding_quant=None if quant.embedding == "none" else quant.embedding,
+                             more_bits=quant.more_bits is not None,
                              kv_dtype=None if quant.kv_cache == "none" else quant.kv_cache,
                              quant_embedding=quant.embedding != "none",
                              # a latent (MLA) model's prefill entry starts at compile's --mla-expanded-from (0: none)
@@ -77,7 +81,11 @@ def attach_weights(artifact_dir: str | Path, model_dir: str | Path, force: bool 
     if missing:
         raise KilnError(f"the passes planned from {artifact_dir}'s manifest give no param {', '.join(missing[:5])}: "
                         "the artifact was compiled by another kiln or its manifest was changed")
-    digest = write_in_place(artifact_dir / WEIGHTS,
-                            lambda partial: write_weights(model, graph, stored, manifest.dtype, partial, progress))
+    importance = None
+    if manifest.quantization.calibration:
+        from kiln.calibrate import read_importance
+        importance = read_importance(artifact_dir)
+    digest = write_in_place(artifact_dir / WEIGHTS, lambda partial: write_weights(
+        model, graph, stored, manifest.dtype, partial, progress, importance))
     manifest = manifest.replace(model=dataclasses.replace(manifest.model, source=str(Path(model_dir).resolve())))
     return record_weights(artifact_dir, manifest, "checkpoint", digest)

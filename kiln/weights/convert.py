@@ -13,10 +13,11 @@ from kiln.errors import KilnError
 PROGRESS_BYTES = 256 << 20     # weights smaller than this are written without a progress line
 
 
-def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -> str:
+def write_weights(model, graph, stored, dtype: str, path: Path, progress=None, importance=None) -> str:
     """Stream the artifact's weights to `path`, one stored tensor at a time: read from the checkpoint,
-    convert, fuse, quantise, lay out, write, drop. A param that several stored tensors come from is
-    kept only until its last one is written. Return the file's BLAKE3, hashed as it is written."""
+    convert, fuse, quantise (weighing inputs by `importance` where calibrated), lay out, write, drop. A
+    param that several stored tensors come from is kept only until its last one is written. Return the
+    file's BLAKE3, hashed as it is written."""
     from kiln.artifact import new_hasher
     from kiln.codegen.quantizers import fast_quantizers
     from kiln.ir import plain_reads, weight_loader
@@ -27,7 +28,7 @@ def write_weights(model, graph, stored, dtype: str, path: Path, progress=None) -
         return graph.params[name].type.dtype if name in graph.params else dtype
 
     load = weight_loader(graph, lambda name: model.weight(name, declared(name)), quantizers=model.quantizers(fast_quantizers()),
-                         load_source=lambda name: model.weight_source(name, declared(name)))
+                         load_source=lambda name: model.weight_source(name, declared(name)), importance=importance)
     model.checkpoint.read_ahead(plain_reads(graph, [w.param for w in stored]))
     uses_left = Counter(w.param for w in stored)
     held: dict[str, object] = {}

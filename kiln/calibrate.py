@@ -1,0 +1,126 @@
+"""Calibration (`kiln compile --calibrate TEXT`): how much each input of each linear matters, measured
+on a text by the float model, for the weight quantisers to weigh their errors by (llama.cpp's
+importance matrix; AWQ and GPTQ start from the same statistic).
+
+The text is tokenised with the model's own tokenizer and cut into chunks of CHUNK_TOKENS (at most
+MAX_TOKENS in all). The model's float32 graph, as the frontend builds it, runs each batch of chunks as
+one prefill step of several sequences through the reference interpreter, which holds one weight and
+the live activations at a time (compile's bounded memory); every token's logits are computed, so that
+the LM head sees every row. Each linear's importance is the mean over
+all tokens of its input's square, one value per input, scaled to mean 1 and floored at FLOOR (an input
+silent on this text keeps a little weight: a quantiser must not spend nothing on it). The result is
+stored in the artifact (CALIBRATION_FILE), so that `kiln attach-weights` quantises the same way."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import KilnError
+
+CHUNK_TOKENS = 512
+MAX_TOKENS = 8192
+STEP_SEQUENCES = 4
+FLOOR = 1e-4
+CALIBRATION_FILE = "calibration.safetensors"
+
+
+def text_chunks(text_file: str | Path, tokenizer_json: Path, context: int) -> list[list[int]]:
+    """The text's tokens in chunks of CHUNK_TOKENS (or the model's context), MAX_TOKENS at most."""
+    from tokenizers import Tokenizer
+    try:
+        text = Path(text_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KilnError(f"--calibrate {text_file}: cannot read it as UTF-8 text ({e})") from None
+    ids = Tokenizer.from_file(str(tokenizer_json)).encode(text, add_special_tokens=False).ids[:MAX_TOKENS]
+    size = min(CHUNK_TOKENS, context)
+    chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
+    if not chunks or len(chunks[0]) < 16:
+        raise KilnError(f"--calibrate {text_file}: {len(ids)} tokens are too few to calibrate on (at least 16)")
+    return chunks
+
+
+def _prefill_step(chunks: list[list[int]], page_size: int) -> dict[str, np.ndarray]:
+    """The step inputs of one prefill of `chunks` from position 0, each sequence on pages of its own."""
+    tokens, positions, slots, page_values, kv_slots = [], [], [], [], []
+    q_indptr, page_indptr, last_page_len, kv_indptr = [0], [0], [], [0]
+    for ids in chunks:
+        n_pages = -(-len(ids) // page_size)
+        pages = list(range(len(page_values), len(page_values) + n_pages))
+        seq_slots = [pages[t // page_size] * page_size + t % page_size for t in range(len(ids))]
+        tokens += ids
+        positions += range(len(ids))
+        slots += seq_slots
+        kv_slots += seq_slots
+        page_values += pages
+        q_indptr.append(len(tokens))
+        page_indptr.append(len(page_values))
+        last_page_len.append(len(ids) - (n_pages - 1) * page_size)
+        kv_indptr.append(len(kv_slots))
+    arrays = dict(tokens=tokens, positions=positions, q_indptr=q_indptr, page_indptr=page_indptr,
+                  page_values=page_values, last_page_len=last_page_len, slot_mapping=slots,
+                  logit_rows=list(range(len(tokens))), kv_slots=kv_slots, kv_indptr=kv_indptr)
+    return {k: np.asarray(v, dtype=np.int32) for k, v in arrays.items()}
+
+
+def input_importance(model, chunks: list[list[int]], page_size: int, progress=None) -> dict[str, np.ndarray]:
+    """Plain linear weight -> float32 [inputs]: the mean square of each of its inputs over `chunks`,
+    scaled to mean 1, floored at FLOOR."""
+    from kiln.interface import pages_name
+    from kiln.ir import input_of, weight_loader
+    from kiln.ir.interpreter import interpret
+
+    graph = model.build_graph("float32", page_size)
+    weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+
+    def observe(node, args) -> None:
+        if node.op != "linear" or input_of(node, "weight") not in graph.params:
+            return
+        x = args[0].reshape(-1, args[0].shape[-1]).astype(np.float64)
+        name = input_of(node, "weight")
+        sums[name] = sums.get(name, 0) + (x * x).sum(axis=0)
+        counts[name] = counts.get(name, 0) + x.shape[0]
+
+    for start in range(0, len(chunks), STEP_SEQUENCES):
+        batch = chunks[start:start + STEP_SEQUENCES]
+        step = _prefill_step(batch, page_size)
+        pages = {pages_name(layer): np.zeros(spec.page_shape(len(step["page_values"])), np.float32)
+                 for layer, spec in graph.kv_specs.items()}
+        interpret(graph, {**step, **pages}, weights, observe)
+        if progress:
+            progress(f"calibration: {min(start + STEP_SEQUENCES, len(chunks))}/{len(chunks)} chunks",
+                     min(start + STEP_SEQUENCES, len(chunks)) / len(chunks))
+    importance = {}
+    for name, total in sums.items():
+        mean_square = total / counts[name]
+        scale = mean_square.mean()
+        importance[name] = np.maximum(mean_square / scale if scale > 0 else np.ones_like(mean_square),
+                                      FLOOR).astype(np.float32)
+    return importance
+
+
+def calibrate(model, text_file: str | Path, tokenizer_json: Path, page_size: int, out_dir: Path,
+              progress=None) -> tuple[dict[str, np.ndarray], dict]:
+    """Measure the importances on `text_file`, write them to out_dir/CALIBRATION_FILE; return them and
+    the manifest's record of it."""
+    from kiln.safetensors_io import TensorSpec, write_safetensors
+    chunks = text_chunks(text_file, tokenizer_json, model.config.max_context)
+    importance = input_importance(model, chunks, page_size, progress)
+    names = sorted(importance)
+    write_safetensors(out_dir / CALIBRATION_FILE, [TensorSpec(n, importance[n].shape, "float32") for n in names],
+                      lambda spec: importance[spec.name], metadata={"format": "kiln-calibration"}, align=False)
+    digest = hashlib.sha256(Path(text_file).read_bytes()).hexdigest()
+    record = {"file": CALIBRATION_FILE, "text": str(Path(text_file).resolve()), "text_sha256": digest,
+              "tokens": sum(map(len, chunks)), "chunks": len(chunks), "linears": len(names)}
+    return importance, record
+
+
+def read_importance(artifact_dir: Path) -> dict[str, np.ndarray]:
+    """The importances an artifact's compile measured (CALIBRATION_FILE)."""
+    from kiln.safetensors_io import read_header, read_tensor
+    path = Path(artifact_dir) / CALIBRATION_FILE
+    entries, _ = read_header(path)
+    return {name: np.array(read_tensor(path, entry), np.float32) for name, entry in entries.items()}
