@@ -3,7 +3,7 @@
     python bench/gguf_peers.py quality [--types Q4_1,F16,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K] [--kiln default,q4]
                                        [--ctx 256] [--chunks 16]
     python bench/gguf_peers.py speed [--preset llama-3.2-1b] [--types Q4_0,Q8_0,Q4_K_M] [--threads 2]
-                                     [--repeats 3]
+                                     [--repeats 3] [--kiln default|q4|...]
     python bench/gguf_peers.py compile8b
 
 compile8b: `kiln compile` time and peak memory on a Llama-3.1-8B-shaped file in Q4_K_M's types (Q4_K
@@ -20,7 +20,8 @@ kiln.testing.perplexity's
 (Python's standard-library docstrings); both tokenise it (the ids are compared), and both score it as
 `llama-perplexity -c CTX --chunks N` does (the second half of each chunk).
 speed: the preset's random checkpoint through llama.cpp's converter (bf16) and llama-quantize into each
-type; kiln compiles each file by default. pp: a prompt of --prompt-len tokens (kiln: one step;
+type; kiln compiles each file by default (--kiln default), or the bf16 file with another --kiln setting
+(its own quantisation beside llama.cpp's of each type). pp: a prompt of --prompt-len tokens (kiln: one step;
 llama-bench -p); tg: batch-1 decode of --new-tokens (llama-bench -n); b8: 8 sequences
 (llama-batched-bench S_TG). Medians of --repeats. llama.cpp is built as ../shared/PEERS.md says.
 """
@@ -42,7 +43,11 @@ from big_model import built_llama_cpp, gguf_source  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
 from peers import kiln_prefill_rate, llama_batched_rate, llama_bench  # noqa: E402
 
-KILN_SETTINGS = {"default": None, "q4": "q4", "q4a": "q4a", "q8": "q8", "f32": "none"}
+# --kiln settings: `kiln compile` options; "+cal" adds --calibrate on kiln.testing.perplexity's
+# calibration_text (docstrings the scored text does not hold)
+KILN_SETTINGS = {"default": {}, "q4": {"quant": "q4"}, "q4a": {"quant": "q4a"}, "q8": {"quant": "q8"},
+                 "f32": {"quant": "none"}, "q4+cal": {"quant": "q4", "calibrate": True},
+                 "q4a+cal": {"quant": "q4a", "calibrate": True}}
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:
@@ -58,11 +63,22 @@ def quantize(llama_cpp: Path, source: Path, qtype: str, out: Path) -> Path:
     return out
 
 
+def calibration_file(work: Path) -> Path:
+    from kiln.testing.perplexity import calibration_text
+    path = work / "calibration.txt"
+    if not path.exists():
+        path.write_text(calibration_text())
+    return path
+
+
 def kiln_compile(gguf: Path, artifact: Path, setting: str) -> Path:
     from kiln.compiler import compile_model
     from kiln.options import CompileOptions
     if not (artifact / "manifest.json").exists():
-        compile_model(gguf, artifact, CompileOptions(quant=KILN_SETTINGS[setting]), show=None, force=True)
+        options = dict(KILN_SETTINGS[setting])
+        if options.get("calibrate"):
+            options["calibrate"] = str(calibration_file(artifact.parent))
+        compile_model(gguf, artifact, CompileOptions(**options), show=None, force=True)
     return artifact
 
 
@@ -135,7 +151,9 @@ def speed(args, llama_cpp: Path, work: Path) -> None:
     for qtype in args.types.split(","):
         gguf = quantize(llama_cpp, bf16, qtype, work / f"{qtype}.gguf")
         t0 = time.perf_counter()
-        artifact = kiln_compile(gguf, work / f"artifact-{qtype}", "default")
+        # default: kiln compiles the same file; another --kiln setting: kiln's own quantisation of bf16.gguf
+        artifact = (kiln_compile(gguf, work / f"artifact-{qtype}", "default") if args.kiln == "default"
+                    else kiln_compile(bf16, work / f"artifact-bf16-{args.kiln}", args.kiln))
         compile_s = time.perf_counter() - t0
         kiln = {"pp": kiln_prefill_rate(artifact, args.prompt_len, args.repeats)}
         llm = LLM(artifact, kv_memory="512MiB", max_num_seqs=8)
@@ -229,7 +247,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["quality", "speed", "compile8b"])
     ap.add_argument("--types", default=None)
-    ap.add_argument("--kiln", default="default", help="quality: kiln settings, of " + ", ".join(KILN_SETTINGS))
+    ap.add_argument("--kiln", default="default", help="quality: kiln settings, of " + ", ".join(KILN_SETTINGS)
+                    + "; speed: one of them")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--preset", default="llama-3.2-1b")
