@@ -79,20 +79,25 @@ def _paged_attend():
             seq_pages = np.asarray(pv[pi[s]:pi[s + 1]], np.int64)
             kv_len = (len(seq_pages) - 1) * page_size + int(lpl[s]) if len(seq_pages) else 0
             n = int(qi[s + 1]) - int(qi[s])
+            # the rows any of this step's queries reads, gathered once (a window's older rows are not read)
+            first = max(0, kv_len - n - window + 1) if window else 0
+            readable = np.arange(first, kv_len)
+            page, row = seq_pages[readable // page_size], readable % page_size
+            rows = f32(pages[page, :, :, row])                                  # [rows, 2, kv_heads, head_dim]
+            if scheme is not None:
+                rows = rows * scales[page, :, :, row][..., None]
+            keys_t, values_t = rows[:, 0].transpose(1, 2, 0), rows[:, 1].transpose(1, 0, 2)
             for i in range(n):
                 p = kv_len - n + i
-                keys_at = np.arange(max(0, p - window + 1) if window else 0, p + 1)
-                page, row = seq_pages[keys_at // page_size], keys_at % page_size
-                stored = f32(pages[page, :, :, row])                        # [L, 2, kv_heads, head_dim]
-                if scheme is not None:
-                    stored = stored * scales[page, :, :, row][..., None]
-                for h in range(q_heads):
-                    keys, values = stored[:, 0, h // group], stored[:, 1, h // group]
-                    scores = keys @ f32(q[int(qi[s]) + i, h]) * np.float32(at["scale"])
-                    if cap:
-                        scores = np.tanh(scores / cap) * cap
-                    w = np.exp(scores - scores.max())
-                    out[int(qi[s]) + i, h] = (w / w.sum()) @ values
+                start = (max(0, p - window + 1) if window else 0) - first
+                # every query head at once: head h reads KV head h // group
+                queries = f32(q[int(qi[s]) + i]).reshape(kv_heads, group, -1)           # [kv_heads, group, D]
+                scores = np.matmul(queries, keys_t[:, :, start:p + 1 - first]) * np.float32(at["scale"])
+                if cap:
+                    scores = np.tanh(scores / cap) * cap
+                w = np.exp(scores - scores.max(axis=-1, keepdims=True))
+                w /= w.sum(axis=-1, keepdims=True)                                     # [kv_heads, group, keys]
+                out[int(qi[s]) + i] = np.matmul(w, values_t[:, start:p + 1 - first]).reshape(q_heads, -1)
         return as_type(out, ty)
     return rule, ref
 
