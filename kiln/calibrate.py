@@ -42,26 +42,17 @@ def text_chunks(text_file: str | Path, tokenizer_json: Path, context: int) -> li
 
 
 def _prefill_step(chunks: list[list[int]], page_size: int) -> dict[str, np.ndarray]:
-    """The step inputs of one prefill of `chunks` from position 0, each sequence on pages of its own."""
-    tokens, positions, slots, page_values, kv_slots = [], [], [], [], []
-    q_indptr, page_indptr, last_page_len, kv_indptr = [0], [0], [], [0]
+    """The step inputs of one prefill of `chunks` from position 0, each sequence on pages of its own,
+    every token's logits returned (as the runtime builds a step: kiln/runtime/step.py)."""
+    from kiln.runtime.step import SeqChunk, context_rows, step_inputs
+    seqs, next_page = [], 0
     for ids in chunks:
-        n_pages = -(-len(ids) // page_size)
-        pages = list(range(len(page_values), len(page_values) + n_pages))
-        seq_slots = [pages[t // page_size] * page_size + t % page_size for t in range(len(ids))]
-        tokens += ids
-        positions += range(len(ids))
-        slots += seq_slots
-        kv_slots += seq_slots
-        page_values += pages
-        q_indptr.append(len(tokens))
-        page_indptr.append(len(page_values))
-        last_page_len.append(len(ids) - (n_pages - 1) * page_size)
-        kv_indptr.append(len(kv_slots))
-    arrays = dict(tokens=tokens, positions=positions, q_indptr=q_indptr, page_indptr=page_indptr,
-                  page_values=page_values, last_page_len=last_page_len, slot_mapping=slots,
-                  logit_rows=list(range(len(tokens))), kv_slots=kv_slots, kv_indptr=kv_indptr)
-    return {k: np.asarray(v, dtype=np.int32) for k, v in arrays.items()}
+        pages = list(range(next_page, next_page - (-len(ids) // page_size)))
+        next_page = pages[-1] + 1
+        slots = [pages[t // page_size] * page_size + t % page_size for t in range(len(ids))]
+        seqs.append(SeqChunk(ids, 0, pages, slots, all_rows=True))
+    step = step_inputs(seqs, page_size)
+    return {**step, **context_rows(step, page_size)}
 
 
 def input_importance(model, chunks: list[list[int]], page_size: int, progress=None) -> dict[str, np.ndarray]:
