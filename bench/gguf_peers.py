@@ -47,7 +47,8 @@ from peers import kiln_prefill_rate, llama_batched_rate, llama_bench  # noqa: E4
 # calibration_text (docstrings the scored text does not hold)
 KILN_SETTINGS = {"default": {}, "q4": {"quant": "q4"}, "q4a": {"quant": "q4a"}, "q8": {"quant": "q8"},
                  "f32": {"quant": "none"}, "q4+cal": {"quant": "q4", "calibrate": True},
-                 "q4a+cal": {"quant": "q4a", "calibrate": True}}
+                 "q4a+cal": {"quant": "q4a", "calibrate": True}, "q4k": {"quant": "q4k"},
+                 "q4k+cal": {"quant": "q4k", "calibrate": True}}
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:

@@ -5,8 +5,8 @@ bounded memory and, for q4, fast.
   inputs: find the peak, fit a scale to each of the 19 candidates' levels and weigh its error, keep
   the first least, pack the nibbles. NumPy's version makes dozens of passes over memory per
   candidate; this one reads each group into registers twice per candidate, on every core.
-- q8 and fp8 (one scale per output row) run the NumPy reference on a block of rows at a time, so its
-  temporaries are a block's, not a 2 GB embedding table's several times over.
+- q8, fp8, q4a and q4k (whose rows are quantised each on its own) run the NumPy reference on a block
+  of rows at a time, so its temporaries are a block's, not a 2 GB embedding table's several times over.
 """
 from __future__ import annotations
 
@@ -184,8 +184,9 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def by_rows(quantize):
-    """A per-row scheme's reference run on blocks of rows: the same parts, in a block's memory."""
+def by_rows(quantize, output_axis=lambda part: 0):
+    """A per-row scheme's reference run on blocks of rows: the same parts, in a block's memory (a
+    part whose `output_axis` is 1, a grouped scheme's scale table, is filled by columns)."""
     def run(w: np.ndarray, **options) -> dict[str, np.ndarray]:
         n, k = w.shape
         rows = max(1, CHUNK_ELEMENTS // k)
@@ -193,11 +194,19 @@ def by_rows(quantize):
         for start in range(0, n, rows):
             block = quantize(w[start:start + rows], **options)
             if parts is None:
-                parts = {name: np.empty((n, *p.shape[1:]), p.dtype) for name, p in block.items()}
+                parts = {name: np.empty(_with_axis(p.shape, output_axis(name), n), p.dtype)
+                         for name, p in block.items()}
             for name, p in block.items():
-                parts[name][start:start + rows] = p
+                if output_axis(name):
+                    parts[name][:, start:start + rows] = p
+                else:
+                    parts[name][start:start + rows] = p
         return parts
     return run
+
+
+def _with_axis(shape: tuple[int, ...], axis: int, size: int) -> tuple[int, ...]:
+    return (*shape[:axis], size, *shape[axis + 1:])
 
 
 def fast_quantizers() -> dict:
@@ -207,4 +216,5 @@ def fast_quantizers() -> dict:
     from kiln.host_cpu import has_llvm
     assert SCHEMES["q4"].grouped and not SCHEMES["q8"].grouped and not SCHEMES["fp8"].grouped
     return {"q4": quantize_q4 if has_llvm() else SCHEMES["q4"].quantize, "q8": by_rows(SCHEMES["q8"].quantize),
-            "fp8": by_rows(SCHEMES["fp8"].quantize), "q8g": SCHEMES["q8g"].quantize, "q4a": SCHEMES["q4a"].quantize}
+            "fp8": by_rows(SCHEMES["fp8"].quantize), "q8g": SCHEMES["q8g"].quantize,
+            **{name: by_rows(SCHEMES[name].quantize, SCHEMES[name].output_axis) for name in ("q4a", "q4k")}}

@@ -2,7 +2,7 @@
 and the tokenizer files (frontend/hf.py's interface), read from the file alone.
 
 Weights keep the file's numbers where kiln has the format (F32/F16/BF16 as stored, Q4_0 as q4, Q8_0
-as q8g, Q4_1 as q4a in groups of 32; Q4_K as q4a, its scales rounded to float16); every other type is
+as q8g, Q4_1 as q4a in groups of 32; Q4_K as q4k, its super-blocks as they are); every other type is
 dequantised by llama.cpp's own dequantiser and, where the compile quantises, requantised.
 `default_options` picks the kiln format nearest each tensor's type when `--quant` is not given, and
 `source_record` tells the manifest (and `kiln inspect`) what each tensor got."""
@@ -27,10 +27,10 @@ from .gguf_tokenizer import write_gguf_tokenizer
 
 # The kiln format a compile without --quant gives each file type (general.file_type's dominant linear
 # type): the same numbers where kiln stores them, else the nearest format that keeps llama.cpp's quality
-# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32) and q4a (int4 with group minimums) have
+# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32), q4a and q4k (int4 with group minimums) have
 # CPU kernels only: GPU targets get q8.
 FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8g", 32),
-                     "Q4_1": ("q4a", 32), "Q4_K": ("q4a", 32)}
+                     "Q4_1": ("q4a", 32), "Q4_K": ("q4k", 32)}
 REQUANTIZED_FORMAT = ("q8g", 32)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
 PERMUTED_QK = ("llama", "granitemoe")     # the converter's LlamaModel interleaved their q/k rows for rope
@@ -121,7 +121,7 @@ class GGUFModel:
         quant, group = FILE_TYPE_FORMATS.get(type_name, REQUANTIZED_FORMAT) or (None, 0)
         if quant is None:
             return None
-        return ("q8", 0) if quant in ("q8g", "q4a") and target != "cpu" else (quant, group)
+        return ("q8", 0) if quant in ("q8g", "q4a", "q4k") and target != "cpu" else (quant, group)
 
     def default_options(self, options):
         """`options` with the kiln format nearest the file's where the compile did not name one (--quant):

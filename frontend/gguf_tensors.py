@@ -6,7 +6,7 @@ converter did to them:
     quantised tensor's blocks move whole and stay exact);
   - Gemma's norm weights were stored plus one: one is taken off.
 A quantised tensor is handed out as `GGUFBlocks`: the file's blocks, which a quantiser may repack
-into kiln's format (Q4_0 -> q4, Q8_0 -> q8g, Q4_1 and Q4_K -> q4a, groups of 32) or dequantise with
+into kiln's format (Q4_0 -> q4, Q8_0 -> q8g, Q4_1 -> q4a, Q4_K -> q4k, groups of 32) or dequantise with
 llama.cpp's own dequantiser (`gguf.quants`). Each tensor's treatment is recorded for the manifest and `kiln inspect`."""
 from __future__ import annotations
 
@@ -80,14 +80,16 @@ class GGUFBlocks:
     def exact_parts(self, scheme: str, group_size: int = 0) -> dict[str, np.ndarray] | None:
         """The file's numbers in kiln's `scheme` where that scheme holds them, repacked: Q4_0 is kiln's q4 in
         groups of 32 (the same nibbles, level + 8, and float16 scales), Q8_0 q8g (the same int8 levels
-        and float16 scales), Q4_1 q4a (the same nibbles and float16 scales and minimums). Q4_K's
-        sub-blocks of 32 become q4a's groups with the same nibbles, each scale and minimum (a 6-bit
-        sub-scale times the super-block's float16 factor) rounded to float16: within 2^-11 of its own."""
+        and float16 scales), Q4_1 q4a (the same nibbles and float16 scales and minimums), Q4_K q4k (the
+        same nibbles, 6-bit sub-scales and mins, and float16 factors). Where a Q4_K matrix is asked for
+        as q4a, its sub-blocks of 32 become q4a's groups, each scale and minimum (a 6-bit sub-scale times
+        the super-block's float16 factor) rounded to float16: within 2^-11 of its own."""
         if group_size != BLOCK or (self.type_name, scheme) not in REPACKS:
             return None
         rows = np.asarray(self.raw)
         blocks = rows.reshape(rows.shape[0], -1, BLOCK_BYTES[self.type_name])
-        how = "nearly (scales and minimums rounded to float16)" if self.type_name == "Q4_K" else "exactly"
+        how = "nearly (scales and minimums rounded to float16)" if (self.type_name, scheme) == ("Q4_K", "q4a") \
+            else "exactly"
         self.record[self.name, f"{self.type_name} kept {how} ({scheme} in groups of {BLOCK})"] = True
         return REPACKS[self.type_name, scheme](blocks)
 
@@ -122,13 +124,13 @@ def _q4_1_as_q4a(blocks):
             "scale": q4a_scale_table(_halves(blocks, 0), _halves(blocks, 2))}
 
 
-def _q4_k_as_q4a(blocks):
+def _q4_k_fields(blocks):
     """Q4_K super-blocks of 256: float16 d and dmin, 12 bytes of 6-bit sub-scales and mins for its
     eight sub-blocks of 32, then 128 bytes: sub-blocks 2c and 2c + 1 in the low and high nibbles of
-    bytes 32c .. 32c + 31, element l of each at byte l. W = d · scale_s · nibble - dmin · min_s."""
-    from kiln.ir.quant import q4a_scale_table
+    bytes 32c .. 32c + 31, element l of each at byte l. W = d · scale_s · nibble - dmin · min_s.
+    Returns kiln's nibbles (even input low), d and dmin [rows, supers] (float16), and the sub-scales
+    and mins [rows, supers, 8] (uint8)."""
     rows, supers = blocks.shape[:2]
-    d, dmin = _halves(blocks, 0).astype(np.float32), _halves(blocks, 2).astype(np.float32)
     packed = blocks[..., 4:16].astype(np.uint8)
     low, high = packed[..., 0:4], packed[..., 8:12]                        # scales[0:4], scales[8:12]
     sub_scale = np.concatenate([low & 63, (high & 15) | ((low >> 6) << 4)], axis=-1)
@@ -136,14 +138,27 @@ def _q4_k_as_q4a(blocks):
     sub_min = np.concatenate([mins_low & 63, (high >> 4) | ((mins_low >> 6) << 4)], axis=-1)
     qs = blocks[..., 16:].reshape(rows, supers, 4, 32)
     levels = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1)       # [rows, 256 · supers] in order
-    scale = (d[..., None] * sub_scale).reshape(rows, -1)
-    minimum = -(dmin[..., None] * sub_min).reshape(rows, -1)
-    return {"q": levels[:, 0::2] | (levels[:, 1::2] << 4),
-            "scale": q4a_scale_table(scale.astype(np.float16), minimum.astype(np.float16))}
+    return levels[:, 0::2] | (levels[:, 1::2] << 4), _halves(blocks, 0), _halves(blocks, 2), sub_scale, sub_min
+
+
+def _q4_k_as_q4k(blocks):
+    from kiln.ir.quant import q4k_scale_table
+    nibbles, d, dmin, sub_scale, sub_min = _q4_k_fields(blocks)
+    return {"q": nibbles, "scale": q4k_scale_table(d, -dmin, sub_scale, sub_min)}
+
+
+def _q4_k_as_q4a(blocks):
+    """Each sub-block's scale and minimum, d · scale_s and -dmin · min_s, rounded to float16."""
+    from kiln.ir.quant import q4a_scale_table
+    nibbles, d, dmin, sub_scale, sub_min = _q4_k_fields(blocks)
+    rows = nibbles.shape[0]
+    scale = (d.astype(np.float32)[..., None] * sub_scale).reshape(rows, -1)
+    minimum = -(dmin.astype(np.float32)[..., None] * sub_min).reshape(rows, -1)
+    return {"q": nibbles, "scale": q4a_scale_table(scale.astype(np.float16), minimum.astype(np.float16))}
 
 
 REPACKS = {("Q4_0", "q4"): _q4_0_as_q4, ("Q8_0", "q8g"): _q8_0_as_q8g, ("Q4_1", "q4a"): _q4_1_as_q4a,
-           ("Q4_K", "q4a"): _q4_k_as_q4a}
+           ("Q4_K", "q4a"): _q4_k_as_q4a, ("Q4_K", "q4k"): _q4_k_as_q4k}
 
 
 class GGUFCheckpoint:

@@ -23,7 +23,7 @@ from .opdef import (  # noqa: F401
     need_float,
     op,
 )
-from .quant import INTEGER_LEVELS, SCHEMES, WEIGHT_FORMATS, int8_activation_matmul
+from .quant import INTEGER_LEVELS, SCHEMES, WEIGHT_FORMATS, group_scales, int8_activation_matmul
 from .types import FLOAT_DTYPES, TensorType
 
 # ---------------------------------------------------------------------------- elementwise
@@ -166,7 +166,7 @@ def _embed():
                 fail(f"table must be 2-D [vocab, hidden], got {table}")
             return TensorType((ids.shape[0], table.shape[1]), table.dtype)
         scheme = SCHEMES[fmt]
-        if fmt in ("q8g", "q4a"):
+        if fmt in ("q8g", "q4a", "q4k"):
             fail(f"an embedding table is stored q8 (a scale per row) or q4, not {fmt}")
         short = str(TensorType((), scheme.weight_dtype))[:-2]
         if attrs.get("dtype") not in FLOAT_DTYPES:
@@ -232,10 +232,13 @@ def _linear():
       q4a   u8 weight [out, in/2] of two nibbles (the level 0..15, even input index low) with f16
             scales and minimums [2 · in/group_size, out]: W[n, k] = nibble · scale[2g, n] +
             scale[2g + 1, n], g = k // group_size (GGUF's Q4_1 for groups of 32).
-    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4, q8g, q4a; dividing the
+      q4k   q4a's nibbles with u8 tables [20 · in/256, out]: per super-block of 256 inputs, each group's
+            6-bit scale and depth and the super-block's float16 d and -dmin as bytes (ir/quant.py
+            _q4k_quantize): W[n, k] = nibble · d · s_g - dmin · m_g (GGUF's Q4_K).
+    A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4, q8g, q4a, q4k; dividing the
     group_size): x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
     quantize_activations) and each block's integer dot with the levels scaled by x's block scale
-    (times the group's scale), the blocks summed in order (q4a adding Σ x's levels times x's block
+    (times the group's scale), the blocks summed in order (q4a, q4k adding Σ x's levels times x's block
     scale times the group's minimum after each), then scaled by q8's channel scale (llama.cpp's
     Q8_0 × Q8_0).
 
@@ -255,12 +258,14 @@ def _linear():
         elif SCHEMES[fmt].grouped:
             scheme, g = SCHEMES[fmt], attrs["group_size"]
             per_byte, short = scheme.per_byte, "u8" if scheme.weight_dtype == "uint8" else "i8"
-            if not isinstance(k, int) or k % g:
-                fail(f"input width {k} must be a multiple of an even group_size {g}")
+            if not isinstance(k, int) or not scheme.holds(k, g):
+                fail(f"input width {k} must be a multiple of an even group_size {g}"
+                     + (f" and of {scheme.super_block}" if scheme.super_block else ""))
             if w.dtype != scheme.weight_dtype or w.rank != 2 or w.shape[1] * per_byte != k:
                 fail(f"weight must be {short}[out, {k // per_byte}], got {w}")
-            if s.dtype != "float16" or s.shape != (k // g * scheme.scale_rows, w.shape[0]):
-                fail(f"scale must be f16[{k // g * scheme.scale_rows}, {w.shape[0]}], got {s}")
+            want = TensorType((scheme.table_rows(k, g), w.shape[0]), scheme.scale_dtype)
+            if s != want:
+                fail(f"scale must be {want}, got {s}")
         else:
             weight_dtype = SCHEMES[fmt].weight_dtype
             if w.dtype != weight_dtype or w.rank != 2 or w.shape[1] != k:
@@ -268,7 +273,7 @@ def _linear():
             if s.dtype != "float32" or s.shape != (w.shape[0],):
                 fail(f"scale must be f32[{w.shape[0]}], got {s}")
         if attrs.get("act_block", 0) and fmt not in INTEGER_LEVELS:
-            fail(f"act_block applies to q8, q8g, q4 and q4a weights, not {fmt}")
+            fail(f"act_block applies to {', '.join(INTEGER_LEVELS)} weights, not {fmt}")
         grouped = fmt in SCHEMES and SCHEMES[fmt].grouped
         _check_act_block(k, attrs, fail, attrs.get("group_size", 0) if grouped else 0)
         return _linear_out(x, w.shape[0], b, r, fail)
@@ -282,8 +287,8 @@ def _linear():
             packed = np.asarray(x[1])
             levels = (np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
                       - (8 if fmt == "q4" else 0) if fmt != "q8g" else packed.astype(np.float32))
-            table, g = f32(x[2]), at["group_size"]
-            scale, minimum = (table[0::2], table[1::2]) if fmt == "q4a" else (table, None)
+            g = at["group_size"]
+            scale, minimum = group_scales(fmt, np.asarray(x[2]), g)
             if block:
                 rows = f32(x[0]).reshape(-1, x[0].shape[-1])
                 y = int8_activation_matmul(rows, levels, lambda b: scale[b * block // g], block,

@@ -25,15 +25,26 @@ class Scheme:
     per_byte: int = 1              # levels a stored byte holds (q4: two 4-bit values)
     scale_rows: int = 1            # rows of the scale table per group (q4a: its scale, then its minimum)
     weighted: bool = False         # quantize takes importance= (one weight per input, from calibration)
+    super_block: int = 0           # inputs per super-block whose own rows follow its groups' (q4k: 256)
+    super_rows: int = 0            # those rows (q4k: two float16 factors, as bytes)
 
     def output_axis(self, part: str) -> int:
         """The axis of a stored part that runs over output features (grouped scales are [in / group, out])."""
         return 1 if self.grouped and part == "scale" else 0
 
+    def table_rows(self, in_features: int, group_size: int) -> int:
+        """Rows of a grouped scheme's scale table for `in_features` inputs."""
+        supers = in_features // self.super_block * self.super_rows if self.super_block else 0
+        return in_features // group_size * self.scale_rows + supers
+
+    def holds(self, in_features: int, group_size: int) -> bool:
+        """Whether this scheme's groups (and super-blocks) divide `in_features` inputs."""
+        return in_features % max(group_size, self.super_block) == 0 if self.grouped else True
+
     def part_shapes(self, out_features: int, in_features: int, group_size: int = 0) -> dict[str, tuple]:
         q = (out_features, in_features // self.per_byte)
         if self.grouped:
-            return {"q": q, "scale": (in_features // group_size * self.scale_rows, out_features)}
+            return {"q": q, "scale": (self.table_rows(in_features, group_size), out_features)}
         return {"q": q, "scale": (out_features,)}
 
 
@@ -162,13 +173,17 @@ def _q4a_levels(groups: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.nd
     return np.where(scale[..., None] == 0, np.float32(0), np.clip(np.rint((groups - low[..., None]) / safe), 0, 15))
 
 
-def _q4a_fit(groups: np.ndarray, u: np.ndarray, scale: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _q4a_fit(groups: np.ndarray, u: np.ndarray, scale: np.ndarray, low: np.ndarray,
+             through_zero: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The (scale, minimum) of least importance-weighted error among the min/max pair and the
-    least-squares fits to the levels of 22 candidate ranges (_q4a_quantize)."""
+    least-squares fits to the levels of 22 candidate ranges (_q4a_quantize). `through_zero` (q4k,
+    whose minimums are stored as depths below 0): every range reaches down to 0 at least, and a
+    fitted minimum above 0 is taken as 0."""
     def error(s, m):
         return (u * (_q4a_levels(groups, s, m) * s[..., None] + m[..., None] - groups) ** 2).sum(-1)
     best_err, best_scale, best_low = error(scale, low), scale, low
     top, bottom = groups.max(-1), groups.min(-1)
+    bottom = np.minimum(bottom, 0) if through_zero else bottom
     span = np.where(top > bottom, top - bottom, np.float32(1))
     su, sx = u.sum(-1), (u * groups).sum(-1)
     for stretch in (15, *(14 + 0.1 * i for i in range(21))):
@@ -179,6 +194,7 @@ def _q4a_fit(groups: np.ndarray, u: np.ndarray, scale: np.ndarray, low: np.ndarr
         safe = np.where(ok, det, 1)
         s = np.where(ok, (su * slx - sl * sx) / safe, scale).astype(np.float16).astype(np.float32)
         m = np.where(ok, (sll * sx - sl * slx) / safe, low).astype(np.float16).astype(np.float32)
+        m = np.minimum(m, 0) if through_zero else m
         err = error(s, m)
         better = err < best_err
         best_err = np.where(better, err, best_err)
@@ -197,6 +213,88 @@ def _q4a_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.nd
     n = packed.shape[0]
     levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1).astype(np.float32)
     return (levels * np.repeat(table[0::2].T, group_size, axis=1)) + np.repeat(table[1::2].T, group_size, axis=1)
+
+
+Q4K_SUPER, Q4K_GROUP = 256, 32        # llama.cpp's K-quant super-block and its sub-blocks (kiln's groups)
+Q4K_GROUPS = Q4K_SUPER // Q4K_GROUP   # groups a super-block holds
+Q4K_ROWS = 2 * Q4K_GROUPS + 4          # rows of the q4k table per super-block
+Q4K_LEVELS = 63                       # a 6-bit sub-scale's or depth's largest level
+
+
+def _q4k_quantize(w: np.ndarray, group_size: int = Q4K_GROUP,
+                  importance: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Asymmetric int4 in super-blocks of 256 inputs, as GGUF's Q4_K: each group of 32 has a 6-bit
+    sub-scale s and depth m, each super-block a float16 factor for each (d, dmin), and
+    W = level · (d · s) - dmin · m, level in 0..15 (4.625 bits a weight as kiln stores it, the
+    6-bit numbers a byte each).
+    Each group's (scale, minimum) is fitted as q4a's with importances (_q4a_fit, the minimum at most
+    0), each input weighed by u = importance · √(2·mean(x²) + x²) over its super-block (llama.cpp's
+    rule with an importance matrix) or, without one, √mean(x²) + |x| (its rule without); then d is
+    float16(largest scale / 63) and each s = rint(scale / d), dmin and m likewise for the depths
+    -minimum; the levels are rounded again against the scales and minimums so made (q4a's rule).
+    The table is uint8 [20 · in / 256, out]: for super-block b, rows 20b + 2g and 20b + 2g + 1 hold
+    group g's s and m, rows 20b + 16, 17 the bytes of d (low first), 20b + 18, 19 those of -dmin."""
+    if group_size != Q4K_GROUP:
+        raise ValueError(f"q4k's groups are {Q4K_GROUP} inputs (its super-blocks {Q4K_SUPER}), not {group_size}")
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % Q4K_SUPER:
+        raise ValueError(f"q4k needs inputs in whole super-blocks of {Q4K_SUPER}, not {k}")
+    supers = w.reshape(n, k // Q4K_SUPER, Q4K_SUPER)
+    mean_square = (supers * supers).mean(-1, keepdims=True)
+    if importance is None:
+        u = np.sqrt(mean_square) + np.abs(supers)
+    else:
+        u = (np.asarray(importance, np.float32).reshape(1, k // Q4K_SUPER, Q4K_SUPER)
+             * np.sqrt(2 * mean_square + supers * supers))
+    groups = w.reshape(n, k // group_size, group_size)
+    low = np.minimum(groups.min(-1), 0).astype(np.float16).astype(np.float32)
+    scale = ((groups.max(-1) - low) / np.float32(15)).astype(np.float16).astype(np.float32)
+    scale, low = _q4a_fit(groups, u.reshape(groups.shape), scale, low, through_zero=True)
+    d, sub_scale = _six_bit(scale.reshape(n, -1, Q4K_GROUPS))
+    dmin, depth = _six_bit(-low.reshape(n, -1, Q4K_GROUPS))
+    group_scale = (d[..., None] * sub_scale).reshape(n, -1)
+    minimum = -(dmin[..., None] * depth).reshape(n, -1)
+    nibbles = _q4a_levels(groups, group_scale, minimum).astype(np.uint8).reshape(n, k)
+    return {"q": nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), "scale": q4k_scale_table(d, -dmin, sub_scale, depth)}
+
+
+def _six_bit(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """values [..., 8] >= 0 as a float16 factor per super-block (float32) and 6-bit levels (float32)."""
+    factor = (values.max(-1) / np.float32(Q4K_LEVELS)).astype(np.float16).astype(np.float32)
+    safe = np.where(factor == 0, np.float32(1), factor)[..., None]
+    return factor, np.where(factor[..., None] == 0, 0, np.clip(np.rint(values / safe), 0, Q4K_LEVELS))
+
+
+def q4k_scale_table(d: np.ndarray, negative_dmin: np.ndarray, sub_scale: np.ndarray,
+                    depth: np.ndarray) -> np.ndarray:
+    """A q4k weight's table (_q4k_quantize) from [out, supers] factors and [out, supers, 8] levels."""
+    n, supers = d.shape
+    table = np.empty((n, supers, Q4K_ROWS), np.uint8)
+    table[..., 0:2 * Q4K_GROUPS:2], table[..., 1:2 * Q4K_GROUPS:2] = sub_scale, depth
+    for row, factor in ((2 * Q4K_GROUPS, d), (2 * Q4K_GROUPS + 2, negative_dmin)):
+        table[..., row:row + 2] = np.ascontiguousarray(factor.astype(np.float16)).view(np.uint8).reshape(n, supers, 2)
+    return np.ascontiguousarray(table.reshape(n, -1).T)
+
+
+def group_scales(scheme: str, table: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """A grouped scheme's table as float32 [groups, out] scales and minimums (None: it has none)."""
+    if scheme == "q4k":
+        rows = np.asarray(table).T.reshape(table.shape[1], -1, Q4K_ROWS)        # [out, supers, 20]
+        factors = np.ascontiguousarray(rows[..., 2 * Q4K_GROUPS:]).view(np.float16).astype(np.float32)
+        levels = rows[..., :2 * Q4K_GROUPS].astype(np.float32)
+        scale = factors[..., 0:1] * levels[..., 0::2]
+        minimum = factors[..., 1:2] * levels[..., 1::2]
+        return scale.reshape(scale.shape[0], -1).T, minimum.reshape(minimum.shape[0], -1).T
+    table = np.asarray(table, np.float32)
+    return (table[0::2], table[1::2]) if scheme == "q4a" else (table, None)
+
+
+def _q4k_dequantize(parts: dict[str, np.ndarray], group_size: int = Q4K_GROUP) -> np.ndarray:
+    packed = parts["q"]
+    scale, minimum = group_scales("q4k", parts["scale"], group_size)
+    levels = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float32)
+    return levels * np.repeat(scale.T, group_size, axis=1) + np.repeat(minimum.T, group_size, axis=1)
 
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
@@ -220,9 +318,12 @@ SCHEMES = {
     # int4 with a minimum per group: GGUF's Q4_1 kept exactly, its Q4_K nearly (frontend/gguf_tensors.py)
     "q4a": Scheme("q4a", "uint8", _q4a_quantize, _q4a_dequantize, scale_dtype="float16", grouped=True, per_byte=2,
                   scale_rows=2, weighted=True),
+    # int4 with 6-bit sub-scales and minimums in super-blocks: GGUF's Q4_K kept exactly
+    "q4k": Scheme("q4k", "uint8", _q4k_quantize, _q4k_dequantize, scale_dtype="uint8", grouped=True, per_byte=2,
+                  scale_rows=2, weighted=True, super_block=Q4K_SUPER, super_rows=4),
 }
 WEIGHT_FORMATS = ("none", *SCHEMES)      # a weight's `format` attribute: as stored, or a scheme's
-INTEGER_LEVELS = ("q8", "q4", "q8g", "q4a")   # schemes whose integer levels int8 activations multiply
+INTEGER_LEVELS = ("q8", "q4", "q8g", "q4a", "q4k")   # schemes whose integer levels int8 activations multiply
 
 
 

@@ -119,21 +119,22 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
               help="f32/f16/bf16: that dtype, unquantised; default: the model's own (a GGUF file's, else "
                    "unquantised); q8: int8 weights with per-channel scales; q4: int4 weights in groups with "
                    "float16 scales; q8g: int8 in groups (cpu); q4a: int4 in groups with a float16 scale and "
-                   "minimum each (cpu); fp8: float8 e4m3 weights with per-channel scales (cuda sm_89+, and cpu "
-                   "in software).")
+                   "minimum each (cpu); q4k: int4 in super-blocks of 256 with 6-bit scales and minimums per group "
+                   "of 32, GGUF's Q4_K (cpu; where 256 does not divide a weight's inputs, q4a); fp8: float8 e4m3 "
+                   "weights with per-channel scales (cuda sm_89+, and cpu in software).")
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
-              help="Quantise the LM head too (q8 under q4 and q4a, else --quant's scheme).")
+              help="Quantise the LM head too (q8 under q4, q4a and q4k, else --quant's scheme).")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
-              help="With --quant: quantise the embedding table too (q8 under q4 and q4a; a table tied to an "
+              help="With --quant: quantise the embedding table too (q8 under 4-bit schemes; a table tied to an "
                    "LM head of the same format is stored once); --no-quant-embedding keeps it in --dtype.")
 @click.option("--tensor-quant", multiple=True, metavar="CLASS=FORMAT",
               help="With --quant: FORMAT (a --quant scheme, or none for float) for one class of tensors: "
                    f"{', '.join(TENSOR_CLASSES)} (a projection before its class; repeatable or "
                    "comma-separated), e.g. --tensor-quant lm_head=q4,down=q8.")
 @click.option("--calibrate", default=None, metavar="TEXT_FILE",
-              help="With --quant q4 or q4a: run the float model over this text (up to 8192 tokens) and weigh "
+              help="With --quant q4, q4a or q4k: run the float model over this text (up to 8192 tokens) and weigh "
                    "each weight's rounding by how large its input is there (an importance matrix, as "
                    "llama-imatrix's); the artifact keeps the measurement.")
 @click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
@@ -168,7 +169,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
     A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16; Q4_0 as q4, Q8_0 as q8g,
-    Q4_1 and Q4_K as q4a, in groups of 32); other types are requantised (q8g) unless --quant names a
+    Q4_1 as q4a, Q4_K as q4k, in groups of 32); other types are requantised (q8g) unless --quant names a
     format (f32/f16/bf16: unquantised).
 
     The artifact is written beside -o and moved there when complete: a failed or interrupted compile

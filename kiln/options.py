@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from kiln.errors import KilnError
 
 DTYPES = ("float32", "float16", "bfloat16")
-WEIGHT_QUANTS = ("q8", "q4", "fp8", "q8g", "q4a")   # ir/quant.py SCHEMES
+WEIGHT_QUANTS = ("q8", "q4", "fp8", "q8g", "q4a", "q4k")   # ir/quant.py SCHEMES
 KV_DTYPES = ("int8", "fp8")                  # ir/quant.py KV_SCHEMES
-GROUP_SIZES = (32, 128)                      # q4's and q8g's input channels per scale
-FOUR_BIT = ("q4", "q4a")                     # weight formats whose LM head and embedding default to q8
+GROUP_SIZES = (32, 128)                      # q4's, q8g's and q4a's input channels per scale (q4k: 32)
+FOUR_BIT = ("q4", "q4a", "q4k")              # weight formats whose LM head and embedding default to q8
 TABLE_FORMATS = ("q8", "q4", "fp8")          # the formats an embedding lookup reads
 # --tensor-quant's tensor classes: the embedding table, the LM head, the attention projections and
 # the dense MLP's (shared experts included) as a whole or one projection at a time, MoE experts
@@ -60,9 +60,12 @@ class CompileOptions:
             raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.mla_expanded_from is not None and self.mla_expanded_from < 0:
             raise KilnError(f"--mla-expanded-from {self.mla_expanded_from} is negative")
-        if self.int8_activations and self.quant not in ("q8", "q4", "q8g", "q4a"):
-            raise KilnError("--activations int8 needs --quant q8, q8g, q4 or q4a (the integer dot products read "
-                            "those weights)")
+        if self.int8_activations and self.quant not in ("q8", "q4", "q8g", "q4a", "q4k"):
+            raise KilnError("--activations int8 needs --quant q8, q8g, q4, q4a or q4k (the integer dot products "
+                            "read those weights)")
+        if self.quant == "q4k" and self.group_size != 32:
+            raise KilnError(f"--quant q4k has groups of 32 in super-blocks of 256 (GGUF's Q4_K), not "
+                            f"--group-size {self.group_size}")
         for cls, fmt in self.tensor_classes:
             if cls not in TENSOR_CLASSES:
                 raise KilnError(f"--tensor-quant {cls}={fmt}: {cls} is not one of {', '.join(TENSOR_CLASSES)}")
@@ -98,7 +101,7 @@ class CompileOptions:
 
     def table_format(self) -> str | None:
         """The embedding table's format (None: float), chosen as head_format's; a table the lookup cannot
-        read in --quant's format or the file's (q8g, q4a) is q8."""
+        read in --quant's format or the file's (q8g, q4a, q4k) is q8."""
         chosen = self.class_format("embedding")
         if self.quant in (None, "none") or chosen == "none" or not (chosen or self.quant_embedding):
             return None

@@ -1,7 +1,9 @@
 """quantize: projections read int8 weights with per-channel scales (weight-only quantisation).
 
 Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales; q8g
-too, with int8 levels; q4a too, with group minimums; MoE experts of a q8g model are q8, of a q4a one q4):
+too, with int8 levels; q4a too, with group minimums; q4k with super-blocks, q4a where they do not divide a
+weight's inputs, as llama.cpp gives such a Q4_K tensor another type; MoE experts of a q8g model are q8,
+of a q4a or q4k one q4):
     %y = linear(%x, @w[, _, @b][, %r])
   ->
     %y = linear(%x, @w.q8, @w.q8_scale[, @b][, %r]) {format='q8'}
@@ -38,6 +40,8 @@ from kiln.ir.quant import INTEGER_LEVELS, SCHEMES
 from .graph_pass import GraphPass
 from .rewrite import drop_unused_params
 from .tensor_classes import MORE_BITS_CLASSES, layer_of, more_bits_layers, tensor_classes
+
+SUPER_BLOCK_FALLBACK = {"q4k": "q4a"}     # the scheme of a weight whose inputs a scheme's super-blocks do not divide
 
 
 def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> tuple[str, str]:
@@ -112,6 +116,8 @@ class Quantize(GraphPass):
             mode = self.lm_head_mode if self.lm_head_mode and node.output in heads else self._mode_of(w, more)
             if mode == "none":
                 continue
+            if not SCHEMES[mode].holds(w.type.shape[1], self.group_size) and mode in SUPER_BLOCK_FALLBACK:
+                mode = SUPER_BLOCK_FALLBACK[mode]
             grouped = SCHEMES[mode].grouped
             self._check_groups(w, mode, "the LM head" if node.output in heads else None)
             q, scale = add_quantized_params(graph, w, mode, self.group_size)
@@ -142,7 +148,7 @@ class Quantize(GraphPass):
     def _check_groups(self, w: Param, mode: str, role: str | None = None) -> None:
         """Refuse a grouped scheme for a weight whose input width the groups do not divide."""
         width = w.type.shape[-1]
-        if not SCHEMES[mode].grouped or width % self.group_size == 0:
+        if SCHEMES[mode].holds(width, self.group_size):
             return
         parts = (w.recipe or {}).get("concat", [w.name])
         cls = "lm_head" if role else (tensor_classes(parts[0]) or ("its class",))[0]
@@ -160,7 +166,7 @@ class Quantize(GraphPass):
         mode = dict(self.class_modes).get("experts", self.mode)
         if mode == "none":
             return
-        mode = {"q8g": "q8", "q4a": "q4"}.get(mode, mode)   # the grouped expert kernels read q4's groups only
+        mode = {"q8g": "q8", "q4a": "q4", "q4k": "q4"}.get(mode, mode)   # the expert kernels read q4's groups only
         gate_up, down = (graph.params[input_of(node, name)] for name in ("gate_up", "down"))
         for w in (gate_up, down):
             self._check_groups(w, mode)

@@ -142,7 +142,7 @@ def target_layout(node, graph: Graph, target) -> str:
         return "nk"
     weight, act_block = graph.params[name].type, node.attrs.get("act_block", 0)
     fmt = weight_format(node)
-    operands = ({"q8g": "q8", "q4a": "q4"}.get(fmt, fmt) if act_block > 0    # stored as q8's / q4's levels
+    operands = ({"q8g": "q8", "q4a": "q4", "q4k": "q4"}.get(fmt, fmt) if act_block > 0    # stored as q8's / q4's levels
                 else "bf16" if fmt == "none" and weight.dtype == "bfloat16" else None)
     return linear_layout(target, *weight.shape, operands=operands, act_block=act_block)
 

@@ -162,10 +162,47 @@ def rewritten(source: Path, out: Path, field: str | None = None, value=None, ten
     return out
 
 
+def q4_k_blocks(w: np.ndarray) -> np.ndarray:
+    """w [rows, 256 · n] as GGUF's Q4_K bytes [rows, 144 · n] (gguf-py has no Q4_K quantiser): each
+    sub-block of 32 from its least value (at most 0) to its largest in 16 levels, the scales and depths
+    rounded to 6 bits of their super-block's largest, the nibbles against those, written as the GGUF
+    spec lays a block out (d, dmin, 12 bytes of 6-bit numbers, the nibbles in runs of 32)."""
+    rows = w.shape[0]
+    groups = np.asarray(w, np.float32).reshape(rows, -1, 8, 32)
+    low = np.minimum(groups.min(-1), 0)
+    scale, depth = (groups.max(-1) - low) / 15, -low
+
+    def six_bit(v):
+        factor = (v.max(-1) / 63).astype(np.float16)
+        wide = factor.astype(np.float32)[..., None]
+        return factor, np.clip(np.rint(v / np.where(wide == 0, 1, wide)), 0, 63).astype(np.uint8)
+    (d, sc), (dmin, m) = six_bit(scale), six_bit(depth)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    levels = np.clip(np.rint((groups + offset[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 15)
+    return q4_k_bytes(d, dmin, sc, m, levels.astype(np.uint8).reshape(rows, -1))
+
+
+def q4_k_bytes(d, dmin, sc, m, levels) -> np.ndarray:
+    """Q4_K blocks from their numbers: d, dmin float16 [rows, supers], 6-bit sc, m [rows, supers, 8],
+    levels 0..15 [rows, 256 · supers], laid out as the GGUF spec says."""
+    rows = levels.shape[0]
+    runs = np.asarray(levels, np.uint8).reshape(rows, -1, 4, 2, 32)       # runs of 64: two sub-blocks each
+    sc, m = np.asarray(sc, np.uint8), np.asarray(m, np.uint8)
+    out = np.zeros((rows, runs.shape[1], 144), np.uint8)
+    out[..., 0:2] = np.asarray(d, np.float16)[..., None].view(np.uint8)
+    out[..., 2:4] = np.asarray(dmin, np.float16)[..., None].view(np.uint8)
+    out[..., 4:8] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    out[..., 8:12] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    out[..., 12:16] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    out[..., 16:] = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(rows, -1, 128)
+    return out.reshape(rows, -1)
+
+
 def quantized(source: Path, qtype: str, others: tuple[tuple[str, str], ...] = ()) -> Path:
     """`source` (an F32 GGUF) with its blocks' matrices quantised to `qtype` by gguf-py (as llama-quantize
-    quantises a pure file: every 2-D weight of the blocks; embedding, output and norms kept), those named
-    in `others` ((tensor name, type): a mixed file, as Q4_K_M's) to their own type."""
+    quantises a pure file: every 2-D weight of the blocks; embedding, output and norms kept; Q4_K by
+    q4_k_blocks), those named in `others` ((tensor name, type): a mixed file, as Q4_K_M's) to their own type."""
     def build(folder: Path) -> None:
         import gguf
         from gguf.quants import quantize
@@ -173,7 +210,8 @@ def quantized(source: Path, qtype: str, others: tuple[tuple[str, str], ...] = ()
         def tensor(t):
             if t.name.startswith("blk.") and len(t.shape) >= 2 and t.name.endswith(".weight"):
                 kind = gguf.GGMLQuantizationType[dict(others).get(t.name, qtype)]
-                return quantize(np.asarray(t.data), kind), kind
+                data = np.asarray(t.data)
+                return (q4_k_blocks(data) if kind.name == "Q4_K" else quantize(data, kind)), kind
             return np.asarray(t.data), None
         rewritten(source, folder / "model.gguf", tensor=tensor)
     mix = "".join(f"-{name}-{kind}" for name, kind in others)

@@ -25,8 +25,9 @@ from kiln.runtime.speculative import SpeculativeConfig
     (dict(kv_dtype="int4"), "--kv-dtype int4"),
     (dict(quant="q4", group_size=64), "--group-size 64 is not one of 32, 128"),
     (dict(mla_expanded_from=-1), "negative"),
-    (dict(int8_activations=True), "--activations int8 needs --quant q8, q8g, q4 or q4a"),
-    (dict(quant="fp8", int8_activations=True), "--activations int8 needs --quant q8, q8g, q4 or q4a"),
+    (dict(int8_activations=True), "--activations int8 needs --quant q8, q8g, q4, q4a or q4k"),
+    (dict(quant="fp8", int8_activations=True), "--activations int8 needs --quant q8, q8g, q4, q4a or q4k"),
+    (dict(quant="q4k", group_size=128), "--quant q4k has groups of 32 in super-blocks of 256"),
 ])
 def test_compile_options_refuse_what_no_pass_can_do(fields, words):
     with pytest.raises(KilnError, match=words):

@@ -1,8 +1,8 @@
 """kiln's register-blocked CPU GEMMs against the reference interpreter's linear ops, on the same
 (quantised) weights, at row counts that leave partial micro-tiles and row tiles (1, 5, 13, 50, 97):
-codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4, q8g, q4a and fp8 weights, and
+codegen/kernels/cpu/gemm.py on float32, bfloat16, q8, q4, q8g, q4a, q4k and fp8 weights, and
 codegen/kernels/cpu/int8_gemm.py, int8_gemv.py, vnni_linear.py (and the TE form codegen/kernels/te_linear.py
-gives unpacked weights) on q8, q4, q8g and q4a weights with int8 activations, codegen/kernels/cpu/bf16_linear.py
+gives unpacked weights) on q8, q4, q8g, q4a and q4k weights with int8 activations, codegen/kernels/cpu/bf16_linear.py
 on bfloat16; with bias and residual."""
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ CASES = [  # (op, dtype, bias, residual)
     ("linear", "float32", True, True), ("linear", "bfloat16", False, True), ("linear_q8", "float32", True, False),
     ("linear_q4", "float32", False, True), ("linear_q4", "bfloat16", True, False), ("linear_fp8", "float32", False, False),
     ("linear_q8g", "float32", True, True), ("linear_q4a", "float32", False, True),
+    ("linear_q4k", "float32", True, False),
 ]
-GROUPED = ("linear_q4", "linear_q8g", "linear_q4a")      # float16 scales per group of 32 inputs
+GROUPED = ("linear_q4", "linear_q8g", "linear_q4a", "linear_q4k")      # scales per group of 32 inputs
+NIBBLES = ("linear_q4", "linear_q4a", "linear_q4k")
 
 
 def _weights(op, rng) -> list[np.ndarray]:
@@ -40,6 +42,13 @@ def _weights(op, rng) -> list[np.ndarray]:
         scale = rng.random((N_OUT, N_IN // 32)).astype(np.float32) * 0.01
         return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
                 q4a_scale_table(scale, -scale * rng.uniform(6, 9, scale.shape).astype(np.float32))]
+    if op == "linear_q4k":          # every 6-bit sub-scale and depth, float16 factors as a centred group's
+        from kiln.ir.quant import q4k_scale_table
+        supers = (N_OUT, N_IN // 256)
+        d = (rng.random(supers) * 5e-4).astype(np.float16)
+        return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
+                q4k_scale_table(d, -d * rng.uniform(6, 9, supers).astype(np.float16), rng.integers(0, 64, (*supers, 8)),
+                                rng.integers(0, 64, (*supers, 8)))]
     return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
             (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
 
@@ -49,6 +58,7 @@ INT8_CASES = [  # (op, dtype, bias, residual)
     ("linear_q8", "bfloat16", False, True), ("linear_q4", "float32", False, False),
     ("linear_q4", "float32", True, False), ("linear_q4", "bfloat16", True, True),
     ("linear_q8g", "bfloat16", True, True), ("linear_q4a", "float32", True, True),
+    ("linear_q4k", "float32", True, True), ("linear_q4k", "bfloat16", False, False),
 ]
 
 
@@ -98,11 +108,11 @@ def test_vnni_kernel_equals_the_interpreter(op, dtype, bias, residual):
         pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual),
-        layout=f"packed{NB}x4" + ("n32" if op in ("linear_q4", "linear_q4a") else ""),
+        layout=f"packed{NB}x4" + ("n32" if op in NIBBLES else ""),
         scale_layout=f"panels{NB}" if op in GROUPED else "nk")
 
 
-@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2] + INT8_CASES[-2:-1])
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES[1::2] + INT8_CASES[6:9:2])
 def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residual):
     """The TE stages for unpacked weights (nk layout): same scheme, generic loops."""
     from tvm import te, tirx
@@ -112,8 +122,8 @@ def test_int8_activation_te_form_equals_the_interpreter(op, dtype, bias, residua
     def kernel(fmt, weight_dtype):
         m = tirx.Var("m", "int64")
         w_shape = (N_OUT, N_IN // 2) if fmt.nibbles else (N_OUT, N_IN)
-        scale_shape, scale_dtype = (((N_IN // 32 * fmt.scale_rows, N_OUT), "float16") if fmt.grouped
-                                    else ((N_OUT,), "float32"))
+        scale_shape = (fmt.table_rows(N_IN), N_OUT) if fmt.grouped else (N_OUT,)
+        scale_dtype = fmt.table_dtype
         x, w = te.placeholder((m, N_IN), dtype), te.placeholder(w_shape, weight_dtype)
         scale = te.placeholder(scale_shape, scale_dtype)
         b = te.placeholder((N_OUT,), dtype) if bias else None

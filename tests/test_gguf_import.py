@@ -65,9 +65,9 @@ def test_converted_file_gives_transformers_logits(make_model, family):
         np.testing.assert_allclose(logits, want, atol=1e-4 * np.ptp(want), rtol=0)
 
 
-@pytest.mark.parametrize("qtype, scheme", [("Q4_0", "q4"), ("Q8_0", "q8g"), ("Q4_1", "q4a")])
+@pytest.mark.parametrize("qtype, scheme", [("Q4_0", "q4"), ("Q8_0", "q8g"), ("Q4_1", "q4a"), ("Q4_K", "q4k")])
 def test_quantised_blocks_are_stored_exactly(make_model, qtype, scheme):
-    """A Q4_0 (Q8_0, Q4_1) file compiled for the CPU without --quant: kiln's q4 (q8g, q4a) in groups of 32 holds the
+    """A Q4_0 (Q8_0, Q4_1, Q4_K) file compiled for the CPU without --quant: kiln's q4 (q8g, q4a, q4k) holds the
     very numbers gguf-py's dequantiser reads from the file, for every linear (q/k rows permuted back, as
     the file's float rows)."""
     import gguf
@@ -139,9 +139,10 @@ def test_a_file_of_mixed_types_keeps_each_tensors_format(make_model):
     assert {"Q8_0 kept exactly (q8g in groups of 32)", "Q4_1 kept exactly (q4a in groups of 32)"} <= treatments
 
 
-def test_q4_k_blocks_become_q4a_within_float16_rounding():
-    """Q4_K super-blocks (random bytes: every sub-scale, min and nibble pattern) repacked into q4a: each
-    value within float16's rounding of its group's scale and minimum of what gguf-py's dequantiser gives."""
+def test_q4_k_blocks_are_q4k_exactly_and_q4a_within_float16_rounding():
+    """Q4_K super-blocks (random bytes: every sub-scale, min and nibble pattern) repacked into q4k give
+    what gguf-py's dequantiser gives exactly; into q4a (--quant q4a), each value within float16's rounding
+    of its group's scale and minimum."""
     import gguf
     from gguf.quants import dequantize
 
@@ -152,9 +153,12 @@ def test_q4_k_blocks_become_q4a_within_float16_rounding():
     raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
     raw[..., 0:4] = (rng.uniform(1e-4, 1e-2, (rows, supers, 2)).astype(np.float16)).view(np.uint8)  # d, dmin
     blocks = GGUFBlocks("blk.0.attn_q.weight", gguf.GGMLQuantizationType.Q4_K, raw.reshape(rows, -1), {})
+    want = dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K)
+    exact = blocks.exact_parts("q4k", group_size=32)
+    np.testing.assert_array_equal(SCHEMES["q4k"].dequantize(exact, group_size=32), want)
+    assert ("blk.0.attn_q.weight", "Q4_K kept exactly (q4k in groups of 32)") in blocks.record
     parts = blocks.exact_parts("q4a", group_size=32)
     got = SCHEMES["q4a"].dequantize(parts, group_size=32)
-    want = dequantize(raw.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K)
     table = parts["scale"].astype(np.float32)
     bound = np.repeat((15 * np.abs(table[0::2]) + np.abs(table[1::2])).T, 32, axis=1) * 2.0 ** -10
     assert np.all(np.abs(got - want) <= bound)

@@ -100,9 +100,9 @@ def test_pipeline_takes_the_targets_activation_block_and_can_be_told_otherwise(m
         run_pipeline(graph, "cuda", options=CompileOptions(quant="q8", int8_activations=True))
 
 
-@pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98)])
+@pytest.mark.parametrize("quant, cosine", [("q8", 0.999), ("q4", 0.98), ("q4k", 0.98)])
 def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_model, compiled_family, quant, cosine):
-    """The default CPU compile of a q8/q4 model: its manifest and `kiln inspect` name the activation
+    """The default CPU compile of a q8/q4/q4k model: its manifest and `kiln inspect` name the activation
     block and its linears are the int8 GEMM (the decode entry's the int8 GEMV), or on AVX-512 VNNI
     the VNNI kernel in every entry; its last-token logits stay as close to transformers'
     (float32) as tests/test_quant.py holds float activations to; and 6 greedy requests batched give
@@ -128,7 +128,7 @@ def test_compiled_model_runs_int8_kernels_says_so_and_keeps_its_accuracy(make_mo
     assert manifest["quantization"]["activation_block"] == 32
     assert "activations int8 in blocks of 32" in summary(artifact)
     linears = [k for k in manifest["kernels"] if k.startswith(("int8_gem", "vnni", "gemm", "linear"))]
-    formats = (quant, "q8") if quant == "q4" else (quant,)             # a 4-bit model's LM head is q8
+    formats = (quant, "q8") if quant in ("q4", "q4k") else (quant,)    # a 4-bit model's LM head is q8
     if CPUTarget().int8_dot == "vnni":                                # one kernel for every step
         assert linears and all(k.startswith(tuple(f"vnni_{f}" for f in formats)) for k in linears)
         assert any(k.startswith(f"vnni_{quant}") for k in linears)

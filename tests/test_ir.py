@@ -183,6 +183,27 @@ def _q4_weight(packed, scale, group):   # written out nibble by nibble, independ
     return w
 
 
+def _q4k_weight(packed, table):  # per 256 inputs 20 rows: group g's 6-bit scale 2g, depth 2g + 1; d, -dmin bytes
+    n, half = packed.shape
+    w = np.zeros((n, 2 * half))
+    for j in range(n):
+        for k in range(2 * half):
+            nibble = (int(packed[j, k // 2]) >> (4 * (k % 2))) & 15
+            rows = table[20 * (k // 256):20 * (k // 256) + 20, j]
+            d, negative_dmin = (float(np.frombuffer(bytes(rows[r:r + 2]), np.float16)[0]) for r in (16, 18))
+            group = k % 256 // 32
+            w[j, k] = nibble * d * int(rows[2 * group]) + negative_dmin * int(rows[2 * group + 1])
+    return w
+
+
+def _q4k_inputs(rng):
+    table = rng.integers(0, 64, (40, 5)).astype(np.uint8)            # 6-bit numbers, then float16 factors' bytes
+    for rows in (slice(16, 20), slice(36, 40)):
+        table[rows] = (rng.standard_normal((5, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(5, 4).T
+    return {"in0": rng.standard_normal((3, 512)).astype(np.float32),
+            "in1": rng.integers(0, 256, (5, 256)).astype(np.uint8), "in2": table}
+
+
 def _q4a_weight(packed, table, group):  # likewise: group g's scale in row 2g of the table, its minimum in 2g + 1
     n, half = packed.shape
     w = np.zeros((n, 2 * half))
@@ -244,6 +265,9 @@ EXAMPLES = {
     "linear/q4a": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 4), "uint8"), ((4, 5), "float16")],
                                      {"format": "q4a", "group_size": 4}),
                    lambda a: a["in0"] @ _q4a_weight(a["in1"], a["in2"], 4).T),
+    "linear/q4k": (lambda: _one_node("linear", [((3, 512), "float32"), ((5, 256), "uint8"), ((40, 5), "uint8")],
+                                     {"format": "q4k", "group_size": 32}),
+                   lambda a: a["in0"] @ _q4k_weight(a["in1"], a["in2"]).T, _q4k_inputs),
     "slice": (lambda: _one_node("slice", [((3, 10), "float32")], {"begin": 2, "end": 7}),
               lambda a: a["in0"][:, 2:7]),
     "swiglu": (lambda: _one_node("swiglu", [((3, 8), "float32")]),
@@ -293,7 +317,7 @@ def test_every_op_has_a_reference_example():
     has an example here or in tests/op_examples.py."""
     from kiln.ir.quant import SCHEMES
     missing = sorted(set(OPS) - {key.split("/")[0] for key in EXAMPLES})
-    linear_only = {"q8g", "q4a"}          # an embedding table or experts of a q8g (q4a) model are q8 (q4)
+    linear_only = {"q8g", "q4a", "q4k"}   # an embedding table or experts of a q8g (q4a, q4k) model are q8 (q4)
     missing += sorted(f"{op}/{fmt}" for op in ("linear", "embed", "moe_experts") for fmt in SCHEMES
                       if f"{op}/{fmt}" not in EXAMPLES and (op == "linear" or fmt not in linear_only))
     assert not missing, f"ops without an interpreter example in tests/test_ir.py: {missing}"

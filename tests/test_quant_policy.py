@@ -41,14 +41,14 @@ def test_q4_fits_scales_at_least_as_well_as_llama_cpps_q4_0():
 
 
 def test_importance_moves_the_error_onto_inputs_that_matter_less():
-    """Weighing some inputs 100 times more lowers q4's and q4a's error on those inputs (against the
+    """Weighing some inputs 100 times more lowers q4's, q4a's and q4k's error on those inputs (against the
     same scheme unweighted) and lowers the weighted error overall."""
     rng = np.random.default_rng(1)
     w = _trained_like(rng, 64, 256)
     importance = np.ones(256, np.float32)
     loud = rng.choice(256, 32, replace=False)
     importance[loud] = 100
-    for name in ("q4", "q4a"):
+    for name in ("q4", "q4a", "q4k"):
         scheme = SCHEMES[name]
         plain = scheme.dequantize(scheme.quantize(w, group_size=32), group_size=32)
         weighted = scheme.dequantize(scheme.quantize(w, group_size=32, importance=importance), group_size=32)
@@ -69,6 +69,30 @@ def test_weighted_q4a_is_no_worse_than_llama_cpps_q4_1_on_any_group():
     ours = SCHEMES["q4a"].dequantize(SCHEMES["q4a"].quantize(w, group_size=32, importance=importance), group_size=32)
     mine, theirs = (_weighted_group_error(w, a, importance) for a in (ours, q4_1))
     assert np.all(mine <= theirs * 1.01 + 1e-12) and mine.sum() < theirs.sum()
+
+
+def test_q4k_fits_better_than_the_min_max_rule_and_is_gguf_q4_k():
+    """q4k's parts are a Q4_K file's numbers (gguf-py's dequantiser of the same numbers written as Q4_K
+    blocks gives kiln's dequantised weight exactly), and its fitted sub-block scales beat each sub-block's
+    plain min/max range (tests/gguf_files.py q4_k_blocks, as the GGUF spec stores it): less squared error
+    in all, and no super-block more than a hair worse."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+    from gguf_files import q4_k_blocks, q4_k_bytes
+    rng = np.random.default_rng(2)
+    w = _trained_like(rng, 48, 512)
+    parts = SCHEMES["q4k"].quantize(w, group_size=32)
+    ours = SCHEMES["q4k"].dequantize(parts, group_size=32)
+    rows = parts["scale"].T.reshape(48, 2, 20)       # per super-block: (scale, depth) × 8, d's bytes, -dmin's
+    levels = np.stack([parts["q"] & 15, parts["q"] >> 4], axis=-1).reshape(48, -1)
+    factors = np.ascontiguousarray(rows[..., 16:]).view(np.float16)
+    blocks = q4_k_bytes(factors[..., 0], -factors[..., 1], rows[..., 0:16:2], rows[..., 1:16:2], levels)
+    np.testing.assert_array_equal(dequantize(blocks, gguf.GGMLQuantizationType.Q4_K), ours)
+    theirs = dequantize(q4_k_blocks(w), gguf.GGMLQuantizationType.Q4_K)
+    mine, plain = ((((a - w) ** 2).reshape(48, 2, 256)).sum(-1) for a in (ours, theirs))
+    assert mine.sum() < 0.92 * plain.sum() and np.all(mine <= 1.05 * plain)
+    with pytest.raises(ValueError, match="super-blocks of 256"):
+        SCHEMES["q4k"].quantize(w[:, :288], group_size=32)
 
 
 def test_more_bits_layers_are_llama_cpps_q4_k_m_choice():
@@ -138,6 +162,23 @@ def test_q4_policy_keeps_head_table_and_q4_k_m_layers_at_8_bits(deep_model):
     assert formats == {"q4"}
     assert all(fmt == "none" for name, (fmt, _) in weights.items() if "o_proj" in name)
     assert "model.embed_tokens.weight" not in {n for n, (f, _) in weights.items() if f != "none"}
+
+
+def test_q4k_takes_q4a_where_its_super_blocks_do_not_divide(deep_model):
+    """--quant q4k on a 192-wide model: the linears reading 192 inputs (q, k, v, gate, up) are q4a, as
+    llama.cpp gives a Q4_K tensor of such a width another type; o (8 heads of 32: 256 inputs) and down
+    (512) q4k; the head, the table and the more-bits layers' v and down q8, as under q4."""
+    from kiln.passes.tensor_classes import more_bits_layers
+    _, weights = _planned(deep_model, quant="q4k")
+    more = more_bits_layers(8)
+    for name, (fmt, node) in weights.items():
+        if not name.startswith("model.layers."):
+            assert fmt == "q8", (name, fmt)
+            continue
+        layer = int(name.split(".")[2])
+        want = ("q8" if layer in more and ("qkv_proj" in name or "down_proj" in name)
+                else "q4k" if "down_proj" in name or "o_proj" in name else "q4a")
+        assert fmt == want, (name, fmt)
 
 
 def test_fused_weight_takes_its_finest_part(deep_model):

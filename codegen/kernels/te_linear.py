@@ -7,7 +7,7 @@ from tvm import relax, te, tirx
 
 from kiln.selection.formats import WeightFormat
 
-from .weight_format import epilogue, epilogue_scale, weight_level, weight_value
+from .weight_format import epilogue, epilogue_scale, group_minimum, group_scale, weight_level, weight_value
 
 
 def nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged: bool = False):
@@ -30,7 +30,7 @@ def nt_matmul(x, w, scale, bias, residual, out_dtype, fmt: WeightFormat, staged:
 def int8_activation_matmul(x, w, scale, fmt: WeightFormat):
     """The int8-activation scheme (ir/ops.py: linear of format q8/q4 with act_block) as TE stages, for weights
     the packed kernels do not take: x's block peaks, its int8 levels, per-block integer dots, and
-    their sum over blocks, each times x's block scale (and the weight group's), plus for q4a Σ x's
+    their sum over blocks, each times x's block scale (and the weight group's), plus for q4a and q4k Σ x's
     levels times x's block scale and the group's minimum."""
     rows, width, block = x.shape[0], x.shape[1], fmt.act_block
     blocks = width // block
@@ -49,13 +49,13 @@ def int8_activation_matmul(x, w, scale, fmt: WeightFormat):
         x_scale = amax[i, b] / tirx.const(127, "float32")
         if not fmt.grouped:
             return x_scale
-        return x_scale * scale[fmt.scale_row(b * block // fmt.group_size), n].astype("float32")
+        return x_scale * group_scale(fmt, lambda table_row: scale[table_row, n], b * block // fmt.group_size)
 
     def block_term(i, n, b):
         term = dots[i, n, b].astype("float32") * block_scale(i, n, b)
         if not fmt.has_minimums:
             return term
-        minimum = scale[fmt.minimum_row(b * block // fmt.group_size), n].astype("float32")
+        minimum = group_minimum(fmt, lambda table_row: scale[table_row, n], b * block // fmt.group_size)
         return term + sums[i, b].astype("float32") * (amax[i, b] / tirx.const(127, "float32") * minimum)
     if fmt.has_minimums:
         ks = te.reduce_axis((0, block), "ks")

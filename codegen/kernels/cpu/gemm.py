@@ -43,10 +43,10 @@ def packed_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     k_block = next(b for b in (K_BLOCK, 64, 32, 16, 8, 4, 2, 1) if n_in % b == 0)
     panels, slices = n_out // nb, nb // width
     stored_in = n_in // 2 if fmt.nibbles else n_in
-    scale_shape = ((n_in // fmt.group_size * fmt.scale_rows, n_out) if fmt.grouped
+    scale_shape = ((fmt.table_rows(n_in), n_out) if fmt.grouped
                    else (n_out,) if fmt.kind in ("q8", "fp8") else None)
     scaled_format = scale_shape is not None
-    scale_dtype = "float16" if fmt.grouped else "float32"
+    scale_dtype = fmt.table_dtype
 
     def weight(w, scale, jo, k, c):                 # evaluated while parsing: the decoded W[j, k]
         if scale is None and scaled_format:       # a signature this format never uses

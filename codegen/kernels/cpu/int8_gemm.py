@@ -24,6 +24,7 @@ from tvm.script import tirx as T
 
 from kiln.selection.formats import WeightFormat
 
+from ..weight_format import group_minimum, group_scale
 from .gemm import panel_and_tile, signature, tile_output
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 128, 6
@@ -124,7 +125,7 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     per_slice = min(2, vectors)            # vectors of columns per micro-kernel step
     slices, pairs = vectors // per_slice, k_block // 2
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
-    scale_shape = (n_in // fmt.group_size * fmt.scale_rows, n_out) if grouped else (n_out,)
+    scale_shape = (fmt.table_rows(n_in), n_out) if grouped else (n_out,)
     minimums = fmt.has_minimums
 
     quantize = x_quantizer(n_in, block, "int16")
@@ -151,12 +152,13 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         if not grouped or scale is None:   # q8's weight scale is per output: applied in the epilogue
             return x_scale                 # (and an unscaled signature is parsed, never used)
         columns = T.ramp(T.Cast("int32", col), 1, LANES)       # col is int64 where m is
-        return x_scale * T.Cast("float32x8", scale[fmt.scale_row(kb * block // fmt.group_size), columns])
+        group = kb * block // fmt.group_size
+        return x_scale * group_scale(fmt, lambda table_row: scale[table_row, columns], group, LANES)
 
     def minimum_term(sx, x_sums, scale, row, kb, col):    # evaluated while parsing: q4a's Σx · sx · minimum
         columns = T.ramp(T.Cast("int32", col), 1, LANES)
-        return T.broadcast(T.Cast("float32", x_sums[row, kb]), LANES) * (T.broadcast(sx[row, kb], LANES) * T.Cast(
-            "float32x8", scale[fmt.minimum_row(kb * block // fmt.group_size), columns]))
+        minimum = group_minimum(fmt, lambda table_row: scale[table_row, columns], kb * block // fmt.group_size, LANES)
+        return T.broadcast(T.Cast("float32", x_sums[row, kb]), LANES) * (T.broadcast(sx[row, kb], LANES) * minimum)
 
     @T.macro
     def micro(xq, sx, x_sums, wi, acc, dots, scale, jo, row0, r0, kbo, s, count):
@@ -228,4 +230,4 @@ def int8_gemm_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
             tiles(xq, sx, sx, w, scale, bias, residual, y, m)
 
     return signature(gemm, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
-                     "float16" if grouped else "float32", has_bias, has_residual)
+                     fmt.table_dtype, has_bias, has_residual)

@@ -26,6 +26,7 @@ from tvm.script import tirx as T
 from kiln.selection.formats import WeightFormat
 from kiln.selection.shapes import INT8_GEMV_GROUP, int8_gemv_takes
 
+from ..weight_format import group_minimum, group_scale
 from .gemm import signature, tile_output
 from .int8_gemm import LANES, PAIR_DOT, x_block_sums, x_quantizer
 
@@ -52,7 +53,7 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
     panels, blocks, groups = n_out // nb, n_in // block, nb // GROUP
     run = next(r for r in (Q4_INT16_RUN, 8, 4) if block % r == 0) if q4 else 2
     w_shape = (panels, n_in // 2, nb if q4 else 2 * nb)    # q4: a byte holds a pair; q8: layout packedNBx2
-    scale_shape = (n_in // fmt.group_size * fmt.scale_rows, n_out) if grouped else (n_out,)
+    scale_shape = (fmt.table_rows(n_in), n_out) if grouped else (n_out,)
     minimums = fmt.has_minimums
     quantize = x_quantizer(n_in, block, "int8", _quad_position) if q4 else x_quantizer(n_in, block, "int16")
     sum_blocks = x_block_sums(n_in, block, needed=q4)     # q8's levels are signed: no offset
@@ -93,11 +94,12 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
         x_scale = T.broadcast(sx[r, b], LANES)
         if not grouped or scale is None:
             return x_scale
-        return x_scale * T.Cast("float32x8", scale[fmt.scale_row(b * block // fmt.group_size), T.ramp(col, 1, LANES)])
+        columns, group = T.ramp(col, 1, LANES), b * block // fmt.group_size
+        return x_scale * group_scale(fmt, lambda table_row: scale[table_row, columns], group, LANES)
 
     def minimum_term(sx, x_sums, scale, r, b, col):     # evaluated while parsing: q4a's Σx · sx · minimum
-        return T.broadcast(T.Cast("float32", x_sums[r, b]), LANES) * (T.broadcast(sx[r, b], LANES) * T.Cast(
-            "float32x8", scale[fmt.minimum_row(b * block // fmt.group_size), T.ramp(col, 1, LANES)]))
+        return T.broadcast(T.Cast("float32", x_sums[r, b]), LANES) * (T.broadcast(sx[r, b], LANES) * group_minimum(
+            fmt, lambda table_row: scale[table_row, T.ramp(col, 1, LANES)], b * block // fmt.group_size, LANES))
 
     @T.macro
     def prefetch(w, scale, jo, b):
@@ -174,4 +176,4 @@ def int8_gemv_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightForm
                         y[r, jo * nb + c] = tile_output(acc, fmt, dtype, scale, bias, residual, r, jo * nb, 0, c)
 
     return signature(gemv, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
-                     "float16" if grouped else "float32", has_bias, has_residual)
+                     fmt.table_dtype, has_bias, has_residual)

@@ -21,7 +21,7 @@ def packed_linear_kernel(m: tirx.Var, n_out: int, n_in: int, nb: int, dtype: str
     stored_in = n_in // 2 if fmt.nibbles else n_in
     x = te.placeholder((m, n_in), dtype, name="x")
     wp = te.placeholder((n_out // nb, stored_in, nb), weight_dtype or dtype, name="w")
-    scale = (te.placeholder((n_in // fmt.group_size * fmt.scale_rows, n_out), "float16", name="scale") if fmt.grouped
+    scale = (te.placeholder((fmt.table_rows(n_in), n_out), fmt.table_dtype, name="scale") if fmt.grouped
              else te.placeholder((n_out,), "float32", name="scale") if fmt.kind in ("q8", "fp8") else None)
     bias = te.placeholder((n_out,), dtype, name="bias") if has_bias else None
     residual = te.placeholder((m, n_out), dtype, name="residual") if has_residual else None

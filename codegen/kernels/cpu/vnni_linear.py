@@ -40,6 +40,7 @@ from tvm.script import tirx as T
 from kiln.selection.formats import WeightFormat
 from kiln.selection.shapes import QUAD, VNNI_LANES, vnni_takes
 
+from ..weight_format import group_minimum, group_scale
 from .gemm import panel_and_tile, signature, tile_output
 from .int8_gemm import x_block_sums, x_quantizer
 
@@ -67,7 +68,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
     blocks, panels, vectors = n_in // block, n_out // nb, nb // LANES
     micro_vectors, single_vectors = min(MICRO_VECTORS, vectors), min(SINGLE_VECTORS, vectors)   # vectors: 1, 2, 4
     w_shape = (panels, n_in // (QUAD * parts), QUAD * nb)
-    scale_shape = (panels, n_in // fmt.group_size * fmt.scale_rows, nb) if grouped else (n_out,)   # layout panelsNB
+    scale_shape = (panels, fmt.table_rows(n_in), nb) if grouped else (n_out,)   # layout panelsNB
     quantize = x_quantizer(n_in, block, "int8", scale_shift=(lambda b: 4 * (b % parts)) if q4 else None)
     minimums = fmt.has_minimums
     # each block's dots start from -offset · Σx; q4a's from 0, its Σx kept for the minimums' term
@@ -103,13 +104,15 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
         if not grouped or scale is None:   # q8's weight scale is per output: applied in the epilogue
             return x_scale
         columns = T.ramp(vector * LANES, 1, LANES)
-        return x_scale * T.Cast("float32x16", scale[jo, fmt.scale_row(b * block // fmt.group_size), columns])
+        group = b * block // fmt.group_size
+        return x_scale * group_scale(fmt, lambda table_row: scale[jo, table_row, columns], group, LANES)
 
     def minimum_term(sx, x_sums, scale, row, b, jo, vector):   # evaluated while parsing: q4a's Σx · sx · minimum
         true_scale = sx[row, b] * T.Cast("float32", 1 + 15 * (b % parts))     # x's scale as the scheme has it
         columns = T.ramp(vector * LANES, 1, LANES)
-        return T.broadcast(T.Cast("float32", x_sums[row, b]), LANES) * (T.broadcast(true_scale, LANES) * T.Cast(
-            "float32x16", scale[jo, fmt.minimum_row(b * block // fmt.group_size), columns]))
+        group = b * block // fmt.group_size
+        minimum = group_minimum(fmt, lambda table_row: scale[jo, table_row, columns], group, LANES)
+        return T.broadcast(T.Cast("float32", x_sums[row, b]), LANES) * (T.broadcast(true_scale, LANES) * minimum)
 
     @T.macro
     def micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, r0, kbo, s, count, width):
@@ -182,4 +185,4 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                                                                     io * ROWS, jo * nb, r, c)
 
     return signature(vnni, n_in, n_out, w_shape, dtype, "uint8" if q4 else "int8", scale_shape,
-                     "float16" if grouped else "float32", has_bias, has_residual)
+                     fmt.table_dtype, has_bias, has_residual)
