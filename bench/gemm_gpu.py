@@ -31,6 +31,7 @@ SHAPES = {"llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 143
 TEST_SHAPES = [(256, 512), (512, 256)]          # small shapes every candidate tile divides
 TEST_ROWS = (1, 7, 16, 17, 64, 100, 1000)
 QUANTISED = (("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128))     # weight formats the tests check
+MINIMUM_FORMATS = (("q4a", 32), ("q4k", 32))     # with group minimums: linears only (experts are q4)
 # the Hopper GEMM's test shapes besides TEST_SHAPES: outputs not a whole number of 128-wide tiles,
 # inputs not of 64-wide ones (TMA fills the edges)
 HOPPER_TEST_SHAPES = [(520, 264), (136, 1032)]
@@ -61,7 +62,7 @@ def kernel_specs(tests_only: bool) -> list[dict]:
             for bias, residual in ((False, False), (True, True)):
                 for tile in CANDIDATES:
                     add(n, k, dtype, bias, residual, tile.name, [(0, tile)])
-            for weight, group in QUANTISED:
+            for weight, group in QUANTISED + MINIMUM_FORMATS:
                 for tile in (CANDIDATES[0], narrow, CANDIDATES[-4]):
                     add(n, k, dtype, True, True, tile.name, [(0, tile)], weight, group)
             # a gated MLP's gate/up (weights stored 'gated'), its activation in the epilogue

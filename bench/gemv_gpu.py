@@ -26,7 +26,7 @@ FORMATS = (("float", 0), ("q4", 32))                  # what the bench times: bf
 # 96 outputs: one row a block; 1056 inputs: 132 bf16 chunks (33 q4 ones) a row over 64 threads, a
 # split that does not divide
 TEST_SHAPES = [(256, 512), (96, 1056)]
-TEST_FORMATS = (("float", 0), ("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128))
+TEST_FORMATS = (("float", 0), ("q8", 0), ("fp8", 0), ("q4", 32), ("q4", 128), ("q4a", 32), ("q4k", 32))
 TEST_ROWS = (1, 3, 4, 5, 8, 9, 15)
 
 
@@ -41,7 +41,7 @@ def _spec(n, k, dtype, weight, group, bias, residual, label, configs, activation
 def kernel_specs(tests_only: bool, arch: str = "sm_90") -> list[dict]:
     from kiln.codegen.kernels.gpu.gemv_source import GemvConfig
     from kiln.codegen.kernels.gpu.gemv_tuning import CANDIDATE_ROWS, CANDIDATE_THREADS, default_configs
-    from kiln.selection.shapes import gemv_takes
+    from kiln.selection.shapes import gemv_takes, stored_dtype
     specs = []
     shapes = [] if tests_only else [s for group in SHAPES.values() for s in group]
     for n, k in shapes:
@@ -57,8 +57,7 @@ def kernel_specs(tests_only: bool, arch: str = "sm_90") -> list[dict]:
     for n, k in TEST_SHAPES:
         for dtype in ("bfloat16", "float16"):
             for weight, group in TEST_FORMATS:
-                if not gemv_takes(dtype, "int8" if weight == "q8" else "float8_e4m3fn" if weight == "fp8" else
-                                "uint8" if weight == "q4" else dtype, n, k, weight, group):
+                if not gemv_takes(dtype, stored_dtype(weight, dtype), n, k, weight, group):
                     continue
                 for bias in (False, True):
                     specs.append(_spec(n, k, dtype, weight, group, bias, bias, "default",

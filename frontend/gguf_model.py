@@ -27,8 +27,8 @@ from .gguf_tokenizer import write_gguf_tokenizer
 
 # The kiln format a compile without --quant gives each file type (general.file_type's dominant linear
 # type): the same numbers where kiln stores them, else the nearest format that keeps llama.cpp's quality
-# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32), q4a and q4k (int4 with group minimums) have
-# CPU kernels only: GPU targets get q8.
+# (bench/gguf_peers.py measures it). q8g (int8 in groups of 32) has CPU kernels only; q4a and q4k (int4 with
+# group minimums) have CUDA kernels too, not yet measured on a GPU: until they are, GPU targets get q8.
 FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32), "Q8_0": ("q8g", 32),
                      "Q4_1": ("q4a", 32), "Q4_K": ("q4k", 32)}
 REQUANTIZED_FORMAT = ("q8g", 32)

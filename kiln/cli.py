@@ -119,9 +119,9 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
               help="f32/f16/bf16: that dtype, unquantised; default: the model's own (a GGUF file's, else "
                    "unquantised); q8: int8 weights with per-channel scales; q4: int4 weights in groups with "
                    "float16 scales; q8g: int8 in groups (cpu); q4a: int4 in groups with a float16 scale and "
-                   "minimum each (cpu); q4k: int4 in super-blocks of 256 with 6-bit scales and minimums per group "
-                   "of 32, GGUF's Q4_K (cpu; where 256 does not divide a weight's inputs, q4a); fp8: float8 e4m3 "
-                   "weights with per-channel scales (cuda sm_89+, and cpu in software).")
+                   "minimum each (cpu, cuda); q4k: int4 in super-blocks of 256 with 6-bit scales and minimums per "
+                   "group of 32, GGUF's Q4_K (cpu, cuda; where 256 does not divide a weight's inputs, q4a); "
+                   "fp8: float8 e4m3 weights with per-channel scales (cuda sm_89+, and cpu in software).")
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
               help="q4: input channels per scale.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,

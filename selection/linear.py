@@ -1,9 +1,9 @@
 """Linear kernels (x @ W.T + b [+ residual]): what each takes (its record's `supports`), the layout a
 linear's weight is stored in, and the site a record is asked about.
 
-GPUs: on CUDA sm_80+, bf16 and fp16 linears run kiln's tensor-core GEMM (mma; q8, fp8 and q4 weights
-converted in its main loop) in every step but small decode steps, which run kiln's streaming GEMV
-(gemv); on sm_90, steps of more than HOPPER_FROM rows (selection/tiles.py) with bf16/fp16 weights, or
+GPUs: on CUDA sm_80+, bf16 and fp16 linears run kiln's tensor-core GEMM (mma; q8, fp8 and the nibble
+formats q4, q4a and q4k converted in its main loop) in every step but small decode steps, which run kiln's
+streaming GEMV (gemv); on sm_90, steps of more than HOPPER_FROM rows (selection/tiles.py) with bf16/fp16 weights, or
 q4 in groups of 64 or more, run CUTLASS's warp-specialised wgmma + TMA GEMM instead (wgmma: one
 kernel that launches mma's tiles below that; q4 takes a second copy of its scales, times -8, as
 CUTLASS's zeros); what those do not take, a TE matmul that dlight schedules (dlight_gemv in decode steps, a

@@ -4,6 +4,8 @@ codegen's kernels (codegen/kernels/cpu, gpu) import them to refuse what they can
 never disagree."""
 from __future__ import annotations
 
+from kiln.ir.quant import SCHEMES
+
 from .formats import WeightFormat
 
 # -- CUDA -------------------------------------------------------------------------------------------
@@ -12,8 +14,9 @@ HOPPER_ARCHS = ("sm_90", "sm_90a")                              # wgmma and TMA 
 HOPPER_TILE_K = 64                  # every Hopper GEMM tile's inputs (selection/tiles.py HOPPER_CANDIDATES)
 HALF_DTYPES = ("bfloat16", "float16")                           # the activations kiln's CUDA linears take
 # the stored weight each format's kernels read (WeightFormat kinds; "float": the activations' dtype)
-STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8"}
-WEIGHT_BITS = {"float": 16, "q8": 8, "fp8": 8, "q4": 4}          # bits a stored input takes
+STORED = {"q8": "int8", "fp8": "float8_e4m3fn", "q4": "uint8", "q4a": "uint8", "q4k": "uint8"}
+WEIGHT_BITS = {"float": 16, "q8": 8, "fp8": 8, "q4": 4, "q4a": 4, "q4k": 4}      # bits a stored input takes
+NIBBLE_FORMATS = ("q4", "q4a", "q4k")                            # nibbles in groups (q4a, q4k: with minimums)
 CHUNK_BYTES = 16                                                # the GEMV's loads: 16 bytes of a weight row
 
 
@@ -22,7 +25,7 @@ def stored_dtype(weight: str, dtype: str) -> str:
 
 
 def inputs_per_chunk(weight: str) -> int:
-    """Inputs one 16-byte load of a stored weight row covers: 8 (float), 16 (q8, fp8), 32 (q4)."""
+    """Inputs one 16-byte load of a stored weight row covers: 8 (float), 16 (q8, fp8), 32 (4-bit)."""
     return CHUNK_BYTES * 8 // WEIGHT_BITS[weight]
 
 
@@ -30,10 +33,10 @@ def mma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_in:
               weight: str = "float", group_size: int = 0) -> bool:
     """Whether the tensor-core kernel (codegen/kernels/gpu/mma_gemm.py) takes this linear in `tiles`
     ((rows, TileConfig) pairs, selection/tiles.py): bf16/fp16 activations on sm_80+ with weights of
-    their dtype, or int8 / e4m3 levels with a scale per output, or q4 nibbles in groups of a multiple
-    of 16 inputs; every output tile whole and the inputs a whole number of input tiles."""
+    their dtype, or int8 / e4m3 levels with a scale per output, or nibbles (q4, q4a, q4k) in groups of a
+    multiple of 16 inputs; every output tile whole and the inputs a whole number of input tiles."""
     return (arch in MMA_ARCHS and dtype in HALF_DTYPES and weight_dtype == stored_dtype(weight, dtype)
-            and (weight != "q4" or group_size % 16 == 0 and n_in % group_size == 0)
+            and _groups_take(weight, group_size, 16, n_in)
             and all(n_out % t.bn == 0 and n_in % t.bk == 0 for _, t in tiles))
 
 
@@ -52,11 +55,15 @@ def wgmma_takes(arch: str | None, dtype: str, weight_dtype: str, n_out: int, n_i
 def gemv_takes(dtype: str, weight_dtype: str, n_out: int, n_in: int, weight: str = "float", group_size: int = 0,
                activation: str | None = None) -> bool:
     """Whether the streaming GEMV (codegen/kernels/gpu/gemv.py) takes this linear: bf16/fp16
-    activations, weights of their dtype or q8, fp8, q4 in groups of a multiple of 32 (a chunk in one
-    group); rows whole 16-byte chunks; a gated one's outputs in pairs."""
+    activations, weights of their dtype or q8, fp8, nibbles (q4, q4a, q4k) in groups of a multiple of 32
+    (a chunk in one group); rows whole 16-byte chunks; a gated one's outputs in pairs."""
     return (dtype in HALF_DTYPES and weight_dtype == stored_dtype(weight, dtype) and n_in % inputs_per_chunk(weight) == 0
-            and (weight != "q4" or group_size % 32 == 0 and n_in % group_size == 0)
-            and (not activation or n_out % 2 == 0))
+            and _groups_take(weight, group_size, 32, n_in) and (not activation or n_out % 2 == 0))
+
+
+def _groups_take(weight: str, group_size: int, multiple: int, n_in: int) -> bool:
+    """A nibble format's groups (and super-blocks) a multiple of `multiple` inputs and whole in n_in."""
+    return weight not in NIBBLE_FORMATS or group_size % multiple == 0 and SCHEMES[weight].holds(n_in, group_size)
 
 
 # -- x86 CPUs ---------------------------------------------------------------------------------------

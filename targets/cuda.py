@@ -64,7 +64,8 @@ class CUDATarget(GPUTarget):
         return {"relax.backend.use_cuda_graph": bool(self.graph_batches)}
 
     def weight_quants(self):
-        return ("q8", "q4", "fp8") if self.arch in FP8_ARCHS else ("q8", "q4")
+        nibbles = ("q4", "q4a", "q4k")       # the mma GEMM and the GEMV read each (codegen/kernels/gpu)
+        return ("q8", *nibbles, "fp8") if self.arch in FP8_ARCHS else ("q8", *nibbles)
 
     def build(self, mod):
         import tvm

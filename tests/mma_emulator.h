@@ -60,6 +60,8 @@ inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
 }
 inline __half __ushort_as_half(unsigned short u) { __half h; std::memcpy(&h, &u, 2); return h; }
 struct uint4 { unsigned x, y, z, w; };
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 using std::min;
 using std::max;
 

@@ -80,7 +80,8 @@ def test_cuda_fp8_artifact_is_built_for_hopper():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")), ("olmo2", ("rms_norm", "rope")),
+@pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")),
+                                            ("olmo2", ("rms_norm", "rope", "mma_q4kg32_", "gemv_q4kg32_")),
                                             ("gemma3", ("kiln_paged_attention_window5",
                                                         "kiln_paged_attention_decode_window5", "gelu_tanh")),
                                             ("qwen2_moe", ("moe_router_softmax_topk", "moe_plan", "moe_gate_up",
@@ -88,7 +89,8 @@ def test_cuda_fp8_artifact_is_built_for_hopper():
                                             ("deepseek_v3", ("tvm_mla_append", "tvm_mla_attention", "head_linear",
                                                              "moe_router_sigmoid_group_top2"))])
 def test_new_families_build_for_cuda(family, kernels):
-    """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA; Gemma 3's sliding layers run
+    """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA (OLMo 2 in q4k: its linears the
+    tensor-core GEMM's and the GEMV's q4k forms); Gemma 3's sliding layers run
     kiln's GPU attention (TVM's mask causally only; its decode steps split the keys over blocks) and
     its global layer TVM's kernels; DeepSeek's
     latent cache takes TVM's MLA append and attention kernels, its experts kiln's own."""

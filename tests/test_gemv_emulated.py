@@ -23,7 +23,9 @@ CASES = [("bfloat16", "float", 0, True, None, (4, 64, 1)), ("float16", "float", 
          ("float16", "fp8", 0, True, None, (1, 64, 1)), ("float16", "q4", 32, True, None, (4, 32, 4)),
          ("bfloat16", "q4", 128, False, None, (2, 64, 1)), ("bfloat16", "q4", 64, False, None, (8, 64, 8)),
          ("bfloat16", "float", 0, False, "silu", (2, 64, 1)), ("float16", "q4", 32, False, "gelu_tanh", (4, 32, 4)),
-         ("bfloat16", "fp8", 0, False, "silu", (8, 64, 8))]
+         ("bfloat16", "fp8", 0, False, "silu", (8, 64, 8)), ("float16", "q4a", 32, True, None, (4, 32, 4)),
+         ("bfloat16", "q4a", 128, False, None, (2, 64, 1)), ("bfloat16", "q4k", 32, True, None, (4, 64, 8)),
+         ("float16", "q4k", 32, False, "silu", (2, 32, 1))]
 ROWS = (1, 3, 9)
 # a GEMV sums in another order than NumPy: float32 differences, then one rounding to the dtype
 TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}

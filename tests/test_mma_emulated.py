@@ -25,13 +25,17 @@ TILES = ("16x64x64w1x4s4", "64x128x32w2x2s4", "128x128x32w2x4s3", "16x32x32w1x2s
 CASES = [("bfloat16", "float", 0, True, t) for t in TILES] + [
     ("float16", "float", 0, False, TILES[1]), ("float16", "q8", 0, True, TILES[0]), ("bfloat16", "q8", 0, False, TILES[2]),
     ("bfloat16", "fp8", 0, True, TILES[1]), ("float16", "fp8", 0, False, TILES[0]),
-    ("float16", "q4", 32, True, TILES[2]), ("bfloat16", "q4", 128, False, TILES[1]), ("float16", "q4", 128, True, TILES[3])]
+    ("float16", "q4", 32, True, TILES[2]), ("bfloat16", "q4", 128, False, TILES[1]),
+    ("float16", "q4", 128, True, TILES[3]),
+    ("float16", "q4a", 32, True, TILES[2]), ("bfloat16", "q4a", 128, False, TILES[0]),
+    ("bfloat16", "q4k", 32, True, TILES[1]), ("float16", "q4k", 32, False, TILES[3])]
 # (dtype, weight format, q4 group, gathered rows (else weighted), tile)
 EXPERT_CASES = [("bfloat16", "float", 0, True, TILES[0]), ("float16", "q8", 0, False, TILES[1]),
                 ("bfloat16", "fp8", 0, True, TILES[2]), ("float16", "q4", 32, False, TILES[0])]
 # a gated MLP's gate/up linear with its activation in the epilogue (weights stored 'gated'):
 # (dtype, weight format, q4 group, activation, tile)
 GATED_CASES = [("bfloat16", "float", 0, "silu", TILES[0]), ("float16", "q4", 32, "gelu_tanh", TILES[2]),
+               ("bfloat16", "q4k", 32, "silu", TILES[2]),
                ("bfloat16", "fp8", 0, "silu", TILES[1])]
 ROWS = (1, 17, 100)
 TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}
@@ -99,9 +103,26 @@ def stored(rng, weight: str, group: int, shape: tuple[int, int]):
         return [values.view(np.uint8), scale], values.astype(np.float32), scale
     nibbles = rng.integers(0, 16, size=(n, k)).astype(np.uint8)
     packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)         # input k in byte k / 2, odd k high
-    scale = (rng.random((k // group, n)) * 0.01 + 1e-3).astype(np.float16)
-    values = (nibbles.astype(np.float32) - 8) * np.repeat(scale.astype(np.float32), group, axis=0).T
-    return [packed, scale], values, None
+    if weight == "q4k":            # 6-bit scales and depths, float16 factors per super-block of 256
+        from kiln.ir.quant import q4k_scale_table
+        d = (rng.random((n, k // 256)) * 3e-4 + 1e-5).astype(np.float16)
+        negative_dmin = (-rng.random((n, k // 256)) * 2e-3).astype(np.float16)
+        sub, depth = (rng.integers(0, 64, (n, k // 256, 8)) for _ in range(2))
+        scale = (d.astype(np.float32)[..., None] * sub).reshape(n, -1)
+        minimum = (negative_dmin.astype(np.float32)[..., None] * depth).reshape(n, -1)
+        table = q4k_scale_table(d, negative_dmin, sub, depth)
+    else:
+        scale = (rng.random((n, k // group)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
+        minimum = (-scale * rng.uniform(6, 9, scale.shape)).astype(np.float16).astype(np.float32)
+        table = np.ascontiguousarray(scale.T.astype(np.float16))
+        if weight == "q4a":        # group g's scale in row 2g, its minimum in 2g + 1
+            table = np.empty((2 * (k // group), n), np.float16)
+            table[0::2], table[1::2] = scale.T, minimum.T
+    levels = nibbles.astype(np.float32) - (8 if weight == "q4" else 0)
+    values = levels * np.repeat(scale, group, axis=1)
+    if weight != "q4":
+        values = values + np.repeat(minimum, group, axis=1)
+    return [packed, table], values, None
 
 
 def expected(x, values, scale, bias, residual, dtype):

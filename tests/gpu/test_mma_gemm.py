@@ -69,7 +69,7 @@ def weights_of(torch, weight: str, group: int, n: int, k: int, dtype, gen):
 
 
 def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
-    """(the kernel's weight tensors, W's float32 values, per-output scale or None) for q8, fp8, q4."""
+    """(the kernel's weight tensors, W's float32 values, per-output scale or None) for q8, fp8, q4, q4a, q4k."""
     if weight == "q8":
         levels = torch.randint(-127, 128, (n, k), device="cuda", generator=gen, dtype=torch.int8)
         scale = torch.rand(n, device="cuda", generator=gen) * 0.01 + 1e-3
@@ -78,12 +78,40 @@ def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
         values = (torch.randn(n, k, device="cuda", generator=gen) * 4).to(torch.float8_e4m3fn)
         scale = torch.rand(n, device="cuda", generator=gen) * 0.01 + 1e-3
         return [values, scale], values.float(), scale
+    if weight in ("q4a", "q4k"):
+        return minimum_weight(torch, weight, group, n, k, gen)
     assert weight == "q4", weight
     nibbles = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.uint8)
     packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)          # input k in byte k / 2, odd k high
     scale = (torch.rand(k // group, n, device="cuda", generator=gen) * 0.01 + 1e-3).half()
     values = (nibbles.float() - 8) * scale.float().repeat_interleave(group, dim=0).T
     return [packed, scale], values, None
+
+
+def minimum_weight(torch, weight: str, group: int, n: int, k: int, gen):
+    """q4a (float16 scale and minimum rows per group) or q4k (6-bit numbers, float16 factors per 256
+    inputs) as ir/quant.py stores them, with W's float32 values."""
+    import numpy as np
+
+    from kiln.ir.quant import q4k_scale_table
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda")))
+    nibbles = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    if weight == "q4k":
+        d = (rng.random((n, k // 256)) * 3e-4 + 1e-5).astype(np.float16)
+        negative_dmin = (-rng.random((n, k // 256)) * 2e-3).astype(np.float16)
+        sub, depth = (rng.integers(0, 64, (n, k // 256, 8)) for _ in range(2))
+        scale = (d.astype(np.float32)[..., None] * sub).reshape(n, -1)
+        minimum = (negative_dmin.astype(np.float32)[..., None] * depth).reshape(n, -1)
+        table = q4k_scale_table(d, negative_dmin, sub, depth)
+    else:
+        scale = (rng.random((n, k // group)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
+        minimum = (-scale * rng.uniform(6, 9, scale.shape)).astype(np.float16).astype(np.float32)
+        table = np.empty((2 * (k // group), n), np.float16)
+        table[0::2], table[1::2] = scale.T, minimum.T
+    values = nibbles * np.repeat(scale, group, axis=1) + np.repeat(minimum, group, axis=1)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    return ([torch.from_numpy(packed).cuda(), torch.from_numpy(table).cuda()],
+            torch.from_numpy(values.astype(np.float32)).cuda(), None)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -2,7 +2,8 @@
 
 y = epilogue(x @ W.T) for x [M, K] (M small: a decode step's sequences) and W [N, K] row-major,
 stored as bf16/fp16, int8 levels or e4m3 codes with a scale per output (q8, fp8), or q4 nibbles
-(inputs k, k + 1 in one byte, the even one low) with fp16 scales [K / G, N] per group of G inputs.
+(inputs k, k + 1 in one byte, the even one low) with fp16 scales [K / G, N] per group of G inputs
+(q4a, q4k: with minimums, their tables as ir/quant.py stores them).
 A decode step reads every weight once, so the kernel is built to stream them:
 - every weight load is 16 bytes (`ld.global.nc.L1::no_allocate`: read once, past L1), and a warp's
   32 loads cover 512 contiguous bytes of one row;
@@ -15,7 +16,8 @@ A decode step reads every weight once, so the kernel is built to stream them:
   bf16 pair 128 + nibble (one mask-and-OR, then a shift or a mask each); a q4 chunk (32 inputs) lies
   in one group, so its scale is read once per chunk and multiplies the chunk's sum, less 136 times
   the activations' sum (float32 keeps that difference to about 2^-17 of the sum, far below the
-  output's rounding);
+  output's rounding); q4a's and q4k's nibbles are the levels (128 times the sum away), and the chunk
+  adds the activations' sum times its group's minimum;
 - the M rows of x go MB at a time (MB 1 for batch 1), so each weight chunk is read once per MB rows.
 The epilogue is codegen/kernels/weight_format.py's: float32 sum (times the q8/fp8 scale), + bias, round, + residual,
 round; with ACT (a gated MLP's gate/up, rows interleaved gate 0, up 0, ...: selection/layouts.py
@@ -65,6 +67,7 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
 GEMV_TEMPLATE = r"""
 using kiln_mma::to_float;
 using kiln_mma::from_float;
+using kiln_mma::group_scale_minimum;
 
 __device__ __forceinline__ uint4 load_cached(const void* p) {
   return *reinterpret_cast<const uint4*>(p);
@@ -93,8 +96,8 @@ template <typename T> __device__ __forceinline__ void activations(float* out, ui
 __device__ __forceinline__ float byte_value(unsigned b) { return __uint_as_float(0x4B000000u | b) - 8388608.f; }
 
 // the 8 weights of inputs k0 + 8 p .. k0 + 8 p + 7 of a stored 16-byte chunk, as floats: the
-// integer level for q8, the value for float and fp8, and for q4 the nibble + 128 (its level + 136:
-// the chunk's sums take 136 times the activations' sum away, gemv below)
+// integer level for q8, the value for float and fp8, and for q4, q4a and q4k the nibble + 128 (q4's
+// level + 136, the others' + 128: the chunk's sums take that many times the activations' sum away, gemv below)
 template <typename T, int WFMT> __device__ __forceinline__ void weights(float* out, uint4 chunk, int p) {
   const unsigned words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
   if constexpr (WFMT == 0) {                    // 2 a word: 4 words a piece, one piece a chunk
@@ -118,7 +121,7 @@ template <typename T, int WFMT> __device__ __forceinline__ void weights(float* o
         out[4 * i + 2 * h + 1] = high<__half>(pair);
       }
     }
-  } else {                                      // q4: 8 a word, one word a piece, as 128 + the nibble
+  } else {                                      // nibbles: 8 a word, one word a piece, as 128 + the nibble
     const unsigned u = words[p];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
@@ -144,7 +147,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
                                      const void* __restrict__ scale_any, const T* __restrict__ bias,
                                      const T* __restrict__ residual, T* __restrict__ y, int M, int N, int K,
                                      float* partial) {
-  constexpr int BITS = WFMT == 0 ? 16 : WFMT == 3 ? 4 : 8;
+  constexpr int BITS = WFMT == 0 ? 16 : WFMT >= 3 ? 4 : 8;
   constexpr int PER_CHUNK = 128 / BITS;          // inputs a 16-byte load covers
   constexpr int PIECES = PER_CHUNK / 8;          // 8-input pieces a chunk
   constexpr int WARPS = THREADS / 32;
@@ -167,7 +170,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
 #pragma unroll
       for (int r = 0; r < R; ++r) chunk[r] = load_stream(w + (size_t)(j0 + r) * row_bytes + (size_t)c * 16);
       const int k0 = c * PER_CHUNK;
-      float group[MB][R], xsum[MB];               // q4: the chunk's sums before its group scale, x's sum
+      float group[MB][R], xsum[MB];               // nibbles: the chunk's sums before its group scale, x's sum
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
         xsum[b] = 0.f;
@@ -184,7 +187,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
           if (MB > 1 && m0 + b >= M) break;
           float xv[8];
           activations<T>(xv, load_cached(x + (size_t)(m0 + b) * K + k0 + 8 * p));
-          if constexpr (WFMT == 3) {
+          if constexpr (WFMT >= 3) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) xsum[b] += xv[e];
           }
@@ -192,7 +195,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
           for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-              if constexpr (WFMT == 3) group[b][r] = fmaf(xv[e], wv[r][e], group[b][r]);
+              if constexpr (WFMT >= 3) group[b][r] = fmaf(xv[e], wv[r][e], group[b][r]);
               else acc[b][r] = fmaf(xv[e], wv[r][e], acc[b][r]);
             }
         }
@@ -204,6 +207,14 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const void* __rest
           const float s = __half2float(scale[r]);
 #pragma unroll
           for (int b = 0; b < MB; ++b) acc[b][r] = fmaf(fmaf(-136.f, xsum[b], group[b][r]), s, acc[b][r]);
+        }
+      } else if constexpr (WFMT >= 4) {           // q4a, q4k: + x's sum times the group's minimum
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float2 p = group_scale_minimum<WFMT>(scale_any, k0 / G, N, j0 + r);
+#pragma unroll
+          for (int b = 0; b < MB; ++b)
+            acc[b][r] = fmaf(xsum[b], p.y, fmaf(fmaf(-128.f, xsum[b], group[b][r]), p.x, acc[b][r]));
         }
       }
     }

@@ -12,7 +12,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-from kiln.selection.shapes import inputs_per_chunk
+from kiln.selection.shapes import NIBBLE_FORMATS, inputs_per_chunk
 
 from .gemv_source import GemvConfig
 
@@ -45,7 +45,7 @@ def default_configs(n_out: int, n_in: int, weight: str, gated: bool, arch: str |
                     group_size: int = 0) -> list[tuple[int, GemvConfig]]:
     """(up to rows, config) for each batch bucket: the table's measured winner where it has the
     shape (bf16 and fp16 read the same bytes), else the shape's heuristic choice."""
-    form = weight + (str(group_size) if weight == "q4" else "")
+    form = weight + (str(group_size) if weight in NIBBLE_FORMATS else "")
     configs = []
     for bound, batch in BATCH_BUCKETS:
         measured = _table().get(f"{arch} {form} {n_out}x{n_in} m{1 if batch == 1 else 8}")

@@ -13,7 +13,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from kiln.selection.shapes import stored_dtype
+from kiln.ir.quant import SCHEMES
+from kiln.selection.shapes import NIBBLE_FORMATS, stored_dtype
 from kiln.selection.tiles import HopperTile, TileConfig
 
 from .hopper_gemm import BIAS, RESIDUAL, HopperGemm
@@ -40,20 +41,22 @@ def _launch(name: str, tile: TileConfig, n_out: int, pointers: list[str], indent
 
 
 def form_suffix(weight: str, group_size: int) -> str:
-    """The weight format's part of a kernel name: '', '_q8', '_fp8', '_q4g32'."""
-    return "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight == "q4" else "")
+    """The weight format's part of a kernel name: '', '_q8', '_fp8', '_q4g32', '_q4kg32'."""
+    return "" if weight == "float" else f"_{weight}" + (f"g{group_size}" if weight in NIBBLE_FORMATS else "")
 
 
 def weight_params(weight: str, dtype: str, n_out: int, n_in: int, group_size: int, experts: int = 0) -> list[str]:
-    """The stored weight's parameter and its scales' (q8/fp8 per output, q4 per group), with a
-    leading experts axis where `experts`."""
+    """The stored weight's parameter and its scales' (q8/fp8 per output; q4, q4a, q4k their group
+    tables, ir/quant.py), with a leading experts axis where `experts`."""
     lead = f"{experts}, " if experts else ""
-    stored_in = n_in // 2 if weight == "q4" else n_in
+    stored_in = n_in // 2 if weight in NIBBLE_FORMATS else n_in
     params = [f"w: T.Buffer(({lead}{n_out}, {stored_in}), \"{stored_dtype(weight, dtype)}\")"]
     if weight in ("q8", "fp8"):
         params.append(f"scale: T.Buffer(({lead}{n_out},), \"float32\")")
-    elif weight == "q4":
-        params.append(f"scale: T.Buffer(({lead}{n_in // group_size}, {n_out}), \"float16\")")
+    elif weight in NIBBLE_FORMATS:
+        scheme = SCHEMES[weight]
+        params.append(f"scale: T.Buffer(({lead}{scheme.table_rows(n_in, group_size)}, {n_out}), "
+                      f"\"{scheme.scale_dtype}\")")
     return params
 
 

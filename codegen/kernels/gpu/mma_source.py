@@ -26,7 +26,7 @@ CHUNK = 16 // ELEMENT_BYTES  # elements per 16-byte cp.async / ldmatrix row
 
 CTYPES = {"bfloat16": ("__nv_bfloat16", "bf16"), "float16": ("__half", "f16")}
 # the template's code for each weight format (selection/formats.py WeightFormat kinds)
-WEIGHT_CODES = {"float": 0, "q8": 1, "fp8": 2, "q4": 3}
+WEIGHT_CODES = {"float": 0, "q8": 1, "fp8": 2, "q4": 3, "q4a": 4, "q4k": 5}
 
 # the PTX the kernel issues: shared-memory addresses, asynchronous copies, ldmatrix, mma.sync
 PTX_PRIMITIVES = r"""
@@ -133,15 +133,34 @@ template <> __device__ __forceinline__ unsigned q8_pair<__half>(unsigned short v
 template <> __device__ __forceinline__ unsigned q8_pair<__nv_bfloat16>(unsigned short v) {
   return pack<__nv_bfloat16>(float(static_cast<signed char>(v & 0xFF)), float(static_cast<signed char>(v >> 8)));
 }
-// q4: the byte of inputs k (low nibble) and k + 1; q8 and fp8: the two bytes of k and k + 1
+// q4, q4a, q4k: the byte of inputs k (low nibble) and k + 1, q4's levels the nibbles less 8, the others'
+// the nibbles; q8 and fp8: the two bytes of k and k + 1
 template <typename T, int WFMT> __device__ __forceinline__ unsigned weight_pair(const unsigned char* p) {
-  if constexpr (WFMT == 3) {
+  if constexpr (WFMT >= 3) {
     unsigned b = p[0];
-    return minus<T>((b & 0xFu) | ((b & 0xF0u) << 12), 8);
+    return minus<T>((b & 0xFu) | ((b & 0xF0u) << 12), WFMT == 3 ? 8 : 0);
   } else if constexpr (WFMT == 1) {
     return q8_pair<T>(*reinterpret_cast<const unsigned short*>(p));
   } else {
     return fp8_pair<T>(*reinterpret_cast<const unsigned short*>(p));
+  }
+}
+
+// group g's scale (x) and minimum (y) at output n of an [rows, N] table (ir/quant.py): q4a's half rows 2g
+// and 2g + 1; q4k's 6-bit scale and depth (bytes in rows 20 (g / 8) + 2 (g % 8) and the next) times
+// its super-block's half factors d and -dmin (their bytes, low first, in rows 20 (g / 8) + 16 .. 19)
+template <int WFMT> __device__ __forceinline__ float2 group_scale_minimum(const void* table, size_t g, int N, int n) {
+  if constexpr (WFMT == 4) {
+    const __half* t = static_cast<const __half*>(table);
+    return make_float2(__half2float(t[2 * g * N + n]), __half2float(t[(2 * g + 1) * N + n]));
+  } else {
+    const unsigned char* t = static_cast<const unsigned char*>(table);
+    const size_t base = g / 8 * 20, row = base + 2 * (g % 8);
+    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(
+        t[(base + 16) * N + n] | (t[(base + 17) * N + n] << 8))));
+    const float negative_dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(
+        t[(base + 18) * N + n] | (t[(base + 19) * N + n] << 8))));
+    return make_float2(d * float(t[row * N + n]), negative_dmin * float(t[(row + 1) * N + n]));
   }
 }
 
@@ -172,7 +191,9 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int row0, int r
 
 // WFMT 0: w is T [N, K]; 1: int8 levels [N, K] and 2: e4m3 [N, K], each times scale[n] (float32) in the
 // epilogue; 3: q4 nibbles [N, K / 2] (input k in byte k / 2, high nibble when k is odd, level = nibble
-// - 8), each group of G inputs summed apart and then times scale[k / G, n] (half).
+// - 8), each group of G inputs summed apart and then times scale[k / G, n] (half); 4 (q4a) and 5 (q4k):
+// nibbles that are the levels, each group's sums times its scale plus x's sum over the group (an mma
+// against ones) times its minimum (group_scale_minimum).
 // EXPERTS (a mixture of experts' grouped GEMM, rows sorted by expert): row r multiplies expert
 // row_expert[r]'s weights ([E, N, K'] and scales [E, ...]); a block whose rows span several experts
 // runs one pass per expert with the other rows zeroed, each pass's sums scaled by its expert's
@@ -192,26 +213,33 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
   constexpr int THREADS = 32 * WM * WN;
   constexpr int MT = BM / WM / 16;             // 16-row fragments per warp
   constexpr int NT = BN / WN / 8;              // 8-column fragments per warp
-  constexpr int W_BITS = WFMT == 0 ? 16 : WFMT == 3 ? 4 : 8;
+  constexpr int W_BITS = WFMT == 0 ? 16 : WFMT >= 3 ? 4 : 8;
+  constexpr bool MINIMUMS = WFMT >= 4;         // q4a, q4k (never an expert's: passes/quantize.py)
+  static_assert(!(EXPERTS && MINIMUMS), "experts are q4, not q4a or q4k");
   constexpr int W_ROW = BK * W_BITS / 8;                      // bytes of a weight row in one tile
   constexpr int W_STRIDE = WFMT == 0 ? W_ROW : W_ROW + 16;    // quantised rows padded against bank conflicts
   T* a_tiles = reinterpret_cast<T*>(shared);
   unsigned char* b_tiles = shared + STAGES * BM * BK * sizeof(T);
   const size_t w_pitch = (size_t)K * W_BITS / 8;
-  // a pass's sums are scaled apart: q4 by group, an expert's q8 / fp8 by expert
-  constexpr bool GROUPED = WFMT == 3 || (EXPERTS && WFMT != 0);
+  // a pass's sums are scaled apart: nibbles by group, an expert's q8 / fp8 by expert
+  constexpr bool GROUPED = WFMT >= 3 || (EXPERTS && WFMT != 0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = (warp / WN) * (BM / WM), warp_col = (warp % WN) * (BN / WN);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int tiles = K / BK;
 
-  float acc[MT][NT][4], group[MT][NT][4];     // group: q4's sums within the current group
+  float acc[MT][NT][4], group[MT][NT][4];     // group: the sums within the current group
+  float x_sum[MT][4];                          // q4a, q4k: each row's sum of x over the current group
+  const unsigned one = pack<T>(1.f, 1.f);
+  const unsigned ones[2] = {one, one};
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int e = 0; e < 4; ++e) {
+      x_sum[i][e] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = group[i][j][e] = 0.f;
+      for (int j = 0; j < NT; ++j) acc[i][j][e] = group[i][j][e] = 0.f;
+    }
 
   int expert = EXPERTS ? row_expert[m0] : 0;
   const int last_row = min(m0 + BM, M) - 1;
@@ -273,6 +301,31 @@ __device__ __forceinline__ void gemm(const T* __restrict__ x, const void* __rest
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) mma<T>(GROUPED ? group[i][j] : acc[i][j], a[i], b[j]);
+      if constexpr (MINIMUMS) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) mma<T>(x_sum[i], a[i], ones);
+        const int k_end = t * BK + (kk + 1) * 16;
+        if (k_end % G == 0) {                  // the group ends: its sums times its scales, x's times its minimums
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const int col = n0 + warp_col + j * 8 + (lane % 4) * 2;
+            const float2 p0 = group_scale_minimum<WFMT>(scale_of, k_end / G - 1, N, col);
+            const float2 p1 = group_scale_minimum<WFMT>(scale_of, k_end / G - 1, N, col + 1);
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const float2 p = e % 2 ? p1 : p0;
+                acc[i][j][e] += group[i][j][e] * p.x + x_sum[i][e] * p.y;
+                group[i][j][e] = 0.f;
+              }
+          }
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x_sum[i][e] = 0.f;
+        }
+      }
       if constexpr (WFMT == 3) {
         const int k_end = t * BK + (kk + 1) * 16;
         if (k_end % G == 0) {                  // the group ends: its sums times its scales
