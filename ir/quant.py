@@ -175,31 +175,48 @@ def _q4a_levels(groups: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.nd
 
 def _q4a_fit(groups: np.ndarray, u: np.ndarray, scale: np.ndarray, low: np.ndarray,
              through_zero: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The (scale, minimum) of least importance-weighted error among the min/max pair and the
-    least-squares fits to the levels of 22 candidate ranges (_q4a_quantize). `through_zero` (q4k,
-    whose minimums are stored as depths below 0): every range reaches down to 0 at least, and a
-    fitted minimum above 0 is taken as 0."""
-    def error(s, m):
-        return (u * (_q4a_levels(groups, s, m) * s[..., None] + m[..., None] - groups) ** 2).sum(-1)
-    best_err, best_scale, best_low = error(scale, low), scale, low
+    """The (scale, minimum) of least importance-weighted error Σ u·(level · scale + minimum - w)² among
+    the min/max pair (`scale`, `low`, with its own levels) and, for 22 candidate ranges, the levels of
+    that range with the weighted least-squares pair for them (llama.cpp's K-quant fit); each error is
+    the candidate's own levels' (from the sums the fit makes), and the pair kept is rounded to float16.
+    `through_zero` (q4k, whose minimums are depths below 0): every range reaches down to 0 at least,
+    and a fitted minimum above 0 is 0, its scale fitted again without one."""
+    su, sx = u.sum(-1).astype(np.float64), np.einsum("...i,...i->...", u, groups).astype(np.float64)
+    sxx = np.einsum("...i,...i->...", u * groups, groups).astype(np.float64)
+
+    def sums(levels):            # Σ u·l, Σ u·l², Σ u·l·w, in float64 beside the others
+        ul = u * levels
+        return (ul.sum(-1).astype(np.float64), np.einsum("...i,...i->...", ul, levels).astype(np.float64),
+                np.einsum("...i,...i->...", ul, groups).astype(np.float64))
+
+    def error(s, m, sl, sll, slx):           # Σ u·(l·s + m - w)², from the sums
+        return s * s * sll + 2 * s * m * sl - 2 * s * slx + m * m * su - 2 * m * sx + sxx
+
+    best_scale, best_low = scale.astype(np.float64), low.astype(np.float64)
+    best_err = error(best_scale, best_low, *sums(_q4a_levels(groups, scale, low)))
     top, bottom = groups.max(-1), groups.min(-1)
     bottom = np.minimum(bottom, 0) if through_zero else bottom
     span = np.where(top > bottom, top - bottom, np.float32(1))
-    su, sx = u.sum(-1), (u * groups).sum(-1)
+    levels = np.empty_like(groups)
     for stretch in (15, *(14 + 0.1 * i for i in range(21))):
-        levels = np.clip(np.rint((groups - bottom[..., None]) * (np.float32(stretch) / span)[..., None]), 0, 15)
-        sl, sll, slx = (u * levels).sum(-1), (u * levels * levels).sum(-1), (u * levels * groups).sum(-1)
+        np.subtract(groups, bottom[..., None], out=levels)
+        np.multiply(levels, (np.float32(stretch) / span)[..., None], out=levels)
+        np.clip(np.rint(levels, out=levels), 0, 15, out=levels)
+        sl, sll, slx = sums(levels)
         det = su * sll - sl * sl
         ok = det > 0
         safe = np.where(ok, det, 1)
-        s = np.where(ok, (su * slx - sl * sx) / safe, scale).astype(np.float16).astype(np.float32)
-        m = np.where(ok, (sll * sx - sl * slx) / safe, low).astype(np.float16).astype(np.float32)
-        m = np.minimum(m, 0) if through_zero else m
-        err = error(s, m)
-        better = err < best_err
+        s = np.where(ok, (su * slx - sl * sx) / safe, scale)
+        m = np.where(ok, (sll * sx - sl * slx) / safe, low)
+        if through_zero:
+            above = m > 0
+            s = np.where(above, slx / np.where(sll > 0, sll, 1), s)
+            m = np.where(above, 0, m)
+        err = error(s, m, sl, sll, slx)
+        better = ok & (err < best_err)
         best_err = np.where(better, err, best_err)
         best_scale, best_low = np.where(better, s, best_scale), np.where(better, m, best_low)
-    return best_scale, best_low
+    return best_scale.astype(np.float16).astype(np.float32), best_low.astype(np.float16).astype(np.float32)
 
 
 def q4a_scale_table(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:

@@ -161,9 +161,10 @@ def test_q4_kernel_gives_the_reference_bytes(group_size, weighted):
 
 
 @pytest.mark.build
-@pytest.mark.parametrize("scheme", ["q4", "q8", "fp8"])
+@pytest.mark.parametrize("scheme", ["q4", "q8", "fp8", "q4a", "q4k"])
 def test_compile_quantizers_in_row_chunks(monkeypatch, scheme):
-    """Tensors larger than one block go through in blocks of rows: the reference's bytes."""
+    """Tensors larger than one block go through in blocks of rows (on every core, for all but q4):
+    the reference's bytes."""
     import kiln.codegen.quantizers as quantizers
     from kiln.ir.quant import SCHEMES
     w = np.random.default_rng(3).standard_normal((37, 256)).astype(np.float32)
