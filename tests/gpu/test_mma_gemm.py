@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from gemm_gpu import TEST_ROWS, default_specs, hopper_specs, kernel_specs, reference  # noqa: E402
 from kernel_builds import kernel_folder  # noqa: E402
@@ -89,29 +90,13 @@ def stored_weight(torch, weight: str, group: int, n: int, k: int, gen):
 
 
 def minimum_weight(torch, weight: str, group: int, n: int, k: int, gen):
-    """q4a (float16 scale and minimum rows per group) or q4k (6-bit numbers, float16 factors per 256
-    inputs) as ir/quant.py stores them, with W's float32 values."""
+    """q4a or q4k as ir/quant.py stores them, with W's float32 values: tests/test_mma_emulated.py's, on
+    the device."""
     import numpy as np
-
-    from kiln.ir.quant import q4k_scale_table
-    rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda")))
-    nibbles = rng.integers(0, 16, (n, k)).astype(np.uint8)
-    if weight == "q4k":
-        d = (rng.random((n, k // 256)) * 3e-4 + 1e-5).astype(np.float16)
-        negative_dmin = (-rng.random((n, k // 256)) * 2e-3).astype(np.float16)
-        sub, depth = (rng.integers(0, 64, (n, k // 256, 8)) for _ in range(2))
-        scale = (d.astype(np.float32)[..., None] * sub).reshape(n, -1)
-        minimum = (negative_dmin.astype(np.float32)[..., None] * depth).reshape(n, -1)
-        table = q4k_scale_table(d, negative_dmin, sub, depth)
-    else:
-        scale = (rng.random((n, k // group)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
-        minimum = (-scale * rng.uniform(6, 9, scale.shape)).astype(np.float16).astype(np.float32)
-        table = np.empty((2 * (k // group), n), np.float16)
-        table[0::2], table[1::2] = scale.T, minimum.T
-    values = nibbles * np.repeat(scale, group, axis=1) + np.repeat(minimum, group, axis=1)
-    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
-    return ([torch.from_numpy(packed).cuda(), torch.from_numpy(table).cuda()],
-            torch.from_numpy(values.astype(np.float32)).cuda(), None)
+    from test_mma_emulated import stored
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen, device="cuda"))
+    (packed, table), values, _ = stored(np.random.default_rng(seed), weight, group, (n, k))
+    return [torch.from_numpy(packed).cuda(), torch.from_numpy(table).cuda()], torch.from_numpy(values).cuda(), None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
