@@ -154,9 +154,10 @@ def _unpack(arr, layout):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("quant", [None, "q8", "q4", "fp8"])
+@pytest.mark.parametrize("quant", [None, "q8", "q4", "fp8", "q4a", "q4k"])
 def test_stored_tensors_are_sane_at_llama_8b_widths(tmp_path, dtype, quant):
-    """Rows of down_proj (14336 inputs) and o_proj (4096), a norm; every code and scale as stored."""
+    """Rows of down_proj (14336 inputs) and o_proj (4096), a norm; every code and scale (or q4a's and
+    q4k's tables) as stored."""
     import ml_dtypes
     from kiln.ir.quant import SCHEMES
     rows, layout = 128, "packed64"
@@ -185,7 +186,7 @@ def test_stored_tensors_are_sane_at_llama_8b_widths(tmp_path, dtype, quant):
             codes = _unpack(get[f"w{k}.{quant}"], layout)
             if quant == "fp8":
                 codes = codes.view(ml_dtypes.float8_e4m3fn)
-            options = {"group_size": 32} if quant == "q4" else {}
+            options = {"group_size": 32} if SCHEMES[quant].grouped else {}
             w = SCHEMES[quant].dequantize({"q": codes, "scale": get[f"w{k}.{quant}_scale"]}, **options)
         assert w.shape == (rows, k) and np.isfinite(w).all()
         assert 0.016 < w.std() < 0.024 and abs(w.mean()) < 1e-3, (k, w.std(), w.mean())

@@ -15,7 +15,9 @@ keeps a real model numerically sane:
 - q8 codes: int8 uniform in [-127, 127]; q4 codes: each nibble a q in [-7, 7] (stored q + 8; a
   drawn -8 becomes 0, so the mean stays 0); fp8 codes: float8 e4m3 in ±[32, 128), never NaN;
 - scales (what ir/quant.py calls a scheme's "scale" part): 0.02 / the codes' RMS, times a factor in
-  [0.75, 1.25] per scale, so that dequantised weights have std about 0.02;
+  [0.75, 1.25] per scale, so that dequantised weights have std about 0.02; q4a's and q4k's tables
+  (levels 0..15 with a minimum per group) are set by row instead, each group's minimum -7.5 of its
+  scale, so that every group is centred whichever chunk draws its rows;
 - rope's inverse frequencies, which compile computes from the config: computed the same way;
 - a tensor stored from the same param as another in a layout that computes it (q4's zeros for the
   Hopper GEMM: its scales times -8): computed from that tensor's draw.
@@ -57,7 +59,8 @@ WEIGHT_STD = 0.02
 SCALE_JITTER = (0.75, 1.25)
 PROGRESS_BYTES = 256 << 20              # weights smaller than this are written without progress reports
 
-Filler = Callable[[np.random.Generator, np.ndarray], None]      # fills one flat chunk of a tensor
+# fills one flat chunk of a tensor, given the flat index of its first element
+Filler = Callable[[np.random.Generator, np.ndarray, int], None]
 
 
 @dataclass(frozen=True)
@@ -107,35 +110,66 @@ def _random_bits(rng: np.random.Generator, nbytes: int) -> np.ndarray:
 
 def bit_pattern(mask: int, base: int) -> Filler:
     """Random bits under `mask`, `base` in the others, in the chunk's own width."""
-    def fill(rng, out):
+    def fill(rng, out, start=0):
         bits = out.view(f"uint{out.itemsize * 8}")
         np.bitwise_and(_random_bits(rng, out.nbytes).view(bits.dtype), mask, out=bits)
         np.bitwise_or(bits, base, out=bits)
     return fill
 
 
-def q8_codes(rng, out) -> None:
+def q8_codes(rng, out, start=0) -> None:
     """int8 uniform in [-127, 127] (a drawn -128 becomes -127)."""
     out[:] = _random_bits(rng, out.nbytes).view(np.int8)
     np.maximum(out, -127, out=out)
 
 
-def q4_codes(rng, out) -> None:
+def q4_codes(rng, out, start=0) -> None:
     """Two nibbles per byte, each q + 8 for q uniform in [-8, 7], a drawn -8 (nibble 0) made 0 (nibble 8)."""
     out[:] = _random_bits(rng, out.nbytes)
     empty = ~(out | (out >> 1) | (out >> 2) | (out >> 3)) & 0x11     # bit 0 of each nibble that is 0
     out |= empty << 3
 
 
+def nibble_codes(rng, out, start=0) -> None:
+    """Two nibbles per byte, each a level uniform in 0..15 (q4a, q4k: a group's minimum centres them)."""
+    out[:] = _random_bits(rng, out.nbytes)
+
+
 def scales(rms: float) -> Filler:
     """WEIGHT_STD / rms, times a factor drawn uniformly in SCALE_JITTER for each scale."""
-    def fill(rng, out):
+    def fill(rng, out, start=0):
         out[:] = (WEIGHT_STD / rms) * rng.uniform(*SCALE_JITTER, size=out.size)
     return fill
 
 
-CODES = {"q8": q8_codes, "q8g": q8_codes, "q4": q4_codes,
+CODES = {"q8": q8_codes, "q8g": q8_codes, "q4": q4_codes, "q4a": nibble_codes, "q4k": nibble_codes,
          "fp8": bit_pattern(*FORMATS["float8_e4m3fn"].two_octaves(FP8_OCTAVE))}
+CENTRED_STEP = WEIGHT_STD / float(np.sqrt(np.mean((np.arange(16) - 7.5) ** 2)))   # q4a's and q4k's group scale
+
+
+def by_row(shape: tuple[int, ...], value_of_row: Callable[[np.ndarray], np.ndarray]) -> Filler:
+    """A scale table whose every entry is a function of its row ([rows, out], or [panels, rows, nb]
+    stored by panel), so that a group's scale and minimum agree wherever the chunks fall."""
+    def fill(rng, out, start=0):
+        flat = start + np.arange(out.size)
+        out[:] = value_of_row(flat // shape[-1] % shape[-2])
+    return fill
+
+
+def _q4a_table(rows: np.ndarray) -> np.ndarray:
+    """Each group's scale CENTRED_STEP and minimum -7.5 of them: levels 0..15 centred on 0."""
+    return np.where(rows % 2 == 0, CENTRED_STEP, -7.5 * CENTRED_STEP)
+
+
+def _q4k_table(rows: np.ndarray) -> np.ndarray:
+    """Every 6-bit scale and depth 48, d = CENTRED_STEP / 48 and dmin 7.5 times it (ir/quant.py's rows)."""
+    from kiln.ir.quant import Q4K_GROUPS, Q4K_ROWS
+    factors = np.array([CENTRED_STEP / 48, -7.5 * CENTRED_STEP / 48], np.float16).view(np.uint8)
+    within = rows % Q4K_ROWS
+    return np.where(within < 2 * Q4K_GROUPS, 48, factors[np.clip(within - 2 * Q4K_GROUPS, 0, 3)])
+
+
+TABLES = {"q4a": _q4a_table, "q4k": _q4k_table}       # grouped tables filled by row rather than drawn
 
 
 def filler_for(weight: StoredWeight) -> Filler:
@@ -149,6 +183,8 @@ def filler_for(weight: StoredWeight) -> Filler:
         if dtype != expected or scheme.name not in CODES:
             raise KilnError(f"fill-weights cannot draw {weight.name}: {dtype}, scheme {scheme.name} "
                             f"(it knows {', '.join(CODES)} with codes and scales as ir/quant.py stores them)")
+        if is_scale and scheme.name in TABLES:
+            return by_row(shape, TABLES[scheme.name])
         return scales(CODE_RMS[scheme.name]) if is_scale else CODES[scheme.name]
     if dtype not in FORMATS or dtype.startswith("float8"):
         raise KilnError(f"fill-weights cannot draw {weight.name}: a {dtype} tensor that is no quantised part")
@@ -176,7 +212,9 @@ def _storage_dtype(dtype: str) -> str:
 
 
 def _fill_chunk(fill: Filler, seed: int, tensor: int, chunk: int, out: np.ndarray) -> None:
-    fill(np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed, spawn_key=(tensor, chunk)))), out)
+    start = chunk * max(1, CHUNK_BYTES // out.itemsize)              # _chunks' step
+    fill(np.random.Generator(np.random.PCG64DXSM(np.random.SeedSequence(seed, spawn_key=(tensor, chunk)))), out,
+         start)
 
 
 def _chunks(flat: np.ndarray):
