@@ -66,6 +66,7 @@ from pathlib import Path
 MODES = {"float16": ["--dtype", "float16"], "bfloat16": ["--dtype", "bfloat16"],
          "q8": ["--dtype", "float16", "--quant", "q8"], "q4": ["--dtype", "float16", "--quant", "q4"],
          "q4g128": ["--dtype", "float16", "--quant", "q4", "--group-size", "128"],   # sm_90: the Hopper GEMM's q4
+         "q4k": ["--dtype", "float16", "--quant", "q4k"],          # GGUF's Q4_K: mma and GEMV with minimums
          "fp8": ["--dtype", "float16", "--quant", "fp8"],
          "bfloat16-kv-int8": ["--dtype", "bfloat16", "--kv-dtype", "int8"],
          "bfloat16-flashinfer": ["--dtype", "bfloat16", "--attention", "flashinfer"]}
