@@ -83,7 +83,8 @@ class CPUTarget(Target):
         return named_cpu_features(self.arch) if self.arch else host_cpu_features()
 
     def weight_quants(self):
-        return ("q8", "q4", "fp8", "q8g", "q4a", "q4k")   # fp8 is decoded in software here: for accuracy checks, not speed
+        # fp8 is decoded in software here: for accuracy checks, not speed
+        return ("q8", "q4", "fp8", "q8g", "q4a", "q4k")
 
     def tvm_target(self) -> tvm.target.Target:
         return named_cpu_target(self.arch) if self.arch else host_cpu_target()
