@@ -244,6 +244,22 @@ def compile8b(args, llama_cpp: Path, work: Path) -> None:
           f"| {artifact:.2f} |")
 
 
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options every llama.cpp-beside-kiln bench here takes: threads, repeats, llama.cpp, workdir."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--llama-cpp", default=None, help="default: build/peers/llama_cpp_python-*/vendor/llama.cpp")
+    ap.add_argument("--workdir", default="build/bench/gguf")
+
+
+def prepared(args) -> tuple[Path, Path]:
+    """(llama.cpp's checkout, built; the work folder, made), TVM's threads set to --threads."""
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    return built_llama_cpp(args.llama_cpp), work
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["quality", "speed", "compile8b"])
@@ -253,17 +269,11 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--preset", default="llama-3.2-1b")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--llama-cpp", default=None, help="default: build/peers/llama_cpp_python-*/vendor/llama.cpp")
-    ap.add_argument("--workdir", default="build/bench/gguf")
+    add_run_args(ap)
     args = ap.parse_args()
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
-    llama_cpp = built_llama_cpp(args.llama_cpp)
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    llama_cpp, work = prepared(args)
     if args.what == "compile8b":
         compile8b(args, llama_cpp, work)
     elif args.what == "quality":

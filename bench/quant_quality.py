@@ -20,16 +20,15 @@ minimum each) holds exactly; a 4-bit format without minimums must round them.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from big_model import built_llama_cpp  # noqa: E402
 from decode_cpu import decode_rate  # noqa: E402
-from gguf_peers import calibration_file, kiln_compile, llama_tokens, quantize, run, table  # noqa: E402
+from gguf_peers import (add_run_args, calibration_file, kiln_compile, llama_tokens, prepared, quantize,  # noqa: E402
+                        run, table)
 from peers import llama_bench  # noqa: E402
 
 FOUR_BIT = ("Q4_0", "Q4_K_M", "Q4_K_S", "Q4_1")
@@ -94,19 +93,13 @@ def main() -> None:
     ap.add_argument("--types", default="F16,Q8_0,Q4_0,Q4_K_M")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--llama-cpp", default=None)
-    ap.add_argument("--workdir", default="build/bench/gguf")
+    add_run_args(ap)
     args = ap.parse_args()
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    llama_cpp, work = prepared(args)
     from gguf_files import smollm2_file
 
     from kiln.runtime.tokenizer import Tokenizer
     from kiln.testing.perplexity import chunks_of, english_text, scored
-    llama_cpp = built_llama_cpp(args.llama_cpp)
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
     text_file, calibration = work / "text.txt", calibration_file(work)
     text_file.write_bytes(english_text().encode())
     f16 = quantize(llama_cpp, smollm2_file(), "F16", work / "smollm2-F16.gguf")
