@@ -48,7 +48,11 @@ from peers import kiln_prefill_rate, llama_batched_rate, llama_bench  # noqa: E4
 KILN_SETTINGS = {"default": {}, "q4": {"quant": "q4"}, "q4a": {"quant": "q4a"}, "q8": {"quant": "q8"},
                  "f32": {"quant": "none"}, "q4+cal": {"quant": "q4", "calibrate": True},
                  "q4a+cal": {"quant": "q4a", "calibrate": True}, "q4k": {"quant": "q4k"},
-                 "q4k+cal": {"quant": "q4k", "calibrate": True}}
+                 "q4k+cal": {"quant": "q4k", "calibrate": True}, "q8+cal": {"quant": "q8", "calibrate": True},
+                 # activations: float everywhere, or int8 everywhere (not calibration's measured choice)
+                 "q8+float": {"quant": "q8", "int8_activations": False},
+                 "q4k+cal+float": {"quant": "q4k", "calibrate": True, "int8_activations": False},
+                 "q4k+cal+int8": {"quant": "q4k", "calibrate": True, "int8_activations": True}}
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:

@@ -134,9 +134,10 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
                    f"{', '.join(TENSOR_CLASSES)} (a projection before its class; repeatable or "
                    "comma-separated), e.g. --tensor-quant lm_head=q4,down=q8.")
 @click.option("--calibrate", default=None, metavar="TEXT_FILE",
-              help="With --quant q4, q4a or q4k: run the float model over this text (up to 8192 tokens) and weigh "
+              help="With --quant: run the float model over this text (up to 8192 tokens); q4, q4a and q4k weigh "
                    "each weight's rounding by how large its input is there (an importance matrix, as "
-                   "llama-imatrix's); the artifact keeps the measurement.")
+                   "llama-imatrix's), and a linear whose int8 activations measure an output error above 5 % "
+                   "keeps float ones; the artifact keeps the measurement.")
 @click.option("--kv-dtype", type=click.Choice(["auto", *KV_DTYPES]), default="auto", show_default=True,
               help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a float32 scale "
                    "per token and KV head.")
@@ -155,7 +156,8 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 @click.option("--activations", type=click.Choice(["int8", "float"]), default=None,
               help="q8/q4: int8 quantises each linear's input rows in blocks of 32 and multiplies in integer "
                    "dot products (as llama.cpp's Q8_0 does); float keeps float activations. Default: int8 "
-                   "where the target has the kernel (cpu with AVX2), else float.")
+                   "where the target has the kernel (cpu with AVX2), else float; with --calibrate, float "
+                   "for the linears where int8 measured an output error above 5 %.")
 @click.option("--attention", type=click.Choice(ATTENTION_CHOICES), default="builtin", show_default=True,
               help="cuda: flashinfer links FlashInfer's batch prefill (tensor cores) into the artifact for "
                    "every step that is not a plain decode (needs flashinfer-python at compile time: make "

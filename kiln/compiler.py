@@ -134,13 +134,21 @@ def _class_formats(graph) -> dict:
     return class_formats(graph, Quantize._linears_feeding(graph, graph.outputs), routers, _activation_block(graph))
 
 
-def _calibrate(model, options: CompileOptions, tokenizer_files: list[str], page_size: int, out_dir: Path, progress):
-    """--calibrate: the input importances (kiln/calibrate.py), written into the artifact."""
+def _calibrate(model, options: CompileOptions, tokenizer_files: list[str], tgt, out_dir: Path, progress):
+    """--calibrate: the input importances (kiln/calibrate.py), written into the artifact, and the options
+    with float activations for the linears whose int8 activations measured too coarse (unless
+    --activations chose for all)."""
     from kiln.calibrate import calibrate
     if "tokenizer.json" not in tokenizer_files:
         raise KilnError(f"--calibrate needs the model's tokenizer.json to read {options.calibrate}, and the model "
                         "has none")
-    return calibrate(model, options.calibrate, out_dir / "tokenizer.json", page_size, out_dir, progress)
+    block = tgt.activation_block if options.int8_activations is not False else 0
+    importance, record = calibrate(model, options.calibrate, out_dir / "tokenizer.json", tgt.page_size, out_dir,
+                                   progress, block)
+    if "activations" in record and options.int8_activations:     # --activations int8: int8 everywhere
+        record["activations"]["float"] = []
+    options = replace(options, float_activations=tuple(record.get("activations", {}).get("float", ())))
+    return importance, record, options
 
 
 def _activation_block(graph) -> int:
@@ -172,8 +180,10 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
     tgt.check_quant(quant, kv_dtype)
     graph = phases.run("graph", model.build_graph, dtype, tgt.page_size)
     tokenizer_files = model.write_tokenizer(out_dir)
-    importance, calibration = phases.run("calibrate", _calibrate, model, options, tokenizer_files, tgt.page_size,
-                                         out_dir, phases.progress) if options.calibrate else (None, None)
+    importance = calibration = None
+    if options.calibrate:
+        importance, calibration, options = phases.run("calibrate", _calibrate, model, options, tokenizer_files, tgt,
+                                                      out_dir, phases.progress)
 
     from kiln.passes import run_pipeline
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, options=options))

@@ -107,9 +107,25 @@ def _tensor_classes(m: Manifest) -> list[str]:
         lines.append("           --tensor-quant " + ",".join(f"{c}={f}" for c, f in q.tensor_classes.items()))
     if q.calibration:
         c = q.calibration
-        lines.append(f"calibrated on {c['text']} ({c['tokens']} tokens in {c['chunks']} chunks): rounding weighed by "
-                     f"each input's mean square, {c['linears']} linears ({c['file']})")
+        from kiln.ir.quant import SCHEMES
+        use = "the rounding weighed by it" if SCHEMES[q.weights].weighted else f"{q.weights} rounds without it"
+        lines.append(f"calibrated on {c['text']} ({c['tokens']} tokens in {c['chunks']} chunks): each input's mean "
+                     f"square on {c['linears']} linears ({c['file']}), {use}")
+        if c.get("activations"):
+            lines.append("           " + _activation_choice(c["activations"]))
     return lines
+
+
+def _activation_choice(acts: dict) -> str:
+    """What calibration measured of int8 activations and what it chose, in words."""
+    name, error = acts["largest"]
+    measured = (f"int8 activations in blocks of {acts['block']} measured on {acts['measured']} linears "
+                f"(largest output error {error:.2%}, {name})")
+    floats = acts["float"]
+    if not floats:
+        return f"{measured}: int8 on all"
+    return f"{measured}: float where above {acts['bound']:.0%}: {len(floats)} ({', '.join(floats[:4])}" + (
+        ", ...)" if len(floats) > 4 else ")")
 
 
 def _passes(passes: tuple[dict, ...]) -> list[str]:

@@ -41,6 +41,8 @@ class CompileOptions:
     #                                          off for a GGUF file's own types)
     kv_dtype: str | None = None              # the KV cache stored as int8 or fp8 (None: the dtype)
     int8_activations: bool | None = None     # q8/q4 linears on int8 activations (None: where the target has them)
+    float_activations: tuple[str, ...] = ()  # weights whose linears keep float activations: --calibrate measured
+    #                                          int8's error too large there (a fused weight: any of its parts)
     mla_expanded_from: int | None = None     # MLA prefill steps of this many tokens a sequence and up run the
     #                                          expanded form (None: the target's; 0: never)
     disable_passes: frozenset[str] = field(default_factory=frozenset)

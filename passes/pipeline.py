@@ -95,7 +95,8 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
         act_block = target.activation_block if options.int8_activations is not False else 0
         head = options.head_format()
         passes.append(Quantize(options.quant, lm_head=head is not None, group_size=options.group_size,
-                               act_block=act_block, lm_head_mode=head, tensor_modes=options.tensor_quant,
+                               act_block=act_block, float_activations=options.float_activations,
+                               lm_head_mode=head, tensor_modes=options.tensor_quant,
                                class_modes=tuple((c, f) for c, f in options.tensor_classes
                                                  if c not in ("lm_head", "embedding")),
                                more_bits=options.more_bits_format()))

@@ -14,7 +14,8 @@ of a q4a or q4k one q4):
         each expert quantised on its own, as a linear weight would be
 With act_block > 0 (the target's choice), q8/q4 linears get {act_block}: their input rows are
 quantised to int8 in blocks of act_block inputs and multiplied in integer dot products (ir/ops.py
-gives the numerics); MoE experts keep float activations.
+gives the numerics); MoE experts keep float activations, as do the linears of weights named in
+`float_activations` (a fused weight where any of its parts is: calibration measured int8 too coarse).
 A weight of a tensor class named in `class_modes` (--tensor-quant: its projection, as q or down, before
 its group, as attention or mlp) takes that scheme, or stays float for "none"; else a weight named in
 `tensor_modes` its own (a GGUF file's tensors of another type); else, with `more_bits` (a 4-bit
@@ -70,6 +71,7 @@ class Quantize(GraphPass):
     lm_head: bool = True
     group_size: int = 32          # q4 only: inputs per scale
     act_block: int = 0            # q8/q4 linears: > 0 quantises x to int8 in blocks of this many inputs
+    float_activations: tuple[str, ...] = ()   # weights whose linears keep float activations all the same
     lm_head_mode: str | None = None   # the LM head's scheme where it is not `mode` (a GGUF file's own head's)
     tensor_modes: tuple[tuple[str, str], ...] = ()   # (weight, scheme) where it is not `mode`
     class_modes: tuple[tuple[str, str], ...] = ()    # (tensor class, scheme or "none"), before tensor_modes
@@ -125,7 +127,7 @@ class Quantize(GraphPass):
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
             node.attrs = attrs_for("linear", format=mode, **({"group_size": self.group_size} if grouped else {}),
                                    act_block=self.act_block if mode in INTEGER_LEVELS
-                                   and self._int8_activations(w.type.shape[1], mode) else 0)
+                                   and self._int8_activations(w, mode) else 0)
         return drop_unused_params(graph)
 
     def _mode_of(self, w: Param, more_layers: set[int]) -> str:
@@ -156,11 +158,13 @@ class Quantize(GraphPass):
                         f"not a multiple of {self.group_size} (use --group-size 32, or --tensor-quant {cls}=q8 "
                         f"or {cls}=none for it)")
 
-    def _int8_activations(self, n_in: int, mode: str) -> bool:
-        """Whether a q8/q4 linear over n_in inputs takes int8 activations (blocks dividing its width
-        and, for q4, its groups)."""
-        return (self.act_block > 0 and n_in % self.act_block == 0
-                and (not SCHEMES[mode].grouped or self.group_size % self.act_block == 0))
+    def _int8_activations(self, w: Param, mode: str) -> bool:
+        """Whether a q8/q4 linear of weight `w` takes int8 activations (blocks dividing its width and, for
+        q4, its groups; none of its parts in float_activations)."""
+        parts = (w.recipe or {}).get("concat", [w.name])
+        return (self.act_block > 0 and w.type.shape[1] % self.act_block == 0
+                and (not SCHEMES[mode].grouped or self.group_size % self.act_block == 0)
+                and not set(parts) & set(self.float_activations))
 
     def _quantize_experts(self, graph: Graph, node) -> None:
         mode = dict(self.class_modes).get("experts", self.mode)

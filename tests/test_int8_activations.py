@@ -243,3 +243,65 @@ def test_a_table_stored_interleaved_gathers_the_interpreters_rows(op, layout, sc
     stored_scales = [apply_layout(scale_layout, s) for s in scales]
     built(*[tvm.runtime.tensor(a) for a in (ids, apply_layout(layout, table), *stored_scales)], out)
     np.testing.assert_array_equal(out.numpy(), want)
+
+
+def _with_an_outlier_channel(model_dir, out, channel: int = 5):
+    """The tiny Llama with input `channel` of layer 0's attention 1000× larger and not read by its q/k/v
+    projections (their columns zero, which every weight format keeps exactly), as real models' massive
+    activations: float activations lose nothing by it, while an int8 block holding it rounds its other
+    inputs to 0."""
+    import shutil
+    import transformers
+    shutil.copytree(model_dir, out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    attention = hf.model.layers[0].self_attn
+    with torch.no_grad():
+        hf.model.layers[0].input_layernorm.weight[channel] *= 1000
+        for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+            proj.weight[:, channel] = 0
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.mark.build
+def test_calibration_gives_float_activations_where_int8_measures_harmful(make_model, tmp_path):
+    """--calibrate measures each linear's int8-activation error: on a model with an outlier input channel
+    the three linears reading it keep float activations (the manifest and `kiln inspect` say so), the rest
+    stay int8; the logits then stay as close to transformers' as q8 holds them, while the same compile
+    with `--activations int8` falls short (the outlier's block crushed); attach-weights replans it."""
+    import transformers
+    from artifact_cache import cpu_artifact
+    from reference import last_logit_cosines
+    from test_attach_weights import weights_digest, without_weights
+    from kiln.artifact import read_manifest
+    from kiln.host_cpu import has_pair_dot
+    from kiln.inspect import summary
+    from kiln.runtime.model import CompiledModel
+    from kiln.targets.cpu import host_cpu_target
+    from kiln.testing.perplexity import calibration_text
+    from kiln.weights.attach import attach_weights
+    if not has_pair_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX2 (the int8 GEMM's vpmaddwd)")
+    model_dir = _with_an_outlier_channel(make_model("llama"), tmp_path / "outlier")
+    text = tmp_path / "calibration.txt"
+    text.write_text(calibration_text(8_000))
+    measured = cpu_artifact(model_dir, quant="q8", calibrate=str(text))
+    forced = cpu_artifact(model_dir, quant="q8", calibrate=str(text), int8_activations=True)
+    acts = read_manifest(measured).quantization.calibration["activations"]
+    assert acts["float"] == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "kqv"]
+    assert acts["largest"][1] > 4 * acts["bound"] and read_manifest(forced).quantization.calibration[
+        "activations"]["float"] == []
+    shown = summary(measured)
+    assert "qkv q8 ×1, q8 on float activations ×1" in shown or "qkv q8 on float activations ×1, q8 ×1" in shown
+    assert "float where above 5%: 3" in shown
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    cosines = {}
+    for name, artifact in (("measured", measured), ("forced", forced)):
+        compiled = CompiledModel(artifact)
+        compiled.allocate_kv(16 * compiled.bytes_per_page)
+        cosines[name] = min(last_logit_cosines(hf, compiled, prompts=4))
+        del compiled
+    assert cosines["measured"] >= 0.999 > cosines["forced"], cosines
+    bare = without_weights(measured, tmp_path)
+    attach_weights(bare, model_dir)
+    assert weights_digest(bare) == weights_digest(measured)

@@ -215,7 +215,8 @@ def test_bad_tensor_quant_options_are_refused():
 
 def test_calibration_importances_are_transformers_activations(make_model, tmp_path):
     """Each linear's importance is the mean square of its inputs, as transformers computes them on the same
-    tokens (forward hooks on the float32 model), scaled to mean 1."""
+    tokens (forward hooks on the float32 model), scaled to mean 1; its int8 activations' error is the
+    relative change of its output when the inputs are rounded in blocks of 32, computed likewise."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from kiln.calibrate import input_importance
@@ -223,15 +224,24 @@ def test_calibration_importances_are_transformers_activations(make_model, tmp_pa
     model_dir = make_model("llama")
     rng = np.random.default_rng(3)
     chunks = [rng.integers(3, 400, n).tolist() for n in (40, 23, 31, 17, 29)]     # two steps of sequences
-    ours = input_importance(load_hf_model(model_dir), chunks, 16)
+    ours, act_errors = input_importance(load_hf_model(model_dir), chunks, 16, activation_block=32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    sums, counts = {}, {}
+    sums, counts, errors = {}, {}, {}
+
+    def int8_rounded(x, block=32):       # each row's blocks: rint(x · 127 / peak) · peak / 127
+        blocks = x.reshape(x.shape[0], -1, block)
+        peak = blocks.abs().amax(-1, keepdim=True)
+        levels = torch.where(peak > 0, torch.round(blocks * (127 / peak)), torch.zeros_like(blocks))
+        return (levels * (peak / 127)).reshape(x.shape)
 
     def hook(name):
         def record(module, args, out):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + (x * x).sum(0)
+            x = args[0].reshape(-1, args[0].shape[-1])
+            sums[name] = sums.get(name, 0) + (x.double() ** 2).sum(0)
             counts[name] = counts.get(name, 0) + x.shape[0]
+            w = module.weight.double()
+            exact, error = x.double() @ w.T, (x - int8_rounded(x)).double() @ w.T
+            errors[name] = errors.get(name, 0) + torch.stack([(error ** 2).sum(), (exact ** 2).sum()])
         return record
     for name, module in hf.named_modules():
         if isinstance(module, torch.nn.Linear):
@@ -244,3 +254,7 @@ def test_calibration_importances_are_transformers_activations(make_model, tmp_pa
     assert set(ours) == set(theirs)                   # the LM head too: calibration returns every row
     for name, values in ours.items():
         np.testing.assert_allclose(values, theirs[name], rtol=2e-4, err_msg=name)
+    # int8 activations' relative output error, every row measured (each step has fewer than SAMPLE_ROWS)
+    assert set(act_errors) == set(theirs) and min(act_errors.values()) > 1e-3
+    for name, (err, total) in errors.items():
+        assert act_errors[name] == pytest.approx(float(np.sqrt(err / total)), rel=2e-3), name

@@ -53,7 +53,9 @@ def planned_graph(model, manifest: Manifest):
                              # a latent (MLA) model's prefill entry starts at compile's --mla-expanded-from (0: none)
                              mla_expanded_from=manifest.prefill_min_tokens or 0
                              if "mla" in manifest.attention_variants else None,
-                             int8_activations=quant.activation_block > 0 if quant.weights != "none" else None)
+                             int8_activations=quant.activation_block > 0 if quant.weights != "none" else None,
+                             float_activations=tuple(((quant.calibration or {}).get("activations") or {})
+                                                     .get("float", ())))
     ran = {p["name"] for p in manifest.passes}
     passes = [rewrite for rewrite in pipeline_for(target, options) if rewrite.name in ran]
     graph, _ = run_pipeline(model.build_graph(manifest.dtype, manifest.kv.page_size), target, passes=passes)
