@@ -32,7 +32,7 @@ from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
 from .kernels.gpu import flashinfer, hopper_gemm
-from .lowering import elementwise, mla, moe
+from .lowering import elementwise, lora, mla, moe
 from .lowering.attention import emit_paged_attention, emit_paged_attention_fused
 from .lowering.embed import emit_embed
 from .lowering.flashinfer import flashinfer_use
@@ -168,6 +168,7 @@ LOWERINGS = {
     "head_linear": mla.emit_head_linear,
     "latent_gather": mla.emit_latent_gather,
     "expanded_attend": mla.emit_expanded_attend,
+    "lora": lora.emit_lora,
 }
 
 

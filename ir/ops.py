@@ -466,6 +466,7 @@ def _geglu():
 
 from . import (
     kv_ops,  # noqa: E402,F401  (registers the paged KV cache ops)
+    lora_ops,  # noqa: E402,F401  (registers lora)
     mla_ops,  # noqa: E402,F401  (registers the latent-cache attention ops)
     moe_ops,  # noqa: E402,F401  (registers moe_router and moe_experts)
     step_forms,  # noqa: E402,F401  (registers step_choice)

@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 _EXPORTS = {"LLM": "kiln.runtime.llm", "SamplingParams": "kiln.runtime.sampler",
             "AsyncEngine": "kiln.runtime.async_engine", "RequestOutput": "kiln.runtime.request",
             "GrammarSpec": "kiln.runtime.grammar", "SpeculativeConfig": "kiln.runtime.speculative",
-            "EngineConfig": "kiln.runtime.config", "CompileOptions": "kiln.options"}
+            "EngineConfig": "kiln.runtime.config", "CompileOptions": "kiln.options",
+            "LoRARequest": "kiln.runtime.lora"}
 
 
 def __getattr__(name):

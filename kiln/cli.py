@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import click
 
@@ -162,12 +163,17 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
               help="cuda: flashinfer links FlashInfer's batch prefill (tensor cores) into the artifact for "
                    "every step that is not a plain decode (needs flashinfer-python at compile time: make "
                    "flashinfer-deps; not at run time); builtin: kiln's and TVM's kernels.")
+@click.option("--max-loras", default=0, show_default=True, type=click.IntRange(min=0), metavar="N",
+              help="Compile N LoRA adapter slots in (cpu): requests may then name PEFT adapters (kiln serve "
+                   "--lora-modules, kiln.LLM's lora_request), up to N different ones in a step.")
+@click.option("--max-lora-rank", default=16, show_default=True, type=click.IntRange(min=1), metavar="R",
+              help="The largest adapter rank the slots hold.")
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, tensor_quant, calibrate,
             kv_dtype, output, force, print_after_all, print_after, disable_pass, mla_expanded_from, activations,
-            attention, weights):
+            attention, max_loras, max_lora_rank, weights):
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
     A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16; Q4_0 as q4, Q8_0 as q8g,
@@ -193,7 +199,8 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              int8_activations=None if activations is None else activations == "int8",
                              mla_expanded_from=mla_expanded_from, disable_passes=frozenset(disable_pass),
-                             attention=attention, weights=weights)
+                             attention=attention, weights=weights, max_loras=max_loras,
+                             max_lora_rank=max_lora_rank)
     m = compile_model(model_dir, output, options, force=force, dump=dump)
     _err(f"wrote {output} (target {target}): {len(m.kernels)} kernels, {m.dtype}, "
          f"{sum(f['bytes'] for f in m.files.values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
@@ -267,6 +274,19 @@ def _engine_options(command):
     return command
 
 
+def _lora_modules(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=PATH values (vLLM's form), each adapter folder checked to exist."""
+    modules = []
+    for value in values:
+        name, _, path = value.partition("=")
+        if not name or not path:
+            raise KilnError(f"--lora-modules {value}: give NAME=PATH")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise KilnError(f"--lora-modules {value}: {path} holds no adapter_config.json (a PEFT adapter's folder)")
+        modules.append((name, path))
+    return tuple(modules)
+
+
 def _engine_config(**settings):
     """The engine's config from its options, checked before anything loads: a draft model's artifact
     must exist."""
@@ -315,6 +335,14 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, as_json, 
               help="TCP port (0: one the system picks, printed at start).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes.")
 @click.option("--served-model-name", default=None, help="The model id clients use (default: the artifact's name).")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PATH",
+              help="Serve the PEFT LoRA adapter in folder PATH as model NAME (repeatable; the artifact needs "
+                   "adapter slots: kiln compile --max-loras N).")
+@click.option("--max-cpu-loras", default=None, type=click.IntRange(min=1),
+              help="LoRA adapters kept read in memory (default: the artifact's slots); more are read again "
+                   "from disk when used.")
+@click.option("--allow-runtime-lora-updating", is_flag=True,
+              help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.")
 @_engine_options
 @click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1),
               help="Sequences in one batch.")
@@ -346,16 +374,24 @@ def run(artifact, prompt, max_tokens, temperature, top_p, top_k, seed, as_json, 
               help="With --replicas: CPUs Ray reserves per replica (default: --threads, else 1).")
 @click.option("--replica-gpus", default=None, type=click.FloatRange(min=0),
               help="With --replicas: GPUs per replica (default: 1 for a GPU artifact, 0 for a CPU one).")
-def serve(artifact, host, port, api_key, served_model_name, drain_timeout, reasoning_parser, tool_call_parser,
-          replicas, max_replicas, prefill_replicas, routing, ray_address, replica_cpus, replica_gpus, **engine):
+def serve(artifact, host, port, api_key, served_model_name, lora_modules, allow_runtime_lora_updating, drain_timeout,
+          reasoning_parser, tool_call_parser, replicas, max_replicas, prefill_replicas, routing, ray_address,
+          replica_cpus, replica_gpus, **engine):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     sys.modules.setdefault("torch", None)          # as in `run`: the runtime never needs it
     from kiln.artifact import read_manifest
     from kiln.serve.app import ServerConfig
     from kiln.serve.server import serve as run_server
-    read_manifest(artifact, verify=False)          # a missing or broken artifact fails here, before binding
+    manifest = read_manifest(artifact, verify=False)
+    modules = _lora_modules(lora_modules)
+    if (modules or allow_runtime_lora_updating) and manifest.lora is None:
+        raise KilnError(f"{artifact} has no LoRA adapter slots: compile it with --max-loras N [--max-lora-rank R]")
+    if (modules or allow_runtime_lora_updating) and replicas is not None:
+        raise KilnError("LoRA adapters are served by one engine for now: --lora-modules and "
+                        "--allow-runtime-lora-updating do not go with --replicas")
     config = ServerConfig(artifact=artifact, engine=_engine_config(**engine), served_model_name=served_model_name,
-                          api_key=api_key, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+                          api_key=api_key, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                          lora_modules=modules, allow_runtime_lora_updating=allow_runtime_lora_updating)
     on_ray = {"--max-replicas": max_replicas, "--prefill-replicas": prefill_replicas or None,
               "--ray-address": ray_address, "--replica-cpus": replica_cpus, "--replica-gpus": replica_gpus}
     if replicas is None:

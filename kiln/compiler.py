@@ -186,6 +186,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
                                                       out_dir, phases.progress)
 
     from kiln.passes import run_pipeline
+    from kiln.passes.add_lora import lora_layout
     graph, pass_records = phases.run("passes", lambda: run_pipeline(graph, tgt, dump, options=options))
 
     from kiln.codegen import lower_graph
@@ -251,6 +252,7 @@ def _compile_into(model_dir: str | Path, out_dir: Path, options: CompileOptions,
         attention_layers=tuple(attention),
         graph_batches=tuple(tgt.graph_batches),
         sampling="device" if tgt.device_sampling else "host",
+        lora=lora_layout(graph),
         launches_per_step=_launch_counts(launches),
         linear_kernels=_step_kernels(graph, lowered.entries, "linear"),
         expert_kernels=_step_kernels(graph, lowered.entries, "moe_experts"),

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from kiln.artifact import WEIGHTS, read_manifest, verify_files
+from kiln.dtypes import numpy_dtype
 from kiln.interface import KVSpec, Manifest
 
 
@@ -198,6 +199,7 @@ def summary(artifact_dir) -> str:
         *([f"cutlass    {m.hopper_gemms['cutlass']} Hopper GEMMs linked in (wgmma + TMA; wgmma linears call them in "
            f"steps of {m.hopper_gemms['from_rows']} rows or more, mma's tiles below): "
            + ", ".join(m.hopper_gemms["variants"])] if m.hopper_gemms else []),
+        *_lora(m),
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
                          if m.sampling == "device" else "on the host (NumPy), from the step's logits"),
         *_by_step("linears", m, m.linear_kernels),
@@ -213,6 +215,18 @@ def summary(artifact_dir) -> str:
     lines += [f"  {name:<28} {info['bytes'] / 2**20:9.2f} MiB  {_digest(info)}"
               for name, info in sorted(m.files.items())]
     return "\n".join(lines)
+
+
+def _lora(m: Manifest) -> list[str]:
+    """The adapter slots compiled in, and the projections they reach."""
+    if m.lora is None:
+        return []
+    kinds = Counter("+".join(module.rsplit(".", 1)[-1].removesuffix("_proj") for module in site.modules)
+                    for site in m.lora.sites)
+    stacked = sum(m.lora.max_loras * m.lora.max_rank * (len(s.modules) * s.inputs + sum(s.rows)) for s in m.lora.sites)
+    return [f"lora       {m.lora.max_loras} adapter slots of rank up to {m.lora.max_rank} ({m.lora.dtype}, "
+            f"{stacked * numpy_dtype(m.lora.dtype).itemsize / 2**20:.1f} MiB) on "
+            + ", ".join(f"{kind} ×{n}" for kind, n in kinds.items())]
 
 
 def _digest(info: dict) -> str:

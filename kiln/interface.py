@@ -226,6 +226,35 @@ class KVLayout:
     layers: tuple[dict, ...]          # KVSpec.to_json() per layer
 
 
+LORA_SLOTS = "lora_slots"        # the step input i32[tokens]: each row's adapter slot (-1: the base model)
+
+
+def lora_input_names(module: str) -> tuple[str, str]:
+    """The graph inputs holding the stacked adapters of the projection `module` (checkpoint-named, without
+    '.weight'; a fused one's name): A [slots, rank rows, in] and B [slots, rank rows, out]."""
+    return f"lora_a.{module}", f"lora_b.{module}"
+
+
+@dataclass(frozen=True)
+class LoRASite:
+    """One projection adapters reach (a lora op after its linear: ir/lora_ops.py): its stacked inputs,
+    and the checkpoint modules (PEFT's names) whose output rows it holds, in order, with their counts."""
+    a: str
+    b: str
+    modules: tuple[str, ...]
+    rows: tuple[int, ...]
+    inputs: int
+
+
+@dataclass(frozen=True)
+class LoRALayout:
+    """Adapter slots compiled in (`kiln compile --max-loras N --max-lora-rank R`)."""
+    max_loras: int
+    max_rank: int
+    dtype: str
+    sites: tuple[LoRASite, ...]
+
+
 WEIGHTS_SOURCES = ("checkpoint", "absent", "generated")
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -253,6 +282,7 @@ class Manifest:
     weights_source: str = "checkpoint"           # WEIGHTS_SOURCES
     graph_batches: tuple[int, ...] = ()
     sampling: str = "host"                       # "device": the sampler's functions are compiled in
+    lora: LoRALayout | None = None               # adapter slots and the projections they reach
     kernels: tuple[str, ...] = ()
     attention_variants: tuple[str, ...] = ()
     attention_kernels: dict = field(default_factory=dict)

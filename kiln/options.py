@@ -18,6 +18,7 @@ TABLE_FORMATS = ("q8", "q4", "fp8")          # the formats an embedding lookup r
 # the dense MLP's (shared experts included) as a whole or one projection at a time, MoE experts
 TENSOR_CLASSES = ("embedding", "lm_head", "attention", "mlp", "experts", "q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_CHOICES = ("builtin", "flashinfer")
+MAX_LORA_RANK = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,8 @@ class CompileOptions:
     disable_passes: frozenset[str] = field(default_factory=frozenset)
     attention: str = "builtin"               # flashinfer: FlashInfer's prefill linked in (cuda; selection/order.py)
     weights: bool = True                     # False: no weights file (attach-weights or fill-weights write it)
+    max_loras: int = 0                       # LoRA adapter slots compiled in (0: none; passes/add_lora.py)
+    max_lora_rank: int = 16                  # the largest adapter rank the slots hold
 
     def __post_init__(self):
         for name, value, known in (("dtype", self.dtype, DTYPES), ("quant", self.quant, (*WEIGHT_QUANTS, "none")),
@@ -58,6 +61,9 @@ class CompileOptions:
             raise KilnError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_CHOICES)}")
         if self.attention == "flashinfer" and self.target_name != "cuda":
             raise KilnError(f"--attention flashinfer is for --target cuda, not {self.target_name}")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise KilnError(f"--max-loras {self.max_loras} must be 0 or more and --max-lora-rank "
+                            f"{self.max_lora_rank} within 1..{MAX_LORA_RANK}")
         if self.group_size not in GROUP_SIZES:
             raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.mla_expanded_from is not None and self.mla_expanded_from < 0:

@@ -18,6 +18,7 @@ from kiln.ir import Graph, print_graph, verify
 from kiln.options import CompileOptions
 from kiln.targets import target_defaults
 
+from .add_lora import AddLoRA
 from .fuse_append_attend import FuseAppendAttend
 from .fuse_gate_up import FuseGateUp
 from .fuse_qkv import FuseQKV
@@ -86,6 +87,11 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
         FuseGateUp(),
         FuseResidualAdd(),
     ]
+    if options.max_loras:
+        if target.device != "cpu":
+            raise KilnError(f"--max-loras: LoRA adapters are built for the cpu target only, not {target.name} yet")
+        # after the projections fuse (one lora each) and while slices still split qkv into its parts
+        passes.append(AddLoRA(options.max_loras, options.max_lora_rank))
     if target.kernels.fuses_rope():
         passes.append(FuseRopeAttention())
     if options.quant:

@@ -23,6 +23,7 @@ class EngineConfig:
     overlap: bool | None = None             # one step ahead of the host (None: on GPUs, where nothing speculates)
     speculative: SpeculativeConfig | str | None = None    # "ngram", "draft:ARTIFACT" or a SpeculativeConfig
     num_speculative_tokens: int = 4         # the most tokens proposed a step (where `speculative` is a name)
+    max_cpu_loras: int | None = None        # LoRA adapters kept read in host memory (None: the artifact's slots)
 
     def __post_init__(self):
         if isinstance(self.kv_memory, str):

@@ -25,6 +25,8 @@ from kiln.errors import ParamError
 from .config import EngineConfig
 from .kv_pool import PagePool
 from .limits import RequestLimits
+from .lora import LoRAError
+from .lora_slots import LoRASlots
 from .kv_transfer import KVSnapshot, check_layout
 from .request import Request, RequestOutput, Sequence
 from .device_sampler import DeviceLogits, HostLogits
@@ -55,7 +57,8 @@ class Engine:
         """`config`: its batch limits and prefix cache (the rest of it is kiln.LLM's)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.pool = PagePool(num_pages, model.page_size, config.prefix_caching, window=model.kv_window)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens)
+        self.lora_slots = LoRASlots(model, config.max_cpu_loras) if getattr(model, "lora", None) else None
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_batched_tokens, self.lora_slots)
         self.limits = RequestLimits(model.vocab_size, model.max_context, model.page_size, num_pages,
                                     config.max_batched_tokens, model.kv_window, hasattr(model, "read_pages"),
                                     structured_output=not self.runs_ahead)
@@ -69,10 +72,13 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt: str | None = None, priority: int = 0, export_kv: bool = False) -> Request:
-        """Validate and queue a request (raises ParamError, changing nothing, if it cannot run). With
-        `export_kv`, its last output carries the sequence's KV pages (`RequestOutput.kv`)."""
-        return self.enqueue(self.check_request(prompt_ids, params, request_id, prompt, priority, export_kv))
+                    prompt: str | None = None, priority: int = 0, export_kv: bool = False,
+                    lora_request=None) -> Request:
+        """Validate and queue a request (raises ParamError, or LoRAError for its adapter, changing nothing,
+        if it cannot run). With `export_kv`, its last output carries the sequence's KV pages
+        (`RequestOutput.kv`); with `lora_request` (runtime/lora.py LoRARequest) it runs on that adapter."""
+        return self.enqueue(self.check_request(prompt_ids, params, request_id, prompt, priority, export_kv,
+                                               lora_request))
 
     def import_kv(self, snapshot: KVSnapshot, params: SamplingParams | None = None, request_id: str | None = None,
                   prompt: str | None = None, priority: int = 0) -> Request:
@@ -137,15 +143,23 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, prompt: str | None = None, priority: int = 0,
-                      export_kv: bool = False) -> Request:
-        """Everything `add_request` checks (the request's limits, runtime/limits.py, and that its id is
-        not running), without touching the engine's state: safe to call while a step runs in another
-        thread. Returns the Request for `enqueue`."""
+                      export_kv: bool = False, lora_request=None) -> Request:
+        """Everything `add_request` checks (the request's limits, runtime/limits.py, that its id is not
+        running, and its adapter, read from disk here if it is not yet), without touching the engine's
+        scheduling state: safe to call while a step runs in another thread. Returns the Request for
+        `enqueue`."""
         params = self.limits.check_request(prompt_ids, params, self.grammars, export_kv)
         if request_id is not None and request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
+        if lora_request is not None:
+            if self.lora_slots is None:
+                raise LoRAError(f"adapter {lora_request.lora_name}: the artifact has no adapter slots (compile it "
+                                "with --max-loras N [--max-lora-rank R])")
+            if export_kv:
+                raise ParamError("kv_transfer_params", "a request on a LoRA adapter cannot export its KV pages")
+            self.lora_slots.check(lora_request)
         return Request(str(next(self._ids)) if request_id is None else request_id, list(prompt_ids), params,
-                       prompt, priority, export_kv)
+                       prompt, priority, export_kv, lora_request)
 
     def enqueue(self, req: Request) -> Request:
         """Queue a request made by `check_request` (between steps)."""
@@ -300,7 +314,8 @@ class Engine:
         self.stats.decode_tokens += c.num_tokens - in_prompt
         tokens = seq.tokens(c.start, c.start + c.num_tokens - len(c.draft)) + c.draft
         return SeqChunk(tokens, c.start, list(seq.table.pages), c.slots,
-                        all_rows=bool(c.draft) or (bool(in_prompt) and seq.request.needs_prompt_logprobs))
+                        all_rows=bool(c.draft) or (bool(in_prompt) and seq.request.needs_prompt_logprobs),
+                        lora_slot=seq.lora_slot)
 
     def _finish_unsampled(self, seq: Sequence, now: float) -> None:
         seq.finish_reason = "length"

@@ -57,6 +57,7 @@ class BlockTable:
     num_tokens: int = 0
     hashes: list[bytes] = field(default_factory=list)
     dropped: int = 0                  # leading pages released as outside the window (FREED in pages)
+    salt: bytes | None = None         # the first page's parent digest: a LoRA adapter's pages key apart
 
 
 @dataclass
@@ -162,7 +163,7 @@ class PagePool:
         for page in table.pages:
             if page != FREED:
                 self._incref(page)
-        return BlockTable(list(table.pages), table.num_tokens, list(table.hashes), table.dropped)
+        return BlockTable(list(table.pages), table.num_tokens, list(table.hashes), table.dropped, table.salt)
 
     def release(self, table: BlockTable) -> None:
         """Give back the table's pages; its cached pages become idle, the last page first, so that
@@ -228,7 +229,7 @@ class PagePool:
         self.stats.queried_tokens += len(token_ids)
         if not self.prefix_caching:
             return 0
-        parent = None
+        parent = table.salt
         for i in range((len(token_ids) - 1) // p):
             tokens = token_ids[i * p:(i + 1) * p]
             h = self._chain(parent, tokens)
@@ -251,7 +252,7 @@ class PagePool:
         p = self.page_size
         while (len(table.hashes) + 1) * p <= num_computed:
             i = len(table.hashes)
-            parent, tokens = table.hashes[-1] if table.hashes else None, token_ids[i * p:(i + 1) * p]
+            parent, tokens = table.hashes[-1] if table.hashes else table.salt, token_ids[i * p:(i + 1) * p]
             h = self._chain(parent, tokens)
             table.hashes.append(h)
             page = table.pages[i]

@@ -14,6 +14,7 @@ from .draft_proposer import DraftProposer
 from .engine import Engine
 from .kv_pool import live_pages
 from .limits import RequestLimits
+from .lora import LoRARequest
 from .memory import FRACTION, host_available_memory, parse_bytes
 from .model import CompiledModel
 from .ngram import NgramProposer
@@ -127,18 +128,21 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids) together; outputs in prompt order."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) together; outputs in prompt order. `lora_request`:
+        the adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise KilnError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if not len(plist) == len(loras) == len(prompts):
+            raise KilnError(f"{len(prompts)} prompts but {len(plist)} SamplingParams and {len(loras)} LoRA requests")
         reqs = []
-        for prompt, sp in zip(prompts, plist):
+        for prompt, sp, lora in zip(prompts, plist, loras):
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-            reqs.append(self.engine.add_request(ids, sp, prompt=text))
+            reqs.append(self.engine.add_request(ids, sp, prompt=text, lora_request=lora))
         bar = None
         if use_tqdm and len(reqs) > 1:
             bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req", dynamic_ncols=True)

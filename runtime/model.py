@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.artifact import WEIGHTS, read_manifest, start_verify
+from kiln.dtypes import numpy_dtype
 from kiln.errors import KilnError
 from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY, KVSpec, is_prefill_step
 from kiln.safetensors_io import ALIGNMENT, map_file, read_header
@@ -81,6 +82,8 @@ class CompiledModel:
         self.weights = self._load_weights()
         verified()
         self.kv_tensors: dict = {}         # each layer's KV inputs (kiln/interface.py KVSpec), made by allocate_kv
+        self.lora = m.lora                 # adapter slots (kiln/interface.py LoRALayout), or None
+        self.lora_tensors = self._allocate_lora() if m.lora else {}
         self.input_names = list(m.inputs)
         # artifacts with FlashInfer's prefill: its plans, made per step on the host
         self.planner = FlashInferPlanner(m.flashinfer, self.dir / m.library, self.device, self.page_size) \
@@ -156,6 +159,22 @@ class CompiledModel:
                 max(self.graph_batches), -(-self.max_context // self.page_size)), fixed=True)
         return num_pages
 
+    def _allocate_lora(self) -> dict:
+        """The stacked adapter inputs of every site, all slots zero (no adapter)."""
+        tensors, layout = {}, self.lora
+        for site in layout.sites:
+            for name, shape in ((site.a, (layout.max_loras, layout.max_rank * len(site.modules), site.inputs)),
+                                (site.b, (layout.max_loras, layout.max_rank, sum(site.rows)))):
+                tensors[name] = empty(shape, layout.dtype, self.device)
+                tensors[name].copyfrom(np.zeros(shape, numpy_dtype(layout.dtype)))
+        return tensors
+
+    def write_lora_slot(self, slot: int, rows: dict[str, np.ndarray]) -> None:
+        """Write one slot of every stacked adapter input (runtime/lora.py slot_rows gives `rows`)."""
+        dtype = numpy_dtype(self.lora.dtype)
+        for name, tensor in self.lora_tensors.items():
+            _pages(tensor, slot, 1).copyfrom(np.ascontiguousarray(rows[name][None].astype(dtype)))
+
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV pages (every layer, k and v, and row scales) from source to destination
         page: the copy-on-write of a shared page, done on the device through views."""
@@ -204,8 +223,9 @@ class CompiledModel:
             # the whole buffer, every step: its length is part of the captured graph's key
             buffers, lengths = self.graph_buffers, {"page_values": self.graph_buffers.capacity("page_values")}
         planned = self.planner.inputs(inputs, kind) if self.planner else {}
-        args = [self.kv_tensors[n] if n in self.kv_tensors else planned[n] if n in planned
-                else buffers.put(n, inputs[n], lengths.get(n)) for n in self.input_names]
+        args = [self.kv_tensors[n] if n in self.kv_tensors else self.lora_tensors[n] if n in self.lora_tensors
+                else planned[n] if n in planned else buffers.put(n, inputs[n], lengths.get(n))
+                for n in self.input_names]
         return kind, args, seqs
 
     def call(self, kind: str, args: list, seqs: int):

@@ -82,7 +82,10 @@ class Sequence:
     def __init__(self, request: "Request", index: int, state: SamplerState, detokenizer=None):
         self.request, self.index, self.state = request, index, state
         self.output_ids: list[int] = []
-        self.table = BlockTable()
+        # an adapter's sequences share cached pages with that adapter's alone
+        self.table = BlockTable(salt=None if request.lora is None else
+                                f"lora:{request.lora.lora_int_id}:{request.lora.lora_name}".encode())
+        self.lora_slot = -1                      # its adapter's slot while it runs (runtime/lora_slots.py)
         self.num_computed = 0                    # tokens whose K/V are in the cache
         self.preemptions = 0                     # times its pages were taken back (runtime/scheduler.py)
         self.text = ""
@@ -129,8 +132,9 @@ class Sequence:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                 priority: int = 0, export_kv: bool = False):
+                 priority: int = 0, export_kv: bool = False, lora=None):
         self.request_id, self.prompt_ids, self.params, self.prompt = request_id, prompt_ids, params, prompt
+        self.lora = lora                        # its LoRA adapter (runtime/lora.py LoRARequest), None: the base model
         self.export_kv = export_kv              # hand out the KV pages when it finishes (`kv`)
         self.kv: KVSnapshot | None = None
         self.priority = priority                # lower runs first; ties in arrival order

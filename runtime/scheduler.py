@@ -13,6 +13,9 @@ When a running sequence needs pages and none are left, the latest-admitted runni
 preempted: its pages are released (the full ones stay in the prefix cache) and it goes back to
 the waiting queue with its generated tokens, to be recomputed later. Nothing new is admitted in a
 step that preempted. `abort` frees a sequence's pages at once.
+A sequence on a LoRA adapter runs holding a slot of the model's (runtime/lora_slots.py): one that
+cannot get one (every slot in use by other adapters' running sequences) waits, and those behind it
+in the queue may go first; finishing or being preempted lets the slot go.
 Pure Python over a PagePool: tested with a fake model runner.
 """
 from __future__ import annotations
@@ -45,10 +48,11 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int = 64, max_batched_tokens: int = 2048):
+    def __init__(self, pool: PagePool, max_num_seqs: int = 64, max_batched_tokens: int = 2048, lora_slots=None):
         if max_num_seqs < 1 or max_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_batched_tokens must be >= 1")
         self.pool, self.max_num_seqs, self.max_batched_tokens = pool, max_num_seqs, max_batched_tokens
+        self.lora_slots = lora_slots            # runtime/lora_slots.py LoRASlots, for requests with adapters
         self.waiting: list[Sequence] = []       # sorted by sort_key
         self.running: list[Sequence] = []       # admission order
         self.num_preemptions = 0
@@ -57,8 +61,24 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
-        """A forked sample starts running right after the sequence it was forked from."""
+        """A forked sample starts running right after the sequence it was forked from (on its slot)."""
+        if seq.request.lora is not None:
+            seq.lora_slot = after.lora_slot
+            self.lora_slots.users[seq.lora_slot] += 1
         self.running.insert(self.running.index(after) + 1, seq)
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        """Whether `seq` holds its adapter's slot (or needs none), taking one if it can."""
+        if seq.request.lora is None or seq.lora_slot >= 0:
+            return True
+        slot = self.lora_slots.acquire(seq.request.lora)
+        seq.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _let_go(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -70,10 +90,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.table)
+        self._let_go(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.table)
+        self._let_go(seq)
         seq.num_computed = 0
         seq.preemptions += 1
         seq.request.metrics.num_preemptions += 1
@@ -113,8 +135,12 @@ class Scheduler:
                 budget -= n + len(draft)
         if out.preempted:
             return out
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[i]
+            if not self._take_slot(seq):         # its adapter waits for a slot; those behind it may go
+                i += 1
+                continue
             # a request that wants its prompt's logprobs computes every prompt row: no cache lookup
             if seq.num_computed == 0 and not seq.table.pages and not seq.request.needs_prompt_logprobs:
                 seq.num_computed = cached = self.pool.match_prefix(seq.table, seq.all_ids)
@@ -127,8 +153,9 @@ class Scheduler:
                     self.pool.stats.queried_tokens -= seq.num_tokens
                     self.pool.release(seq.table)
                     seq.num_computed = 0
+                self._let_go(seq)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.running.append(seq)
             if cached is not None and seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.num_cached_tokens = cached

@@ -4,7 +4,8 @@ One step: the new tokens of several sequences flattened in order. For each
 sequence: its queries' offsets (q_indptr), its page list in CSR form
 (page_indptr, page_values), the rows used in its last page, and the rows whose
 logits come back (logit_rows): its last new token's, or every new token's when
-the sequence asked for them (prompt logprobs). For each token: position and KV slot.
+the sequence asked for them (prompt logprobs). For each token: position, KV slot and LoRA adapter
+slot (lora_slots, read by artifacts with adapter slots only).
 A page the pool dropped as outside every layer's sliding window is -1 in page_values: the
 attention kernels never read it.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kiln.interface import LORA_SLOTS
+
 
 @dataclass
 class SeqChunk:
@@ -22,6 +25,7 @@ class SeqChunk:
     pages: list[int]        # the sequence's pages, covering start_pos + len(tokens) rows
     slots: list[int]        # the KV slot of each new token
     all_rows: bool = False  # return the logits of every new token, not only the last
+    lora_slot: int = -1     # the adapter slot its rows use (-1: the base model)
 
 
 def output_offsets(chunks: list[SeqChunk]) -> list[int]:
@@ -51,6 +55,7 @@ def step_inputs(chunks: list[SeqChunk], page_size: int) -> dict[str, np.ndarray]
         "last_page_len": np.array([n - (len(c.pages) - 1) * page_size for c, n in zip(chunks, kv_lens)], np.int32),
         "slot_mapping": np.array([s for c in chunks for s in c.slots], np.int32),
         "logit_rows": np.concatenate(rows).astype(np.int32),
+        LORA_SLOTS: np.repeat(np.array([c.lora_slot for c in chunks], np.int32), lens),
     }
 
 

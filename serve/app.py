@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -20,7 +21,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated, Callable, Iterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,11 +31,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kiln
 from kiln.errors import ContextLengthError, KilnError, ParamError, QueueFull
 from kiln.runtime.config import EngineConfig
+from kiln.runtime.lora import LoRAError, LoRARequest
 from kiln.runtime.threads import describe_threads
 
 from . import responses
 from .metrics import EngineGauges, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .responses_api import ResponseFormat, ResponsesRequest
 from .tool_calls import FORMATS, detect, json_calls, structural_tag
 
@@ -49,6 +51,8 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     reasoning_parser: str | None = None    # serve/reasoning.py: thinking into reasoning_content
     tool_call_parser: str | None = None    # serve/tool_calls.py FORMATS (None: the chat template's)
+    lora_modules: tuple[tuple[str, str], ...] = ()   # (name, PEFT adapter folder): a request's `model` picks one
+    allow_runtime_lora_updating: bool = False        # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @property
     def model_name(self) -> str:
@@ -131,10 +135,26 @@ class ServerState:
     # config -> (the model, its engine, a line saying what was loaded); the default runs one engine here,
     # kiln.serve.cluster's runs the engines in Ray Serve replicas
     opener: Callable[[ServerConfig], tuple] | None = None
+    adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)   # served name -> adapter
+    adapter_ids: Iterator[int] = dataclasses.field(default_factory=lambda: itertools.count(1))
 
     def load(self) -> None:
         self.llm, self.engine, description = (self.opener or open_engine)(self.config)
-        print(f"kiln serve: {self.config.model_name} ready; {description}", file=sys.stderr, flush=True)
+        for name, path in self.config.lora_modules:          # read and checked now: a bad one stops the start
+            self.add_adapter(name, path)
+        adapters = f"; LoRA adapters: {', '.join(self.adapters)}" if self.adapters else ""
+        print(f"kiln serve: {self.config.model_name} ready; {description}{adapters}", file=sys.stderr, flush=True)
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Register an adapter under `name` (read from disk and checked against the model's slots)."""
+        if name in self.adapters or name == self.config.model_name:
+            raise LoRAError(f"the name {name!r} is taken: adapter names must differ from each other and the model's")
+        slots = self.engine.engine.lora_slots
+        lora = LoRARequest(name, next(self.adapter_ids), str(path))
+        if slots is None:
+            raise LoRAError(f"adapter {name}: the artifact has no adapter slots (compile it with --max-loras N)")
+        slots.check(lora)
+        self.adapters[name] = lora
 
     def gauges(self) -> EngineGauges | None:
         """What /metrics reports of the engine (or the replicas' engines, summed)."""
@@ -271,28 +291,62 @@ async def prometheus(s: Server):
 
 
 # -- the OpenAI API -------------------------------------------------------------------------------------
-def model_card(s: ServerState) -> dict:
-    return {"id": s.config.model_name, "object": "model", "created": 0, "owned_by": "kiln",
+def model_card(s: ServerState, adapter: LoRARequest | None = None) -> dict:
+    """The model's card, or an adapter's (its parent the model, its root the adapter's folder, as vLLM's)."""
+    card = {"id": s.config.model_name, "object": "model", "created": 0, "owned_by": "kiln",
             "max_model_len": s.llm.limits.max_context}
+    if adapter is not None:
+        card.update(id=adapter.lora_name, root=adapter.lora_path, parent=s.config.model_name)
+    return card
 
 
 @router.get("/v1/models")
 async def models(s: Server):
     s.ready()
-    return {"object": "list", "data": [model_card(s)]}
+    return {"object": "list", "data": [model_card(s), *(model_card(s, a) for a in list(s.adapters.values()))]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, s: Server):
     s.ready()
-    check_model(s, model_id)
-    return model_card(s)
+    return model_card(s, check_model(s, model_id))
 
 
-def check_model(s: ServerState, name: str | None) -> None:
-    if name not in (None, s.config.model_name):
-        raise APIError(404, f"model {name!r} does not exist (this server has {s.config.model_name!r})",
-                       "model", "not_found_error")
+def check_model(s: ServerState, name: str | None) -> LoRARequest | None:
+    """The adapter a request's `model` names (None: the model itself); a 404 for any other name."""
+    if name in (None, s.config.model_name):
+        return None
+    if name in s.adapters:
+        return s.adapters[name]
+    names = ", ".join(repr(n) for n in (s.config.model_name, *s.adapters))
+    raise APIError(404, f"model {name!r} does not exist (this server has {names})", "model", "not_found_error")
+
+
+def _lora_updating(s: ServerState) -> None:
+    s.ready()
+    if not s.config.allow_runtime_lora_updating:
+        raise APIError(404, "loading and unloading LoRA adapters at run time is off: start kiln serve with "
+                            "--allow-runtime-lora-updating", kind="not_found_error")
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, s: Server):
+    _lora_updating(s)
+    try:
+        await asyncio.to_thread(s.add_adapter, body.lora_name, body.lora_path)     # reads the files
+    except LoRAError as e:
+        raise APIError(400, str(e), "lora_path") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, s: Server):
+    _lora_updating(s)
+    lora = s.adapters.pop(body.lora_name, None)
+    if lora is None:
+        raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", "lora_name", "not_found_error")
+    s.engine.engine.lora_slots.unload(lora.lora_int_id)      # running requests on it finish on their slot
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def sampling(body, llm, ids: list[int], max_tokens: int | None, default_max: int | None, logprobs: int | None,
@@ -309,13 +363,14 @@ def sampling(body, llm, ids: list[int], max_tokens: int | None, default_max: int
 
 
 def submit(engine, body, ids: list[list[int]], params: list, texts: list[str | None], prefix: str,
-           prompt_param: str = "prompt"):
-    """Admit every prompt of the request in one synchronous step, before any byte is sent.
-    Returns the response id and the stream of the engine requests (one per prompt)."""
+           prompt_param: str = "prompt", lora: LoRARequest | None = None):
+    """Admit every prompt of the request in one synchronous step, before any byte is sent (on `lora`,
+    the adapter its `model` named). Returns the response id and the stream of the engine requests
+    (one per prompt)."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         return request_id, engine.add_requests([dict(prompt_ids=i, params=p, request_id=f"{request_id}-{k}", prompt=t,
-                                                     priority=body.priority)
+                                                     priority=body.priority, **({"lora_request": lora} if lora else {}))
                                                 for k, (i, p, t) in enumerate(zip(ids, params, texts))],
                                                streaming=bool(body.stream))
     except QueueFull as e:
@@ -329,7 +384,7 @@ def submit(engine, body, ids: list[list[int]], params: list, texts: list[str | N
 async def respond(s: ServerState, request_id, stream, body, fmt):
     """Stream the outputs as server-sent events, or wait for the whole response."""
     tracker = s.metrics.tracker()
-    created, model_name = int(time.time()), s.config.model_name
+    created, model_name = int(time.time()), body.model or s.config.model_name
     finals: dict[str, object] = {}
 
     def in_prompt_order():
@@ -376,12 +431,12 @@ async def respond(s: ServerState, request_id, stream, body, fmt):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, s: Server):
     llm, engine = s.ready()
-    check_model(s, body.model)
+    lora = check_model(s, body.model)
     texts = [p if isinstance(p, str) else None for p in body.prompts]
     ids = [llm.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
     scoring = body.logprobs if body.echo else None      # echo + logprobs: the prompt's logprobs too
     params = [sampling(body, llm, i, body.max_tokens, 16, body.logprobs, scoring) for i in ids]
-    request_id, stream = submit(engine, body, ids, params, texts, "cmpl")
+    request_id, stream = submit(engine, body, ids, params, texts, "cmpl", lora=lora)
     return await respond(s, request_id, stream, body,
                          responses.Completion(llm.tokenizer, body, ids, texts, stream.request_ids))
 
@@ -399,7 +454,7 @@ def render_chat(tok, messages: list[dict], param: str, add_generation_prompt: bo
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, s: Server):
     llm, engine = s.ready()
-    check_model(s, body.model)
+    lora = check_model(s, body.model)
     tok = llm.tokenizer
     messages = [m.for_template() for m in body.messages]
     variables = {**({"tools": body.tools} if body.tools else {}), **(body.chat_template_kwargs or {})}
@@ -409,7 +464,8 @@ async def chat_completions(body: ChatCompletionRequest, s: Server):
     params = sampling(body, llm, ids, body.max_completion_tokens or body.max_tokens, None, logprobs,
                       prompt_param="messages")
     params, tool_format = with_tools(s.config, tok, body, body.tools, params)
-    request_id, stream = submit(engine, body, [ids], [params], [text], "chatcmpl", prompt_param="messages")
+    request_id, stream = submit(engine, body, [ids], [params], [text], "chatcmpl", prompt_param="messages",
+                                lora=lora)
     return await respond(s, request_id, stream, body, responses.Chat(
         tok, body, [ids], [text], stream.request_ids, reasoning_parser=s.config.reasoning_parser,
         tool_format=tool_format))
@@ -442,11 +498,11 @@ def with_tools(config: ServerConfig, tok, body, tools: list[dict] | None, params
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, s: Server):
     llm, engine = s.ready()
-    check_model(s, body.model)
+    lora = check_model(s, body.model)
     tools = body.chat_tools()
     text = render_chat(llm.tokenizer, body.messages(), "input", **({"tools": tools} if tools else {}))
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     params = sampling(body, llm, ids, body.max_output_tokens, None, None, prompt_param="input")
     params, tool_format = with_tools(s.config, llm.tokenizer, body, tools, params)
-    request_id, stream = submit(engine, body, [ids], [params], [text], "resp", prompt_param="input")
+    request_id, stream = submit(engine, body, [ids], [params], [text], "resp", prompt_param="input", lora=lora)
     return await respond(s, request_id, stream, body, ResponseFormat(body, ids, tool_format))

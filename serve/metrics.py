@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
@@ -28,18 +28,24 @@ class EngineGauges:
     prefix_queried: int = 0           # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0
     speculative: tuple | None = None  # (drafts, draft tokens, accepted tokens, accepted per position), or None
+    lora: tuple | None = None         # (adapter slots, running adapters' names, waiting ones'), or None
 
     @classmethod
     def of(cls, engine) -> "EngineGauges":
         def request_ids(seqs) -> set[str]:      # n > 1 samples of one request count once
             return {s.request.request_id for s in list(seqs)}
+        def adapters(seqs) -> tuple[str, ...]:
+            return tuple(sorted({s.request.lora.lora_name for s in list(seqs) if s.request.lora is not None}))
         running = request_ids(engine.scheduler.running)
         stats, spec = engine.pool.stats, getattr(engine, "speculator", None)
+        slots = getattr(engine, "lora_slots", None)
         return cls(len(running), len(request_ids(engine.scheduler.waiting) - running),
                    engine.pool.num_pages - engine.pool.num_free, engine.pool.num_pages, stats.queried_tokens,
                    stats.hit_tokens, None if spec is None else (spec.stats.drafts, spec.stats.draft_tokens,
                                                                 spec.stats.accepted_tokens,
-                                                                tuple(spec.stats.accepted_per_position)))
+                                                                tuple(spec.stats.accepted_per_position)),
+                   None if slots is None else (len(slots.holds), adapters(engine.scheduler.running),
+                                               adapters(engine.scheduler.waiting)))
 
     def __add__(self, other: "EngineGauges") -> "EngineGauges":
         spec = self.speculative or other.speculative
@@ -47,8 +53,13 @@ class EngineGauges:
             a, b = self.speculative, other.speculative
             per = tuple(x + y for x, y in itertools.zip_longest(a[3], b[3], fillvalue=0))
             spec = (a[0] + b[0], a[1] + b[1], a[2] + b[2], per)
-        counts = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "speculative"}
-        return EngineGauges(**counts, speculative=spec)
+        lora = self.lora or other.lora
+        if self.lora and other.lora:
+            names = (tuple(sorted({*a, *b})) for a, b in zip(self.lora[1:], other.lora[1:]))
+            lora = (self.lora[0] + other.lora[0], *names)
+        counts = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                  if f.name not in ("speculative", "lora")}
+        return EngineGauges(**counts, speculative=spec, lora=lora)
 
 
 class ServerMetrics:
@@ -78,6 +89,7 @@ class ServerMetrics:
               lambda g: g.prefix_hits / g.prefix_queried if g.prefix_queried else 0.0)
         r.register(_PrefixCacheCounters(self))
         r.register(_SpeculativeCounters(self))
+        r.register(_LoRAInfo(self))
 
         def both(kind, names: tuple[str, str], doc: str, labels: tuple[str, ...] = (), **kw):
             """kiln's metric and vLLM's of the same meaning: a function of the labels' values -> both children."""
@@ -155,6 +167,24 @@ class _SpeculativeCounters:
             theirs.add_metric([*model, str(position)], value)
         yield ours
         yield theirs
+
+
+class _LoRAInfo:
+    """vLLM's vllm:lora_requests_info: the adapters running and waiting as labels, the scrape's time as its
+    value; none where the artifact has no adapter slots."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        g = self.metrics.snapshot
+        if g is None or g.lora is None:
+            return
+        slots, running, waiting = g.lora
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([str(slots), ",".join(waiting), ",".join(running)], time.time())
+        yield family
 
 
 class RequestTracker:

@@ -366,3 +366,15 @@ class ChatCompletionRequest(_Sampling):
         if v and set(v) != {"text"}:
             raise _unsupported("modalities", "text only")
         return v
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): an adapter's served name and its PEFT folder."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -121,3 +121,50 @@ class LazyRunner(FakeRunner):
                 s.rng.random()               # the draw the launched step makes, gone from the generator
         return LaunchedStep(self, {k: v.copy() for k, v in inputs.items()}, list(copies), list(rows),
                             taken, previous, list(feed))
+
+
+class FakeLoRARunner(FakeRunner):
+    """A FakeRunner with `max_loras` adapter slots over one fake projection: an adapter's rows hold its
+    number k (write_lora_slot), and every token a sequence on slot s writes into the KV cache is marked
+    with its adapter's k (token + 1000 k), as an adapter's K/V differ from the base model's: so a page
+    shared across adapters, or a row run on another adapter's slot, changes the tokens a test sees."""
+    MODULE = "model.layers.0.self_attn.q_proj"
+
+    def __init__(self, num_pages: int, page_size: int = 4, vocab_size: int = 50, max_loras: int = 2):
+        from kiln.interface import LoRALayout, LoRASite
+        super().__init__(num_pages, page_size, vocab_size)
+        self.lora = LoRALayout(max_loras, 1, "float32", (LoRASite("lora_a.m", "lora_b.m", (self.MODULE,), (1,), 1),))
+        self.slot_adapter = [0] * max_loras
+        self.writes: list[tuple[int, int]] = []          # (slot, adapter k) of each write_lora_slot
+
+    def write_lora_slot(self, slot: int, rows: dict) -> None:
+        self.slot_adapter[slot] = int(rows["lora_a.m"][0, 0])
+        self.writes.append((slot, self.slot_adapter[slot]))
+
+    def forward(self, inputs: dict) -> np.ndarray:
+        marks = np.array([self.slot_adapter[s] if s >= 0 else 0 for s in inputs["lora_slots"]], np.int64)
+        return super().forward({**inputs, "tokens": inputs["tokens"] + 1000 * marks})
+
+
+def write_fake_adapter(folder, k: int):
+    """A PEFT adapter folder FakeLoRARunner reads as adapter k (rank 1, scale 1, A = [[k]])."""
+    import json
+    from pathlib import Path
+    from safetensors.numpy import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 1, "lora_alpha": 1}))
+    key = f"base_model.model.{FakeLoRARunner.MODULE}.lora_{{}}.weight"
+    save_file({key.format("A"): np.full((1, 1), k, np.float32), key.format("B"): np.ones((1, 1), np.float32)},
+              str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def reference_lora_greedy(prompt: list[int], max_tokens: int, vocab_size: int, k: int) -> list[int]:
+    """reference_greedy for a sequence on adapter k (0: none): every token it reads is marked with k."""
+    ids, out = [t + 1000 * k for t in prompt], []
+    for _ in range(max_tokens):
+        tok = int(np.argmax(FakeRunner.next_token_logits(ids, vocab_size)))
+        out.append(tok)
+        ids.append(tok + 1000 * k)
+    return out

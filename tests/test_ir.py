@@ -167,6 +167,10 @@ def _one_node(op, inputs, attrs=None):
     return b.output(b.op(op, *names, name="y", **(attrs or {})))
 
 
+def _lora_row(x, a, b):   # modules q (columns 0..3: A rows 0, 1) and k (columns 4, 5: A rows 2, 3)
+    return np.concatenate([x @ a[0:2].T @ b[:, 0:4], x @ a[2:4].T @ b[:, 4:6]])
+
+
 def _rot(x, pos, inv):   # rotate-half rope, written as complex rotation of pairs (i, i + D/2)
     half = x.shape[-1] // 2
     z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * pos[:, None, None] * inv[None, None, :])
@@ -288,6 +292,15 @@ EXAMPLES = {
                      lambda a: a["in0"] / (1 + np.exp(-a["in1"]))),
     "head_linear": (lambda: _one_node("head_linear", [((3, 2, 4), "float32"), ((2, 4, 5), "float32")]),
                     lambda a: np.stack([a["in0"][:, h] @ a["in1"][h] for h in range(2)], axis=1)),
+    # two adapter slots of rank 2 over a fused output of two modules (4 + 2 columns); row 1 uses none
+    "lora": (lambda: _one_node("lora", [((3, 6), "float32"), ((3, 4), "float32"), ((2, 4, 4), "float32"),
+                                        ((2, 2, 6), "float32"), ((3,), "int32")],
+                               {"modules": ("m.q_proj", "m.k_proj"), "rows": (4, 2), "rank": 2}),
+             lambda a: a["in0"] + np.stack([_lora_row(a["in1"][t], a["in2"][s], a["in3"][s]) if s >= 0
+                                            else 0 * a["in0"][t] for t, s in enumerate(a["in4"])]),
+             lambda rng: {**{f"in{i}": rng.standard_normal(shape).astype(np.float32)
+                             for i, shape in enumerate([(3, 6), (3, 4), (2, 4, 4), (2, 2, 6)])},
+                          "in4": np.array([1, -1, 0], np.int32)}),
 }
 
 
