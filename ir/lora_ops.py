@@ -24,8 +24,10 @@ def _lora():
     many each; rank: R per module."""
     def rule(types, attrs, fail):
         y, x, a, b, slots = types
-        need_float(y, "y", fail)
-        need_float(x, "x", fail)
+        for t, what in ((y, "y"), (x, "x"), (a, "a"), (b, "b")):
+            need_float(t, what, fail)
+        if a.dtype != b.dtype:
+            fail(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
         if y.rank != 2 or x.rank != 2 or y.shape[0] != x.shape[0]:
             fail(f"y and x must be [tokens, out] and [tokens, in], got {y} and {x}")
         if a.rank != 3 or b.rank != 3 or a.shape[0] != b.shape[0] or b.shape[1] != attrs["rank"]:

@@ -168,12 +168,14 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
                    "--lora-modules, kiln.LLM's lora_request), up to N different ones in a step.")
 @click.option("--max-lora-rank", default=16, show_default=True, type=click.IntRange(min=1), metavar="R",
               help="The largest adapter rank the slots hold.")
+@click.option("--lora-dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="The adapter slots' dtype (default: bfloat16 beside quantised CPU weights, else the model's).")
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
 def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, tensor_quant, calibrate,
             kv_dtype, output, force, print_after_all, print_after, disable_pass, mla_expanded_from, activations,
-            attention, max_loras, max_lora_rank, weights):
+            attention, max_loras, max_lora_rank, lora_dtype, weights):
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
     A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16; Q4_0 as q4, Q8_0 as q8g,
@@ -200,7 +202,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
                              int8_activations=None if activations is None else activations == "int8",
                              mla_expanded_from=mla_expanded_from, disable_passes=frozenset(disable_pass),
                              attention=attention, weights=weights, max_loras=max_loras,
-                             max_lora_rank=max_lora_rank)
+                             max_lora_rank=max_lora_rank, lora_dtype=lora_dtype)
     m = compile_model(model_dir, output, options, force=force, dump=dump)
     _err(f"wrote {output} (target {target}): {len(m.kernels)} kernels, {m.dtype}, "
          f"{sum(f['bytes'] for f in m.files.values()) / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"

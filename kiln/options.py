@@ -19,6 +19,7 @@ TABLE_FORMATS = ("q8", "q4", "fp8")          # the formats an embedding lookup r
 TENSOR_CLASSES = ("embedding", "lm_head", "attention", "mlp", "experts", "q", "k", "v", "o", "gate", "up", "down")
 ATTENTION_CHOICES = ("builtin", "flashinfer")
 MAX_LORA_RANK = 256
+LORA_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,8 @@ class CompileOptions:
     weights: bool = True                     # False: no weights file (attach-weights or fill-weights write it)
     max_loras: int = 0                       # LoRA adapter slots compiled in (0: none; passes/add_lora.py)
     max_lora_rank: int = 16                  # the largest adapter rank the slots hold
+    lora_dtype: str | None = None            # the slots' dtype (None: bfloat16 beside quantised CPU weights, else
+    #                                          the model's; passes/pipeline.py)
 
     def __post_init__(self):
         for name, value, known in (("dtype", self.dtype, DTYPES), ("quant", self.quant, (*WEIGHT_QUANTS, "none")),
@@ -61,6 +64,8 @@ class CompileOptions:
             raise KilnError(f"--attention {self.attention} is not one of {', '.join(ATTENTION_CHOICES)}")
         if self.attention == "flashinfer" and self.target_name != "cuda":
             raise KilnError(f"--attention flashinfer is for --target cuda, not {self.target_name}")
+        if self.lora_dtype is not None and self.lora_dtype not in LORA_DTYPES:
+            raise KilnError(f"--lora-dtype {self.lora_dtype} is not one of {', '.join(LORA_DTYPES)}")
         if self.max_loras < 0 or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise KilnError(f"--max-loras {self.max_loras} must be 0 or more and --max-lora-rank "
                             f"{self.max_lora_rank} within 1..{MAX_LORA_RANK}")

@@ -6,7 +6,8 @@ Rewrite (max_loras S, max_rank R; a fused projection of P parts stacks P·R rank
     %qkv.base0 = linear(%x, @w.qkv[, ...])
     %qkv = lora(%qkv.base0, %x, %lora_a.<module>, %lora_b.<module>, %lora_slots)
            {modules=(…q_proj, …k_proj, …v_proj), rows=(Nq, Nk, Nv), rank=R}
-    %lora_a.<module>: [S, P·R, in]   %lora_b.<module>: [S, R, out]   %lora_slots: i32[tokens]   (new inputs)
+    %lora_a.<module>: [S, P·R, in]   %lora_b.<module>: [S, R, out]   %lora_slots: i32[tokens]   (new inputs,
+    the adapters in `dtype`, else the projection's)
 The runtime writes each slot's rows from a PEFT adapter (runtime/lora.py) and each step's row slots.
 Requires: the linear's weight is a checkpoint projection (q, k, v, o, gate, up, down: plain, or fused by
   fuse_qkv / fuse_gate_up, whose output the slices or the gated activation split in concat order). The
@@ -54,6 +55,7 @@ class AddLoRA(GraphPass):
     name: ClassVar[str] = "add_lora"
     max_loras: int = 1
     max_rank: int = 16
+    dtype: str | None = None      # the adapter slots' dtype (None: the projection's)
 
     def rewrite(self, graph: Graph) -> Graph:
         readers = users(graph)
@@ -69,8 +71,9 @@ class AddLoRA(GraphPass):
             modules = tuple(p.removesuffix(".weight") for p in parts)
             a, b = lora_input_names(weight.removesuffix(".weight"))
             rank_rows, n_in = self.max_rank * len(parts), graph.value_types()[input_of(node, "x")].shape[-1]
-            graph.inputs[a] = TensorType((self.max_loras, rank_rows, n_in), node.type.dtype)
-            graph.inputs[b] = TensorType((self.max_loras, self.max_rank, node.type.shape[-1]), node.type.dtype)
+            dtype = self.dtype or node.type.dtype
+            graph.inputs[a] = TensorType((self.max_loras, rank_rows, n_in), dtype)
+            graph.inputs[b] = TensorType((self.max_loras, self.max_rank, node.type.shape[-1]), dtype)
             out, node.output = node.output, fresh_name(graph, f"{node.output}.base")
             lora = Node("lora", [node.output, input_of(node, "x"), a, b, LORA_SLOTS],
                         attrs_for("lora", modules=modules, rows=rows, rank=self.max_rank), out, node.type)

@@ -88,10 +88,11 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
         FuseResidualAdd(),
     ]
     if options.max_loras:
-        if target.device != "cpu":
-            raise KilnError(f"--max-loras: LoRA adapters are built for the cpu target only, not {target.name} yet")
         # after the projections fuse (one lora each) and while slices still split qkv into its parts
-        passes.append(AddLoRA(options.max_loras, options.max_lora_rank))
+        # beside quantised CPU weights the adapters are bfloat16: a step of many adapters reads them all
+        quantised_cpu = options.quant not in (None, "none") and target.device == "cpu"
+        passes.append(AddLoRA(options.max_loras, options.max_lora_rank,
+                              options.lora_dtype or ("bfloat16" if quantised_cpu else None)))
     if target.kernels.fuses_rope():
         passes.append(FuseRopeAttention())
     if options.quant:

@@ -82,14 +82,15 @@ def graph_step_capacities(max_batch: int, pages_per_seq: int) -> dict[str, int]:
     """Buffer lengths a padded decode step of up to `max_batch` sequences can need."""
     return {"tokens": max_batch, "positions": max_batch, "q_indptr": max_batch + 1, "page_indptr": max_batch + 1,
             "page_values": max_batch * pages_per_seq, "last_page_len": max_batch, "slot_mapping": max_batch,
-            "logit_rows": max_batch}
+            "logit_rows": max_batch, LORA_SLOTS: max_batch}
 
 
 def pad_decode_step(inputs: dict[str, np.ndarray], batch: int, scratch_page: int,
                     page_size: int) -> dict[str, np.ndarray]:
     """A decode step of s <= batch sequences, padded to `batch` with sequences of one token at
     position 0 whose KV is row 0 of `scratch_page` (a page no sequence owns): their rows of the
-    output are to be dropped. Real rows keep their order, so output row i is still sequence i's."""
+    output are to be dropped (on no adapter). Real rows keep their order, so output row i is still
+    sequence i's."""
     seqs = len(inputs["tokens"])
     pad = batch - seqs
     if pad < 0 or len(inputs["logit_rows"]) != seqs:
@@ -105,4 +106,5 @@ def pad_decode_step(inputs: dict[str, np.ndarray], batch: int, scratch_page: int
         "last_page_len": np.concatenate([inputs["last_page_len"], ones]),
         "slot_mapping": np.concatenate([inputs["slot_mapping"], np.full(pad, scratch_page * page_size, np.int32)]),
         "logit_rows": np.arange(batch, dtype=np.int32),
+        LORA_SLOTS: np.concatenate([inputs.get(LORA_SLOTS, np.full(seqs, -1, np.int32)), np.full(pad, -1, np.int32)]),
     }

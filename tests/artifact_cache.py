@@ -156,7 +156,8 @@ CUDA_BUILDS = {
     "gemma2-fp8kv-sm_90": ("gemma2", ["--arch", "sm_90", "--kv-dtype", "fp8", "--quant", "q4", "--group-size", "128",
                                       "--no-quant-lm-head", "--no-quant-embedding"]),
     **{f"{family}-sm_80": (family, ["--arch", "sm_80"])
-       for family in ("qwen3", "gemma3", "qwen2_moe", "deepseek_v3")},
+       for family in ("gemma3", "qwen2_moe", "deepseek_v3")},
+    "qwen3-sm_80": ("qwen3", ["--arch", "sm_80", "--max-loras", "2", "--max-lora-rank", "8"]),
     # GGUF's Q4_K format (q4k): the tensor-core GEMM and the GEMV with group minimums
     "olmo2-sm_80": ("olmo2", ["--arch", "sm_80", "--quant", "q4k"]),
 }

@@ -80,7 +80,7 @@ def test_cuda_fp8_artifact_is_built_for_hopper():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope")),
+@pytest.mark.parametrize("family,kernels", [("qwen3", ("rms_norm", "rope", "kiln_lora_f16_")),
                                             ("olmo2", ("rms_norm", "rope", "mma_q4kg32_", "gemv_q4kg32_")),
                                             ("gemma3", ("kiln_paged_attention_window5",
                                                         "kiln_paged_attention_decode_window5", "gelu_tanh")),
@@ -89,7 +89,8 @@ def test_cuda_fp8_artifact_is_built_for_hopper():
                                             ("deepseek_v3", ("tvm_mla_append", "tvm_mla_attention", "head_linear",
                                                              "moe_router_sigmoid_group_top2"))])
 def test_new_families_build_for_cuda(family, kernels):
-    """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA (OLMo 2 in q4k: its linears the
+    """Qwen3's per-head and OLMo 2's all-head q/k norms lower for CUDA (Qwen3 with 2 LoRA slots: every
+    projection's adapters the CUDA LoRA kernel's; OLMo 2 in q4k: its linears the
     tensor-core GEMM's and the GEMV's q4k forms); Gemma 3's sliding layers run
     kiln's GPU attention (TVM's mask causally only; its decode steps split the keys over blocks) and
     its global layer TVM's kernels; DeepSeek's

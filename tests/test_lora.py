@@ -94,16 +94,21 @@ def test_add_lora_puts_one_lora_after_each_projection(make_model):
     assert not any("lm_head" in m or "embed" in m for s in layout.sites for m in s.modules)
 
 
-def test_a_step_mixing_four_adapters_and_the_base_model_is_peft_row_by_row(adapters):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_step_mixing_four_adapters_and_the_base_model_is_peft_row_by_row(adapters, make_model, family,
+                                                                           tmp_path):
     """One prefill step of five sequences, four on adapters in slots 3, 0, 2, 1 and one on none: each
     sequence's last logits equal transformers + peft with its adapter (the base model's without), so
-    rows do not leak into each other's adapters."""
+    rows do not leak into each other's adapters (Qwen2: the fused qkv carries biases)."""
     from paging import make_kv_pages, make_step_inputs
     from kiln.frontend import load_hf_model
     from kiln.interface import LORA_SLOTS
     from kiln.ir import interpret, weight_loader
     from kiln.runtime.lora import read_adapter, slot_rows
     model_dir, folders = adapters
+    if family != "llama":
+        model_dir = make_model(family)
+        folders = [make_adapter(model_dir, tmp_path / f"a{i}", 30 + i, *spec) for i, spec in enumerate(ADAPTERS)]
     model = load_hf_model(model_dir)
     graph, layout = _lora_graph(model)
     slot_of = [3, 0, 2, 1, -1]                        # sequence i's adapter i in a shuffled slot; the last: none
@@ -201,3 +206,28 @@ def test_the_compiled_model_runs_four_adapters_and_the_base_in_one_batch(adapter
     alone = [llm.generate([p], [sp], use_tqdm=False, lora_request=[lora])[0].outputs[0].token_ids
              for p, sp, lora in zip(prompts, seeded, loras)]
     assert together == alone
+
+
+@pytest.mark.build
+def test_a_q8_artifact_keeps_bfloat16_adapters_close_to_peft(adapters):
+    """Beside q8 weights the slots are bfloat16 (half the bytes a step of many adapters reads): an adapter's
+    last logits stay as close to transformers + peft's (float32) as q8 holds the base model's."""
+    from artifact_cache import cpu_artifact
+    from paging import make_step_inputs
+    from reference import random_prompt
+    from kiln.artifact import read_manifest
+    from kiln.interface import LORA_SLOTS
+    from kiln.runtime.lora import read_adapter, slot_rows
+    from kiln.runtime.model import CompiledModel
+    model_dir, folders = adapters
+    artifact = cpu_artifact(model_dir, quant="q8", quant_embedding=False, max_loras=2, max_lora_rank=16)
+    assert read_manifest(artifact).lora.dtype == "bfloat16"
+    compiled = CompiledModel(artifact)
+    compiled.allocate_kv(16 * compiled.bytes_per_page)
+    compiled.write_lora_slot(1, slot_rows(read_adapter(folders[2]), compiled.lora))
+    for seed in range(3):
+        ids = random_prompt(12 + seed, 90 + seed)
+        step = make_step_inputs([(ids, 0, [0])], compiled.page_size)
+        got = compiled.forward({**step, LORA_SLOTS: np.full(len(ids), 1, np.int32)})[0]
+        want = peft_logits(model_dir, folders[2], ids)
+        assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) >= 0.999

@@ -26,7 +26,8 @@ from pathlib import Path
 # artifact folder suffix -> extra `kiln compile` flags
 VARIANTS = {"float32": ["--dtype", "float32"], "float16": ["--dtype", "float16"],
             "bfloat16": ["--dtype", "bfloat16"], "q8": ["--dtype", "float16", "--quant", "q8"],
-            "q4": ["--dtype", "float16", "--quant", "q4"], "fp8": ["--dtype", "float16", "--quant", "fp8"]}
+            "q4": ["--dtype", "float16", "--quant", "q4"], "fp8": ["--dtype", "float16", "--quant", "fp8"],
+            "lora": ["--dtype", "float16", "--max-loras", "4", "--max-lora-rank", "16"]}
 
 
 def main() -> None:

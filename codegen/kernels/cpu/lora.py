@@ -8,7 +8,8 @@ contiguous over the outputs, so the outputs vectorise with the rank as the outer
 divide every module's width, so a vector's columns share one module). Everything is in float32; y is
 rounded once. A step whose rows share an adapter reads its matrices from cache once per row: adapters
 are small (rank · (in + out)).
-Signature, y written in place: (y [T, out], x [T, in], a [S, P·R, in], b [S, R, out], slots [T] i32).
+Signature, y written in place: (y [T, out], x [T, in], a [S, P·R, in], b [S, R, out], slots [T] i32); a and b
+may be of another dtype than x and y (bfloat16 beside float32 activations: half the bytes a step reads).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _module_of(column, ends: tuple[int, ...]):
 
 
 @functools.cache
-def cpu_lora(n_in: int, rows: tuple[int, ...], rank: int, slots: int, dtype: str):
+def cpu_lora(n_in: int, rows: tuple[int, ...], rank: int, slots: int, dtype: str, adapter_dtype: str):
     n_out, rank_rows = sum(rows), rank * len(rows)
     ends = tuple(sum(rows[:j + 1]) for j in range(len(rows)))
     lanes_in, lanes_out = _lanes(n_in), _lanes(math.gcd(*rows))
@@ -42,8 +43,8 @@ def cpu_lora(n_in: int, rows: tuple[int, ...], rank: int, slots: int, dtype: str
         tokens = T.int64()
         y = T.match_buffer(var_y, (tokens, n_out), dtype)
         x = T.match_buffer(var_x, (tokens, n_in), dtype)
-        a = T.match_buffer(var_a, (slots, rank_rows, n_in), dtype)
-        b = T.match_buffer(var_b, (slots, rank, n_out), dtype)
+        a = T.match_buffer(var_a, (slots, rank_rows, n_in), adapter_dtype)
+        b = T.match_buffer(var_b, (slots, rank, n_out), adapter_dtype)
         row_slots = T.match_buffer(var_slots, (tokens,), "int32")
         for t in T.parallel(tokens):
             with T.sblock("row"):
