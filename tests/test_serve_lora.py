@@ -144,3 +144,16 @@ def test_sixteen_clients_over_sixteen_adapters_on_four_slots(server, setup):
     assert re.search(r"^kiln_kv_pages_used 0\.0$", text, re.M)
     info = re.search(r'^vllm:lora_requests_info{(.*)} \S+$', text, re.M).group(1)
     assert 'max_lora="4"' in info and 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info
+
+
+def test_serve_refuses_adapters_it_cannot_serve_in_one_line(llama_cpu, setup, tmp_path):
+    from click.testing import CliRunner
+    from kiln.cli import main
+    artifact, folders, _ = setup
+    cases = [([str(llama_cpu[0]), "--lora-modules", f"a={folders['lora0']}"], "has no LoRA adapter slots"),
+             ([str(artifact), "--lora-modules", "a"], "give NAME=PATH"),
+             ([str(artifact), "--lora-modules", f"a={tmp_path}"], "holds no adapter_config.json"),
+             ([str(artifact), "--lora-modules", f"a={folders['lora0']}", "--replicas", "2"], "do not go with --replicas")]
+    for args, message in cases:
+        result = CliRunner().invoke(main, ["serve", *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
