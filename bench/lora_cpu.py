@@ -5,8 +5,9 @@
 Two artifacts of the preset's model (random weights): without adapter slots, and with --max-loras
 BATCH --max-lora-rank RANK. Rank-RANK PEFT adapters on q/k/v/o/gate/up/down (random, written here
 in PEFT's file format). BATCH sequences of --prompt-len tokens each generate --new-tokens greedily,
-in one kiln.LLM.generate; decode tok/s counts the tokens after each sequence's first over the time
-from the last first token to the last token (prefill left out). Medians of --repeats rounds, each
+in one kiln.LLM.generate; prefill tok/s counts the prompts' tokens over the time to the last first
+token, decode tok/s the tokens after each sequence's first over the time from the last first token to
+the last token. Medians of --repeats rounds, each
 round running every row once in turn (so that a slower or faster minute of the VM hits them alike).
 Rows: the base artifact; the LoRA artifact with no adapter; all sequences on one adapter; each on its own.
 """
@@ -22,13 +23,16 @@ import numpy as np
 
 from kiln.testing.lora import write_random_adapter
 
-def decode_rate(llm, prompts, params, loras) -> float:
-    """Decode tok/s of one generate: the tokens after each sequence's first, over the time from the last
+def rates(llm, prompts, params, loras) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one generate: the prompts' tokens over the time from the first
+    arrival to the last first token; the tokens after each sequence's first over the time from the last
     first token to the last token."""
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    start = min(o.metrics.arrival_time for o in outs)
     first = max(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.last_token_time for o in outs)
-    return sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first)
+    return (sum(len(p) for p in prompts) / (first - start),
+            sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first))
 
 
 def main() -> None:
@@ -71,20 +75,22 @@ def main() -> None:
     runs = {"base artifact (no slots)": (base_llm, None, "-"), "LoRA artifact, no adapter": (lora_llm, None, "0"),
             "all on one adapter": (lora_llm, [adapters[0]] * args.batch, "1"),
             f"each on its own ({args.batch} adapters)": (lora_llm, adapters, str(args.batch))}
-    rates = {label: [] for label in runs}
+    measured = {label: [] for label in runs}
     for round_ in range(args.repeats + 1):          # rounds interleave the runs; the first warms up
         for label, (llm, loras, _) in runs.items():
-            rate = decode_rate(llm, prompts, params, loras)
+            pair = rates(llm, prompts, params, loras)
             if round_:
-                rates[label].append(rate)
-    rows = [(label, count, statistics.median(rates[label])) for label, (_, _, count) in runs.items()]
-    base = rows[0][2]
+                measured[label].append(pair)
+    rows = [(label, count, *(statistics.median(p[i] for p in measured[label]) for i in (0, 1)))
+            for label, (_, _, count) in runs.items()]
+    base = rows[0]
     threads = os.environ.get("TVM_NUM_THREADS", "all")
     print(f"\n{args.preset} {args.quant}, batch {args.batch}, rank {args.rank} on q/k/v/o/gate/up/down, "
-          f"{args.prompt_len} in / {args.new_tokens} out, threads {threads}; decode tok/s, medians of {args.repeats}")
-    print("| run | adapters | decode tok/s | vs base |\n|---|---|---|---|")
-    for label, count, rate in rows:
-        print(f"| {label} | {count} | {rate:.1f} | {rate / base:.2f}x |")
+          f"{args.prompt_len} in / {args.new_tokens} out, threads {threads}; tok/s, medians of {args.repeats}")
+    print("| run | adapters | prefill tok/s | vs base | decode tok/s | vs base |\n|---|---|---|---|---|---|")
+    for label, count, prefill, decode in rows:
+        print(f"| {label} | {count} | {prefill:.1f} | {prefill / base[2]:.2f}x | {decode:.1f} "
+              f"| {decode / base[3]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The CUDA LoRA kernel's own source (codegen/kernels/gpu/lora_source.py) compiled for the CPU with g++ and run
 over tests/mma_emulator.h's threads, against the interpreter's lora op (ir/lora_ops.py) on the same arrays:
-one, two and three modules a projection, bf16 and fp16, rows on no adapter and rows sharing one, a step of
-one row and of many. tests/gpu/test_lora.py runs the built kernel on a GPU."""
+one, two and three modules a projection, bf16 and fp16, rows on no adapter and rows sharing one (runs the
+block takes together), a step of one row and of many. tests/gpu/test_lora.py runs the built kernel on a GPU."""
 from __future__ import annotations
 
 import ctypes
@@ -21,7 +21,7 @@ TOLERANCE = {"bfloat16": 1.6e-2, "float16": 2e-3}
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    from kiln.codegen.kernels.gpu.lora_source import THREADS, lora_name, lora_source, shared_bytes
+    from kiln.codegen.kernels.gpu.lora_source import THREADS, TILE, lora_name, lora_source, shared_bytes
     parts = ['#include "mma_emulator.h"']
     for index, (dtype, n_in, rows, rank) in enumerate(CASES):
         source = lora_source(dtype, n_in, rows, rank, SLOTS)
@@ -30,7 +30,7 @@ def library(tmp_path_factory):
         parts.append(source.replace("#include <cuda_bf16.h>", "").replace("#include <cuda_fp16.h>", ""))
         name = lora_name(dtype, n_in, rows, rank, SLOTS)
         parts.append(f'extern "C" void run_{index}(void* y, void* x, void* a, void* b, void* slots, int M) {{\n'
-                     f"  launch(1, M, {THREADS}, {shared_bytes(rows, rank)}, "
+                     f"  launch(1, (M + {TILE - 1}) / {TILE}, {THREADS}, {shared_bytes(rows, rank)}, "
                      f"[&] {{ {name}(y, x, a, b, slots, M, block->shared.data()); }});\n}}\n")
     return compile_emulated(parts, tmp_path_factory.mktemp("lora-emulated"))
 
@@ -42,7 +42,8 @@ def test_emulated_lora_matches_the_interpreter(library, index):
     n_out, rng = sum(rows), np.random.default_rng(50 + index)
     a = (rng.standard_normal((SLOTS, len(rows) * rank, n_in)) / np.sqrt(n_in)).astype(NUMPY[dtype])
     b = (rng.standard_normal((SLOTS, rank, n_out)) * 0.5).astype(NUMPY[dtype])
-    for slots in ([1], [2, -1, 0, 2, 2, -1, 1]):
+    # one row; rows on mixed slots (runs of one); a prompt's rows (runs across a block's 4 and past M's end)
+    for slots in ([1], [2, -1, 0, 2, 2, -1, 1], [0] * 6 + [2] * 5 + [-1] * 2 + [1] * 3):
         m = len(slots)
         x = rng.standard_normal((m, n_in)).astype(NUMPY[dtype])
         y = rng.standard_normal((m, n_out)).astype(NUMPY[dtype])

@@ -1,11 +1,11 @@
-"""The CUDA LoRA kernel's PrimFunc (y, x, a, b, slots), y written in place: a block per row of the step
-(blockIdx.y), launched from TIR so that it runs on TVM's stream and decode CUDA graphs capture it. The
+"""The CUDA LoRA kernel's PrimFunc (y, x, a, b, slots), y written in place: a block per TILE rows of the
+step (blockIdx.y), launched from TIR so that it runs on TVM's stream and decode CUDA graphs capture it. The
 kernel is CUDA source (lora_source.py)."""
 from __future__ import annotations
 
 from tvm import tirx
 
-from .lora_source import THREADS, lora_name, lora_source, shared_bytes
+from .lora_source import THREADS, TILE, lora_name, lora_source, shared_bytes
 from .mma_gemm import launch_lines, prim_func
 
 
@@ -20,6 +20,6 @@ def lora_kernel(n_in: int, rows: tuple[int, ...], rank: int, slots: int, dtype: 
     pointers = ["y.data", "x.data", "a.data", "b.data", "row_slots.data"]
 
     def launch(kernel, _config, ptrs, indent):
-        return launch_lines(kernel, 1, 1, THREADS, shared_bytes(rows, rank), ptrs, indent)
+        return launch_lines(kernel, 1, TILE, THREADS, shared_bytes(rows, rank), ptrs, indent)
     sources = {name: lora_source(dtype, n_in, rows, rank, slots)}
     return prim_func(params, buffers, pointers, [(0, None)], [name], sources, launch), name
