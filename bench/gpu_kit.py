@@ -11,6 +11,7 @@
                             --modes bfloat16 bfloat16-kv-int8
     python bench/gpu_kit.py --attention --shapes gemma-2-2b gemma-2-2b-full deepseek-v2-lite-4l
                             mixtral-8x7b-4l --modes bfloat16       (the same folder: a kit grows)
+    python bench/gpu_kit.py --lora [--out build/gpu-kit-lora] --shapes llama-3.2-1b
 
 The GPU machine has PyTorch and transformers but no TVM, no compiler toolchain for it, no
 internet, and takes at most 64 MiB per transfer, so nothing big travels:
@@ -46,7 +47,9 @@ internet, and takes at most 64 MiB per transfer, so nothing big travels:
                         context, 1 and 8 sequences, kernel by kernel against the bytes read) and
                         windows (the Gemma 2 shapes' decode steps at 4,096: windows and soft-capping
                         against neither) and moe_mla (the DeepSeek and Mixtral shapes' decode and
-                        2,048-token prefill beside HF eager); $STAGES picks others; results go to $OUT
+                        2,048-token prefill beside HF eager); with --lora lora (bench/lora.py: each shape's
+                        bfloat16 artifact beside its 8-slot LoRA one, batch 32 on 8 adapters); $STAGES picks
+                        others; results go to $OUT
 With --families the kit is site/ and tests/gpu/test_cuda_families.py's bundle alone: every tiny
 family's float32 CUDA artifact without weights (tests/gpu/make_bundle.py --families-without-weights);
 its run.sh makes each tiny model there, attaches its weights (kiln attach-weights) and runs the test.
@@ -69,7 +72,8 @@ MODES = {"float16": ["--dtype", "float16"], "bfloat16": ["--dtype", "bfloat16"],
          "q4k": ["--dtype", "float16", "--quant", "q4k"],          # GGUF's Q4_K: mma and GEMV with minimums
          "fp8": ["--dtype", "float16", "--quant", "fp8"],
          "bfloat16-kv-int8": ["--dtype", "bfloat16", "--kv-dtype", "int8"],
-         "bfloat16-flashinfer": ["--dtype", "bfloat16", "--attention", "flashinfer"]}
+         "bfloat16-flashinfer": ["--dtype", "bfloat16", "--attention", "flashinfer"],
+         "bfloat16-lora8": ["--dtype", "bfloat16", "--max-loras", "8", "--max-lora-rank", "16"]}   # issue 52
 DEVICE_PYTHON = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
                  *[f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                                                "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
@@ -184,6 +188,13 @@ stage_prefill_profile() {    # a 2,048-token prefill step of each artifact, kern
       | tee -a $OUT/prefill_profile.md
   done
 }
+stage_lora() {         # each shape's bfloat16 artifact beside its LoRA one: batch 32 on no, one, and 8 adapters
+  for shape in $(ls -d $KIT/*/bfloat16-lora8/ | xargs -n1 dirname); do
+    within $(( $(left) - 10 )) python3 bench/lora.py --artifacts $shape/bfloat16 $shape/bfloat16-lora8 \
+      --model $shape/model --workdir /tmp/lora ${LORA_ARGS:---batch 32 --adapters 8 --prompt-len 128 --new-tokens 64} \
+      2>&1 | tee -a $OUT/lora_gpu.md
+  done
+}
 stage_decode() {
   within $(( $(left) - 10 )) python3 bench/decode_gpu.py $(artifacts) \\
     ${DECODE_ARGS:---new-tokens 64 --no-hf-compiled} 2>&1 | tee $OUT/decode_gpu.md
@@ -193,7 +204,8 @@ for stage in ${STAGES:-@STAGES@}; do echo "== $stage: $(left) s left"; stage_$st
 STAGES = {"plain": "tests weights decode", "serve": "tests serve_tests weights serve speculative decode",
           "gemm": "tests gemm weights prefill decode", "gemv": "tests gemv weights profile decode",
           "attention": "tests weights windows longctx moe_mla",
-          "flashinfer": "flashinfer_tests weights prefill speculative prefill_profile serve"}
+          "flashinfer": "flashinfer_tests weights prefill speculative prefill_profile serve",
+          "lora": "tests weights lora"}
 
 FAMILIES_SH = """#!/bin/bash
 # On the GPU machine, from the repository root:  bash KIT/run.sh KIT [SECONDS]
@@ -291,13 +303,17 @@ def main() -> None:
                          "tests/gpu/test_flashinfer_gpu.py's bundle, and the prefill, verify-cost and serve stages")
     ap.add_argument("--attention", action="store_true",
                     help="the windows and longctx stages (kiln's GPU attention beside TVM's, long contexts)")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA artifacts beside bfloat16 ones (modes bfloat16 bfloat16-lora8) and the lora stage")
     args = ap.parse_args()
     if args.flashinfer:
         args.modes, args.serve = ["bfloat16", "bfloat16-flashinfer"], True
+    if args.lora:
+        args.modes = ["bfloat16", "bfloat16-lora8"]
     out: Path = args.out or Path("build/gpu-kit-flashinfer" if args.flashinfer else
                                  "build/gpu-kit-families" if args.families else "build/gpu-kit-gemm" if args.gemm
                                  else "build/gpu-kit-gemv" if args.gemv else "build/gpu-kit-attention" if args.attention
-                                 else "build/gpu-kit")
+                                 else "build/gpu-kit-lora" if args.lora else "build/gpu-kit")
     out.mkdir(parents=True, exist_ok=True)
 
     if args.serve and "bfloat16" not in args.modes:
@@ -334,8 +350,8 @@ def main() -> None:
         for mode in args.modes:
             if not (out / shape / mode / "manifest.json").exists():
                 compile_artifact(model, out / shape / mode, args.arch, MODES[mode])
-    kind = ("flashinfer" if args.flashinfer else "gemm" if args.gemm else "gemv" if args.gemv else "attention" if args.attention else "serve" if args.serve
-            else "plain")
+    kind = ("flashinfer" if args.flashinfer else "gemm" if args.gemm else "gemv" if args.gemv else "attention"
+            if args.attention else "lora" if args.lora else "serve" if args.serve else "plain")
     (out / "run.sh").write_text(RUN_SH.replace("@STAGES@", STAGES[kind]))
     print_sizes(out)
 

@@ -182,9 +182,13 @@ def request_bodies(schema: dict, n: int, seed: int = 0):
         if post and "requestBody" in post:
             body_schema = resolve(schema, post["requestBody"]["content"]["application/json"]["schema"])
             routes.append((path, body_schema["properties"]))
-    assert {p for p, _ in routes} == {"/v1/completions", "/v1/chat/completions", "/v1/responses"}, routes
-    for i in range(n):
-        path, props = routes[i % len(routes)]
+    # the LoRA routes too: on a server without adapter slots (or runtime updating) they are 404s, never 5xx
+    assert {p for p, _ in routes} == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                      "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}, routes
+    generating = [r for r in routes if "lora" not in r[0]]
+    adapters = [r for r in routes if "lora" in r[0]]
+    for i in range(n):                       # one request in ten to the adapter routes
+        path, props = adapters[i // 10 % 2] if i % 10 == 9 else generating[i % len(generating)]
         wild = rng.random() < 0.5            # half the requests are plausible, half adversarial
         body = {}
         for name, prop in props.items():
