@@ -70,7 +70,7 @@ def main() -> None:
         model_dir = preset_model(args.preset, work / "model")
         artifacts = {}
         for name, slots in (("base", 0), ("lora", count)):
-            out = work / f"{args.quant}-{name}-r{args.rank}"
+            out = work / (f"{args.quant}-{name}" + (f"{slots}-r{args.rank}" if slots else ""))
             if not (out / "manifest.json").exists():
                 compile_model(model_dir, out, CompileOptions(quant=args.quant, max_loras=slots,
                                                              max_lora_rank=args.rank), show=None)
@@ -82,7 +82,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"], args.prompt_len).tolist() for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    base_llm, lora_llm = LLM(artifacts["base"], kv_memory="256MiB"), LLM(artifacts["lora"], kv_memory="256MiB")
+    # no prefix cache: every round computes its prompts (the base model's would be found cached)
+    base_llm, lora_llm = (LLM(artifacts[name], kv_memory="256MiB", prefix_caching=False) for name in ("base", "lora"))
     runs = {"base artifact (no slots)": (base_llm, None, "-"), "LoRA artifact, no adapter": (lora_llm, None, "0"),
             "all on one adapter": (lora_llm, [adapters[0]] * args.batch, "1"),
             f"spread over {count} adapters": (lora_llm, [adapters[i % count] for i in range(args.batch)], str(count))}
