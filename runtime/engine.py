@@ -25,7 +25,7 @@ from kiln.errors import ParamError
 from .config import EngineConfig
 from .kv_pool import PagePool
 from .limits import RequestLimits
-from .lora import LoRAError
+from .lora import no_slots
 from .lora_slots import LoRASlots
 from .kv_transfer import KVSnapshot, check_layout
 from .request import Request, RequestOutput, Sequence
@@ -153,8 +153,7 @@ class Engine:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         if lora_request is not None:
             if self.lora_slots is None:
-                raise LoRAError(f"adapter {lora_request.lora_name}: the artifact has no adapter slots (compile it "
-                                "with --max-loras N [--max-lora-rank R])")
+                raise no_slots(lora_request.lora_name)
             if export_kv:
                 raise ParamError("kv_transfer_params", "a request on a LoRA adapter cannot export its KV pages")
             self.lora_slots.check(lora_request)

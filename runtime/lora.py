@@ -120,11 +120,16 @@ def read_adapter(path: str | Path, name: str | None = None) -> Adapter:
     return adapter
 
 
+def no_slots(name: str) -> LoRAError:
+    """The error for an adapter asked of an artifact compiled without adapter slots."""
+    return LoRAError(f"adapter {name}: the artifact has no adapter slots (compile it with --max-loras N "
+                     "[--max-lora-rank R])")
+
+
 def check_adapter(adapter: Adapter, layout: LoRALayout | None) -> None:
     """Refuse (LoRAError naming it) an adapter the artifact's slots cannot hold."""
     if layout is None:
-        raise LoRAError(f"adapter {adapter.name}: the artifact has no adapter slots (compile it with "
-                        "--max-loras N [--max-lora-rank R])")
+        raise no_slots(adapter.name)
     where = {m: (site, j) for site in layout.sites for j, m in enumerate(site.modules)}
     unknown = sorted(set(adapter.modules) - set(where))
     if unknown:

@@ -32,9 +32,6 @@ class LoRASlots:
 
     def check(self, lora: LoRARequest) -> None:
         """Read `lora` (if not read) and check it fits the slots; raises LoRAError naming what does not."""
-        if self.layout is None:
-            raise LoRAError(f"adapter {lora.lora_name}: the artifact has no adapter slots (compile it with "
-                            "--max-loras N [--max-lora-rank R])")
         known = self.names.get(lora.lora_int_id)
         if known is not None and known != lora.lora_name:
             raise LoRAError(f"adapter {lora.lora_name}: lora_int_id {lora.lora_int_id} is adapter {known}'s")

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kiln
 from kiln.errors import ContextLengthError, KilnError, ParamError, QueueFull
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.lora import LoRAError, LoRARequest
+from kiln.runtime.lora import LoRAError, LoRARequest, no_slots
 from kiln.runtime.threads import describe_threads
 
 from . import responses
@@ -150,9 +150,9 @@ class ServerState:
         if name in self.adapters or name == self.config.model_name:
             raise LoRAError(f"the name {name!r} is taken: adapter names must differ from each other and the model's")
         slots = self.engine.engine.lora_slots
-        lora = LoRARequest(name, next(self.adapter_ids), str(path))
         if slots is None:
-            raise LoRAError(f"adapter {name}: the artifact has no adapter slots (compile it with --max-loras N)")
+            raise no_slots(name)
+        lora = LoRARequest(name, next(self.adapter_ids), str(path))
         slots.check(lora)
         self.adapters[name] = lora
 
