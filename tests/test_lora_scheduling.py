@@ -106,3 +106,15 @@ def test_bad_adapters_are_refused_and_nothing_is_queued(loras, tmp_path):
     with pytest.raises(LoRAError, match="lora_int_id must be a positive int"):
         LoRARequest("zero", 0, loras[1].lora_path)
     assert len(engine.requests) == 1                 # the first good one only
+
+
+def test_samples_forked_from_a_sequence_share_its_slot(loras):
+    """n = 3 samples of a request on an adapter: every sample runs on the adapter's one slot (its tokens
+    are the adapter's), and the slot is let go once all have finished."""
+    engine, runner = engine_for(max_loras=2)
+    prompt = prompts(1, 11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=3)
+    req = engine.add_request(prompt, params, lora_request=loras[4])
+    out = engine.run_to_completion()[req.request_id]
+    assert [c.token_ids for c in out.outputs] == [reference_lora_greedy(prompt, 5, VOCAB, 4)] * 3
+    assert runner.writes == [(0, 4)] and engine.lora_slots.users == [0, 0]
