@@ -67,6 +67,11 @@ class LoRASlots:
         self.users[slot] += 1
         return slot
 
+    def share(self, slot: int) -> int:
+        """One more running sequence on `slot` (a sample forked from one that holds it)."""
+        self.users[slot] += 1
+        return slot
+
     def release(self, slot: int) -> None:
         self.users[slot] -= 1
         if self.users[slot] == 0:

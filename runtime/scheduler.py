@@ -63,8 +63,7 @@ class Scheduler:
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """A forked sample starts running right after the sequence it was forked from (on its slot)."""
         if seq.request.lora is not None:
-            seq.lora_slot = after.lora_slot
-            self.lora_slots.users[seq.lora_slot] += 1
+            seq.lora_slot = self.lora_slots.share(after.lora_slot)
         self.running.insert(self.running.index(after) + 1, seq)
 
     def _take_slot(self, seq: Sequence) -> bool:
