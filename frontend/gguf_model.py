@@ -18,6 +18,7 @@ from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.types import numpy_dtype
 
+from .blocks import block_quantizers
 from .decoder import DecoderConfig, build_graph
 from .families import parse_config
 from .gguf_config import hf_config
@@ -34,7 +35,6 @@ FILE_TYPE_FORMATS = {"F32": None, "F16": None, "BF16": None, "Q4_0": ("q4", 32),
 REQUANTIZED_FORMAT = ("q8g", 32)
 ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight")
 PERMUTED_QK = ("llama", "granitemoe")     # the converter's LlamaModel interleaved their q/k rows for rope
-REQUANTIZE_ELEMENTS = 1 << 24        # float32 values a requantisation holds at once (64 MiB)
 
 
 @dataclass
@@ -87,29 +87,8 @@ class GGUFModel:
         return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
 
     def quantizers(self, base: dict) -> dict:
-        """kiln's quantisers (`base`: scheme -> function), each given a file's blocks first: it keeps
-        them exactly where its format is theirs, and dequantises and requantises them otherwise, a few
-        rows at a time (an 8B model's tables are 2 GiB in float32), then drops the file's pages."""
-        from kiln.ir.quant import SCHEMES
-
-        def wrapped(scheme: str):
-            run = base.get(scheme, SCHEMES[scheme].quantize)
-
-            def quantize(w, **options):
-                if not isinstance(w, GGUFBlocks):
-                    return run(w, **options)
-                parts = w.exact_parts(scheme, **options)
-                if parts is None:
-                    group = f" in groups of {options['group_size']}" if options.get("group_size") else ""
-                    step = max(1, REQUANTIZE_ELEMENTS // w.row_values)
-                    pieces = [run(w.rows(start, start + step).dequantize(f"requantised to {scheme}{group}"),
-                                  **options) for start in range(0, len(w.raw), step)]
-                    parts = {part: np.concatenate([p[part] for p in pieces], axis=SCHEMES[scheme].output_axis(part))
-                             for part in pieces[0]}
-                w.release()
-                return parts
-            return quantize
-        return {scheme: wrapped(scheme) for scheme in SCHEMES}
+        """kiln's quantisers (`base`: scheme -> function), each given a file's blocks first (frontend/blocks.py)."""
+        return block_quantizers(base, lambda w: isinstance(w, GGUFBlocks))
 
     def linear_types(self) -> Counter:
         """The file's types of the blocks' matrices (what general.file_type names), by count."""

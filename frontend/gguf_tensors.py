@@ -53,6 +53,9 @@ class GGUFBlocks:
     def ndim(self) -> int:
         return self.raw.ndim
 
+    def __len__(self) -> int:       # rows (of a matrix)
+        return len(self.raw)
+
     def __iter__(self):            # a stacked expert tensor, one expert at a time
         return (replace(self, name=f"{self.name}[{j}]", raw=part) for j, part in enumerate(self.raw))
 

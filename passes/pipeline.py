@@ -28,6 +28,7 @@ from .graph_pass import GraphPass
 from .quantize import Quantize
 from .quantize_embedding import QuantizeEmbedding
 from .quantize_kv import QuantizeKV
+from .raise_patterns import RaisePatterns
 from .select_kernels import SelectKernels
 from .specialize_mla import SpecializeMLA
 
@@ -80,6 +81,7 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
     target = target_defaults(target) if isinstance(target, str) else target
     expanded_from = target.mla_expanded_from if options.mla_expanded_from is None else options.mla_expanded_from
     passes: list[GraphPass] = [
+        RaisePatterns(),                  # an imported graph's spellings of kiln's ops (nothing on HF's or GGUF's)
         FuseAppendAttend(),               # every kernel runs append and attention together
         # latent layers attend over the latent rows (and over rows rebuilt from them in long prefills)
         SpecializeMLA(expanded_from),
@@ -126,6 +128,8 @@ def run_pipeline(graph: Graph, target, dump: Callable[[str, Graph], None] | None
         raise KilnError(f"no pass named {', '.join(sorted(unknown))} (passes: {', '.join(p.name for p in passes)})")
     if SelectKernels.name in disable:
         raise KilnError(f"the {SelectKernels.name} pass cannot be disabled: codegen emits the kernels it records")
+    if RaisePatterns.name in disable:
+        raise KilnError(f"the {RaisePatterns.name} pass cannot be disabled: no target lowers what it raises")
     verify(graph)
     if dump:
         dump("import", graph)

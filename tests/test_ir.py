@@ -233,6 +233,7 @@ EXAMPLES = {
     "add": (lambda: _one_node("add", [((3, 4), "float32")] * 2), lambda a: a["in0"] + a["in1"]),
     "mul": (lambda: _one_node("mul", [((3, 4), "float32")] * 2), lambda a: a["in0"] * a["in1"]),
     "silu": (lambda: _one_node("silu", [((3, 4), "float32")]), lambda a: a["in0"] / (1 + np.exp(-a["in0"]))),
+    "sigmoid": (lambda: _one_node("sigmoid", [((3, 4), "float32")]), lambda a: 1 / (1 + np.exp(-a["in0"]))),
     "cast": (lambda: _one_node("cast", [((3, 4), "float32")], {"dtype": "float16"}),
              lambda a: a["in0"].astype(np.float16)),
     "reshape": (lambda: _one_node("reshape", [(("tokens", 4), "float32")], {"shape": ("tokens", 2, 2)}),

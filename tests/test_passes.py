@@ -128,8 +128,8 @@ def test_pipeline_on_a_real_model_keeps_logits(make_model):
     model = load_hf_model(make_model("qwen2"))       # qwen2: the fused projections carry biases
     before = model.build_graph("float32", 16)
     after, records = run_pipeline(before, "cpu")
-    assert [r.name for r in records] == ["fuse_append_attend", "specialize_mla", "fuse_qkv", "fuse_gate_up", "fuse_residual_add",
-                                         "fuse_rope_attention",
+    assert [r.name for r in records] == ["raise_patterns", "fuse_append_attend", "specialize_mla", "fuse_qkv",
+                                         "fuse_gate_up", "fuse_residual_add", "fuse_rope_attention",
                                          "select_kernels"]
     assert {n.op for n in after.nodes} >= {"paged_attention_fused", "swiglu"} and len(after.nodes) < len(before.nodes)
     assert not {"slice", "rope", "paged_attention"} & {n.op for n in after.nodes}
@@ -150,10 +150,10 @@ def test_dump_after_each_pass(tmp_path, monkeypatch, make_model):
     printed = []
     dump = make_dumper({"fuse_gate_up"}, dump_dir=str(tmp_path), out=printed.append)
     run_pipeline(load_hf_model(make_model("llama")).build_graph("float32", 16), "cpu", dump)
-    assert sorted(p.name for p in tmp_path.iterdir())[:5] == ["00-import.txt", "01-fuse_append_attend.txt",
-                                                              "02-specialize_mla.txt", "03-fuse_qkv.txt",
-                                                              "04-fuse_gate_up.txt"]
-    assert "swiglu" in (tmp_path / "04-fuse_gate_up.txt").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir())[:6] == ["00-import.txt", "01-raise_patterns.txt",
+                                                              "02-fuse_append_attend.txt", "03-specialize_mla.txt",
+                                                              "04-fuse_qkv.txt", "05-fuse_gate_up.txt"]
+    assert "swiglu" in (tmp_path / "05-fuse_gate_up.txt").read_text()
     assert "swiglu" not in (tmp_path / "00-import.txt").read_text()
     assert len(printed) == 1 and printed[0].startswith("// ----- IR after fuse_gate_up")
 
@@ -185,10 +185,12 @@ def test_fusion_reduces_kernel_launches_per_step(make_model):
     assert ops["fuse_residual_add"] == {"add": -2 * L}
     assert ops["fuse_rope_attention"] == {"paged_attention": -L, "paged_attention_fused": L, "reshape": -3 * L,
                                           "rope": -2 * L, "slice": -3 * L}
-    assert [p["name"] for p in fused["passes"]] == ["fuse_append_attend", "specialize_mla", "fuse_qkv", "fuse_gate_up",
-                                                    "fuse_residual_add", "fuse_rope_attention", "select_kernels"]
+    assert [p["name"] for p in fused["passes"]] == ["raise_patterns", "fuse_append_attend", "specialize_mla",
+                                                    "fuse_qkv", "fuse_gate_up", "fuse_residual_add",
+                                                    "fuse_rope_attention", "select_kernels"]
     assert fused["attention_variants"] == plain["attention_variants"] == ["gqa4"]
-    assert [p["name"] for p in plain["passes"]] == ["fuse_append_attend", "specialize_mla", "select_kernels"]
+    assert [p["name"] for p in plain["passes"]] == ["raise_patterns", "fuse_append_attend", "specialize_mla",
+                                                    "select_kernels"]
 
 
 # ---------------------------------------------------------------------------- fuse_residual_add

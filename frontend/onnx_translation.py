@@ -1,0 +1,128 @@
+"""The state of translating one ONNX graph (frontend/onnx_graph.py): what each ONNX value has become, the kiln
+graph being built, and how each param will be read."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.ir import Graph, GraphBuilder, IRError
+
+from .onnx_file import ONNXFile
+
+LOGITS = "logits"
+
+
+class Mask:
+    """A value computed from the attention mask (sequence lengths): the engine's step inputs hold it."""
+
+
+@dataclass(frozen=True)
+class Init:
+    name: str
+
+
+@dataclass(frozen=True)
+class Reshaped:
+    """An initializer viewed in another shape (read when a weight needs it)."""
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """A 2-D initializer read transposed (a tied table: the LM head's [hidden, vocab] MatMul weight)."""
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
+class Const:
+    value: np.ndarray
+
+
+@dataclass(frozen=True)
+class KV:
+    layer: int
+    which: str              # "key" or "value"
+    present: bool = False
+
+
+@dataclass
+class Layer:
+    """What attention layer `index` was found to be (frontend/onnx_attention.py fills it)."""
+    index: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int = 0
+    rope: str | None = None          # the inverse-frequency param it turns q and k with
+
+
+@dataclass
+class Translation:
+    file: ONNXFile
+    dtype: str
+    page_size: int
+    b: GraphBuilder = None
+    env: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)       # kiln param -> thunk giving its array (or NBitsMatrix)
+    record: dict = field(default_factory=dict)        # (tensor, what became of it) -> True
+    layers: dict[int, Layer] = field(default_factory=dict)
+    rope: dict = field(default_factory=dict)          # (cos, sin) initializers -> (param, inv_freq, mscale)
+    eps: list = field(default_factory=list)
+    nbits: list = field(default_factory=list)         # (param, scheme, block) of each MatMulNBits weight
+    readers: Counter = field(default_factory=Counter)
+    tensor_types: Counter = field(default_factory=Counter)   # the file's matrices, by how it stores them
+    step: dict = field(default_factory=dict)
+    kv_pages: dict = field(default_factory=dict)
+    graph: Graph | None = None                        # the result, raised and verified
+
+    # ------------------------------------------------------------------ values
+    def fail(self, node, why: str) -> KilnError:
+        return KilnError(f"{self.file.path}: node {node.name or '(unnamed)'!r} ({node.op_type}) {why}")
+
+    def value(self, name: str, node):
+        if name not in self.env:
+            raise self.fail(node, f"reads {name!r}, which nothing defines")
+        return self.env[name]
+
+    def tensor(self, name: str, node) -> str:
+        v = self.value(name, node)
+        if not isinstance(v, str):
+            raise self.fail(node, f"reads {name!r} as an activation, but it is {_kind(v)}")
+        return v
+
+    def constant(self, name: str, node) -> np.ndarray | None:
+        v = self.value(name, node)
+        if isinstance(v, Const):
+            return v.value
+        if isinstance(v, Init) and int(np.prod(self.file.shape(v.name))) <= 1 << 16:
+            return self.file.array(v.name)
+        return None
+
+    def matrix(self, name: str, stored: str | None = None) -> None:
+        """Count a matrix the graph multiplies by, as the file stores it (the source record's tensor types)."""
+        if stored is None:
+            from onnx import TensorProto
+            stored = TensorProto.DataType.Name(self.file.initializers[name].data_type).lower()
+        self.tensor_types[stored] += 1
+
+    def param(self, name: str, shape, thunk, dtype: str | None = None) -> str:
+        kiln_name = re.sub(r"[^A-Za-z0-9_.]", "_", name)
+        self.weights.setdefault(kiln_name, thunk)
+        return self.b.param(kiln_name, shape, dtype or self.dtype)
+
+    def op(self, op: str, *inputs, node=None, **attrs) -> str:
+        try:
+            return self.b.op(op, *inputs, **attrs)
+        except IRError as e:
+            raise self.fail(node, f"does not fit kiln's {op}: {e}") from None
+
+
+def _kind(v) -> str:
+    return {Mask: "the attention mask's bookkeeping", Init: f"initializer {getattr(v, 'name', '')!r}",
+            Const: "a constant", KV: "a layer's keys or values", Reshaped: "a reshaped initializer",
+            Transposed: "a transposed initializer"}.get(type(v), "an activation")

@@ -1,0 +1,91 @@
+"""ONNX decoders for the importer's tests, made here from tiny transformers models: by ONNX Runtime GenAI's
+model builder (fp32 and int4) and by torch.onnx.export; and onnxruntime's answers on them (the reference).
+
+Both are cached like the test artifacts (tests/artifact_cache.py)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from artifact_cache import entry
+
+# The builder takes any Linear with vocab_size outputs for the LM head, so the MLP must be wider or narrower than
+# the vocabulary (kiln's tiny models have 512 of each). Its Phi-3 is the 4k one: max_position_embeddings equal to
+# original_max_position_embeddings, and plain rope (with transformers 5's rope_parameters it reads no LongRoPE).
+# "tied": a Llama whose LM head is its embedding table (the builder gathers from the head's weight).
+SHAPE = {"intermediate_size": 640}
+MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
+          "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                            "original_max_position_embeddings": 4096, "max_position_embeddings": 4096}),
+          "tied": ("llama", {"tie_word_embeddings": True})}
+
+
+def hf_model(family: str, seed: int = 0) -> Path:
+    def build(folder: Path) -> None:
+        from kiln.testing.tiny import make_tiny_model
+        name, overrides = MODELS[family]
+        make_tiny_model(folder / "model", name, seed=seed, **SHAPE, **overrides)
+    return entry("onnx", f"hf-{family}-seed{seed}", build) / "model"
+
+
+def genai_model(family: str, precision: str = "fp32", *extra_options: str) -> Path:
+    """The folder the builder writes (model.onnx, model.onnx.data, genai_config.json, tokenizer files);
+    `extra_options` as its --extra_options takes them (block_size=128, is_symmetric=false)."""
+    source = hf_model(family)
+
+    def build(folder: Path) -> None:
+        command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o",
+                   str(folder / "model"), "-p", precision, "-e", "cpu", "-c", str(folder / "cache")]
+        if extra_options:
+            command += ["--extra_options", *extra_options]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        shutil.rmtree(folder / "cache", ignore_errors=True)
+    return entry("onnx", "-".join(["genai", family, precision, *extra_options]), build) / "model"
+
+
+class ORTDecoder:
+    """onnxruntime on a decoder file with past/present inputs: one sequence, its KV cache carried between calls."""
+
+    def __init__(self, folder: Path):
+        import json
+
+        import onnxruntime as ort
+        config = Path(folder) / "genai_config.json"
+        self.head_size = json.loads(config.read_text())["model"]["decoder"]["head_size"] if config.exists() else None
+        self.session = ort.InferenceSession(str(Path(folder) / "model.onnx"), providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.reset()
+
+    def reset(self) -> None:
+        self.past = {}
+        for name, info in self.inputs.items():
+            if name.startswith("past"):
+                heads, dim = info.shape[1], info.shape[3] if isinstance(info.shape[3], int) else self.head_size
+                self.past[name] = np.zeros((1, heads, 0, dim), np.float32)
+        self.length = 0
+
+    def step(self, ids: list[int]) -> np.ndarray:
+        """The logits of every new token, after those already fed."""
+        self.length += len(ids)
+        feed = {"input_ids": np.asarray([ids], np.int64), **self.past}
+        if "attention_mask" in self.inputs:
+            feed["attention_mask"] = np.ones((1, self.length), np.int64)
+        if "position_ids" in self.inputs:
+            feed["position_ids"] = np.arange(self.length - len(ids), self.length, dtype=np.int64)[None]
+        out = dict(zip(self.outputs, self.session.run(None, feed)))
+        for name in self.past:
+            self.past[name] = out[name.replace("past_key_values", "present")]
+        return out["logits"][0]
+
+    def greedy(self, ids: list[int], new_tokens: int) -> list[int]:
+        self.reset()
+        out = [int(self.step(list(ids))[-1].argmax())]
+        while len(out) < new_tokens:
+            out.append(int(self.step([out[-1]])[-1].argmax()))
+        return out

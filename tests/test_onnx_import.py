@@ -1,0 +1,386 @@
+"""ONNX decoders compiled by kiln (frontend/onnx_*.py) against onnxruntime on the same file: ONNX Runtime GenAI
+builder's fp32 and int4 models of tiny Llama, Qwen2 and Phi-3; MatMulNBits blocks kept as kiln's q4; the raising
+patterns as IR text; and files kiln must refuse, on one line naming the node."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("transformers")
+
+from onnx_files import ORTDecoder, genai_model, hf_model  # noqa: E402
+from paging import kv_pages_for, make_step_inputs  # noqa: E402
+
+from kiln.errors import KilnError  # noqa: E402
+from kiln.frontend import load_model  # noqa: E402
+from kiln.ir import interpret, parse_graph, print_graph, weight_loader  # noqa: E402
+
+FAMILIES = ("llama", "qwen2", "phi3")
+PAGE_SIZE = 16
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(4, 40, count)]
+
+
+def kiln_interpreted(folder, ids: list[int], split: int) -> list[np.ndarray]:
+    """A prefill of ids[:split], then one decode step per remaining token, through the interpreter."""
+    model = load_model(folder)
+    graph = model.build_graph("float32", PAGE_SIZE)
+    weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
+    kv = kv_pages_for(graph.kv_specs, 6, fill=np.nan)
+    pages = [3, 0, 5]
+    steps = [make_step_inputs([(ids[:split], 0, pages)], PAGE_SIZE)]
+    steps += [make_step_inputs([([ids[t]], t, pages)], PAGE_SIZE) for t in range(split, len(ids))]
+    return [interpret(graph, {**step, **kv}, weights)["logits"][0] for step in steps]
+
+
+def ort_rows(folder, ids: list[int], split: int) -> list[np.ndarray]:
+    ort = ORTDecoder(folder)
+    rows = [ort.step(ids[:split])[-1]]
+    return rows + [ort.step([ids[t]])[-1] for t in range(split, len(ids))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_builder_fp32_graph_interpreted_gives_onnxruntime_logits(family):
+    folder = genai_model(family, "fp32")
+    ids = prompts(1, 3)[0] + [7, 9, 11]
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 3), ort_rows(folder, ids, len(ids) - 3)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("family", FAMILIES)
+def test_builder_fp32_compiled_gives_onnxruntime_logits_through_prefill_and_decode(family):
+    from artifact_cache import cpu_artifact
+
+    from kiln.runtime.model import CompiledModel
+    folder = genai_model(family, "fp32")
+    model = CompiledModel(cpu_artifact(folder))
+    model.allocate_kv(16 * model.bytes_per_page)
+    ids, pages = prompts(1, 4)[0] + [40] * 25, [5, 2, 9, 1]         # past a page boundary
+    ort = ORTDecoder(folder)
+    want = ort.step(ids[:-8])[-1]
+    got = model.forward(make_step_inputs([(ids[:-8], 0, pages)], model.page_size))[0]
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+    for t in range(len(ids) - 8, len(ids)):
+        want = ort.step([ids[t]])[-1]
+        got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+def _float_compute(folder, out):
+    """A copy of an int4 file whose MatMulNBits compute in float (accuracy_level 0), as kiln with float
+    activations does: the file's function without either side's int8 rounding of activations."""
+    import shutil
+
+    import onnx
+    shutil.copytree(folder, out)
+    proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    for node in proto.graph.node:
+        for attr in node.attribute:
+            if attr.name == "accuracy_level":
+                attr.i = 0
+    onnx.save(proto, str(out / "model.onnx"))
+    return out
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("family", FAMILIES)
+def test_builder_int4_in_float_keeps_onnxruntimes_greedy_tokens(family, tmp_path):
+    """The file's 4-bit blocks as kiln's q4 (scales rounded to float16) on float activations: 32 greedy tokens
+    equal onnxruntime's on most of 8 prompts, when onnxruntime computes in float too."""
+    from artifact_cache import cpu_artifact
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    folder = genai_model(family, "int4")
+    llm = LLM(cpu_artifact(folder, int8_activations=False), kv_memory="16MiB")
+    asked = prompts(8, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    got = [r.outputs[0].token_ids for r in llm.generate(asked, params, use_tqdm=False)]
+    ort = ORTDecoder(_float_compute(folder, tmp_path / "float"))
+    equal = sum(g == ort.greedy(p, 32) for g, p in zip(got, asked))
+    assert equal >= 6, f"{equal} of 8 prompts gave onnxruntime's 32 greedy tokens"
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("family", FAMILIES)
+def test_builder_int4_int8_activations_agree_with_onnxruntime_step_by_step(family):
+    """As compiled by default (int8 activations in blocks of 32, as MatMulNBits' accuracy level 4 computes),
+    kiln's next token equals onnxruntime's at most steps of a teacher-forced sequence. (Both round activations
+    to int8 with float scales; kiln's float16 weight scales move some roundings, so free-running greedy
+    sequences part where two tokens nearly tie.)"""
+    from artifact_cache import cpu_artifact
+
+    from kiln.runtime.model import CompiledModel
+    folder = genai_model(family, "int4")
+    model = CompiledModel(cpu_artifact(folder))
+    model.allocate_kv(16 * model.bytes_per_page)
+    ids, pages = prompts(1, 6)[0] + prompts(1, 7)[0] + prompts(1, 8)[0], [4, 1, 7, 2, 9, 0]
+    ort = ORTDecoder(folder)
+    agree = [model.forward(make_step_inputs([(ids[:8], 0, pages)], model.page_size))[0].argmax()
+             == ort.step(ids[:8])[-1].argmax()]
+    for t in range(8, len(ids)):
+        got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
+        agree.append(got.argmax() == ort.step([ids[t]])[-1].argmax())
+    assert sum(agree) >= 0.9 * len(agree), f"{sum(agree)} of {len(agree)} steps"
+
+
+@pytest.mark.parametrize("extra, scheme, block", [((), "q4", 32), (("block_size=128",), "q4", 128),
+                                                 (("is_symmetric=false",), "q4a", 32)])
+def test_int4_blocks_are_kept_nibble_for_nibble(extra, scheme, block, tmp_path):
+    """MatMulNBits' blocks become kiln's q4 (symmetric) or q4a (zero points) in groups of the file's block size,
+    chosen when --quant names none: the same bytes, scales (and minimums) rounded to float16; the weight the
+    file means, (nibble - zero point) · scale, comes back within that rounding; the interpreted graph gives
+    onnxruntime's logits where onnxruntime computes in float."""
+    import onnx
+    from onnx import numpy_helper
+
+    from kiln.ir.quant import SCHEMES
+    from kiln.options import CompileOptions
+    folder = genai_model("llama", "int4", *extra)
+    model = load_model(folder)
+    options = model.default_options(CompileOptions())
+    assert (options.quant, options.group_size, options.quant_lm_head, options.quant_embedding) == \
+        (scheme, block, True, False)
+    proto = onnx.load(str(folder / "model.onnx"))
+    node = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and "o_proj" in n.name)
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    packed, scales = inits[node.input[1]], inits[node.input[2]]
+    rows = packed.shape[0]
+    zero = np.full((rows, packed.shape[1]), 8.0, np.float32)
+    if len(node.input) > 3 and node.input[3]:
+        zp = inits[node.input[3]].reshape(rows, -1)
+        zero = np.stack([zp & 15, zp >> 4], -1).reshape(rows, -1)[:, :packed.shape[1]].astype(np.float32)
+    nibbles = np.stack([packed & 15, packed >> 4], -1).reshape(rows, -1, block).astype(np.float32)
+    want = ((nibbles - zero[..., None]) * scales.reshape(rows, -1, 1)).reshape(rows, -1)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    np.testing.assert_allclose(model.weight(name, "float32"), want, rtol=1e-6, atol=1e-7)
+    parts = model.quantizers({})[scheme](model.weight_source(name, "float32"), group_size=block)
+    assert np.array_equal(parts["q"], packed.reshape(rows, -1))
+    np.testing.assert_allclose(SCHEMES[scheme].dequantize(parts, group_size=block), want, rtol=0,
+                               atol=float(np.abs(scales).max()) * 8 * 2 ** -10)
+    ids = prompts(1, 9)[0] + [3, 5]
+    ort_folder = _float_compute(folder, tmp_path / "float")
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 2), ort_rows(ort_folder, ids, len(ids) - 2)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_a_tied_table_is_read_through_its_transpose_or_its_blocks(precision, tmp_path):
+    """The builder's tied model gathers embeddings from the LM head's weight: transposed (fp32) or as 4-bit
+    blocks (GatherBlockQuantized, int4); the interpreted graph gives onnxruntime's logits (computing in float)."""
+    folder = genai_model("tied", precision)
+    ops = {n.op_type for n in __import__("onnx").load(str(folder / "model.onnx"), load_external_data=False).graph.node}
+    assert ("Transpose" if precision == "fp32" else "GatherBlockQuantized") in ops
+    reference = _float_compute(folder, tmp_path / "float") if precision == "int4" else folder
+    ids = prompts(1, 10)[0] + [8, 2]
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 2), ort_rows(reference, ids, len(ids) - 2)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+def test_weights_are_named_by_their_roles():
+    graph = load_model(genai_model("qwen2", "int4")).translation.graph
+    names = set(graph.params)
+    assert {"model.embed_tokens.weight", "model.layers.1.self_attn.qkv_proj.weight",
+            "model.layers.1.self_attn.qkv_proj.bias", "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
+            "model.layers.1.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"} <= names
+
+
+def test_the_found_model_is_the_one_the_builder_was_given():
+    import json
+    folder = genai_model("qwen2", "fp32")
+    hf = json.loads((hf_model("qwen2") / "config.json").read_text())
+    c = load_model(folder).config
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) \
+        == (hf["num_hidden_layers"], hf["hidden_size"], hf["intermediate_size"], hf["num_attention_heads"],
+            hf["num_key_value_heads"], hf["head_dim"], hf["vocab_size"])
+    assert abs(c.rope_theta - hf["rope_parameters"]["rope_theta"]) < 1e-2 * hf["rope_parameters"]["rope_theta"]
+
+
+# ---------------------------------------------------------------------- the raising patterns, as IR text
+
+
+def _raised(text: str) -> str:
+    from kiln.passes.raise_patterns import RaisePatterns
+    return print_graph(RaisePatterns()(parse_graph(text)))
+
+
+def test_sigmoid_times_its_input_is_raised_to_silu():
+    before = """
+        graph g(
+            %x: f32[tokens, 8],
+            %u: f32[tokens, 8],
+        ) {
+          %s = sigmoid(%x) : f32[tokens, 8]
+          %a = mul(%s, %x) : f32[tokens, 8]
+          %y = mul(%a, %u) : f32[tokens, 8]
+          return %y
+        }"""
+    after = """
+        graph g(
+            %x: f32[tokens, 8],
+            %u: f32[tokens, 8],
+        ) {
+          %a = silu(%x) : f32[tokens, 8]
+          %y = mul(%a, %u) : f32[tokens, 8]
+          return %y
+        }"""
+    assert _raised(before) == print_graph(parse_graph(after))
+
+
+def test_a_sigmoid_read_elsewhere_or_of_another_value_is_refused_by_name():
+    text = """
+        graph g(
+            %x: f32[tokens, 8],
+            %u: f32[tokens, 8],
+        ) {
+          %s = sigmoid(%x) : f32[tokens, 8]
+          %a = mul(%s, %x) : f32[tokens, 8]
+          %t = sigmoid(%u) : f32[tokens, 8]
+          %b = mul(%t, %x) : f32[tokens, 8]
+          %y = add(%a, %s) : f32[tokens, 8]
+          %z = add(%y, %b) : f32[tokens, 8]
+          return %z
+        }"""
+    with pytest.raises(KilnError, match=r"%s = sigmoid\(%x\) is not part of a SiLU"):
+        _raised(text)
+    without_b = text.replace("%t = sigmoid(%u) : f32[tokens, 8]\n", "").replace("%b = mul(%t, %x)", "%b = mul(%u, %x)")
+    with pytest.raises(KilnError, match=r"%s = sigmoid"):     # %s is read by the add too
+        _raised(without_b)
+
+
+def test_the_final_norm_moves_after_the_row_choice():
+    before = """
+        graph g(
+            %x: f32[tokens, 8],
+            %rows: i32[rows],
+        ) {
+          @w: f32[8]
+          @head: f32[16, 8]
+          %n = rms_norm(%x, @w) {eps=1e-05} : f32[tokens, 8]
+          %r = take_rows(%n, %rows) : f32[rows, 8]
+          %l = linear(%r, @head) : f32[rows, 16]
+          return %l
+        }"""
+    after = """
+        graph g(
+            %x: f32[tokens, 8],
+            %rows: i32[rows],
+        ) {
+          @w: f32[8]
+          @head: f32[16, 8]
+          %rows0 = take_rows(%x, %rows) : f32[rows, 8]
+          %r = rms_norm(%rows0, @w) {eps=1e-05} : f32[rows, 8]
+          %l = linear(%r, @head) : f32[rows, 16]
+          return %l
+        }"""
+    assert _raised(before) == print_graph(parse_graph(after))
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((5, 8)).astype(np.float32), "rows": np.array([4, 1], np.int32)}
+    weights = {"w": rng.standard_normal(8).astype(np.float32), "head": rng.standard_normal((16, 8)).astype(np.float32)}
+    np.testing.assert_allclose(interpret(parse_graph(after), inputs, weights.get)["l"],
+                               interpret(parse_graph(before), inputs, weights.get)["l"], rtol=1e-6)
+
+
+def test_rope_tables_give_back_their_frequencies_and_factor():
+    from kiln.frontend.onnx_attention import rope_from_tables
+    inv = (1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    angle = np.arange(8192, dtype=np.float32)[:, None] * inv
+    found, mscale, deviation = rope_from_tables(1.2 * np.cos(angle), 1.2 * np.sin(angle))
+    np.testing.assert_allclose(found, inv, rtol=1e-6)
+    assert abs(mscale - 1.2) < 1e-6 and deviation <= 1
+    noise = np.random.default_rng(0).standard_normal(angle.shape) * 1e-2
+    assert rope_from_tables(np.cos(angle) + noise, np.sin(angle))[2] > 1
+
+
+# ---------------------------------------------------------------------- bad files
+
+
+def _edited(tmp_path, edit, family="llama"):
+    """A copy of the builder's fp32 file with `edit(model)` applied."""
+    import shutil
+
+    import onnx
+    source = genai_model(family, "fp32")
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    edit(proto)
+    onnx.save(proto, str(folder / "model.onnx"))
+    return folder
+
+
+def _node(proto, op_type):
+    return next(n for n in proto.graph.node if n.op_type == op_type)
+
+
+def _refused(folder) -> str:
+    with pytest.raises(KilnError) as e:
+        load_model(folder)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_an_op_kiln_cannot_raise_is_named_with_its_node(tmp_path):
+    def edit(proto):
+        _node(proto, "Sigmoid").op_type = "Tanh"
+    message = _refused(_edited(tmp_path, edit))
+    assert "/model/layers.0/mlp/act_fn/Sigmoid" in message and "(Tanh)" in message and "cannot raise" in message
+
+
+def test_a_sigmoid_outside_silu_is_refused_when_compiled(tmp_path):
+    from kiln.compiler import compile_model
+    from kiln.options import CompileOptions
+
+    def edit(proto):
+        mul = next(n for n in proto.graph.node if n.op_type == "Mul" and "act_fn" in n.name)
+        mul.input[0] = mul.input[1]                 # sigmoid(x) · sigmoid(x)
+    with pytest.raises(KilnError, match="not part of a SiLU"):
+        compile_model(_edited(tmp_path, edit), tmp_path / "out", CompileOptions(target="cpu"), show=None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_graph_without_past_keys_and_values_is_not_a_decoder(tmp_path):
+    def edit(proto):
+        keep = [i for i in proto.graph.input if not i.name.startswith("past")]
+        del proto.graph.input[:]
+        proto.graph.input.extend(keep)
+    assert "not a decoder with a KV cache" in _refused(_edited(tmp_path, edit))
+
+
+def test_an_opset_out_of_range_is_refused(tmp_path):
+    def edit(proto):
+        next(o for o in proto.opset_import if o.domain == "").version = 30
+    assert "opset 30" in _refused(_edited(tmp_path, edit))
+
+
+def test_interleaved_rotary_is_refused_naming_the_attention(tmp_path):
+    def edit(proto):
+        attr = next(a for a in _node(proto, "GroupQueryAttention").attribute if a.name == "rotary_interleaved")
+        attr.i = 1
+    message = _refused(_edited(tmp_path, edit))
+    assert "GroupQueryAttention" in message and "rotary_interleaved=1" in message
+
+
+def test_kiln_compile_refuses_on_one_line_and_leaves_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    def edit(proto):
+        _node(proto, "Sigmoid").op_type = "Tanh"
+    folder = _edited(tmp_path, edit)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["compile", str(folder / "model.onnx"), "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "Tanh" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
