@@ -74,10 +74,11 @@ def class_formats(graph: Graph, heads: set[str], routers: set[str], act_block: i
     seen: dict[str, Counter] = {}
 
     def parts_of(weight: str) -> list[str]:
+        """The checkpoint weights a stored one is made of (a quantised weight's source, a fused one's parts)."""
         param = graph.params.get(weight)
-        recipe = (param.recipe or {}) if param is not None else {}
-        source = graph.params.get(recipe.get("of", ""), param)
-        return (source.recipe or {}).get("concat", [source.name]) if source is not None else [weight]
+        name = ((param.recipe or {}) if param is not None else {}).get("of", weight)
+        source = graph.params.get(name)        # absent for a plain weight the quantiser reads from the checkpoint
+        return ((source.recipe or {}).get("concat") if source is not None else None) or [name]
 
     for node in graph.nodes:
         if node.op == "embed":
