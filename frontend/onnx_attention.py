@@ -4,8 +4,8 @@ rotated by kiln's rope, k and v appended to the layer's KV pages, and the causal
 GQA rotates with cos/sin tables indexed by position (cos_cache[p, i] = m · cos(p · f_i)); kiln's rope computes
 them from the inverse frequencies f and the factor m, so those are read back from the tables (f_i from the
 phase at positions 1, 2, 4, … so that each doubling halves its error, m from row 0) and the whole table checked
-against them: a table kiln's rope would not reproduce is refused. `local_window_size` w attends to the w tokens
-before each query and itself (ONNX Runtime's CPU kernel), kiln's window w + 1."""
+against them: a table kiln's rope would not reproduce is refused. `local_window_size` w is kiln's window w (a
+query attends to the w newest positions, itself among them: measured against ONNX Runtime's CPU kernel)."""
 from __future__ import annotations
 
 import numpy as np
@@ -95,8 +95,7 @@ def group_query_attention(t: Translation, node, a: dict) -> None:
         positions = t.step["positions"]
         q = t.op("rope", q, positions, rope, node=node, **turn)
         k = t.op("rope", k, positions, rope, node=node, **turn)
-    window = int(a.get("local_window_size", -1))
-    window = window + 1 if window > 0 else 0
+    window = max(int(a.get("local_window_size", -1)), 0)
     kind = "sliding" if window else "full"
     pages = t.b.kv_cache(layer, KVSpec(kind, kv_heads, head_dim, head_dim, t.dtype, t.page_size,
                                         window=window or None))[0]

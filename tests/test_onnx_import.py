@@ -184,6 +184,21 @@ def test_a_tied_table_is_read_through_its_transpose_or_its_blocks(precision, tmp
         np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
 
 
+def test_a_local_window_attends_as_onnxruntime_does(tmp_path):
+    """GroupQueryAttention's local_window_size (the builder writes Mistral's and Phi-3's sliding window there):
+    kiln's sliding layers give onnxruntime's logits on a prompt and decode steps past the window."""
+    def edit(proto):
+        for node in proto.graph.node:
+            for attr in node.attribute:
+                if attr.name == "local_window_size":
+                    attr.i = 7
+    folder = _edited(tmp_path, edit)
+    assert {spec.window for spec in load_model(folder).build_graph("float32", PAGE_SIZE).kv_specs.values()} == {7}
+    ids = prompts(1, 11)[0] + list(range(20, 40))
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 4), ort_rows(folder, ids, len(ids) - 4)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
 def test_weights_are_named_by_their_roles():
     graph = load_model(genai_model("qwen2", "int4")).translation.graph
     names = set(graph.params)
