@@ -1,6 +1,7 @@
-"""kiln's quantisers in front of a file's own quantised blocks (GGUF's, ONNX's MatMulNBits'): the blocks are kept
-where kiln's format is theirs (their `exact_parts`), else dequantised and requantised a few rows at a time (an
-8B model's tables are 2 GiB in float32), then the file's pages dropped.
+"""What kiln's quantisers are given: a float tensor as stored where widening it is exact (`quantiser_source`), and
+a file's own quantised blocks (GGUF's, ONNX's MatMulNBits'), kept where kiln's format is theirs (their
+`exact_parts`), else dequantised and requantised a few rows at a time (an 8B model's tables are 2 GiB in
+float32), then the file's pages dropped (`block_quantizers`).
 
 A blocks object gives: exact_parts(scheme, **options) -> parts or None, rows(start, stop), dequantize(then),
 row_values, len() (rows) and release()."""
@@ -10,7 +11,16 @@ from typing import Callable
 
 import numpy as np
 
+from kiln.ir.types import numpy_dtype
+
 REQUANTIZE_ELEMENTS = 1 << 24        # float32 values a requantisation holds at once (64 MiB)
+
+
+def quantiser_source(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """A float tensor for a quantiser of `dtype` weights: as stored where that only widens it exactly (bfloat16
+    or float16 to float32), which spares a float32 copy of every tensor."""
+    exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
+    return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
 
 
 def block_quantizers(base: dict, is_blocks: Callable[[object], bool]) -> dict:

@@ -18,7 +18,7 @@ from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.types import numpy_dtype
 
-from .blocks import block_quantizers
+from .blocks import block_quantizers, quantiser_source
 from .decoder import DecoderConfig, build_graph
 from .families import parse_config
 from .gguf_config import hf_config
@@ -81,10 +81,7 @@ class GGUFModel:
         if name in self.config.computed_weights():
             return self.weight(name, dtype)
         arr = self.checkpoint.get(name)
-        if isinstance(arr, GGUFBlocks):
-            return arr
-        exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
-        return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
+        return arr if isinstance(arr, GGUFBlocks) else quantiser_source(arr, dtype)
 
     def quantizers(self, base: dict) -> dict:
         """kiln's quantisers (`base`: scheme -> function), each given a file's blocks first (frontend/blocks.py)."""

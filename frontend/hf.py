@@ -13,6 +13,7 @@ from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.types import numpy_dtype
 
+from .blocks import quantiser_source
 from .checkpoint import Checkpoint
 from .decoder import DecoderConfig, build_graph
 from .families import parse_config
@@ -48,9 +49,7 @@ class HFModel:
         (bfloat16 or float16 to float32), which spares a float32 copy of every tensor."""
         if name in self.config.computed_weights():
             return self.weight(name, dtype)
-        arr = self.checkpoint.get(name)
-        exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
-        return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
+        return quantiser_source(self.checkpoint.get(name), dtype)
 
     def tokenizer_files(self) -> list[Path]:
         """The TOKENIZER_FILES present; tokenizer.model only when there is no tokenizer.json (the

@@ -6,10 +6,12 @@ the attention mask's bookkeeping (sequence lengths, which kiln's step inputs car
 them), or a layer's past or present keys and values (kiln's KV pages, which the runtime owns).
 
 A node maps onto kiln's ops where it is one (MatMul, MatMulNBits → linear; Gather of the token ids → embed;
-SimplifiedLayerNormalization → rms_norm and its Skip form → add + rms_norm; Add, Mul; GroupQueryAttention →
-rope + kv_append + paged_attend, frontend/onnx_attention.py). Exporters' spellings of kiln's fused ops are
-raised by the first pass of every pipeline, passes/raise_patterns.py (Sigmoid + Mul → silu). A node kiln
-cannot place is refused on one line naming it, its op and why.
+SimplifiedLayerNormalization → rms_norm and its Skip form → add + rms_norm; Add, Mul, Sigmoid, Sqrt, Cos, …;
+GroupQueryAttention → rope + kv_append + paged_attend, frontend/onnx_attention.py). Shapes and views of
+activations are followed by frontend/onnx_views.py, attention spelled as MatMul/Softmax becomes kiln's by
+frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised
+by the first pass of every pipeline, passes/raise_patterns.py. A node kiln cannot place is refused on one line
+naming it, its op and why.
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from kiln.ir import GraphBuilder, named_inputs
 from .onnx_attention import group_query_attention
 from .onnx_file import ONNXFile
 from .onnx_names import rename_params, role_names
-from .onnx_translation import KV, LOGITS, Const, Init, Mask, Reshaped, Translation, Transposed
+from . import onnx_sdpa as sdpa
+from .onnx_translation import KV, LOGITS, Const, Init, KVFull, Mask, Reshaped, SymVec, Translation, Transposed, _kind
+from .onnx_views import ROWS, VIEWS, dims, is_bookkeeping, sym_shape
+from .onnx_views import entries as views_entries
 from .onnx_weights import check_nbits, gathered_blocks, nbits_matrix
 
 def _attrs(node) -> dict:
@@ -97,14 +102,18 @@ BOOKKEEPING = {"Cast", "Identity", "Sub", "Add", "Mul", "Shape", "Gather", "Redu
 
 
 def _fold(t: Translation, node, a: dict) -> bool:
-    """Mask bookkeeping passes on as such; ops of constants alone are computed here. False: neither."""
+    """Shape arithmetic is followed (frontend/onnx_views.py); the mask's bookkeeping passes on as such (any op
+    of bookkeeping and constants alone); ops of constants alone are computed here. False: none of these."""
     values = [t.value(n, node) for n in node.input if n]
-    if node.op_type in BOOKKEEPING and any(isinstance(v, Mask) for v in values):
-        if any(isinstance(v, str) for v in values):
-            raise t.fail(node, "mixes the attention mask with activations; kiln cannot raise it")
+    if sym_shape(t, node, a):
+        return True
+    if any(isinstance(v, (Mask, SymVec)) for v in values) and all(is_bookkeeping(v) for v in values):
         for out in node.output:
             t.env[out] = Mask()
         return True
+    if node.op_type in BOOKKEEPING and any(isinstance(v, Mask) for v in values) and \
+            any(isinstance(v, str) for v in values):
+        raise t.fail(node, "mixes the attention mask with activations; kiln cannot raise it")
     if node.op_type in FOLDS and values and all(isinstance(v, (Const, Init)) for v in values):
         arrays = [t.constant(n, node) for n in node.input if n]
         if all(x is not None for x in arrays):
@@ -131,6 +140,8 @@ def _gather(t: Translation, node, a: dict) -> None:
 
 def _reshape(t: Translation, node, a: dict) -> None:
     data, shape = t.value(node.input[0], node), t.constant(node.input[1], node)
+    if not isinstance(data, Init) and VIEWS["Reshape"](t, node, a):
+        return
     if not isinstance(data, Init) or shape is None or -1 in shape.tolist() or 0 in shape.tolist():
         raise t.fail(node, "reshapes an activation or by an unknown shape; kiln raises a reshape of an initializer "
                            "(a tied table's blocks) only")
@@ -141,8 +152,11 @@ def _reshape(t: Translation, node, a: dict) -> None:
 
 def _transpose(t: Translation, node, a: dict) -> None:
     data = t.value(node.input[0], node)
+    if not isinstance(data, Init) and VIEWS["Transpose"](t, node, a):
+        return
     if not isinstance(data, Init) or len(t.file.shape(data.name)) != 2 or list(a.get("perm", [1, 0])) != [1, 0]:
-        raise t.fail(node, "transposes an activation; kiln raises a transposed 2-D initializer (a tied table) only")
+        raise t.fail(node, f"transposes {_kind(data)} by {list(a.get('perm', []))}; kiln raises the transposes of "
+                           "attention heads and of a 2-D initializer (a tied table)")
     t.env[node.output[0]] = Transposed(data.name)
 
 
@@ -172,9 +186,11 @@ def _linear_input(t: Translation, node) -> str:
 
 def _matmul(t: Translation, node, a: dict) -> None:
     w = t.value(node.input[1], node)
+    if not isinstance(w, Init) and sdpa.matmul(t, node, a):
+        return
     if not isinstance(w, Init) or len(t.file.shape(w.name)) != 2:
-        raise t.fail(node, "multiplies two activations (attention outside an attention op); kiln raises MatMul "
-                           "with a weight initializer only")
+        raise t.fail(node, "multiplies two activations that are not attention's query and keys or weights and "
+                           "values; kiln cannot raise it")
     x = _linear_input(t, node)
     k, n = t.file.shape(w.name)
     t.matrix(w.name)
@@ -191,12 +207,38 @@ def _matmul_nbits(t: Translation, node, a: dict) -> None:
     t.env[node.output[0]] = t.op("linear", x, weight, node=node)
 
 
+def _elementwise(t: Translation, node, op: str, x: str, y: str) -> str:
+    """op(x, y) of two activations: kiln's `op` on equal types, else its broadcasting form (the larger first)."""
+    tx, ty = t.b.type_of(x), t.b.type_of(y)
+    if tx == ty:
+        out = t.op(op, x, y, node=node)
+    else:
+        big, small = (x, y) if tx.rank >= ty.rank and all(
+            isinstance(d, str) or d >= e for d, e in zip(tx.shape[::-1], ty.shape[::-1]) if isinstance(e, int)) \
+            else (y, x)
+        out = t.op(f"bcast_{op}", big, small, node=node)
+    t.layout[out] = t.layout.get(x if t.b.type_of(out) == tx else y, ROWS)
+    return out
+
+
+def _scalar(t: Translation, name: str, node) -> float | None:
+    c = t.constant(name, node)
+    return float(np.asarray(c).reshape(())) if c is not None and np.asarray(c).size == 1 else None
+
+
 def _add(t: Translation, node, a: dict) -> None:
     x, y = (t.value(n, node) for n in node.input)
-    if isinstance(x, str) and isinstance(y, str):
-        t.env[node.output[0]] = t.op("add", x, y, node=node)
+    if sdpa.masked(t, node, [x, y]):
         return
-    (act_name, act), (_, bias) = sorted(zip(node.input, (x, y)), key=lambda p: not isinstance(p[1], str))
+    if isinstance(x, str) and isinstance(y, str):
+        t.env[node.output[0]] = _elementwise(t, node, "add", x, y)
+        return
+    (act_name, act), (other, bias) = sorted(zip(node.input, (x, y)), key=lambda p: not isinstance(p[1], str))
+    scalar = _scalar(t, other, node) if isinstance(act, str) else None
+    if scalar is not None:
+        t.env[node.output[0]] = t.op("add_scalar", act, value=scalar, node=node)
+        t.layout[t.env[node.output[0]]] = t.layout.get(act, ROWS)
+        return
     producer = t.b.graph.nodes[-1] if t.b.graph.nodes else None
     if not (isinstance(act, str) and isinstance(bias, Init) and producer is not None and producer.output == act
             and producer.op == "linear" and len(producer.inputs) == 2 and t.readers[act_name] == 1
@@ -210,17 +252,80 @@ def _add(t: Translation, node, a: dict) -> None:
 def _mul(t: Translation, node, a: dict) -> None:
     x, y = (t.value(n, node) for n in node.input)
     if isinstance(x, str) and isinstance(y, str):
-        t.env[node.output[0]] = t.op("mul", x, y, node=node)
+        t.env[node.output[0]] = _elementwise(t, node, "mul", x, y)
         return
-    act, other = (x, node.input[1]) if isinstance(x, str) else (y, node.input[0])
-    scalar = t.constant(other, node)
-    if not isinstance(act, str) or scalar is None or scalar.size != 1:
-        raise t.fail(node, "multiplies by a tensor that is neither an activation nor a scalar; kiln cannot raise it")
-    t.env[node.output[0]] = t.op("mul_scalar", act, value=float(scalar.reshape(())), node=node)
+    (_, act), (other, value) = sorted(zip(node.input, (x, y)), key=lambda p: not isinstance(p[1], (str, KVFull)))
+    scalar = _scalar(t, other, node)
+    if scalar is not None and sdpa.scale(t, node, act, scalar):
+        return
+    if isinstance(act, str) and scalar is not None:
+        out = t.op("mul_scalar", act, value=scalar, node=node)
+    elif isinstance(act, str) and isinstance(value, Init) and len(t.file.shape(value.name)) == 1 and \
+            t.b.type_of(act).shape[-1] in (1, t.file.shape(value.name)[0]):     # a norm's weight, rope's frequencies
+        out = t.op("bcast_mul", act, t.param(value.name, t.file.shape(value.name),
+                                             lambda: t.file.array(value.name)), node=node)
+    else:
+        raise t.fail(node, "multiplies by a tensor that is neither an activation, a scalar nor a vector of the "
+                           "last axis; kiln cannot raise it")
+    t.layout[out] = t.layout.get(act, ROWS)
+    t.env[node.output[0]] = out
 
 
-def _sigmoid(t: Translation, node, a: dict) -> None:
-    t.env[node.output[0]] = t.op("sigmoid", t.tensor(node.input[0], node), node=node)
+UNARY = {"Sigmoid": "sigmoid", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Cos": "cos", "Sin": "sin"}
+
+
+def _unary(t: Translation, node, a: dict) -> None:
+    x = t.tensor(node.input[0], node)
+    out = t.op(UNARY[node.op_type], x, node=node)
+    t.layout[out] = t.layout.get(x, ROWS)
+    t.env[node.output[0]] = out
+
+
+def _neg(t: Translation, node, a: dict) -> None:
+    x = t.tensor(node.input[0], node)
+    t.env[node.output[0]] = out = t.op("mul_scalar", x, value=-1.0, node=node)
+    t.layout[out] = t.layout.get(x, ROWS)
+
+
+def _pow(t: Translation, node, a: dict) -> None:
+    x = t.tensor(node.input[0], node)
+    if _scalar(t, node.input[1], node) != 2.0:
+        raise t.fail(node, "raises to a power other than 2 (an RMSNorm's square); kiln cannot raise it")
+    t.env[node.output[0]] = out = t.op("mul", x, x, node=node)
+    t.layout[out] = t.layout.get(x, ROWS)
+
+
+def _reduce_mean(t: Translation, node, a: dict) -> None:
+    x = t.tensor(node.input[0], node)
+    axes = a.get("axes") or (views_entries(t, node.input[1], node) if len(node.input) > 1 else None)
+    if axes is None or len(axes) != 1 or axes[0] not in (-1, len(dims(t, x)) - 1) or not a.get("keepdims", 1):
+        raise t.fail(node, "is not a mean over the last axis, kept; kiln cannot raise it")
+    t.env[node.output[0]] = out = t.op("mean_last", x, node=node)
+    t.layout[out] = t.layout.get(x, ROWS)
+
+
+ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int32"}   # int64 ids run as int32
+
+
+def _cast(t: Translation, node, a: dict) -> None:
+    x = t.tensor(node.input[0], node)
+    to = ONNX_DTYPES.get(a.get("to"))
+    if to is None:
+        raise t.fail(node, f"casts to ONNX type {a.get('to')}; kiln cannot raise it")
+    same = t.b.type_of(x).dtype == to or (to in ("float32", "float16", "bfloat16") and
+                                          t.b.type_of(x).dtype == t.dtype)
+    t.env[node.output[0]] = x if same else t.op("cast", x, dtype=to, node=node)
+
+
+def _attention_step(t: Translation, node, a: dict) -> None:
+    if not sdpa.masked(t, node, [t.value(n, node) if n else None for n in node.input]):
+        raise t.fail(node, "is not part of an attention (scores, their mask and softmax); kiln cannot raise it")
+
+
+def _view(t: Translation, node, a: dict) -> None:
+    if not VIEWS[node.op_type](t, node, a):
+        raise t.fail(node, f"on {', '.join(_kind(t.value(n, node)) for n in node.input if n)} is not a view kiln "
+                           "raises (heads of a projection, positions, a rotary table, keys and values)")
 
 
 def _norm(t: Translation, x: str, weight_name: str, node, a: dict) -> str:
@@ -252,8 +357,11 @@ def _skip_simplified_norm(t: Translation, node, a: dict) -> None:
 def _translators() -> dict:
     return {"Constant": _constant, "Gather": _gather, "GatherBlockQuantized": _gather_block_quantized,
             "Reshape": _reshape, "Transpose": _transpose, "MatMul": _matmul, "MatMulNBits": _matmul_nbits,
-            "Add": _add, "Mul": _mul, "Sigmoid": _sigmoid, "SimplifiedLayerNormalization": _simplified_norm,
-            "SkipSimplifiedLayerNormalization": _skip_simplified_norm, "GroupQueryAttention": group_query_attention}
+            "Add": _add, "Mul": _mul, **{op: _unary for op in UNARY}, "Neg": _neg, "Pow": _pow,
+            "ReduceMean": _reduce_mean, "Cast": _cast, "Softmax": _attention_step, "IsNaN": _attention_step,
+            "Where": _attention_step, **{op: _view for op in ("Unsqueeze", "Expand", "Slice", "Split", "Concat")},
+            "SimplifiedLayerNormalization": _simplified_norm, "SkipSimplifiedLayerNormalization": _skip_simplified_norm,
+            "GroupQueryAttention": group_query_attention}
 
 
 # ---------------------------------------------------------------------- the whole graph
@@ -288,7 +396,7 @@ def _finish(t: Translation) -> None:
                         f"(outputs: {', '.join(t.file.outputs)})")
     for name in t.file.outputs:
         v = t.env.get(name)
-        if name != LOGITS and not (isinstance(v, KV) and v.present):
+        if name != LOGITS and not (isinstance(v, KV) and v.present) and not isinstance(v, KVFull):
             raise KilnError(f"{t.file.path}: graph output {name!r} is neither the logits nor a layer's present "
                             "keys or values; kiln cannot give it")
     missing = sorted(set(range(max(t.layers) + 1)) - set(t.layers)) if t.layers else [0]

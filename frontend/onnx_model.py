@@ -18,7 +18,7 @@ import numpy as np
 from kiln.ir import Graph
 from kiln.ir.types import numpy_dtype
 
-from .blocks import block_quantizers
+from .blocks import block_quantizers, quantiser_source
 from .decoder import DecoderConfig
 from .hf import TOKENIZER_FILES
 from .onnx_file import ONNXFile, open_onnx
@@ -63,10 +63,7 @@ class ONNXModel:
         """`weight(name, dtype)` for a quantiser: MatMulNBits blocks as they are (the quantiser keeps them where
         it can), a float initializer as stored where widening it to `dtype` is exact."""
         arr = self._source(name)
-        if isinstance(arr, NBitsMatrix):
-            return arr
-        exact = dtype == "float32" and arr.dtype.name in ("bfloat16", "float16")
-        return arr if exact else arr.astype(numpy_dtype(dtype), copy=False)
+        return arr if isinstance(arr, NBitsMatrix) else quantiser_source(arr, dtype)
 
     def quantizers(self, base: dict) -> dict:
         return block_quantizers(base, lambda w: isinstance(w, NBitsMatrix))

@@ -38,6 +38,47 @@ class Transposed:
     name: str
 
 
+@dataclass(frozen=True)
+class SymVec:
+    """A shape or part of one, as shape arithmetic computes it: ints and symbolic dims ("b", "s", "t", ...)."""
+    dims: tuple
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a kiln value holds an ONNX activation: rows ([b, s, F] as kiln's [tokens, F]; a 1-D kiln value is
+    [b, s]) or heads ([b, s, h, d], or [b, h, s, d] when transposed, as kiln's [tokens, h, d])."""
+    heads: int = 0
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class KVFull:
+    """A layer's keys or values, past and new (Concat(past, new) and the views attention takes of it): the new
+    rows are kiln value `new` [tokens, kv_heads, head_dim]; `factor` a scale multiplied in."""
+    layer: int
+    which: str
+    new: str
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """An attention query times a scalar (the decomposed SDPA splits its scale between q and k)."""
+    value: str
+    factor: float
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Attention scores of query `q` over layer `layer`'s keys (softmax taken: `probs`), scaled by `scale`."""
+    q: str
+    keys: str               # the layer's new keys (kiln value [tokens, kv_heads, head_dim])
+    layer: int
+    scale: float
+    probs: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class Const:
     value: np.ndarray
@@ -78,7 +119,8 @@ class Translation:
     tensor_types: Counter = field(default_factory=Counter)   # the file's matrices, by how it stores them
     step: dict = field(default_factory=dict)
     kv_pages: dict = field(default_factory=dict)
-    graph: Graph | None = None                        # the result, raised and verified
+    layout: dict = field(default_factory=dict)         # kiln value -> Layout (absent: rows)
+    graph: Graph | None = None                        # the result, verified
 
     # ------------------------------------------------------------------ values
     def fail(self, node, why: str) -> KilnError:
@@ -125,4 +167,5 @@ class Translation:
 def _kind(v) -> str:
     return {Mask: "the attention mask's bookkeeping", Init: f"initializer {getattr(v, 'name', '')!r}",
             Const: "a constant", KV: "a layer's keys or values", Reshaped: "a reshaped initializer",
-            Transposed: "a transposed initializer"}.get(type(v), "an activation")
+            Transposed: "a transposed initializer", SymVec: "shape arithmetic", KVFull: "a layer's keys or values",
+            Scaled: "a scaled attention query", Scores: "attention scores"}.get(type(v), "an activation")

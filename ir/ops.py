@@ -61,19 +61,6 @@ def _silu():
     return rule, ref
 
 
-@op("sigmoid", ["x"])
-def _sigmoid():
-    """1 / (1 + exp(-x)): an imported graph's (ONNX Sigmoid) until a pass raises x * sigmoid(x) into silu;
-    no target lowers it."""
-    def rule(types, attrs, fail):
-        need_float(types[0], "x", fail)
-        return types[0]
-
-    def ref(x, at, ty, dims):
-        return as_type(1.0 / (1.0 + np.exp(-f32(x[0]))), ty)
-    return rule, ref
-
-
 GATED_OPS = {"silu": "swiglu", "gelu_tanh": "geglu"}      # gate activation -> the op over a fused gate|up
 
 
@@ -478,6 +465,7 @@ def _geglu():
 
 
 from . import (
+    imported_ops,  # noqa: E402,F401  (registers the ops imported graphs spell kiln's with)
     kv_ops,  # noqa: E402,F401  (registers the paged KV cache ops)
     lora_ops,  # noqa: E402,F401  (registers lora)
     mla_ops,  # noqa: E402,F401  (registers the latent-cache attention ops)

@@ -74,3 +74,18 @@ def make_kv_pages(num_layers: int, num_pages: int, kv_heads: int, page_size: int
         out[f"kv_pages{i}"] = np.zeros(shape, storage)
         out[f"kv_scales{i}"] = np.full(shape[:4], fill, np.float32)
     return out
+
+
+def interpreted_steps(path, ids: list[int], split: int, page_size: int = 16) -> list[np.ndarray]:
+    """The model at `path` (any importer's), interpreted: a prefill of ids[:split], then one decode step per
+    remaining token over the same three pages (out of order, the rest NaN); the logits of each step's last token."""
+    from kiln.frontend import load_model
+    from kiln.ir import interpret, verify, weight_loader
+    model = load_model(path)
+    graph = verify(model.build_graph("float32", page_size))
+    weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
+    kv = kv_pages_for(graph.kv_specs, 6, fill=np.nan)
+    pages = [3, 0, 5]
+    steps = [make_step_inputs([(ids[:split], 0, pages)], page_size)]
+    steps += [make_step_inputs([([ids[t]], t, pages)], page_size) for t in range(split, len(ids))]
+    return [interpret(graph, {**step, **kv}, weights)["logits"][0] for step in steps]

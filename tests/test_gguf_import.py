@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf_files import converted, quantized, tiny_variant
-from paging import kv_pages_for, make_step_inputs
+from paging import interpreted_steps
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kiln.frontend import load_model  # noqa: E402
-from kiln.ir import interpret, verify, weight_loader  # noqa: E402
+from kiln.ir import weight_loader  # noqa: E402
 
 PAGE_SIZE = 16
 # one of each thing llama.cpp's converter does differently: llama's permuted q/k and rope_freqs tensor
@@ -44,15 +44,7 @@ def hf_logits(model_dir, ids) -> np.ndarray:
 
 
 def kiln_logits(path, ids, split: int) -> list[np.ndarray]:
-    """A prefill of ids[:split], then one decode step per remaining token, interpreted."""
-    model = load_model(path)
-    graph = verify(model.build_graph("float32", page_size=PAGE_SIZE))
-    weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
-    kv = kv_pages_for(graph.kv_specs, 6, fill=np.nan)
-    pages = [3, 0, 5]
-    steps = [make_step_inputs([(ids[:split], 0, pages)], PAGE_SIZE)]
-    steps += [make_step_inputs([([ids[t]], t, pages)], PAGE_SIZE) for t in range(split, len(ids))]
-    return [interpret(graph, {**step, **kv}, weights)["logits"][0] for step in steps]
+    return interpreted_steps(path, ids, split, PAGE_SIZE)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

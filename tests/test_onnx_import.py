@@ -1,6 +1,6 @@
 """ONNX decoders compiled by kiln (frontend/onnx_*.py) against onnxruntime on the same file: ONNX Runtime GenAI
-builder's fp32 and int4 models of tiny Llama, Qwen2 and Phi-3; MatMulNBits blocks kept as kiln's q4; the raising
-patterns as IR text; and files kiln must refuse, on one line naming the node."""
+builder's fp32 and int4 models and torch.onnx.export's of tiny Llama, Qwen2 and Phi-3; MatMulNBits blocks kept as
+kiln's q4; the raising patterns as IR text; and files kiln must refuse, on one line naming the node."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +11,8 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("transformers")
 
-from onnx_files import ORTDecoder, genai_model, hf_model  # noqa: E402
-from paging import kv_pages_for, make_step_inputs  # noqa: E402
+from onnx_files import ORTDecoder, genai_model, hf_model, torch_export  # noqa: E402
+from paging import interpreted_steps, kv_pages_for, make_step_inputs  # noqa: E402
 
 from kiln.errors import KilnError  # noqa: E402
 from kiln.frontend import load_model  # noqa: E402
@@ -28,15 +28,7 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def kiln_interpreted(folder, ids: list[int], split: int) -> list[np.ndarray]:
-    """A prefill of ids[:split], then one decode step per remaining token, through the interpreter."""
-    model = load_model(folder)
-    graph = model.build_graph("float32", PAGE_SIZE)
-    weights = weight_loader(graph, lambda name: model.weight(name, "float32"))
-    kv = kv_pages_for(graph.kv_specs, 6, fill=np.nan)
-    pages = [3, 0, 5]
-    steps = [make_step_inputs([(ids[:split], 0, pages)], PAGE_SIZE)]
-    steps += [make_step_inputs([([ids[t]], t, pages)], PAGE_SIZE) for t in range(split, len(ids))]
-    return [interpret(graph, {**step, **kv}, weights)["logits"][0] for step in steps]
+    return interpreted_steps(folder, ids, split, PAGE_SIZE)
 
 
 def ort_rows(folder, ids: list[int], split: int) -> list[np.ndarray]:
@@ -220,6 +212,61 @@ def test_the_found_model_is_the_one_the_builder_was_given():
     assert abs(c.rope_theta - hf["rope_parameters"]["rope_theta"]) < 1e-2 * hf["rope_parameters"]["rope_theta"]
 
 
+# ---------------------------------------------------------------------- torch.onnx.export's graphs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_export_interpreted_gives_onnxruntime_logits(family):
+    """Attention as MatMul/Softmax over Concat(past, new), RMSNorm as Pow/ReduceMean/Sqrt/Reciprocal, rotary as
+    Slice/Neg/Concat/Mul on Cos/Sin of the positions: translated, then raised, through prefill and decode."""
+    from kiln.passes.raise_patterns import RaisePatterns
+    folder = torch_export(family)
+    ids = prompts(1, 12)[0] + [7, 9, 11]
+    want = ort_rows(folder, ids, len(ids) - 3)
+    for got, row in zip(kiln_interpreted(folder, ids, len(ids) - 3), want):
+        np.testing.assert_allclose(got, row, atol=1e-4 * np.ptp(row), rtol=0)
+    model = load_model(folder)
+    raised = RaisePatterns()(model.build_graph("float32", PAGE_SIZE))
+    ids_step = make_step_inputs([(ids, 0, [3, 0, 5])], PAGE_SIZE)
+    weights = weight_loader(raised, lambda name: model.weight(name, "float32"))
+    got = interpret(raised, {**ids_step, **kv_pages_for(raised.kv_specs, 6)}, weights)["logits"][0]
+    np.testing.assert_allclose(got, ort_rows(folder, ids, len(ids))[0], atol=1e-4 * np.ptp(got), rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_export_raises_to_the_graph_of_the_hf_directory(family):
+    """After raise_patterns the exported graph is the one kiln builds from the HF directory it came from: the same
+    ops and the same weights by the same names (so the same fusions, kernels and quantisation policy apply)."""
+    from collections import Counter
+
+    from kiln.passes.raise_patterns import RaisePatterns
+    raised = RaisePatterns()(load_model(torch_export(family)).build_graph("float32", PAGE_SIZE))
+    direct = load_model(hf_model(family)).build_graph("float32", PAGE_SIZE)
+    assert Counter(n.op for n in raised.nodes) == Counter(n.op for n in direct.nodes)
+    assert {n: p.type for n, p in raised.params.items()} == {n: p.type for n, p in direct.params.items()}
+    assert raised.kv_specs == direct.kv_specs
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_torch_export_compiled_gives_onnxruntime_logits(family):
+    from artifact_cache import cpu_artifact
+
+    from kiln.runtime.model import CompiledModel
+    folder = torch_export(family)
+    model = CompiledModel(cpu_artifact(folder))
+    model.allocate_kv(16 * model.bytes_per_page)
+    ids, pages = prompts(1, 13)[0] + [40] * 20, [5, 2, 9, 1]
+    ort = ORTDecoder(folder)
+    want = ort.step(ids[:-6])[-1]
+    got = model.forward(make_step_inputs([(ids[:-6], 0, pages)], model.page_size))[0]
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+    for t in range(len(ids) - 6, len(ids)):
+        want = ort.step([ids[t]])[-1]
+        got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
 # ---------------------------------------------------------------------- the raising patterns, as IR text
 
 
@@ -265,7 +312,7 @@ def test_a_sigmoid_read_elsewhere_or_of_another_value_is_refused_by_name():
           %z = add(%y, %b) : f32[tokens, 8]
           return %z
         }"""
-    with pytest.raises(KilnError, match=r"%s = sigmoid\(%x\) is not part of a SiLU"):
+    with pytest.raises(KilnError, match=r"%s = sigmoid\(%x\) is part of no pattern kiln raises"):
         _raised(text)
     without_b = text.replace("%t = sigmoid(%u) : f32[tokens, 8]\n", "").replace("%b = mul(%t, %x)", "%b = mul(%u, %x)")
     with pytest.raises(KilnError, match=r"%s = sigmoid"):     # %s is read by the add too
@@ -303,6 +350,117 @@ def test_the_final_norm_moves_after_the_row_choice():
     weights = {"w": rng.standard_normal(8).astype(np.float32), "head": rng.standard_normal((16, 8)).astype(np.float32)}
     np.testing.assert_allclose(interpret(parse_graph(after), inputs, weights.get)["l"],
                                interpret(parse_graph(before), inputs, weights.get)["l"], rtol=1e-6)
+
+
+def _same_function(before: str, after: str, inputs: dict, weights: dict) -> None:
+    """The raised text is `after`, and both compute the same on `inputs`."""
+    assert _raised(before) == print_graph(parse_graph(after))
+    out = parse_graph(before).outputs[0]
+    np.testing.assert_allclose(interpret(parse_graph(after), inputs, weights.get)[out],
+                               interpret(parse_graph(before), inputs, weights.get)[out], rtol=2e-5, atol=2e-6)
+
+
+def test_an_rms_norm_spelled_out_is_raised():
+    before = """
+        graph g(
+            %x: f32[tokens, 8],
+        ) {
+          @w: f32[8]
+          %q = mul(%x, %x) : f32[tokens, 8]
+          %m = mean_last(%q) : f32[tokens, 1]
+          %e = add_scalar(%m) {value=1e-06} : f32[tokens, 1]
+          %r = sqrt(%e) : f32[tokens, 1]
+          %i = reciprocal(%r) : f32[tokens, 1]
+          %n = bcast_mul(%x, %i) : f32[tokens, 8]
+          %y = bcast_mul(%n, @w) : f32[tokens, 8]
+          return %y
+        }"""
+    after = """
+        graph g(
+            %x: f32[tokens, 8],
+        ) {
+          @w: f32[8]
+          %y = rms_norm(%x, @w) {eps=1e-06} : f32[tokens, 8]
+          return %y
+        }"""
+    rng = np.random.default_rng(1)
+    _same_function(before, after, {"x": rng.standard_normal((5, 8)).astype(np.float32)},
+                   {"w": rng.standard_normal(8).astype(np.float32)})
+
+
+ROPE_BEFORE = """
+    graph g(
+        %positions: i32[tokens],
+        %x: f32[tokens, 2, 8],
+    ) {
+      @inv: f32[4]
+      %p = reshape(%positions) {shape=('tokens', 1)} : i32[tokens, 1]
+      %pf = cast(%p) {dtype='float32'} : f32[tokens, 1]
+      %f = bcast_mul(%pf, @inv) : f32[tokens, 4]
+      %t = concat(%f, %f) : f32[tokens, 8]
+      %c = cos(%t) : f32[tokens, 8]
+      %s = sin(%t) : f32[tokens, 8]
+      %cu = reshape(%c) {shape=('tokens', 1, 8)} : f32[tokens, 1, 8]
+      %su = reshape(%s) {shape=('tokens', 1, 8)} : f32[tokens, 1, 8]
+      %a = bcast_mul(%x, %cu) : f32[tokens, 2, 8]
+      %lo = slice(%x) {begin=0, end=4} : f32[tokens, 2, 4]
+      %hi = slice(%x) {begin=4, end=8} : f32[tokens, 2, 4]
+      %n = mul_scalar(%hi) {value=-1.0} : f32[tokens, 2, 4]
+      %h = concat(%n, %lo) : f32[tokens, 2, 8]
+      %b = bcast_mul(%h, %su) : f32[tokens, 2, 8]
+      %y = add(%a, %b) : f32[tokens, 2, 8]
+      return %y
+    }"""
+
+
+def test_a_rotary_embedding_spelled_out_is_raised_to_rope():
+    after = """
+        graph g(
+            %positions: i32[tokens],
+            %x: f32[tokens, 2, 8],
+        ) {
+          @inv: f32[4]
+          %heads_flat0 = reshape(%x) {shape=('tokens', 16)} : f32[tokens, 16]
+          %rope0 = rope(%heads_flat0, %positions, @inv) {head_dim=8} : f32[tokens, 16]
+          %y = reshape(%rope0) {shape=('tokens', 2, 8)} : f32[tokens, 2, 8]
+          return %y
+        }"""
+    rng = np.random.default_rng(2)
+    inputs = {"positions": np.array([0, 3, 17, 100, 4], np.int32),
+              "x": rng.standard_normal((5, 2, 8)).astype(np.float32)}
+    _same_function(ROPE_BEFORE, after, inputs, {"inv": (1.0 / 10000 ** (np.arange(4) / 4)).astype(np.float32)})
+
+
+def test_a_rotation_by_other_halves_stays_and_is_refused():
+    text = ROPE_BEFORE.replace("{begin=0, end=4} : f32[tokens, 2, 4]", "{begin=0, end=3} : f32[tokens, 2, 3]") \
+        .replace("%h = concat(%n, %lo) : f32[tokens, 2, 8]", "%h = concat(%n, %lo) : f32[tokens, 2, 7]") \
+        .replace("%b = bcast_mul(%h, %su) : f32[tokens, 2, 8]\n      %y = add(%a, %b)",
+                 "%b = concat(%h, %lo) : f32[tokens, 2, 10]\n      %y = add(%a, %a)")
+    with pytest.raises(KilnError, match="is part of no pattern kiln raises"):
+        _raised(text)
+
+
+def test_a_split_gate_up_projection_is_raised_to_swiglu_and_reshapes_fold():
+    before = """
+        graph g(
+            %x: f32[tokens, 8],
+        ) {
+          %r = reshape(%x) {shape=('tokens', 2, 4)} : f32[tokens, 2, 4]
+          %v = reshape(%r) {shape=('tokens', 8)} : f32[tokens, 8]
+          %g = slice(%v) {begin=0, end=4} : f32[tokens, 4]
+          %u = slice(%v) {begin=4, end=8} : f32[tokens, 4]
+          %a = silu(%g) : f32[tokens, 4]
+          %y = mul(%a, %u) : f32[tokens, 4]
+          return %y
+        }"""
+    after = """
+        graph g(
+            %x: f32[tokens, 8],
+        ) {
+          %y = swiglu(%x) : f32[tokens, 4]
+          return %y
+        }"""
+    _same_function(before, after, {"x": np.random.default_rng(3).standard_normal((5, 8)).astype(np.float32)}, {})
 
 
 def test_rope_tables_give_back_their_frequencies_and_factor():
@@ -359,7 +517,7 @@ def test_a_sigmoid_outside_silu_is_refused_when_compiled(tmp_path):
     def edit(proto):
         mul = next(n for n in proto.graph.node if n.op_type == "Mul" and "act_fn" in n.name)
         mul.input[0] = mul.input[1]                 # sigmoid(x) · sigmoid(x)
-    with pytest.raises(KilnError, match="not part of a SiLU"):
+    with pytest.raises(KilnError, match="sigmoid.* is part of no pattern kiln raises"):
         compile_model(_edited(tmp_path, edit), tmp_path / "out", CompileOptions(target="cpu"), show=None)
     assert not (tmp_path / "out").exists()
 
