@@ -1,5 +1,6 @@
 """Decode speed of kiln on an ONNX Runtime GenAI model beside onnxruntime-genai on the same file, and beside kiln
-compiled from the Hugging Face directory the file was built from (the same kernels should give the same speed).
+compiled from the Hugging Face directory the file was built from and from torch.onnx.export's file of it (fp32):
+the same kernels should give the same speed.
 
     python bench/onnx_vs_genai.py [--model build/smollm2-135m-instruct-hf] [--precisions fp32,int4]
                                   [--batches 1,8] [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--threads N]
@@ -29,6 +30,13 @@ def build_onnx(model: Path, precision: str, out: Path) -> Path:
     if not (out / "model.onnx").exists():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model), "-o", str(out),
                         "-p", precision, "-e", "cpu", "-c", str(out.parent / "cache")], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def torch_exported(model: Path, out: Path) -> Path:
+    if not (out / "model.onnx").exists():
+        subprocess.run([sys.executable, "-m", "kiln.testing.onnx_export", str(model), str(out)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
@@ -94,6 +102,8 @@ def main() -> None:
                  if precision == "int4" else {})
         from_onnx = compiled(onnx_dir, work / f"kiln-onnx-{precision}")
         from_hf = compiled(model, work / f"kiln-hf-{precision}", **quant)
+        from_torch = compiled(torch_exported(model, work / f"{model.name}-torch"), work / "kiln-torch-fp32") \
+            if precision == "fp32" else None
         for batch in batches:
             prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(batch)]
             runs[precision, batch, "onnxruntime-genai"] = (genai_decode, og.Model(str(onnx_dir)), prompts)
@@ -101,6 +111,9 @@ def main() -> None:
                                                                                    prefix_caching=False), prompts)
             runs[precision, batch, "kiln (from the HF directory)"] = (kiln_decode, LLM(from_hf, kv_memory="256MiB",
                                                                                       prefix_caching=False), prompts)
+            if from_torch is not None:
+                runs[precision, batch, "kiln (from torch.onnx.export's file)"] = (
+                    kiln_decode, LLM(from_torch, kv_memory="256MiB", prefix_caching=False), prompts)
     measured = {key: [] for key in runs}
     for round_ in range(args.repeats + 1):
         for key, (run, engine, prompts) in runs.items():

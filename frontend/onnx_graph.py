@@ -186,6 +186,10 @@ def _linear_input(t: Translation, node) -> str:
 
 def _matmul(t: Translation, node, a: dict) -> None:
     w = t.value(node.input[1], node)
+    if isinstance(w, Transposed):            # x @ tableᵀ: a head tied to the embedding table, kiln's [out, in]
+        t.env[node.output[0]] = t.op("linear", _linear_input(t, node), t.param(
+            w.name, t.file.shape(w.name), lambda: t.file.array(w.name)), node=node)
+        return
     if not isinstance(w, Init) and sdpa.matmul(t, node, a):
         return
     if not isinstance(w, Init) or len(t.file.shape(w.name)) != 2:

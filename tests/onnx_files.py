@@ -48,37 +48,6 @@ def genai_model(family: str, precision: str = "fp32", *extra_options: str) -> Pa
     return entry("onnx", "-".join(["genai", family, precision, *extra_options]), build) / "model"
 
 
-EXPORT = """
-import sys, torch
-from transformers import AutoModelForCausalLM, DynamicCache
-source, out = sys.argv[1], sys.argv[2]
-model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-config, layers = model.config, model.config.num_hidden_layers
-
-class Decoder(torch.nn.Module):          # flat past/present tensors, as ONNX decoders take them
-    def __init__(self):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        cache = DynamicCache(config=config)
-        for i in range(layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
-        return (out.logits, *[t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)])
-
-heads, dim = config.num_key_value_heads, config.head_dim
-names = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
-b, s, p, t = (torch.export.Dim(n, min=1) for n in ("batch", "seq", "past", "total"))
-example = (torch.randint(0, config.vocab_size, (1, 3)), torch.ones(1, 8, dtype=torch.int64),
-           torch.arange(5, 8)[None], *[torch.randn(1, heads, 5, dim) for _ in names])
-torch.onnx.export(Decoder(), example, out + "/model.onnx", dynamo=True, external_data=True, optimize=True,
-                  input_names=["input_ids", "attention_mask", "position_ids", *names],
-                  output_names=["logits", *[n.replace("past_key_values", "present") for n in names]],
-                  dynamic_shapes={"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: t},
-                                  "position_ids": {0: b, 1: s}, "past": tuple({0: b, 2: p} for _ in names)})
-"""
 
 
 def torch_export(family: str) -> Path:
@@ -88,13 +57,10 @@ def torch_export(family: str) -> Path:
 
     def build(folder: Path) -> None:
         out = folder / "model"
-        out.mkdir()
-        done = subprocess.run([sys.executable, "-c", EXPORT, str(source), str(out)], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "kiln.testing.onnx_export", str(source), str(out)],
+                              capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"torch.onnx.export failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            if (source / name).exists():
-                shutil.copy(source / name, out / name)
     return entry("onnx", f"torch-{family}", build) / "model"
 
 

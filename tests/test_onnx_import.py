@@ -215,7 +215,7 @@ def test_the_found_model_is_the_one_the_builder_was_given():
 # ---------------------------------------------------------------------- torch.onnx.export's graphs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "tied"])
 def test_torch_export_interpreted_gives_onnxruntime_logits(family):
     """Attention as MatMul/Softmax over Concat(past, new), RMSNorm as Pow/ReduceMean/Sqrt/Reciprocal, rotary as
     Slice/Neg/Concat/Mul on Cos/Sin of the positions: translated, then raised, through prefill and decode."""
@@ -233,7 +233,7 @@ def test_torch_export_interpreted_gives_onnxruntime_logits(family):
     np.testing.assert_allclose(got, ort_rows(folder, ids, len(ids))[0], atol=1e-4 * np.ptp(got), rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "tied"])
 def test_torch_export_raises_to_the_graph_of_the_hf_directory(family):
     """After raise_patterns the exported graph is the one kiln builds from the HF directory it came from: the same
     ops and the same weights by the same names (so the same fusions, kernels and quantisation policy apply)."""
