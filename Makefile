@@ -21,7 +21,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	    "schemathesis>=3.30" "setuptools>=68" "sentencepiece>=0.2" "protobuf>=4" "blake3>=1.0" \
 	    "nvidia-cuda-nvdisasm>=13" "nvidia-cuda-cuobjdump>=13" "langchain-openai>=1.0" "litellm>=1.70" "ray[serve]==2.60.0" \
 	    "gguf==0.19.0" "accelerate>=1.0" "peft==0.21.2" "onnx==1.23.2" "onnxruntime==1.32.0" "onnxruntime-genai==0.18.0" \
-	    "onnxscript==0.7.2"
+	    "onnxscript==0.7.2" "onnx-ir==1.1.0"
+	# onnx-ir: onnxruntime-genai's model builder imports it without declaring it (tests make ONNX files with it)
 	# xgrammar (structured output) without its declared triton: kiln masks logits with NumPy;
 	# nvidia-cutlass for its headers alone (sm_90 linears compile CUTLASS's Hopper GEMMs), not its Python tools
 	$(PY) -m pip install -q -c constraints.txt --no-deps "xgrammar==0.2.8" "nvidia-cutlass==4.2.0.0"

@@ -50,16 +50,22 @@ def test_builder_fp32_graph_interpreted_gives_onnxruntime_logits(family):
 def test_builder_fp32_compiled_gives_onnxruntime_logits_through_prefill_and_decode(family):
     from artifact_cache import cpu_artifact
 
-    from kiln.runtime.model import CompiledModel
     folder = genai_model(family, "fp32")
-    model = CompiledModel(cpu_artifact(folder))
+    _compiled_gives_onnxruntime_logits(folder, cpu_artifact(folder), prompts(1, 4)[0] + [40] * 25, 8)
+
+
+def _compiled_gives_onnxruntime_logits(folder, artifact, ids: list[int], decode: int) -> None:
+    """The compiled artifact's logits equal onnxruntime's on the file: a prefill, then `decode` single steps (past a
+    page boundary, on pages out of order)."""
+    from kiln.runtime.model import CompiledModel
+    model = CompiledModel(artifact)
     model.allocate_kv(16 * model.bytes_per_page)
-    ids, pages = prompts(1, 4)[0] + [40] * 25, [5, 2, 9, 1]         # past a page boundary
+    pages = [5, 2, 9, 1]
     ort = ORTDecoder(folder)
-    want = ort.step(ids[:-8])[-1]
-    got = model.forward(make_step_inputs([(ids[:-8], 0, pages)], model.page_size))[0]
+    want = ort.step(ids[:-decode])[-1]
+    got = model.forward(make_step_inputs([(ids[:-decode], 0, pages)], model.page_size))[0]
     np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
-    for t in range(len(ids) - 8, len(ids)):
+    for t in range(len(ids) - decode, len(ids)):
         want = ort.step([ids[t]])[-1]
         got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
         np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
@@ -252,19 +258,8 @@ def test_torch_export_raises_to_the_graph_of_the_hf_directory(family):
 def test_torch_export_compiled_gives_onnxruntime_logits(family):
     from artifact_cache import cpu_artifact
 
-    from kiln.runtime.model import CompiledModel
     folder = torch_export(family)
-    model = CompiledModel(cpu_artifact(folder))
-    model.allocate_kv(16 * model.bytes_per_page)
-    ids, pages = prompts(1, 13)[0] + [40] * 20, [5, 2, 9, 1]
-    ort = ORTDecoder(folder)
-    want = ort.step(ids[:-6])[-1]
-    got = model.forward(make_step_inputs([(ids[:-6], 0, pages)], model.page_size))[0]
-    np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
-    for t in range(len(ids) - 6, len(ids)):
-        want = ort.step([ids[t]])[-1]
-        got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
-        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+    _compiled_gives_onnxruntime_logits(folder, cpu_artifact(folder), prompts(1, 13)[0] + [40] * 20, 6)
 
 
 # ---------------------------------------------------------------------- the raising patterns, as IR text
