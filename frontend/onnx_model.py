@@ -122,14 +122,16 @@ def _config(file: ONNXFile, t: Translation) -> DecoderConfig:
     context = model.get("context_length") or hf.get("max_position_embeddings") or rope_rows or 4096
     head = graph.producer(graph.producer(graph.outputs[0]).inputs[0])
     inv = next((t.weights[name]() for name, *_ in t.rope.values()), None)
-    theta = float(inv[1] ** -len(inv)) if inv is not None and len(inv) > 1 else 10000.0   # f_i = theta^(-i/len)
+    configured = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta = float(inv[1] ** -len(inv)) if inv is not None and len(inv) > 1 else float(configured)   # f_i = θ^(-i/len)
     windows = {layer.window for layer in layers}
     return DecoderConfig(
         architecture=(hf.get("architectures") or [f"onnx:{model.get('type', 'decoder')}"])[0],
         model_type=model.get("type") or hf.get("model_type") or "onnx",
         vocab_size=int(vocab), hidden_size=int(hidden), intermediate_size=int(intermediate),
         num_layers=len(layers), num_heads=layers[0].heads, num_kv_heads=layers[0].kv_heads,
-        head_dim=layers[0].head_dim, rms_norm_eps=t.eps[0] if t.eps else 1e-5, rope_theta=theta, rope_scaling=None,
+        head_dim=layers[0].head_dim, rms_norm_eps=t.eps[0] if t.eps else float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta, rope_scaling=None,
         max_position_embeddings=int(min(context, rope_rows) if rope_rows else context),
         tie_word_embeddings=head is not None and head.inputs[1:2] == embed.inputs[1:2],
         bos_token_id=model.get("bos_token_id", hf.get("bos_token_id")),

@@ -154,7 +154,7 @@ def expand(t: Translation, node, a: dict) -> bool:
     return False
 
 
-def last_axis(t: Translation, node, axis: int, rank: int) -> bool:
+def last_axis(axis: int | None, rank: int) -> bool:
     return axis in (-1, rank - 1)
 
 
@@ -166,7 +166,7 @@ def slice_(t: Translation, node, a: dict) -> bool:
     axes = entries(t, node.input[3], node) if len(node.input) > 3 and node.input[3] else [-1]
     steps = entries(t, node.input[4], node) if len(node.input) > 4 and node.input[4] else [1]
     rank = len(dims(t, v))
-    if None in (starts, ends, axes, steps) or len(axes) != 1 or steps != [1] or not last_axis(t, node, axes[0], rank):
+    if None in (starts, ends, axes, steps) or len(axes) != 1 or steps != [1] or not last_axis(axes[0], rank):
         raise t.fail(node, "slices other than a range of the last axis; kiln cannot raise it")
     width = t.b.type_of(v).shape[-1]
     begin, end = (max(0, min(width, e if e >= 0 else width + e)) for e in (starts[0], ends[0]))
@@ -181,7 +181,7 @@ def split(t: Translation, node, a: dict) -> bool:
     sizes = entries(t, node.input[1], node) if len(node.input) > 1 and node.input[1] else a.get("split")
     if sizes is None and isinstance(v, str) and a.get("num_outputs"):           # opset 18: equal parts
         sizes = [t.b.type_of(v).shape[-1] // a["num_outputs"]] * a["num_outputs"]
-    if not isinstance(v, str) or sizes is None or not last_axis(t, node, a.get("axis", 0), len(dims(t, v))):
+    if not isinstance(v, str) or sizes is None or not last_axis(a.get("axis", 0), len(dims(t, v))):
         raise t.fail(node, "splits other than the last axis into given sizes; kiln cannot raise it")
     begin = 0
     for name, size in zip(node.output, sizes):
@@ -199,7 +199,7 @@ def concat(t: Translation, node, a: dict) -> bool:
         past, new = values
         t.env[node.output[0]] = KVFull(past.layer, past.which, new)
         return True
-    if not all(isinstance(v, str) for v in values) or not last_axis(t, node, axis, len(dims(t, values[0]))):
+    if not all(isinstance(v, str) for v in values) or not last_axis(axis, len(dims(t, values[0]))):
         return False
     out = values[0]
     for v in values[1:]:

@@ -4,6 +4,7 @@ model builder (fp32 and int4) and by torch.onnx.export; and onnxruntime's answer
 Both are cached like the test artifacts (tests/artifact_cache.py)."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from artifact_cache import entry
 # original_max_position_embeddings, and plain rope (with transformers 5's rope_parameters it reads no LongRoPE).
 # "tied": a Llama whose LM head is its embedding table (the builder gathers from the head's weight).
 SHAPE = {"intermediate_size": 640}
+# the exporters' processes on one thread: the other test worker may be starting a Ray cluster meanwhile
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
           "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                             "original_max_position_embeddings": 4096, "max_position_embeddings": 4096}),
@@ -41,7 +44,7 @@ def genai_model(family: str, precision: str = "fp32", *extra_options: str) -> Pa
                    str(folder / "model"), "-p", precision, "-e", "cpu", "-c", str(folder / "cache")]
         if extra_options:
             command += ["--extra_options", *extra_options]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, env=ONE_THREAD)
         if done.returncode:
             raise RuntimeError(f"the builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
         shutil.rmtree(folder / "cache", ignore_errors=True)
@@ -58,7 +61,7 @@ def torch_export(family: str) -> Path:
     def build(folder: Path) -> None:
         out = folder / "model"
         done = subprocess.run([sys.executable, "-m", "kiln.testing.onnx_export", str(source), str(out)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=ONE_THREAD)
         if done.returncode:
             raise RuntimeError(f"torch.onnx.export failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return entry("onnx", f"torch-{family}", build) / "model"
@@ -71,9 +74,12 @@ class ORTDecoder:
         import json
 
         import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1    # beside the other test worker's Ray
         config = Path(folder) / "genai_config.json"
         self.head_size = json.loads(config.read_text())["model"]["decoder"]["head_size"] if config.exists() else None
-        self.session = ort.InferenceSession(str(Path(folder) / "model.onnx"), providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(Path(folder) / "model.onnx"), options,
+                                            providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.reset()
