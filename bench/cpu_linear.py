@@ -164,6 +164,11 @@ def _kernels(n_out: int, n_in: int):
     w = (rng.standard_normal((n_out, n_in)) * 0.02).astype(np.float32)
     built = lambda f: tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target)  # noqa: E731
     m = tirx.Var("m", "int64")
+    fp32 = [apply_layout(f"packed{nb}", w)]
+    yield ("fp32 GEMV", "fma", fp32, "float32",
+           built(packed_linear_kernel(m, n_out, n_in, nb, "float32", False, False, WeightFormat(), "float32")))
+    yield ("fp32 GEMM", "fma", fp32, "float32", built(packed_gemm_kernel(
+        n_out, n_in, nb, "float32", WeightFormat(), "float32", False, False, vector_lanes(target))))
     bf16 = [apply_layout(f"packed{nb}", w.astype(ml_dtypes.bfloat16))]
     yield ("bf16 GEMV", "fma", bf16, "bfloat16",
            built(packed_linear_kernel(m, n_out, n_in, nb, "bfloat16", False, False, WeightFormat(), "bfloat16")))
