@@ -3,11 +3,13 @@ rotated by kiln's rope, k and v appended to the layer's KV pages, and the causal
 
 GQA rotates with cos/sin tables indexed by position (cos_cache[p, i] = m · cos(p · f_i)); kiln's rope computes
 them from the inverse frequencies f and the factor m, so those are read back from the tables (f_i from the
-phase at positions 1, 2, 4, … so that each doubling halves its error, m from row 0) and the whole table checked
-against them: a table kiln's rope would not reproduce is refused. `local_window_size` w is kiln's window w (a
+phase at positions 1, 2, 4, … so that each doubling halves its error, m as the mean length of (cos, sin)) and
+the whole table checked against them, within the rounding of its dtype (float32, or float16 and bfloat16 in
+the builder's CUDA files): a table kiln's rope would not reproduce is refused. `local_window_size` w is kiln's window w (a
 query attends to the w newest positions, itself among them: measured against ONNX Runtime's CPU kernel)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from kiln.interface import KVSpec
@@ -15,13 +17,15 @@ from kiln.interface import KVSpec
 from .onnx_translation import KV, Layer, Mask, Translation
 
 ROPE_PARAMS = ("rope.inv_freq", "rope_local.inv_freq")
-TABLE_TOLERANCE = 2e-6            # per unit of position, on top of float32's rounding of the table itself
+TABLE_TOLERANCE = 2e-6            # per unit of position, on top of the rounding of the table's own dtype
 
 
 def rope_from_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """(inverse frequencies, factor, worst deviation of the table from them) of GQA's cos/sin tables."""
+    """(inverse frequencies, factor, worst deviation of the table from them, in units of what the table's
+    rounding and TABLE_TOLERANCE allow) of GQA's cos/sin tables."""
+    rounding = max(1e-6, float(ml_dtypes.finfo(cos.dtype).eps))       # a float16 or bfloat16 table's ulp at 1
     cos, sin = cos.astype(np.float64), sin.astype(np.float64)
-    mscale = float(np.hypot(cos[0], sin[0]).mean())
+    mscale = float(np.hypot(cos, sin).mean())
     inv = np.arctan2(sin[1], cos[1]) if len(cos) > 1 else np.zeros(cos.shape[1])
     p = 2
     while p < len(cos):
@@ -31,7 +35,7 @@ def rope_from_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, floa
         p *= 2
     positions = np.arange(len(cos), dtype=np.float64)[:, None]
     angle = positions * inv.astype(np.float32).astype(np.float64)
-    allowed = 1e-6 + TABLE_TOLERANCE * positions
+    allowed = rounding + TABLE_TOLERANCE * positions
     deviation = np.maximum(np.abs(cos - mscale * np.cos(angle)), np.abs(sin - mscale * np.sin(angle))) / allowed
     return inv.astype(np.float32), mscale, float(deviation.max())
 

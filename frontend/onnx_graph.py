@@ -179,7 +179,7 @@ def _gather_block_quantized(t: Translation, node, a: dict) -> None:
 
 def _linear_input(t: Translation, node) -> str:
     x = t.tensor(node.input[0], node)
-    if node.output[0] == LOGITS:          # the engine wants the logits of some rows only
+    if node.output[0] == t.head_output:   # the engine wants the logits of some rows only
         x = t.op("take_rows", x, t.step["logit_rows"], node=node)
     return x
 
@@ -207,7 +207,7 @@ def _matmul_nbits(t: Translation, node, a: dict) -> None:
     t.matrix(node.input[1], f"int4 blocks of {block}" + (" with zero points" if scheme == "q4a" else ""))
     x = _linear_input(t, node)
     weight = t.param(node.input[1], (n, k), lambda: nbits_matrix(t.file, node, a, t.record))
-    t.nbits.append((weight, scheme, block))
+    t.nbits.append((weight, scheme, block, int(a.get("accuracy_level", 0))))
     t.env[node.output[0]] = t.op("linear", x, weight, node=node)
 
 
@@ -377,6 +377,7 @@ def translate(file: ONNXFile, dtype: str, page_size: int) -> Translation:
     for node in file.graph.node:
         t.readers.update(n for n in node.input if n)
     t.readers.update(list(file.outputs))
+    t.head_output = _head_output(file)
     _bind_inputs(t)
     translators = _translators()
     for node in file.graph.node:
@@ -389,6 +390,15 @@ def translate(file: ONNXFile, dtype: str, page_size: int) -> Translation:
         translators[node.op_type](t, node, a)
     _finish(t)
     return t
+
+
+def _head_output(file: ONNXFile) -> str:
+    """The value the logits output is, through Casts (a bfloat16 file casts its head's product to float)."""
+    producers = {out: node for node in file.graph.node for out in node.output}
+    name = LOGITS
+    while name in producers and producers[name].op_type == "Cast":
+        name = producers[name].input[0]
+    return name
 
 
 def _finish(t: Translation) -> None:
@@ -407,8 +417,11 @@ def _finish(t: Translation) -> None:
     if missing:
         raise KilnError(f"{t.file.path}: no attention reads layer {missing[0]}'s past keys and values")
     graph = t.b.output(t.b.op("cast", logits, dtype="float32", name=LOGITS))
+    if not any(n.op == "take_rows" for n in graph.nodes):
+        raise KilnError(f"{t.file.path}: the {LOGITS!r} output is not a MatMul of the hidden states by the LM head "
+                        f"(through Casts); kiln gives the logits of chosen rows and cannot choose them here")
     renamed = role_names(graph)
     t.graph = verify(rename_params(graph, renamed))
     t.weights = {renamed.get(name, name): thunk for name, thunk in t.weights.items()}
-    t.nbits = [(renamed.get(name, name), scheme, block) for name, scheme, block in t.nbits]
+    t.nbits = [(renamed.get(name, name), *rest) for name, *rest in t.nbits]
 

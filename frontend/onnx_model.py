@@ -71,19 +71,23 @@ class ONNXModel:
     def default_options(self, options):
         """`options` with the file's 4-bit format where the compile names none (--quant): q4 for symmetric blocks
         (q4a, a CPU format, for blocks with zero points; GPU targets get q8 for those) in the file's most common
-        block size, the LM head too when the file quantised it; the embedding table as the file keeps it. A float
-        file keeps its floats."""
+        block size, the LM head too when the file quantised it; the embedding table as the file keeps it; int8
+        activations where its blocks compute on them (accuracy level 4, as the builder's CPU files), float ones
+        where they compute in float (its CUDA files), unless --activations says. A float file keeps its floats."""
         if options.quant == "none":
             return replace(options, quant=None)
         if options.quant is not None or not self.translation.nbits:
             return options
-        (scheme, block), _ = Counter((s, b) for _, s, b in self.translation.nbits).most_common(1)[0]
+        (scheme, block), _ = Counter((s, b) for _, s, b, _ in self.translation.nbits).most_common(1)[0]
         if scheme == "q4a" and options.target_name != "cpu":
             scheme, block = "q8", options.group_size
         head = self._lm_head()
-        head_quantised = any(name == head for name, _, _ in self.translation.nbits)
+        head_quantised = any(name == head for name, *_ in self.translation.nbits)
+        int8_computed = any(level == 4 for *_, level in self.translation.nbits)
+        int8 = False if options.int8_activations is None and not int8_computed else options.int8_activations
         return replace(options, quant=scheme, group_size=block, quant_lm_head=head_quantised,
-                       lm_head_quant=scheme if head_quantised else None, quant_embedding=False, more_bits=False)
+                       lm_head_quant=scheme if head_quantised else None, quant_embedding=False, more_bits=False,
+                       int8_activations=int8)
 
     def _lm_head(self) -> str | None:
         graph = self.translation.graph

@@ -114,8 +114,9 @@ class Translation:
     layers: dict[int, Layer] = field(default_factory=dict)
     rope: dict = field(default_factory=dict)          # (cos, sin) initializers -> (param, inv_freq, mscale)
     eps: list = field(default_factory=list)
-    nbits: list = field(default_factory=list)         # (param, scheme, block) of each MatMulNBits weight
+    nbits: list = field(default_factory=list)   # (param, scheme, block, accuracy level) of each MatMulNBits weight
     readers: Counter = field(default_factory=Counter)
+    head_output: str = LOGITS                          # the value the logits output casts (or is)
     tensor_types: Counter = field(default_factory=Counter)   # the file's matrices, by how it stores them
     step: dict = field(default_factory=dict)
     kv_pages: dict = field(default_factory=dict)

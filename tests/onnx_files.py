@@ -34,21 +34,23 @@ def hf_model(family: str, seed: int = 0) -> Path:
     return entry("onnx", f"hf-{family}-seed{seed}", build) / "model"
 
 
-def genai_model(family: str, precision: str = "fp32", *extra_options: str) -> Path:
+def genai_model(family: str, precision: str = "fp32", *extra_options: str, provider: str = "cpu") -> Path:
     """The folder the builder writes (model.onnx, model.onnx.data, genai_config.json, tokenizer files);
-    `extra_options` as its --extra_options takes them (block_size=128, is_symmetric=false)."""
+    `extra_options` as its --extra_options takes them (block_size=128, is_symmetric=false); `provider` the
+    execution provider the file is built for (cuda: float16 or bfloat16 activations, GQA rotating q and k)."""
     source = hf_model(family)
 
     def build(folder: Path) -> None:
         command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o",
-                   str(folder / "model"), "-p", precision, "-e", "cpu", "-c", str(folder / "cache")]
+                   str(folder / "model"), "-p", precision, "-e", provider, "-c", str(folder / "cache")]
         if extra_options:
             command += ["--extra_options", *extra_options]
         done = subprocess.run(command, capture_output=True, text=True, env=ONE_THREAD)
         if done.returncode:
             raise RuntimeError(f"the builder failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
         shutil.rmtree(folder / "cache", ignore_errors=True)
-    return entry("onnx", "-".join(["genai", family, precision, *extra_options]), build) / "model"
+    key = ["genai", family, precision, *extra_options] + ([provider] if provider != "cpu" else [])
+    return entry("onnx", "-".join(key), build) / "model"
 
 
 
@@ -89,7 +91,8 @@ class ORTDecoder:
         for name, info in self.inputs.items():
             if name.startswith("past"):
                 heads, dim = info.shape[1], info.shape[3] if isinstance(info.shape[3], int) else self.head_size
-                self.past[name] = np.zeros((1, heads, 0, dim), np.float32)
+                dtype = np.float16 if info.type == "tensor(float16)" else np.float32
+                self.past[name] = np.zeros((1, heads, 0, dim), dtype)
         self.length = 0
 
     def step(self, ids: list[int]) -> np.ndarray:
@@ -103,7 +106,7 @@ class ORTDecoder:
         out = dict(zip(self.outputs, self.session.run(None, feed)))
         for name in self.past:
             self.past[name] = out[name.replace("past_key_values", "present")]
-        return out["logits"][0]
+        return out["logits"][0].astype(np.float32)
 
     def greedy(self, ids: list[int], new_tokens: int) -> list[int]:
         self.reset()

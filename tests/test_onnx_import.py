@@ -54,9 +54,60 @@ def test_builder_fp32_compiled_gives_onnxruntime_logits_through_prefill_and_deco
     _compiled_gives_onnxruntime_logits(folder, cpu_artifact(folder), prompts(1, 4)[0] + [40] * 25, 8)
 
 
-def _compiled_gives_onnxruntime_logits(folder, artifact, ids: list[int], decode: int) -> None:
-    """The compiled artifact's logits equal onnxruntime's on the file: a prefill, then `decode` single steps (past a
-    page boundary, on pages out of order)."""
+# onnxruntime's CPU kernels compute a float16 file in float16, kiln in float32 on the same numbers: its roundings
+# (measured: 5e-4 of the range on the tiny models) bound the difference
+FLOAT16_TOLERANCE = 2e-3
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+@pytest.mark.parametrize("precision", ("fp16", "int4"))
+def test_builder_cuda_files_interpreted_give_onnxruntime_logits(family, precision):
+    """The builder's files for CUDA: float16 weights and activations, or int4 blocks with float16 scales; GQA
+    rotating q and k itself with float16 cos/sin caches."""
+    folder = genai_model(family, precision, provider="cuda")
+    ids = prompts(1, 3)[0] + [7, 9, 11]
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 3), ort_rows(folder, ids, len(ids) - 3)):
+        np.testing.assert_allclose(got, want, atol=FLOAT16_TOLERANCE * np.ptp(want), rtol=0)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("precision", ("fp16", "int4"))
+def test_builder_cuda_files_compiled_for_the_cpu_give_onnxruntime_logits(precision):
+    """Compiled for the CPU with no flags: float32 on the float16 file's numbers; the int4 file's blocks as q4
+    exactly (float16 scales) on float activations, as its MatMulNBits compute (no accuracy level)."""
+    from artifact_cache import cpu_artifact
+
+    import json
+    folder = genai_model("llama", precision, provider="cuda")
+    artifact = cpu_artifact(folder)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    if precision == "int4":
+        assert manifest["quantization"]["weights"] == "q4" and manifest["quantization"]["activation_block"] == 0
+        assert list(manifest["source"]["treatments"]) == ["int4 blocks of 32 kept exactly (q4 in groups of 32)"]
+    _compiled_gives_onnxruntime_logits(folder, artifact, prompts(1, 4)[0] + [40] * 25, 8, tolerance=FLOAT16_TOLERANCE)
+
+
+def test_builder_bfloat16_file_gives_the_bfloat16_models_logits():
+    """onnxruntime's CPU kernels do not run the builder's bfloat16 file (no bfloat16 MatMul), so the reference is
+    transformers' model with its weights rounded to bfloat16, as the file stores them, computing in float32 as
+    kiln does; the file's bfloat16 rotation tables give back the model's frequencies."""
+    import torch
+    import transformers
+    folder = genai_model("llama", "bf16", provider="cuda")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_model("llama"), attn_implementation="eager").eval()
+    ids = prompts(1, 3)[0] + [7, 9, 11]
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        logits = hf(torch.tensor([ids])).logits[0].numpy()
+    wanted = [logits[len(ids) - 4], *logits[len(ids) - 3:]]
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 3), wanted, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+def _compiled_gives_onnxruntime_logits(folder, artifact, ids: list[int], decode: int, tolerance: float = 1e-4) -> None:
+    """The compiled artifact's logits equal onnxruntime's on the file, within `tolerance` of their range: a
+    prefill, then `decode` single steps (past a page boundary, on pages out of order)."""
     from kiln.runtime.model import CompiledModel
     model = CompiledModel(artifact)
     model.allocate_kv(16 * model.bytes_per_page)
@@ -64,11 +115,11 @@ def _compiled_gives_onnxruntime_logits(folder, artifact, ids: list[int], decode:
     ort = ORTDecoder(folder)
     want = ort.step(ids[:-decode])[-1]
     got = model.forward(make_step_inputs([(ids[:-decode], 0, pages)], model.page_size))[0]
-    np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+    np.testing.assert_allclose(got, want, atol=tolerance * np.ptp(want), rtol=0)
     for t in range(len(ids) - decode, len(ids)):
         want = ort.step([ids[t]])[-1]
         got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
-        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+        np.testing.assert_allclose(got, want, atol=tolerance * np.ptp(want), rtol=0)
 
 
 def _float_compute(folder, out):
@@ -458,15 +509,22 @@ def test_a_split_gate_up_projection_is_raised_to_swiglu_and_reshapes_fold():
     _same_function(before, after, {"x": np.random.default_rng(3).standard_normal((5, 8)).astype(np.float32)}, {})
 
 
-def test_rope_tables_give_back_their_frequencies_and_factor():
+@pytest.mark.parametrize("dtype, rtol", [("float32", 1e-6), ("float16", 1e-3), ("bfloat16", 1e-2)])
+def test_rope_tables_give_back_their_frequencies_and_factor(dtype, rtol):
+    """Tables as the builder stores them (float32 for CPU files, float16 or bfloat16 for CUDA ones) give back
+    their frequencies and factor within their rounding; a table that is not one rotation is refused at each."""
+    import ml_dtypes
+
     from kiln.frontend.onnx_attention import rope_from_tables
+    stored = np.dtype(getattr(ml_dtypes, dtype, dtype))
     inv = (1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
     angle = np.arange(8192, dtype=np.float32)[:, None] * inv
-    found, mscale, deviation = rope_from_tables(1.2 * np.cos(angle), 1.2 * np.sin(angle))
-    np.testing.assert_allclose(found, inv, rtol=1e-6)
-    assert abs(mscale - 1.2) < 1e-6 and deviation <= 1
+    found, mscale, deviation = rope_from_tables((1.2 * np.cos(angle)).astype(stored),
+                                                (1.2 * np.sin(angle)).astype(stored))
+    np.testing.assert_allclose(found, inv, rtol=rtol)
+    assert abs(mscale - 1.2) < ml_dtypes.finfo(stored).eps and deviation <= 1
     noise = np.random.default_rng(0).standard_normal(angle.shape) * 1e-2
-    assert rope_from_tables(np.cos(angle) + noise, np.sin(angle))[2] > 1
+    assert rope_from_tables((np.cos(angle) + noise).astype(stored), np.sin(angle).astype(stored))[2] > 1
 
 
 # ---------------------------------------------------------------------- bad files
@@ -529,6 +587,19 @@ def test_an_opset_out_of_range_is_refused(tmp_path):
     def edit(proto):
         next(o for o in proto.opset_import if o.domain == "").version = 30
     assert "opset 30" in _refused(_edited(tmp_path, edit))
+
+
+def test_logits_that_are_not_the_heads_product_are_refused(tmp_path):
+    """Logits scaled after the head (a softcap's first step) are not rows kiln can choose before the head."""
+    import onnx
+
+    def edit(proto):
+        head = next(n for n in proto.graph.node if "logits" in n.output)
+        head.output[0] = "head_product"
+        scale = onnx.numpy_helper.from_array(np.asarray(0.5, np.float32), "half")
+        proto.graph.initializer.append(scale)
+        proto.graph.node.append(onnx.helper.make_node("Mul", ["head_product", "half"], ["logits"], name="scaled"))
+    assert "not a MatMul of the hidden states by the LM head" in _refused(_edited(tmp_path, edit))
 
 
 def test_interleaved_rotary_is_refused_naming_the_attention(tmp_path):
