@@ -48,6 +48,11 @@ class ONNXFile:
                 raise KilnError(f"{self.path}: initializer {name!r} cannot be read ({e})") from None
         return self._arrays[name]
 
+    def stored_type(self, name: str) -> str:
+        """An initializer's element type as ONNX names it, in lower case (float, float16, bfloat16, uint8)."""
+        from onnx import TensorProto
+        return TensorProto.DataType.Name(self.initializers[name].data_type).lower()
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.initializers[name].dims)
 

@@ -27,7 +27,8 @@ from .onnx_attention import group_query_attention
 from .onnx_file import ONNXFile
 from .onnx_names import rename_params, role_names
 from . import onnx_sdpa as sdpa
-from .onnx_translation import KV, LOGITS, Const, Init, KVFull, Mask, Reshaped, SymVec, Translation, Transposed, _kind
+from .onnx_translation import (KV, LOGITS, Const, Init, KVFull, Mask, NBitsNode, Reshaped, SymVec, Translation,
+                               Transposed, _kind)
 from .onnx_views import ROWS, VIEWS, dims, is_bookkeeping, sym_shape
 from .onnx_views import entries as views_entries
 from .onnx_weights import check_nbits, gathered_blocks, nbits_matrix
@@ -206,8 +207,8 @@ def _matmul_nbits(t: Translation, node, a: dict) -> None:
     scheme, n, k, block = check_nbits(t.file, node, a)
     t.matrix(node.input[1], f"int4 blocks of {block}" + (" with zero points" if scheme == "q4a" else ""))
     x = _linear_input(t, node)
-    weight = t.param(node.input[1], (n, k), lambda: nbits_matrix(t.file, node, a, t.record))
-    t.nbits.append((weight, scheme, block, int(a.get("accuracy_level", 0))))
+    weight = t.param(node.input[1], (n, k), lambda: nbits_matrix(t.file, node, a, t.record, t.scale_dtype))
+    t.nbits.append(NBitsNode(weight, scheme, block, int(a.get("accuracy_level", 0)), t.file.stored_type(node.input[2])))
     t.env[node.output[0]] = t.op("linear", x, weight, node=node)
 
 
@@ -371,9 +372,10 @@ def _translators() -> dict:
 # ---------------------------------------------------------------------- the whole graph
 
 
-def translate(file: ONNXFile, dtype: str, page_size: int) -> Translation:
-    """The file's graph as kiln IR (raised, verified: `t.graph`), with what each param is made from."""
-    t = Translation(file, dtype, page_size, GraphBuilder(file.path.stem))
+def translate(file: ONNXFile, dtype: str, page_size: int, scale_dtype: str = "float16") -> Translation:
+    """The file's graph as kiln IR (raised, verified: `t.graph`), with what each param is made from (MatMulNBits'
+    scales to be stored in `scale_dtype`)."""
+    t = Translation(file, dtype, page_size, GraphBuilder(file.path.stem), scale_dtype=scale_dtype)
     for node in file.graph.node:
         t.readers.update(n for n in node.input if n)
     t.readers.update(list(file.outputs))
@@ -423,5 +425,5 @@ def _finish(t: Translation) -> None:
     renamed = role_names(graph)
     t.graph = verify(rename_params(graph, renamed))
     t.weights = {renamed.get(name, name): thunk for name, thunk in t.weights.items()}
-    t.nbits = [(renamed.get(name, name), *rest) for name, *rest in t.nbits]
+    t.nbits = [n._replace(param=renamed.get(n.param, n.param)) for n in t.nbits]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,6 +103,15 @@ class Layer:
     rope: str | None = None          # the inverse-frequency param it turns q and k with
 
 
+class NBitsNode(NamedTuple):
+    """A MatMulNBits weight as the compile's defaults see it."""
+    param: str
+    scheme: str                     # the kiln format that holds its blocks exactly (q4, q4a)
+    block: int
+    accuracy_level: int             # 4: its activations rounded to int8 in blocks (ONNX Runtime's CPU kernel)
+    scale_type: str                 # the file's scales' element type, as ONNX names it (float, float16)
+
+
 @dataclass
 class Translation:
     file: ONNXFile
@@ -114,7 +124,8 @@ class Translation:
     layers: dict[int, Layer] = field(default_factory=dict)
     rope: dict = field(default_factory=dict)          # (cos, sin) initializers -> (param, inv_freq, mscale)
     eps: list = field(default_factory=list)
-    nbits: list = field(default_factory=list)   # (param, scheme, block, accuracy level) of each MatMulNBits weight
+    nbits: list[NBitsNode] = field(default_factory=list)
+    scale_dtype: str = "float16"    # what kiln stores the blocks' scales in (ONNXModel.default_options chooses)
     readers: Counter = field(default_factory=Counter)
     head_output: str = LOGITS                          # the value the logits output casts (or is)
     tensor_types: Counter = field(default_factory=Counter)   # the file's matrices, by how it stores them
@@ -148,10 +159,7 @@ class Translation:
 
     def matrix(self, name: str, stored: str | None = None) -> None:
         """Count a matrix the graph multiplies by, as the file stores it (the source record's tensor types)."""
-        if stored is None:
-            from onnx import TensorProto
-            stored = TensorProto.DataType.Name(self.file.initializers[name].data_type).lower()
-        self.tensor_types[stored] += 1
+        self.tensor_types[stored or self.file.stored_type(name)] += 1
 
     def param(self, name: str, shape, thunk, dtype: str | None = None) -> str:
         kiln_name = re.sub(r"[^A-Za-z0-9_.]", "_", name)

@@ -4,9 +4,10 @@ and MatMulNBits' 4-bit blocks (ONNX Runtime's contrib op) kept as they are where
 MatMulNBits stores B [N, K / block, block / 2] (element 2j of a block in byte j's low nibble), one scale per
 (output, block) and optionally a zero point per (output, block), packed two to a byte, low first; without zero
 points every block's is 8. Its value is (nibble - zero point) · scale. Symmetric blocks (zero point 8) are kiln's
-q4: the same nibbles (q4 stores level + 8) and scales rounded to float16. Blocks with zero points are q4a:
-level = nibble, minimum = -zero point · scale, both rounded to float16. Anything else is dequantised and, where
-the compile quantises, requantised (the source record says which)."""
+q4: the same nibbles (q4 stores level + 8) and the scales, kept in float32 where the compile stores them so (CPU
+targets: ONNXModel.default_options), else rounded to float16. Blocks with zero points are q4a: level = nibble,
+minimum = -zero point · scale, likewise. Anything else is dequantised and, where the compile quantises,
+requantised (the source record says which)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ class NBitsMatrix:
     zero_points: np.ndarray | None  # uint8 [N, K / block] unpacked, or None (all 8)
     block: int
     record: dict
+    scale_dtype: str = "float16"   # what kiln stores its scales in (float32: as a file's float32 ones are)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -73,15 +75,19 @@ class NBitsMatrix:
         if group_size != self.block or scheme != ("q4" if symmetric else "q4a"):
             return None
         p = self.packed.reshape(self.packed.shape[0], -1)
-        scales = self.scales.astype(np.float32)
+        scales, stored = self.scales.astype(np.float32), np.dtype(self.scale_dtype)
         if symmetric:
-            parts = {"q": np.ascontiguousarray(p), "scale": np.ascontiguousarray(scales.T.astype(np.float16))}
+            parts = {"q": np.ascontiguousarray(p), "scale": np.ascontiguousarray(scales.T.astype(stored))}
         else:
             from kiln.ir.quant import q4a_scale_table
             minimum = -self.zero_points.astype(np.float32) * scales
-            parts = {"q": np.ascontiguousarray(p), "scale": q4a_scale_table(scales, minimum)}
-        rounded = "scales rounded to float16" if symmetric else "scales and minimums rounded to float16"
-        kept = "exactly" if self.scales.dtype == np.float16 and symmetric else f"nibbles exactly, {rounded}"
+            parts = {"q": np.ascontiguousarray(p), "scale": q4a_scale_table(scales, minimum, stored)}
+        if stored == np.float32:
+            kept = "exactly" if symmetric else "nibbles and scales exactly, minimums -zero point · scale in float32"
+        elif symmetric:
+            kept = "exactly" if self.scales.dtype == np.float16 else "nibbles exactly, scales rounded to float16"
+        else:
+            kept = "nibbles exactly, scales and minimums rounded to float16"
         self.record[self.name, f"int4 blocks of {self.block} kept {kept} ({scheme} in groups of {self.block})"] = True
         return parts
 
@@ -124,8 +130,9 @@ def gathered_blocks(file, node, attrs: dict, data: str, shape: tuple[int, ...], 
     return NBitsMatrix(data, packed, file.array(names[2]).reshape(rows, -1), zero_points, block, record)
 
 
-def nbits_matrix(file, node, attrs: dict, record: dict) -> NBitsMatrix:
-    """The weight of a MatMulNBits node (check_nbits has passed it), its arrays read now."""
+def nbits_matrix(file, node, attrs: dict, record: dict, scale_dtype: str = "float16") -> NBitsMatrix:
+    """The weight of a MatMulNBits node (check_nbits has passed it), its arrays read now; its scales to be stored
+    in `scale_dtype`."""
     names = list(node.input) + [""] * 6
     _, n, k, block = check_nbits(file, node, attrs)
     blocks = k // block
@@ -134,4 +141,4 @@ def nbits_matrix(file, node, attrs: dict, record: dict) -> NBitsMatrix:
         zp = file.array(names[3]).reshape(n, -1)
         zero_points = np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks]
     return NBitsMatrix(names[1], file.array(names[1]), file.array(names[2]).reshape(n, blocks), zero_points, block,
-                       record)
+                       record, scale_dtype)

@@ -141,6 +141,15 @@ def _check_format(attrs, fail) -> str:
     return fmt
 
 
+def _table_dtype(attrs, scheme, fail) -> str:
+    """A grouped format's scale table dtype: its scheme's, or float32 where `scale_dtype` says so (float16
+    tables only: float32 holds each of theirs exactly)."""
+    wide = attrs.get("scale_dtype", "")
+    if wide and (wide != "float32" or scheme.scale_dtype != "float16"):
+        fail(f"scale_dtype {wide!r}: only the float16 scale tables (q4, q8g, q4a) may be float32")
+    return wide or scheme.scale_dtype
+
+
 def _check_scale(scale, fmt: str, fail) -> None:
     if (scale is None) != (fmt == "none"):
         fail(f"a weight of format {fmt} takes {'no scale' if fmt == 'none' else 'a scale input'}")
@@ -218,7 +227,7 @@ def _check_act_block(k, attrs, fail, group_size: int = 0) -> None:
 
 
 @op("linear", ["x", "weight", "scale?", "bias?", "residual?"],
-    {"format": "none", "group_size": 0, "act_block": 0, "kernels": None})
+    {"format": "none", "group_size": 0, "act_block": 0, "scale_dtype": "", "kernels": None})
 def _linear():
     """x @ W.T (+ bias) (+ residual), with W [out, in] as transformers stores it, read from `weight`
     as `format` says:
@@ -235,6 +244,8 @@ def _linear():
       q4k   q4a's nibbles with u8 tables [20 · in/256, out]: per super-block of 256 inputs, each group's
             6-bit scale and depth and the super-block's float16 d and -dmin as bytes (ir/quant.py
             _q4k_quantize): W[n, k] = nibble · d · s_g - dmin · m_g (GGUF's Q4_K).
+    scale_dtype "float32" (q4, q8g, q4a): their scale tables in float32 rather than f16 (a file's float32
+    scales kept exactly: ONNX's MatMulNBits).
     A quantised weight is dequantised inside the kernel. act_block > 0 (q8, q4, q8g, q4a, q4k; dividing the
     group_size): x is quantised to int8 in blocks of act_block inputs per row (ir/quant.py
     quantize_activations) and each block's integer dot with the levels scaled by x's block scale
@@ -248,6 +259,8 @@ def _linear():
         x, w, s, b, r = types
         fmt = _check_format(attrs, fail)
         _check_scale(s, fmt, fail)
+        if attrs.get("scale_dtype") and (fmt == "none" or not SCHEMES[fmt].grouped):
+            fail(f"scale_dtype applies to the grouped formats' scale tables, not to format {fmt}")
         need_float(x, "x", fail)
         k = x.shape[-1]
         if fmt == "none":
@@ -263,7 +276,7 @@ def _linear():
                      + (f" and of {scheme.super_block}" if scheme.super_block else ""))
             if w.dtype != scheme.weight_dtype or w.rank != 2 or w.shape[1] * per_byte != k:
                 fail(f"weight must be {short}[out, {k // per_byte}], got {w}")
-            want = TensorType((scheme.table_rows(k, g), w.shape[0]), scheme.scale_dtype)
+            want = TensorType((scheme.table_rows(k, g), w.shape[0]), _table_dtype(attrs, scheme, fail))
             if s != want:
                 fail(f"scale must be {want}, got {s}")
         else:

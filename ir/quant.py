@@ -219,10 +219,10 @@ def _q4a_fit(groups: np.ndarray, u: np.ndarray, scale: np.ndarray, low: np.ndarr
     return best_scale.astype(np.float16).astype(np.float32), best_low.astype(np.float16).astype(np.float32)
 
 
-def q4a_scale_table(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
-    """A q4a weight's scale table from its [out, groups] scales and minimums: f16 [2 · groups, out]."""
+def q4a_scale_table(scale: np.ndarray, minimum: np.ndarray, dtype=np.float16) -> np.ndarray:
+    """A q4a weight's scale table from its [out, groups] scales and minimums: f16 (or `dtype`) [2 · groups, out]."""
     table = np.stack([scale, minimum], axis=1)                      # [out, 2, groups]
-    return np.ascontiguousarray(table.transpose(2, 1, 0).reshape(-1, scale.shape[0]).astype(np.float16))
+    return np.ascontiguousarray(table.transpose(2, 1, 0).reshape(-1, scale.shape[0]).astype(dtype))
 
 
 def _q4a_dequantize(parts: dict[str, np.ndarray], group_size: int = 32) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .graph import Graph
 from .quant import SCHEMES
-from .types import IRError
+from .types import IRError, numpy_dtype
 
 RECIPES = ("concat", "stack", "quantize", "deinterleave", "absorb")
 
@@ -112,6 +112,9 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
                 quantized.clear()                    # parts of one weight are asked for together
                 quantized[key] = quantize(recipe)
             out = quantized[key][recipe["part"]]
+            if recipe["part"] == "scale" and out.dtype != numpy_dtype(param.type.dtype):
+                out = out.astype(numpy_dtype(param.type.dtype))    # a file's float32 scales in a float16 table
+
         elif "deinterleave" in recipe:
             out = get(recipe["of"]).copy()
             for start, width in recipe["deinterleave"]:

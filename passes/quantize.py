@@ -1,6 +1,7 @@
 """quantize: projections read int8 weights with per-channel scales (weight-only quantisation).
 
-Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales; q8g
+Rewrite (mode q8; fp8 likewise; q4 adds {group_size}, with u8 packed nibbles and f16 group scales (f32 and
+{scale_dtype='float32'} with `scale_dtype`, where a file's float32 scales are kept exactly); q8g
 too, with int8 levels; q4a too, with group minimums; q4k with super-blocks, q4a where they do not divide a
 weight's inputs, as llama.cpp gives such a Q4_K tensor another type; MoE experts of a q8g model are q8,
 of a q4a or q4k one q4):
@@ -45,15 +46,15 @@ from .tensor_classes import MORE_BITS_CLASSES, layer_of, more_bits_layers, tenso
 SUPER_BLOCK_FALLBACK = {"q4k": "q4a"}     # the scheme of a weight whose inputs a scheme's super-blocks do not divide
 
 
-def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int) -> tuple[str, str]:
+def add_quantized_params(graph: Graph, w: Param, mode: str, group_size: int, scale_dtype: str = "") -> tuple[str, str]:
     """Declare the params holding `w` [out, in] (or experts [E, out, in]) quantised with `mode`: @w.<mode> and @w.<mode>_scale,
-    made from @w by recipe when weights are written. Declared once: a table that is both an LM head and
-    an embedding (tied) gets one pair, which both ops read."""
+    made from @w by recipe when weights are written (the scale table in `scale_dtype` where given).
+    Declared once: a table that is both an LM head and an embedding (tied) gets one pair, which both ops read."""
     scheme = SCHEMES[mode]
     experts = w.type.shape[:-2]
     shapes = {part: experts + shape for part, shape in scheme.part_shapes(*w.type.shape[-2:], group_size).items()}
     names = {"q": f"{w.name}.{mode}", "scale": f"{w.name}.{mode}_scale"}
-    dtypes = {"q": scheme.weight_dtype, "scale": scheme.scale_dtype}
+    dtypes = {"q": scheme.weight_dtype, "scale": scale_dtype or scheme.scale_dtype}
     for part, name in names.items():
         recipe = {"quantize": mode, "of": w.name, "part": part}
         if scheme.grouped:
@@ -76,6 +77,8 @@ class Quantize(GraphPass):
     tensor_modes: tuple[tuple[str, str], ...] = ()   # (weight, scheme) where it is not `mode`
     class_modes: tuple[tuple[str, str], ...] = ()    # (tensor class, scheme or "none"), before tensor_modes
     more_bits: str | None = None  # the scheme of v and down in tensor_classes.more_bits_layers (4-bit policy)
+    scale_dtype: str = ""         # "float32": linears' float16 scale tables (q4, q8g, q4a) in float32, as a file
+    #                               whose float32 scales are kept exactly has them
 
     def __post_init__(self):
         for mode in (self.mode, self.lm_head_mode or self.mode, *(m for _, m in self.tensor_modes),
@@ -122,12 +125,13 @@ class Quantize(GraphPass):
                 mode = SUPER_BLOCK_FALLBACK[mode]
             grouped = SCHEMES[mode].grouped
             self._check_groups(w, mode, "the LM head" if node.output in heads else None)
-            q, scale = add_quantized_params(graph, w, mode, self.group_size)
+            wide = self.scale_dtype if SCHEMES[mode].scale_dtype == "float16" else ""
+            q, scale = add_quantized_params(graph, w, mode, self.group_size, wide)
             node.inputs = named_inputs("linear", x=input_of(node, "x"), weight=q, scale=scale,
                                        bias=input_of(node, "bias"), residual=input_of(node, "residual"))
             node.attrs = attrs_for("linear", format=mode, **({"group_size": self.group_size} if grouped else {}),
                                    act_block=self.act_block if mode in INTEGER_LEVELS
-                                   and self._int8_activations(w, mode) else 0)
+                                   and self._int8_activations(w, mode) else 0, scale_dtype=wide)
         return drop_unused_params(graph)
 
     def _mode_of(self, w: Param, more_layers: set[int]) -> str:

@@ -44,12 +44,13 @@ def more_bits_layers(num_layers: int) -> set[int]:
 
 
 def _described(node, act_block: int) -> str:
-    """A node's weight format in words ("q4 g32"; "float"), with its activations where they are not the
-    graph's (`act_block`: int8 activations' block, 0 for float)."""
+    """A node's weight format in words ("q4 g32"; "q4 g32 f32 scales"; "float"), with its activations where
+    they are not the graph's (`act_block`: int8 activations' block, 0 for float)."""
     fmt = weight_format(node)
     if fmt == "none":
         return "float"
     group = f" g{node.attrs['group_size']}" if SCHEMES[fmt].grouped else ""
+    group += " f32 scales" if node.attrs.get("scale_dtype") == "float32" else ""
     block = node.attrs.get("act_block", 0)
     acts = "" if node.op != "linear" or block == act_block or fmt not in INTEGER_LEVELS else (
         " on int8 activations" if block else " on float activations")

@@ -15,12 +15,15 @@ class WeightFormat:
     #                              | "q4k" (q4a's, its scales and minimums 6-bit numbers times super-block factors)
     group_size: int = 0
     act_block: int = 0           # > 0: x quantised to int8 in blocks of this many inputs (ir/ops.py)
+    scale_dtype: str = ""        # "float32": a grouped format's scale table in float32, not its scheme's float16
 
     @classmethod
     def of(cls, node) -> WeightFormat:
-        """The format a linear, embed or moe_experts node reads (its `format`, group_size, act_block)."""
+        """The format a linear, embed or moe_experts node reads (its `format`, group_size, act_block,
+        scale_dtype)."""
         fmt = node.attrs.get("format", "none")
-        return cls("float" if fmt == "none" else fmt, node.attrs.get("group_size", 0), node.attrs.get("act_block", 0))
+        return cls("float" if fmt == "none" else fmt, node.attrs.get("group_size", 0), node.attrs.get("act_block", 0),
+                   node.attrs.get("scale_dtype", ""))
 
     @property
     def nibbles(self) -> bool:
@@ -71,8 +74,9 @@ class WeightFormat:
 
     @property
     def table_dtype(self) -> str:
-        """The scale table's dtype: float16 for the grouped formats but q4k (bytes), else float32."""
-        return SCHEMES[self.kind].scale_dtype if self.grouped else "float32"
+        """The scale table's dtype: float16 for the grouped formats but q4k (bytes; float32 where the node's
+        scale_dtype says), else float32."""
+        return (self.scale_dtype or SCHEMES[self.kind].scale_dtype) if self.grouped else "float32"
 
     @property
     def grouped(self) -> bool:
@@ -86,6 +90,8 @@ class WeightFormat:
 
     @property
     def suffix(self) -> str:
-        """A kernel-name suffix: "" for float, "_q8", "_q4g32", "_q4g32a32" (int8 x in blocks of 32), ..."""
+        """A kernel-name suffix: "" for float, "_q8", "_q4g32", "_q4g32a32" (int8 x in blocks of 32),
+        "_q4g32a32f32" (float32 scales), ..."""
         return "" if self.kind == "float" else (f"_{self.kind}" + (f"g{self.group_size}" if self.group_size else "")
-                                                + (f"a{self.act_block}" if self.act_block else ""))
+                                                + (f"a{self.act_block}" if self.act_block else "")
+                                                + ("f32" if self.scale_dtype == "float32" else ""))

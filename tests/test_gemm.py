@@ -25,8 +25,9 @@ GROUPED = ("linear_q4", "linear_q8g", "linear_q4a", "linear_q4k")      # scales 
 NIBBLES = ("linear_q4", "linear_q4a", "linear_q4k")
 
 
-def _weights(op, rng) -> list[np.ndarray]:
-    """The op's weight inputs as the interpreter takes them ([out, in] and scales)."""
+def _weights(op, rng, scales=np.float16) -> list[np.ndarray]:
+    """The op's weight inputs as the interpreter takes them ([out, in] and scales; q4's, q8g's and q4a's group
+    scales in `scales`: float16 as kiln quantises, or float32 as an ONNX file's MatMulNBits keep them)."""
     if op == "linear":
         return [(rng.standard_normal((N_OUT, N_IN)) * 0.1).astype(np.float32)]
     if op == "linear_q8":
@@ -36,12 +37,12 @@ def _weights(op, rng) -> list[np.ndarray]:
                 (rng.random(N_OUT) * 0.01).astype(np.float32)]
     if op == "linear_q8g":
         return [rng.integers(-127, 128, (N_OUT, N_IN)).astype(np.int8),
-                (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
+                (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(scales)]
     if op == "linear_q4a":          # scale rows, then minimum rows (about -7.5 scales: a centred group)
         from kiln.ir.quant import q4a_scale_table
         scale = rng.random((N_OUT, N_IN // 32)).astype(np.float32) * 0.01
         return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
-                q4a_scale_table(scale, -scale * rng.uniform(6, 9, scale.shape).astype(np.float32))]
+                q4a_scale_table(scale, -scale * rng.uniform(6, 9, scale.shape).astype(np.float32), scales)]
     if op == "linear_q4k":          # every 6-bit sub-scale and depth, float16 factors as a centred group's
         from kiln.ir.quant import q4k_scale_table
         supers = (N_OUT, N_IN // 256)
@@ -50,7 +51,7 @@ def _weights(op, rng) -> list[np.ndarray]:
                 q4k_scale_table(d, -d * rng.uniform(6, 9, supers).astype(np.float16), rng.integers(0, 64, (*supers, 8)),
                                 rng.integers(0, 64, (*supers, 8)))]
     return [rng.integers(0, 256, (N_OUT, N_IN // 2)).astype(np.uint8),
-            (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(np.float16)]
+            (rng.random((N_IN // 32, N_OUT)) * 0.01).astype(scales)]
 
 
 INT8_CASES = [  # (op, dtype, bias, residual)
@@ -170,10 +171,45 @@ def test_bf16_micro_kernels_select_vdpbf16ps_for_a_bf16_cpu():
         assert body.count("vdpbf16ps") == rows * vectors, (rows, vectors)
 
 
+@pytest.mark.parametrize("op", ["linear_q4", "linear_q4a", "linear_q8g"])
+@pytest.mark.parametrize("kernel", ["gemm", "packed_linear", "int8_gemm", "int8_gemv", "vnni"])
+def test_float32_group_scales_are_read_as_stored(kernel, op):
+    """A file's float32 group scales (ONNX MatMulNBits'), of values float16 cannot hold, as every CPU kernel
+    reading grouped weights takes them (scale_dtype float32): the interpreter's output on them, not on their
+    float16 roundings."""
+    from tvm import tirx
+
+    from kiln.codegen.kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
+    from kiln.codegen.kernels.cpu.int8_gemm import int8_gemm_kernel
+    from kiln.codegen.kernels.cpu.int8_gemv import int8_gemv_kernel
+    from kiln.codegen.kernels.cpu.packed_linear import packed_linear_kernel
+    from kiln.codegen.kernels.cpu.vnni_linear import vnni_linear_kernel
+    from kiln.host_cpu import has_quad_dot
+    from kiln.targets.cpu import host_cpu_target
+    if kernel in ("int8_gemm", "int8_gemv"):
+        pair_dot_or_skip()
+    if kernel == "vnni" and not has_quad_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd)")
+    makers = {
+        "gemm": lambda fmt, wd: packed_gemm_kernel(N_OUT, N_IN, NB, "float32", fmt, wd, False, True,
+                                                   vector_lanes(host_cpu_target())),
+        "packed_linear": lambda fmt, wd: packed_linear_kernel(tirx.Var("m", "int64"), N_OUT, N_IN, NB, "float32",
+                                                              False, True, fmt, wd),
+        "int8_gemm": lambda fmt, wd: int8_gemm_kernel(N_OUT, N_IN, NB, "float32", fmt, False, True),
+        "int8_gemv": lambda fmt, wd: int8_gemv_kernel(N_OUT, N_IN, NB, "float32", fmt, False, True),
+        "vnni": lambda fmt, wd: vnni_linear_kernel(N_OUT, N_IN, NB, "float32", fmt, False, True)}
+    int8 = kernel in ("int8_gemm", "int8_gemv", "vnni")
+    layout = (f"packed{NB}x4" + ("n32" if op in NIBBLES else "") if kernel == "vnni"
+              else int8_layout(op) if int8 else f"packed{NB}")
+    check_against_interpreter(op, "float32", False, True, {"act_block": 32} if int8 else {}, makers[kernel],
+                              layout=layout, scale_layout=f"panels{NB}" if kernel == "vnni" else "nk",
+                              scales=np.float32)
+
+
 def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}", link=None,
-                              scale_layout="nk"):
+                              scale_layout="nk", scales=np.float16):
     """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout` (its scales in
-    `scale_layout`), against interpret().
+    `scale_layout`, group scales in `scales`), against interpret().
     link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
     import tvm
 
@@ -183,10 +219,12 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     from kiln.selection.layouts import apply_layout
     from kiln.targets.cpu import host_cpu_target
     rng = np.random.default_rng(0)
-    weights = _weights(op, rng)
+    weights = _weights(op, rng, scales)
     if op == "linear":
         weights = [weights[0].astype(numpy_dtype(dtype))]
     attrs = {**attrs, "format": op.partition("_")[2] or "none", **({"group_size": 32} if op in GROUPED else {})}
+    if scales == np.float32:
+        attrs["scale_dtype"] = "float32"
     fmt = WeightFormat.of(type("N", (), {"op": "linear", "attrs": attrs}))
     kernel = make_kernel(fmt, str(weights[0].dtype) if op != "linear" else dtype)
     target = host_cpu_target()
@@ -225,4 +263,8 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
         # weight (int8 activations: the same levels, block sums in order); bfloat16: outputs may
         # round one step apart
         bound = 1e-4 if dtype == "float32" else 2 ** -7
-        assert np.abs(got - want).max() / np.abs(want).max() < bound, rows
+        assert np.abs(got - want).max() / np.abs(want).max() < bound / (10 if scales == np.float32 else 1), rows
+        if scales == np.float32:           # the bound tells the scales from their float16 roundings
+            rounded = {**values, "w1": weights[1].astype(np.float16).astype(np.float32)}
+            near = interpret(graph, {k: v for k, v in inputs.items() if k in graph.inputs}, rounded.__getitem__)["y"]
+            assert np.abs(near - want).max() / np.abs(want).max() > bound / 10, rows

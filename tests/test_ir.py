@@ -276,6 +276,9 @@ EXAMPLES = {
     "linear/q4": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 4), "uint8"), ((2, 5), "float16")],
                                     {"format": "q4", "group_size": 4}),
                   lambda a: a["in0"] @ _q4_weight(a["in1"], a["in2"], 4).T),
+    "linear/q4 f32 scales": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 4), "uint8"), ((2, 5), "float32")],
+                                               {"format": "q4", "group_size": 4, "scale_dtype": "float32"}),
+                             lambda a: a["in0"] @ _q4_weight(a["in1"], a["in2"], 4).T),
     "linear/q8g": (lambda: _one_node("linear", [((3, 8), "float32"), ((5, 8), "int8"), ((2, 5), "float16")],
                                      {"format": "q8g", "group_size": 4}),
                    lambda a: a["in0"] @ (a["in1"].astype(np.float64) * np.repeat(a["in2"].T, 4, axis=1)).T),
@@ -347,6 +350,22 @@ def test_every_op_has_a_reference_example():
     missing += sorted(f"{op}/{fmt}" for op in ("linear", "embed", "moe_experts") for fmt in SCHEMES
                       if f"{op}/{fmt}" not in EXAMPLES and (op == "linear" or fmt not in linear_only))
     assert not missing, f"ops without an interpreter example in tests/test_ir.py: {missing}"
+
+
+@pytest.mark.parametrize("fmt, weight, scale, scale_dtype, message", [
+    ("q4", ((5, 4), "uint8"), ((2, 5), "float16"), "float32", r"scale must be f32\[2, 5\]"),
+    ("q4", ((5, 4), "uint8"), ((2, 5), "float32"), "", r"scale must be f16\[2, 5\]"),
+    ("q4", ((5, 4), "uint8"), ((2, 5), "float16"), "bfloat16", "only the float16 scale tables"),
+    ("q4k", ((5, 256), "uint8"), ((40, 5), "float32"), "float32", "only the float16 scale tables"),
+    ("q8", ((5, 8), "int8"), ((5,), "float32"), "float32", "scale_dtype applies to the grouped formats"),
+])
+def test_a_linears_scale_dtype_is_checked(fmt, weight, scale, scale_dtype, message):
+    """scale_dtype float32 widens a float16 group-scale table (a file's float32 scales kept); nothing else."""
+    inputs = 512 if fmt == "q4k" else 8
+    attrs = {"format": fmt, "scale_dtype": scale_dtype, **({"group_size": 32 if fmt == "q4k" else 4}
+                                                            if fmt != "q8" else {})}
+    with pytest.raises(IRError, match=message):
+        verify(_one_node("linear", [((3, inputs), "float32"), weight, scale], attrs))
 
 
 @pytest.mark.parametrize("op", sorted(EXAMPLES))

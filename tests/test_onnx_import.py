@@ -138,55 +138,95 @@ def _float_compute(folder, out):
     return out
 
 
+def _weightless_int4_artifact(tmp_path):
+    """(the int4 file's folder, its compiled artifact, a copy with the weights taken out, as compile --no-weights
+    leaves one)."""
+    import json
+    import shutil
+
+    from artifact_cache import cpu_artifact
+
+    from kiln.artifact import MANIFEST, WEIGHTS
+    folder = genai_model("llama", "int4")
+    artifact = cpu_artifact(folder)
+    bare = shutil.copytree(artifact, tmp_path / "bare")
+    (bare / WEIGHTS).unlink()
+    manifest = json.loads((bare / MANIFEST).read_text())
+    del manifest["files"][WEIGHTS]
+    (bare / MANIFEST).write_text(json.dumps({**manifest, "weights_source": "absent"}))
+    return folder, artifact, bare
+
+
+@pytest.mark.build
+def test_attach_weights_writes_the_int4_files_bytes_as_compile_does(tmp_path):
+    """`kiln attach-weights` on an artifact of the builder's int4 file with its weights taken out: the passes
+    planned from the manifest keep the file's float32 scales, and the weights file has compile's bytes."""
+    from kiln.artifact import WEIGHTS, read_manifest
+    from kiln.weights.attach import attach_weights
+    folder, artifact, bare = _weightless_int4_artifact(tmp_path)
+    assert read_manifest(artifact).quantization.scale_dtype == "float32"
+    attach_weights(bare, folder)
+    assert read_manifest(bare).files[WEIGHTS]["blake3"] == read_manifest(artifact).files[WEIGHTS]["blake3"]
+
+
+@pytest.mark.build
+def test_fill_weights_draws_float32_scale_tables(tmp_path):
+    """`kiln fill-weights` on a weightless artifact of the int4 file: its float32 scale tables drawn as the
+    float16 ones are, and the artifact runs to finite, varied logits."""
+    from kiln.runtime.model import CompiledModel
+    from kiln.weights.generated import fill_weights
+    _, _, bare = _weightless_int4_artifact(tmp_path)
+    manifest = fill_weights(bare)
+    assert {w.dtype for w in manifest.weights if w.param.endswith("q4_scale")} == {"float32"}
+    model = CompiledModel(bare)
+    model.allocate_kv(8 * model.bytes_per_page)
+    logits = model.forward(make_step_inputs([([3, 17, 42, 99, 7], 0, [2, 5])], model.page_size))
+    assert np.isfinite(logits).all() and (logits.std(axis=1) > 1e-3).all()
+
+
+def _greedy_tokens_equal(artifact, ort_folder) -> int:
+    """Of 8 prompts, how many give onnxruntime's 32 greedy tokens on `ort_folder` when run from `artifact`."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampler import SamplingParams
+    asked = prompts(8, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    got = [r.outputs[0].token_ids for r in LLM(artifact, kv_memory="16MiB").generate(asked, params, use_tqdm=False)]
+    ort = ORTDecoder(ort_folder)
+    return sum(g == ort.greedy(p, 32) for g, p in zip(got, asked))
+
+
 @pytest.mark.build
 @pytest.mark.parametrize("family", FAMILIES)
 def test_builder_int4_in_float_keeps_onnxruntimes_greedy_tokens(family, tmp_path):
-    """The file's 4-bit blocks as kiln's q4 (scales rounded to float16) on float activations: 32 greedy tokens
-    equal onnxruntime's on most of 8 prompts, when onnxruntime computes in float too."""
+    """The file's 4-bit blocks as kiln's q4 on float activations: 32 greedy tokens equal onnxruntime's on most of
+    8 prompts, when onnxruntime computes in float too."""
     from artifact_cache import cpu_artifact
-
-    from kiln.runtime.llm import LLM
-    from kiln.runtime.sampler import SamplingParams
     folder = genai_model(family, "int4")
-    llm = LLM(cpu_artifact(folder, int8_activations=False), kv_memory="16MiB")
-    asked = prompts(8, 5)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    got = [r.outputs[0].token_ids for r in llm.generate(asked, params, use_tqdm=False)]
-    ort = ORTDecoder(_float_compute(folder, tmp_path / "float"))
-    equal = sum(g == ort.greedy(p, 32) for g, p in zip(got, asked))
+    equal = _greedy_tokens_equal(cpu_artifact(folder, int8_activations=False), _float_compute(folder, tmp_path / "f"))
     assert equal >= 6, f"{equal} of 8 prompts gave onnxruntime's 32 greedy tokens"
 
 
 @pytest.mark.build
 @pytest.mark.parametrize("family", FAMILIES)
-def test_builder_int4_int8_activations_agree_with_onnxruntime_step_by_step(family):
-    """As compiled by default (int8 activations in blocks of 32, as MatMulNBits' accuracy level 4 computes),
-    kiln's next token equals onnxruntime's at most steps of a teacher-forced sequence. (Both round activations
-    to int8 with float scales; kiln's float16 weight scales move some roundings, so free-running greedy
-    sequences part where two tokens nearly tie.)"""
+def test_builder_int4_keeps_onnxruntimes_greedy_tokens(family):
+    """As compiled by default: the blocks as q4 with the file's float32 scales, int8 activations in blocks of 32
+    as MatMulNBits' accuracy level 4 rounds them: 32 greedy tokens equal onnxruntime's on most of 8 prompts
+    (measured on a Zen 4: 7, 6 and 8 of 8; with the scales rounded to float16, 3, 2 and 4). Where a token
+    differs, one activation rounded to the other int8 level has moved a near tie."""
     from artifact_cache import cpu_artifact
-
-    from kiln.runtime.model import CompiledModel
     folder = genai_model(family, "int4")
-    model = CompiledModel(cpu_artifact(folder))
-    model.allocate_kv(16 * model.bytes_per_page)
-    ids, pages = prompts(1, 6)[0] + prompts(1, 7)[0] + prompts(1, 8)[0], [4, 1, 7, 2, 9, 0]
-    ort = ORTDecoder(folder)
-    agree = [model.forward(make_step_inputs([(ids[:8], 0, pages)], model.page_size))[0].argmax()
-             == ort.step(ids[:8])[-1].argmax()]
-    for t in range(8, len(ids)):
-        got = model.forward(make_step_inputs([([ids[t]], t, pages)], model.page_size))[0]
-        agree.append(got.argmax() == ort.step([ids[t]])[-1].argmax())
-    assert sum(agree) >= 0.9 * len(agree), f"{sum(agree)} of {len(agree)} steps"
+    equal = _greedy_tokens_equal(cpu_artifact(folder), folder)
+    assert equal >= 5, f"{equal} of 8 prompts gave onnxruntime's 32 greedy tokens"
 
 
 @pytest.mark.parametrize("extra, scheme, block", [((), "q4", 32), (("block_size=128",), "q4", 128),
                                                  (("is_symmetric=false",), "q4a", 32)])
 def test_int4_blocks_are_kept_nibble_for_nibble(extra, scheme, block, tmp_path):
     """MatMulNBits' blocks become kiln's q4 (symmetric) or q4a (zero points) in groups of the file's block size,
-    chosen when --quant names none: the same bytes, scales (and minimums) rounded to float16; the weight the
-    file means, (nibble - zero point) · scale, comes back within that rounding; the interpreted graph gives
-    onnxruntime's logits where onnxruntime computes in float."""
+    chosen when --quant names none: the same bytes, the float32 scales kept (on CPUs) or rounded to float16
+    (elsewhere); the weight the file means, (nibble - zero point) · scale, comes back exactly (q4a: within
+    float32's rounding of its minimum, -zero point · scale) or within float16's rounding; the interpreted graph
+    gives onnxruntime's logits where onnxruntime computes in float."""
     import onnx
     from onnx import numpy_helper
 
@@ -211,7 +251,14 @@ def test_int4_blocks_are_kept_nibble_for_nibble(extra, scheme, block, tmp_path):
     name = "model.layers.0.self_attn.o_proj.weight"
     np.testing.assert_allclose(model.weight(name, "float32"), want, rtol=1e-6, atol=1e-7)
     parts = model.quantizers({})[scheme](model.weight_source(name, "float32"), group_size=block)
+    assert options.scale_dtype == "float32" and parts["scale"].dtype == np.float32
     assert np.array_equal(parts["q"], packed.reshape(rows, -1))
+    np.testing.assert_allclose(SCHEMES[scheme].dequantize(parts, group_size=block), want, rtol=0,
+                               atol=0 if scheme == "q4" else float(np.abs(want).max()) * 2 ** -23)
+    gpu = load_model(folder)
+    assert gpu.default_options(CompileOptions(target="cuda")).scale_dtype == ""
+    parts = gpu.quantizers({})[scheme](gpu.weight_source(name, "float32"), group_size=block)
+    assert parts["scale"].dtype == np.float16
     np.testing.assert_allclose(SCHEMES[scheme].dequantize(parts, group_size=block), want, rtol=0,
                                atol=float(np.abs(scales).max()) * 8 * 2 ** -10)
     ids = prompts(1, 9)[0] + [3, 5]

@@ -55,7 +55,9 @@ def planned_graph(model, manifest: Manifest):
                              if "mla" in manifest.attention_variants else None,
                              int8_activations=quant.activation_block > 0 if quant.weights != "none" else None,
                              float_activations=tuple(((quant.calibration or {}).get("activations") or {})
-                                                     .get("float", ())))
+                                                     .get("float", ())),
+                             scale_dtype=quant.scale_dtype or "")
+    model.default_options(options)     # what an importer keeps of the options' formats (an ONNX file's scales)
     ran = {p["name"] for p in manifest.passes}
     passes = [rewrite for rewrite in pipeline_for(target, options) if rewrite.name in ran]
     graph, _ = run_pipeline(model.build_graph(manifest.dtype, manifest.kv.page_size), target, passes=passes)

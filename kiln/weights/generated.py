@@ -179,8 +179,10 @@ def filler_for(weight: StoredWeight) -> Filler:
     scheme = SCHEMES.get(part.removesuffix("_scale"))
     if scheme is not None:
         is_scale = part.endswith("_scale")
-        expected = scheme.scale_dtype if is_scale else scheme.weight_dtype
-        if dtype != expected or scheme.name not in CODES:
+        # a float16 scale table may be stored in float32 (an ONNX file's scales, kept)
+        expected = ((scheme.scale_dtype, "float32") if scheme.scale_dtype == "float16" else (scheme.scale_dtype,)) \
+            if is_scale else (scheme.weight_dtype,)
+        if dtype not in expected or scheme.name not in CODES:
             raise KilnError(f"fill-weights cannot draw {weight.name}: {dtype}, scheme {scheme.name} "
                             f"(it knows {', '.join(CODES)} with codes and scales as ir/quant.py stores them)")
         if is_scale and scheme.name in TABLES:
