@@ -72,13 +72,19 @@ class ONNXModel:
         """`options` with the file's 4-bit format where the compile names none (--quant): q4 for symmetric blocks
         (q4a, a CPU format, for blocks with zero points; GPU targets get q8 for those) in the file's most common
         block size, the LM head too when the file quantised it; the embedding table as the file keeps it; their
-        float32 scales kept in float32 on CPUs; int8 activations where its blocks compute on them (accuracy
-        level 4, as the builder's CPU files), float ones where they compute in float (its CUDA files), unless
-        --activations says. A float file keeps its floats."""
+        float32 scales kept in float32 on CPUs unless --group-scales says; int8 activations where its blocks
+        compute on them (accuracy level 4, as the builder's CPU files), float ones where they compute in float
+        (its CUDA files), unless --activations says. A float file keeps its floats."""
         if options.quant == "none":
             return replace(options, quant=None)
-        if options.quant is not None or not self.translation.nbits:
-            self.translation.scale_dtype = options.scale_dtype or "float16"
+        if not self.translation.nbits:
+            return options
+        # what the blocks' scales are stored in: float32 as the file's are where the target's kernels read them
+        # (the CPU's; GPU kernels read float16)
+        wide = options.target_name == "cpu" and any(n.scale_type == "float" for n in self.translation.nbits)
+        self.translation.scale_dtype = options.scale_dtype or ("float32" if wide else "float16")
+        options = replace(options, scale_dtype=self.translation.scale_dtype)
+        if options.quant is not None:
             return options
         (scheme, block), _ = Counter((n.scheme, n.block) for n in self.translation.nbits).most_common(1)[0]
         if scheme == "q4a" and options.target_name != "cpu":
@@ -87,12 +93,9 @@ class ONNXModel:
         head_quantised = any(n.param == head for n in self.translation.nbits)
         int8_computed = any(n.accuracy_level == 4 for n in self.translation.nbits)
         int8 = False if options.int8_activations is None and not int8_computed else options.int8_activations
-        # float32 scales kept as they are where the target's kernels read them (the CPU's; GPU kernels read float16)
-        wide = options.target_name == "cpu" and any(n.scale_type == "float" for n in self.translation.nbits)
-        self.translation.scale_dtype = "float32" if wide else "float16"   # what the blocks' scales are stored in
         return replace(options, quant=scheme, group_size=block, quant_lm_head=head_quantised,
                        lm_head_quant=scheme if head_quantised else None, quant_embedding=False, more_bits=False,
-                       int8_activations=int8, scale_dtype="float32" if wide else "")
+                       int8_activations=int8)
 
     def _lm_head(self) -> str | None:
         graph = self.translation.graph

@@ -125,6 +125,10 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
                    "fp8: float8 e4m3 weights with per-channel scales (cuda sm_89+, and cpu in software).")
 @click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="32", show_default=True,
               help="q4: input channels per scale.")
+@click.option("--group-scales", type=click.Choice(["auto", "float16", "float32"]), default="auto", show_default=True,
+              help="q4, q8g, q4a: their group scales in float16, or float32 (cpu: an ONNX file's float32 MatMulNBits "
+                   "scales kept as they are, onnxruntime's numbers, for a table twice the size); auto: float32 for "
+                   "such a file compiled for the CPU, else float16.")
 @click.option("--quant-lm-head/--no-quant-lm-head", default=True, show_default=True,
               help="Quantise the LM head too (q8 under q4, q4a and q4k, else --quant's scheme).")
 @click.option("--quant-embedding/--no-quant-embedding", default=True, show_default=True,
@@ -173,8 +177,8 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
-def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, quant_embedding, tensor_quant, calibrate,
-            kv_dtype, output, force, print_after_all, print_after, disable_pass, mla_expanded_from, activations,
+def compile(model_dir, target, arch, dtype, quant, group_size, group_scales, quant_lm_head, quant_embedding, tensor_quant,
+            calibrate, kv_dtype, output, force, print_after_all, print_after, disable_pass, mla_expanded_from, activations,
             attention, max_loras, max_lora_rank, lora_dtype, weights):
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
@@ -196,7 +200,7 @@ def compile(model_dir, target, arch, dtype, quant, group_size, quant_lm_head, qu
             raise KilnError(f"--quant {quant} means --dtype {as_dtype[quant]}, not {dtype}")
         dtype, quant = as_dtype[quant], "none"
     options = CompileOptions(target=target, arch=arch, dtype=dtype, quant=quant, group_size=int(group_size),
-                             quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
+                             scale_dtype="" if group_scales == "auto" else group_scales, quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
                              tensor_classes=_tensor_classes(tensor_quant), calibrate=calibrate,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              int8_activations=None if activations is None else activations == "int8",

@@ -218,7 +218,7 @@ class Quantization:
     more_bits: str | None = None                     # 4-bit: the format of v and down in more_bits_layers
     calibration: dict | None = None                  # --calibrate: the text's file, tokens, and the artifact's
     #                                                  file of input importances the quantisers weighed by
-    scale_dtype: str | None = None                   # "float32": group scales kept in float32 (an ONNX file's)
+    scale_dtype: str | None = None                   # "float32": group scales in float32 (an ONNX file's); else f16
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ class CompileOptions:
     quant: str | None = None                 # weight quantisation: q8, q4, fp8; None: as the model stores
     #                                          its weights (a GGUF file's format), "none": the dtype's
     group_size: int = 32                     # q4's input channels per scale
-    scale_dtype: str = ""                    # "float32": linears' group scales (q4, q8g, q4a) in float32, not
-    #                                          float16 (an ONNX file's float32 MatMulNBits scales kept exactly)
+    scale_dtype: str = ""                    # linears' group scales (q4, q8g, q4a): float16, or float32 (cpu; an
+    #                                          ONNX file's float32 MatMulNBits scales kept); "": the importer's choice
     quant_lm_head: bool = True
     quant_embedding: bool = True             # with quant: the embedding table in the same scheme
     lm_head_quant: str | None = None         # the LM head's scheme where it is not quant's (GGUF files' own)
@@ -71,8 +71,11 @@ class CompileOptions:
         if self.max_loras < 0 or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise KilnError(f"--max-loras {self.max_loras} must be 0 or more and --max-lora-rank "
                             f"{self.max_lora_rank} within 1..{MAX_LORA_RANK}")
-        if self.scale_dtype not in ("", "float32"):
-            raise KilnError(f"scale dtype {self.scale_dtype} is not float32 (or the formats' own float16)")
+        if self.scale_dtype not in ("", "float16", "float32"):
+            raise KilnError(f"--group-scales {self.scale_dtype} is not float16 or float32")
+        if self.scale_dtype == "float32" and self.target_name != "cpu":
+            raise KilnError(f"--group-scales float32 is for --target cpu (the {self.target_name} kernels read "
+                            "float16 scales)")
         if self.group_size not in GROUP_SIZES:
             raise KilnError(f"--group-size {self.group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
         if self.mla_expanded_from is not None and self.mla_expanded_from < 0:

@@ -108,7 +108,8 @@ def pipeline_for(target, options: CompileOptions = CompileOptions()) -> list[Gra
                                lm_head_mode=head, tensor_modes=options.tensor_quant,
                                class_modes=tuple((c, f) for c, f in options.tensor_classes
                                                  if c not in ("lm_head", "embedding")),
-                               more_bits=options.more_bits_format(), scale_dtype=options.scale_dtype))
+                               more_bits=options.more_bits_format(),
+                               scale_dtype="float32" if options.scale_dtype == "float32" else ""))
         if options.table_format():
             passes.append(QuantizeEmbedding(options.table_format(), group_size=options.group_size))
     if options.kv_dtype:

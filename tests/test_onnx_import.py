@@ -255,12 +255,15 @@ def test_int4_blocks_are_kept_nibble_for_nibble(extra, scheme, block, tmp_path):
     assert np.array_equal(parts["q"], packed.reshape(rows, -1))
     np.testing.assert_allclose(SCHEMES[scheme].dequantize(parts, group_size=block), want, rtol=0,
                                atol=0 if scheme == "q4" else float(np.abs(want).max()) * 2 ** -23)
-    gpu = load_model(folder)
-    assert gpu.default_options(CompileOptions(target="cuda")).scale_dtype == ""
-    parts = gpu.quantizers({})[scheme](gpu.weight_source(name, "float32"), group_size=block)
-    assert parts["scale"].dtype == np.float16
-    np.testing.assert_allclose(SCHEMES[scheme].dequantize(parts, group_size=block), want, rtol=0,
-                               atol=float(np.abs(scales).max()) * 8 * 2 ** -10)
+    for asked in (CompileOptions(target="cuda"), CompileOptions(scale_dtype="float16")):   # GPU kernels; the user
+        rounded = load_model(folder)
+        assert rounded.default_options(asked).scale_dtype == "float16"
+        parts = rounded.quantizers({})[scheme](rounded.weight_source(name, "float32"), group_size=block)
+        assert parts["scale"].dtype == np.float16
+        np.testing.assert_allclose(SCHEMES[scheme].dequantize(parts, group_size=block), want, rtol=0,
+                                   atol=float(np.abs(scales).max()) * 8 * 2 ** -10)
+    with pytest.raises(KilnError, match="--group-scales float32 is for --target cpu"):
+        CompileOptions(target="cuda", scale_dtype="float32")
     ids = prompts(1, 9)[0] + [3, 5]
     ort_folder = _float_compute(folder, tmp_path / "float")
     for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 2), ort_rows(ort_folder, ids, len(ids) - 2)):

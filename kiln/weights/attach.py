@@ -56,7 +56,7 @@ def planned_graph(model, manifest: Manifest):
                              int8_activations=quant.activation_block > 0 if quant.weights != "none" else None,
                              float_activations=tuple(((quant.calibration or {}).get("activations") or {})
                                                      .get("float", ())),
-                             scale_dtype=quant.scale_dtype or "")
+                             scale_dtype=quant.scale_dtype or "float16")
     model.default_options(options)     # what an importer keeps of the options' formats (an ONNX file's scales)
     ran = {p["name"] for p in manifest.passes}
     passes = [rewrite for rewrite in pipeline_for(target, options) if rewrite.name in ran]
