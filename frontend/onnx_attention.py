@@ -5,8 +5,9 @@ GQA rotates with cos/sin tables indexed by position (cos_cache[p, i] = m · cos(
 them from the inverse frequencies f and the factor m, so those are read back from the tables (f_i from the
 phase at positions 1, 2, 4, … so that each doubling halves its error, m as the mean length of (cos, sin)) and
 the whole table checked against them, within the rounding of its dtype (float32, or float16 and bfloat16 in
-the builder's CUDA files): a table kiln's rope would not reproduce is refused. `local_window_size` w is kiln's window w (a
-query attends to the w newest positions, itself among them: measured against ONNX Runtime's CPU kernel)."""
+the builder's CUDA files): a table kiln's rope would not reproduce is refused. `local_window_size` w is kiln's
+window w (a query attends to the w newest positions, itself among them: measured against ONNX Runtime's CPU
+kernel)."""
 from __future__ import annotations
 
 import ml_dtypes

@@ -177,9 +177,9 @@ def _tensor_classes(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 @click.option("--weights/--no-weights", default=True, show_default=True,
               help="--no-weights: write no weights file (for a machine the weights cannot be sent to: "
                    "`kiln attach-weights` writes a checkpoint's there, `kiln fill-weights` seeded random ones).")
-def compile(model_dir, target, arch, dtype, quant, group_size, group_scales, quant_lm_head, quant_embedding, tensor_quant,
-            calibrate, kv_dtype, output, force, print_after_all, print_after, disable_pass, mla_expanded_from, activations,
-            attention, max_loras, max_lora_rank, lora_dtype, weights):
+def compile(model_dir, target, arch, dtype, quant, group_size, group_scales, quant_lm_head, quant_embedding,
+            tensor_quant, calibrate, kv_dtype, output, force, print_after_all, print_after, disable_pass,
+            mla_expanded_from, activations, attention, max_loras, max_lora_rank, lora_dtype, weights):
     """Compile MODEL_DIR (a Hugging Face model directory, or a GGUF file) into an artifact.
 
     A GGUF file keeps its numbers where kiln stores its format (F32/F16/BF16; Q4_0 as q4, Q8_0 as q8g,
@@ -200,7 +200,8 @@ def compile(model_dir, target, arch, dtype, quant, group_size, group_scales, qua
             raise KilnError(f"--quant {quant} means --dtype {as_dtype[quant]}, not {dtype}")
         dtype, quant = as_dtype[quant], "none"
     options = CompileOptions(target=target, arch=arch, dtype=dtype, quant=quant, group_size=int(group_size),
-                             scale_dtype="" if group_scales == "auto" else group_scales, quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
+                             scale_dtype="" if group_scales == "auto" else group_scales,
+                             quant_lm_head=quant_lm_head, quant_embedding=quant_embedding,
                              tensor_classes=_tensor_classes(tensor_quant), calibrate=calibrate,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                              int8_activations=None if activations is None else activations == "int8",
