@@ -6,8 +6,9 @@ the same kernels should give the same speed.
                                   [--batches 1,8] [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--threads N]
 
 ONNX Runtime GenAI's builder writes an fp32 and an int4 file from MODEL (cached under --workdir). kiln compiles
-each file for the CPU with its defaults (float32; the int4 file's blocks as q4 with int8 activations, as
-MatMulNBits' accuracy level 4 computes) and MODEL likewise (float32; for the int4 rows q4 on every linear and the
+each file for the CPU with its defaults (float32; the int4 file's blocks as q4 with its float32 scales and int8
+activations, as MatMulNBits' accuracy level 4 computes; and with --group-scales float16, the scales rounded to
+float16 as kiln's q4 from MODEL has them) and MODEL likewise (float32; for the int4 rows q4 on every linear and the
 LM head, the embedding table float, as the file has them). BATCH
 sequences of --prompt-len random tokens generate --new-tokens greedily: decode tok/s counts the tokens after each
 sequence's first over the time from the last first token to the last (onnxruntime-genai: its generator's steps
@@ -104,6 +105,8 @@ def main() -> None:
         from_hf = compiled(model, work / f"kiln-hf-{precision}", **quant)
         from_torch = compiled(torch_exported(model, work / f"{model.name}-torch"), work / "kiln-torch-fp32") \
             if precision == "fp32" else None
+        rounded = compiled(onnx_dir, work / "kiln-onnx-int4-f16scales", scale_dtype="float16") \
+            if precision == "int4" else None
         for batch in batches:
             prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(batch)]
             runs[precision, batch, "onnxruntime-genai"] = (genai_decode, og.Model(str(onnx_dir)), prompts)
@@ -114,6 +117,9 @@ def main() -> None:
             if from_torch is not None:
                 runs[precision, batch, "kiln (from torch.onnx.export's file)"] = (
                     kiln_decode, LLM(from_torch, kv_memory="256MiB", prefix_caching=False), prompts)
+            if rounded is not None:
+                runs[precision, batch, "kiln (from the ONNX file, --group-scales float16)"] = (
+                    kiln_decode, LLM(rounded, kv_memory="256MiB", prefix_caching=False), prompts)
     measured = {key: [] for key in runs}
     for round_ in range(args.repeats + 1):
         for key, (run, engine, prompts) in runs.items():
