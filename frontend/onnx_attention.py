@@ -41,7 +41,9 @@ def rope_from_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, floa
     return inv.astype(np.float32), mscale, float(deviation.max())
 
 
-def _rope_param(t: Translation, node, cos_name: str, sin_name: str, head_dim: int) -> tuple[str, float, int]:
+def rope_param(t: Translation, node, cos_name: str, sin_name: str, head_dim: int) -> tuple[str, float, int]:
+    """(kiln's inverse-frequency param, factor, rotary dim or 0 for the whole head) of cos/sin caches indexed by
+    position: read back from the tables once per pair (rope_from_tables), refused where they are no rotation."""
     key = (cos_name, sin_name)
     if key not in t.rope:
         cos, sin = (t.constant(n, node) if n else None for n in key)
@@ -95,7 +97,7 @@ def group_query_attention(t: Translation, node, a: dict) -> None:
                    for lo, hi in ((0, heads), (heads, heads + kv_heads), (heads + kv_heads, heads + 2 * kv_heads)))
     rope = None
     if a.get("do_rotary", 0):
-        rope, mscale, rotary_dim = _rope_param(t, node, names[7], names[8], head_dim)
+        rope, mscale, rotary_dim = rope_param(t, node, names[7], names[8], head_dim)
         turn = {"head_dim": head_dim, "mscale": mscale, "rotary_dim": rotary_dim}
         positions = t.step["positions"]
         q = t.op("rope", q, positions, rope, node=node, **turn)

@@ -6,10 +6,10 @@ the attention mask's bookkeeping (sequence lengths, which kiln's step inputs car
 them), or a layer's past or present keys and values (kiln's KV pages, which the runtime owns).
 
 A node maps onto kiln's ops where it is one (MatMul, MatMulNBits → linear; Gather of the token ids → embed;
-SimplifiedLayerNormalization → rms_norm and its Skip form → add + rms_norm; Add, Mul, Sigmoid, Sqrt, Cos, …;
-GroupQueryAttention → rope + kv_append + paged_attend, frontend/onnx_attention.py). Shapes and views of
-activations are followed by frontend/onnx_views.py, attention spelled as MatMul/Softmax becomes kiln's by
-frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised
+SimplifiedLayerNormalization and RMSNormalization → rms_norm, the Skip form → add + rms_norm; Add, Mul, Sigmoid,
+Sqrt, Cos, …; GroupQueryAttention → rope + kv_append + paged_attend, frontend/onnx_attention.py; RotaryEmbedding →
+rope, frontend/onnx_rotary.py). Shapes and views of activations are followed by frontend/onnx_views.py, attention
+spelled as MatMul/Softmax, or as opset 23's Attention, becomes kiln's by frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised
 by the first pass of every pipeline, passes/raise_patterns.py. A node kiln cannot place is refused on one line
 naming it, its op and why.
 """
@@ -26,6 +26,7 @@ from kiln.ir import GraphBuilder, named_inputs
 from .onnx_attention import group_query_attention
 from .onnx_file import ONNXFile
 from .onnx_names import rename_params, role_names
+from .onnx_rotary import rotary_embedding
 from . import onnx_sdpa as sdpa
 from .onnx_translation import (KV, LOGITS, Const, Init, KVFull, Mask, NBitsNode, Reshaped, SymVec, Translation,
                                Transposed, _kind)
@@ -366,7 +367,8 @@ def _translators() -> dict:
             "ReduceMean": _reduce_mean, "Cast": _cast, "Softmax": _attention_step, "IsNaN": _attention_step,
             "Where": _attention_step, **{op: _view for op in ("Unsqueeze", "Expand", "Slice", "Split", "Concat")},
             "SimplifiedLayerNormalization": _simplified_norm, "SkipSimplifiedLayerNormalization": _skip_simplified_norm,
-            "GroupQueryAttention": group_query_attention}
+            "GroupQueryAttention": group_query_attention, "RMSNormalization": _simplified_norm,
+            "RotaryEmbedding": rotary_embedding, "Attention": sdpa.attention}
 
 
 # ---------------------------------------------------------------------- the whole graph

@@ -1,7 +1,8 @@
-"""Attention as an exporter decomposes it (torch's scaled_dot_product_attention in ONNX): keys and values
-concatenated to the past, the query and keys each times a share of the scale, MatMul(q, kᵀ), an additive mask
-computed from the attention mask, Softmax (with a NaN guard), MatMul(p, v). It becomes kiln's paged attention:
-the new keys and values appended to the layer's pages, attention read from them.
+"""Attention as an exporter writes it (torch's scaled_dot_product_attention in ONNX): keys and values
+concatenated to the past, then either decomposed (the query and keys each times a share of the scale,
+MatMul(q, kᵀ), an additive mask computed from the attention mask, Softmax with a NaN guard, MatMul(p, v)) or,
+from opset 23, ONNX's Attention op over them (its scale, soft-cap and boolean mask). It becomes kiln's paged
+attention: the new keys and values appended to the layer's pages, attention read from them.
 
 The mask's subgraph is the attention mask's bookkeeping; kiln's attention is causal, with the layer's sliding
 window where the model has one. The graph computes windows inside that subgraph, so kiln reads them from the
@@ -66,6 +67,29 @@ def masked(t: Translation, node, values) -> bool:
     return True
 
 
+def attention(t: Translation, node, a: dict) -> None:
+    """ONNX's Attention (opset 23) over a layer's keys and values as the graph concatenated them to its past,
+    [b, h, s, d] views (the query too; grouped keys repeated or not)."""
+    names = list(node.input) + [""] * 6
+    if any(names[4:6]) or any(list(node.output)[1:]):
+        raise t.fail(node, "carries its past keys and values itself; kiln reads them concatenated to the past")
+    if a.get("qk_matmul_output_mode", 0) or a.get("softmax_precision", 0) not in (0, 1):
+        raise t.fail(node, "asks for scores or a softmax precision kiln's attention does not give")
+    q, keys, values = (t.value(n, node) for n in names[:3])
+    mask = t.value(names[3], node) if names[3] else None
+    query = _query(t, q, node)
+    if query is None or not (isinstance(keys, KVFull) and keys.which == "key" and isinstance(values, KVFull)
+                             and values.which == "value" and keys.layer == values.layer):
+        raise t.fail(node, "does not attend from [b, h, s, d] queries over one layer's keys and values "
+                           "concatenated to its past")
+    if not (mask is None or isinstance(mask, Mask)) or not (mask is not None or a.get("is_causal", 0)):
+        raise t.fail(node, "masks with something other than the attention mask's causal bookkeeping")
+    d = t.b.type_of(query[0]).shape[-1]
+    scale = float(a.get("scale", 0.0) or d ** -0.5) * query[1] * keys.factor
+    probs = Scores(query[0], keys.new, keys.layer, scale, probs=True)
+    t.env[node.output[0]] = _attend(t, node, probs, values, softcap=float(a.get("softcap", 0.0)))
+
+
 def _window(t: Translation, layer: int) -> int:
     """The layer's window as kiln's HF importer reads it from config.json (0: none, or no config.json)."""
     if not t.file.hf_config:
@@ -78,7 +102,7 @@ def _window(t: Translation, layer: int) -> int:
     return (config.sliding_window or 0) if config.is_sliding(layer) else 0
 
 
-def _attend(t: Translation, node, probs: Scores, values: KVFull) -> str:
+def _attend(t: Translation, node, probs: Scores, values: KVFull, softcap: float = 0.0) -> str:
     layer, keys = probs.layer, probs.keys
     if layer in t.layers:
         raise t.fail(node, f"is a second attention over layer {layer}'s cache")
@@ -90,7 +114,7 @@ def _attend(t: Translation, node, probs: Scores, values: KVFull) -> str:
     written = t.op("kv_append", keys, values.new, pages, t.step["slot_mapping"], layer=layer, node=node)
     paging = [t.step[n] for n in ("q_indptr", "page_indptr", "page_values", "last_page_len")]
     out = t.op("paged_attend", probs.q, written, *paging, layer=layer, scale=float(probs.scale), window=window,
-               node=node)
+               softcap=softcap, node=node)
     t.layout[out] = Layout(heads, True)
     t.layers[layer] = Layer(layer, heads, kv_heads, d, window, None)
     return out

@@ -2,10 +2,11 @@
 mask and positions, each layer's past keys and values as inputs, the logits and present keys and values as
 outputs; batch, new tokens, past and total dynamic.
 
-    python -m kiln.testing.onnx_export HF_MODEL_DIR OUT_DIR
+    python -m kiln.testing.onnx_export HF_MODEL_DIR OUT_DIR [OPSET]
 
-writes OUT_DIR/model.onnx (+ model.onnx.data) and copies config.json and the tokenizer files beside it. Run in a
-process of its own: the export holds torch's exporter state."""
+writes OUT_DIR/model.onnx (+ model.onnx.data) and copies config.json and the tokenizer files beside it. OPSET:
+the exporter's default (18) spells attention, RMSNorm and rotary embeddings out; 23 writes ONNX's Attention,
+RMSNormalization and RotaryEmbedding ops. Run in a process of its own: the export holds torch's exporter state."""
 from __future__ import annotations
 
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 BESIDE = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def export_decoder(source: Path, out: Path) -> None:
+def export_decoder(source: Path, out: Path, opset: int | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -42,6 +43,7 @@ def export_decoder(source: Path, out: Path) -> None:
                torch.arange(5, 8)[None], *[torch.randn(1, heads, 5, dim) for _ in names])
     out.mkdir(parents=True, exist_ok=True)
     torch.onnx.export(Decoder(), example, str(out / "model.onnx"), dynamo=True, external_data=True, optimize=True,
+                      opset_version=opset,
                       input_names=["input_ids", "attention_mask", "position_ids", *names],
                       output_names=["logits", *[n.replace("past_key_values", "present") for n in names]],
                       dynamic_shapes={"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: t},
@@ -52,4 +54,4 @@ def export_decoder(source: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    export_decoder(Path(sys.argv[1]), Path(sys.argv[2]))
+    export_decoder(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -55,18 +55,19 @@ def genai_model(family: str, precision: str = "fp32", *extra_options: str, provi
 
 
 
-def torch_export(family: str) -> Path:
+def torch_export(family: str, opset: int | None = None) -> Path:
     """The folder torch.onnx.export (dynamo) writes for a tiny `family` model, with its past keys and values as
-    inputs and present ones as outputs; config.json and the tokenizer files beside it, as a user keeps them."""
+    inputs and present ones as outputs; config.json and the tokenizer files beside it, as a user keeps them.
+    `opset` 23: ONNX's Attention, RMSNormalization and RotaryEmbedding ops (the exporter's default spells them out)."""
     source = hf_model(family)
 
     def build(folder: Path) -> None:
         out = folder / "model"
-        done = subprocess.run([sys.executable, "-m", "kiln.testing.onnx_export", str(source), str(out)],
-                              capture_output=True, text=True, env=ONE_THREAD)
+        done = subprocess.run([sys.executable, "-m", "kiln.testing.onnx_export", str(source), str(out),
+                               *([str(opset)] if opset else [])], capture_output=True, text=True, env=ONE_THREAD)
         if done.returncode:
             raise RuntimeError(f"torch.onnx.export failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return entry("onnx", f"torch-{family}", build) / "model"
+    return entry("onnx", f"torch-{family}" + (f"-opset{opset}" if opset else ""), build) / "model"
 
 
 class ORTDecoder:

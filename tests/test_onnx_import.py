@@ -322,12 +322,17 @@ def test_the_found_model_is_the_one_the_builder_was_given():
 # ---------------------------------------------------------------------- torch.onnx.export's graphs
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "tied"])
-def test_torch_export_interpreted_gives_onnxruntime_logits(family):
+# (family, opset): the exporter's default spells attention, RMSNorm and rotary out; opset 23 writes ONNX's ops
+EXPORTS = [*((family, None) for family in (*FAMILIES, "tied")), *((family, 23) for family in FAMILIES)]
+
+
+@pytest.mark.parametrize("family, opset", EXPORTS)
+def test_torch_export_interpreted_gives_onnxruntime_logits(family, opset):
     """Attention as MatMul/Softmax over Concat(past, new), RMSNorm as Pow/ReduceMean/Sqrt/Reciprocal, rotary as
-    Slice/Neg/Concat/Mul on Cos/Sin of the positions: translated, then raised, through prefill and decode."""
+    Slice/Neg/Concat/Mul on Cos/Sin of the positions (or, opset 23, ONNX's Attention, RMSNormalization and
+    RotaryEmbedding): translated, then raised, through prefill and decode."""
     from kiln.passes.raise_patterns import RaisePatterns
-    folder = torch_export(family)
+    folder = torch_export(family, opset)
     ids = prompts(1, 12)[0] + [7, 9, 11]
     want = ort_rows(folder, ids, len(ids) - 3)
     for got, row in zip(kiln_interpreted(folder, ids, len(ids) - 3), want):
@@ -340,14 +345,14 @@ def test_torch_export_interpreted_gives_onnxruntime_logits(family):
     np.testing.assert_allclose(got, ort_rows(folder, ids, len(ids))[0], atol=1e-4 * np.ptp(got), rtol=0)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "tied"])
-def test_torch_export_raises_to_the_graph_of_the_hf_directory(family):
+@pytest.mark.parametrize("family, opset", EXPORTS)
+def test_torch_export_raises_to_the_graph_of_the_hf_directory(family, opset):
     """After raise_patterns the exported graph is the one kiln builds from the HF directory it came from: the same
     ops and the same weights by the same names (so the same fusions, kernels and quantisation policy apply)."""
     from collections import Counter
 
     from kiln.passes.raise_patterns import RaisePatterns
-    raised = RaisePatterns()(load_model(torch_export(family)).build_graph("float32", PAGE_SIZE))
+    raised = RaisePatterns()(load_model(torch_export(family, opset)).build_graph("float32", PAGE_SIZE))
     direct = load_model(hf_model(family)).build_graph("float32", PAGE_SIZE)
     assert Counter(n.op for n in raised.nodes) == Counter(n.op for n in direct.nodes)
     assert {n: p.type for n, p in raised.params.items()} == {n: p.type for n, p in direct.params.items()}
@@ -355,11 +360,11 @@ def test_torch_export_raises_to_the_graph_of_the_hf_directory(family):
 
 
 @pytest.mark.build
-@pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_torch_export_compiled_gives_onnxruntime_logits(family):
+@pytest.mark.parametrize("family, opset", [("llama", None), ("phi3", None), ("llama", 23)])
+def test_torch_export_compiled_gives_onnxruntime_logits(family, opset):
     from artifact_cache import cpu_artifact
 
-    folder = torch_export(family)
+    folder = torch_export(family, opset)
     _compiled_gives_onnxruntime_logits(folder, cpu_artifact(folder), prompts(1, 13)[0] + [40] * 20, 6)
 
 
@@ -580,12 +585,12 @@ def test_rope_tables_give_back_their_frequencies_and_factor(dtype, rtol):
 # ---------------------------------------------------------------------- bad files
 
 
-def _edited(tmp_path, edit, family="llama"):
-    """A copy of the builder's fp32 file with `edit(model)` applied."""
+def _edited(tmp_path, edit, family="llama", source=None):
+    """A copy of the builder's fp32 file (or of the folder `source`) with `edit(model)` applied."""
     import shutil
 
     import onnx
-    source = genai_model(family, "fp32")
+    source = source or genai_model(family, "fp32")
     folder = tmp_path / "model"
     shutil.copytree(source, folder)
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -650,6 +655,20 @@ def test_logits_that_are_not_the_heads_product_are_refused(tmp_path):
         proto.graph.initializer.append(scale)
         proto.graph.node.append(onnx.helper.make_node("Mul", ["head_product", "half"], ["logits"], name="scaled"))
     assert "not a MatMul of the hidden states by the LM head" in _refused(_edited(tmp_path, edit))
+
+
+@pytest.mark.parametrize("op, attribute, value, why", [
+    ("RotaryEmbedding", "interleaved", 1, "rotates interleaved pairs"),
+    ("Attention", "qk_matmul_output_mode", 1, "asks for scores"),
+])
+def test_onnx_attention_ops_kiln_cannot_follow_are_refused_by_name(tmp_path, op, attribute, value, why):
+    """opset 23's RotaryEmbedding and Attention: what kiln's rope and attention do not do is refused, naming
+    the node."""
+    def edit(proto):
+        node = _node(proto, op)
+        next(a for a in node.attribute if a.name == attribute).i = value
+    message = _refused(_edited(tmp_path, edit, source=torch_export("llama", 23)))
+    assert f"({op})" in message and why in message
 
 
 def test_interleaved_rotary_is_refused_naming_the_attention(tmp_path):
