@@ -9,7 +9,7 @@ A node maps onto kiln's ops where it is one (MatMul, MatMulNBits → linear; Gat
 SimplifiedLayerNormalization and RMSNormalization → rms_norm, the Skip form → add + rms_norm; Add, Mul, Sigmoid,
 Sqrt, Cos, …; GroupQueryAttention → rope + kv_append + paged_attend, frontend/onnx_attention.py; RotaryEmbedding →
 rope, frontend/onnx_rotary.py). Shapes and views of activations are followed by frontend/onnx_views.py, attention
-spelled as MatMul/Softmax, or as opset 23's Attention, becomes kiln's by frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised
+spelled as MatMul/Softmax, as opset 23's Attention or as MultiHeadAttention, becomes kiln's by frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised
 by the first pass of every pipeline, passes/raise_patterns.py. A node kiln cannot place is refused on one line
 naming it, its op and why.
 """
@@ -245,11 +245,11 @@ def _add(t: Translation, node, a: dict) -> None:
         t.env[node.output[0]] = t.op("add_scalar", act, value=scalar, node=node)
         t.layout[t.env[node.output[0]]] = t.layout.get(act, ROWS)
         return
-    producer = t.b.graph.nodes[-1] if t.b.graph.nodes else None
-    if not (isinstance(act, str) and isinstance(bias, Init) and producer is not None and producer.output == act
-            and producer.op == "linear" and len(producer.inputs) == 2 and t.readers[act_name] == 1
+    producer = next((n for n in reversed(t.b.graph.nodes) if n.output == act), None)
+    if not (isinstance(act, str) and isinstance(bias, Init) and producer is not None and producer.op == "linear"
+            and len(producer.inputs) == 2 and t.readers[act_name] == 1
             and t.file.shape(bias.name) == (producer.type.shape[-1],)):
-        raise t.fail(node, "adds a constant that is not the bias of the MatMul just before it; kiln cannot raise it")
+        raise t.fail(node, "adds a constant that is not the bias of the MatMul it alone reads; kiln cannot raise it")
     bias_param = t.param(bias.name, t.file.shape(bias.name), lambda: t.file.array(bias.name))
     producer.inputs = named_inputs("linear", x=producer.inputs[0], weight=producer.inputs[1], bias=bias_param)
     t.env[node.output[0]] = act
@@ -368,7 +368,8 @@ def _translators() -> dict:
             "Where": _attention_step, **{op: _view for op in ("Unsqueeze", "Expand", "Slice", "Split", "Concat")},
             "SimplifiedLayerNormalization": _simplified_norm, "SkipSimplifiedLayerNormalization": _skip_simplified_norm,
             "GroupQueryAttention": group_query_attention, "RMSNormalization": _simplified_norm,
-            "RotaryEmbedding": rotary_embedding, "Attention": sdpa.attention}
+            "RotaryEmbedding": rotary_embedding, "Attention": sdpa.attention,
+            "MultiHeadAttention": sdpa.multi_head_attention}
 
 
 # ---------------------------------------------------------------------- the whole graph

@@ -48,6 +48,9 @@ def rotary_embedding(t: Translation, node, a: dict) -> None:
         heads, head_dim = shape[1:]
     elif len(shape) == 2 and a.get("num_heads", 0):
         heads, head_dim = int(a["num_heads"]), shape[1] // int(a["num_heads"])
+    elif len(shape) == 2 and positions and not a.get("rotary_embedding_dim", 0) and cos in t.file.initializers:
+        head_dim = 2 * t.file.shape(cos)[-1]           # ONNX Runtime's rule: the caches rotate whole heads
+        heads = shape[1] // head_dim
     else:
         raise t.fail(node, "rotates rows whose heads it does not say (num_heads) or show ([b, h, s, d])")
     if positions:

@@ -90,6 +90,30 @@ def attention(t: Translation, node, a: dict) -> None:
     t.env[node.output[0]] = _attend(t, node, probs, values, softcap=float(a.get("softcap", 0.0)))
 
 
+def multi_head_attention(t: Translation, node, a: dict) -> None:
+    """ONNX Runtime's MultiHeadAttention (the builder's float16 and bfloat16 CPU files) over a layer's keys and
+    values as the graph concatenated them to its past and repeated them for its heads: [b, s, H·D] queries."""
+    names = list(node.input) + [""] * 10
+    if any(names[3:5]) or any(names[6:10]) or any(list(node.output)[1:]):
+        raise t.fail(node, "takes a bias, a key padding mask or its own past keys and values; kiln reads keys and "
+                           "values concatenated to the past and masks causally")
+    q, keys, values = (t.value(n, node) for n in names[:3])
+    mask = t.value(names[5], node) if names[5] else None
+    heads = int(a["num_heads"])
+    if not (isinstance(q, str) and not t.layout.get(q, ROWS).heads and isinstance(keys, KVFull)
+            and keys.which == "key" and isinstance(values, KVFull) and values.which == "value"
+            and keys.layer == values.layer):
+        raise t.fail(node, "does not attend from [b, s, H·D] queries over one layer's keys and values "
+                           "concatenated to its past")
+    if not isinstance(mask, Mask) and not (mask is None and a.get("unidirectional", 0)):
+        raise t.fail(node, "masks with something other than the attention mask's causal bookkeeping")
+    d = t.b.type_of(q).shape[-1] // heads
+    query = t.op("reshape", q, shape=("tokens", heads, d), node=node)
+    probs = Scores(query, keys.new, keys.layer, float(a.get("scale", 0.0) or d ** -0.5) * keys.factor, probs=True)
+    out = _attend(t, node, probs, values)
+    t.env[node.output[0]] = t.op("reshape", out, shape=("tokens", heads * d), node=node)
+
+
 def _window(t: Translation, layer: int) -> int:
     """The layer's window as kiln's HF importer reads it from config.json (0: none, or no config.json)."""
     if not t.file.hf_config:

@@ -97,6 +97,8 @@ def reshape(t: Translation, node, a: dict) -> bool:
         return False
     target = entries(t, node.input[1], node)
     src = dims(t, v)
+    if target is not None and not a.get("allowzero", 0) and src is not None:     # a 0 keeps the input's dim
+        target = [src[i] if d == 0 and i < len(src) else d for i, d in enumerate(target)]
     width = int(np.prod(t.b.type_of(v).shape[1:]))       # the features of a token
     transposed = target is not None and len(target) == 4 and target[2] == "s"     # [b, h, s, d]
     if target is None or len(target) not in (3, 4) or (target[1] != "s" and not transposed):

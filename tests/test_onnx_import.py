@@ -31,8 +31,8 @@ def kiln_interpreted(folder, ids: list[int], split: int) -> list[np.ndarray]:
     return interpreted_steps(folder, ids, split, PAGE_SIZE)
 
 
-def ort_rows(folder, ids: list[int], split: int) -> list[np.ndarray]:
-    ort = ORTDecoder(folder)
+def ort_rows(folder, ids: list[int], split: int, optimized: bool = True) -> list[np.ndarray]:
+    ort = ORTDecoder(folder, optimized)
     rows = [ort.step(ids[:split])[-1]]
     return rows + [ort.step([ids[t]])[-1] for t in range(split, len(ids))]
 
@@ -60,40 +60,44 @@ FLOAT16_TOLERANCE = 2e-3
 
 
 @pytest.mark.parametrize("family", ("llama", "qwen2"))
-@pytest.mark.parametrize("precision", ("fp16", "int4"))
-def test_builder_cuda_files_interpreted_give_onnxruntime_logits(family, precision):
+@pytest.mark.parametrize("precision, provider", [("fp16", "cuda"), ("int4", "cuda"), ("fp16", "cpu")])
+def test_builder_float16_files_interpreted_give_onnxruntime_logits(family, precision, provider):
     """The builder's files for CUDA: float16 weights and activations, or int4 blocks with float16 scales; GQA
-    rotating q and k itself with float16 cos/sin caches."""
-    folder = genai_model(family, precision, provider="cuda")
+    rotating q and k itself with float16 cos/sin caches. Its float16 file for CPUs: RotaryEmbedding on q and k,
+    keys and values concatenated to the past and repeated for MultiHeadAttention, an additive mask."""
+    folder = genai_model(family, precision, provider=provider)
     ids = prompts(1, 3)[0] + [7, 9, 11]
-    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 3), ort_rows(folder, ids, len(ids) - 3)):
+    wanted = ort_rows(folder, ids, len(ids) - 3, optimized=provider == "cuda")
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 3), wanted, strict=True):
         np.testing.assert_allclose(got, want, atol=FLOAT16_TOLERANCE * np.ptp(want), rtol=0)
 
 
 @pytest.mark.build
-@pytest.mark.parametrize("precision", ("fp16", "int4"))
-def test_builder_cuda_files_compiled_for_the_cpu_give_onnxruntime_logits(precision):
-    """Compiled for the CPU with no flags: float32 on the float16 file's numbers; the int4 file's blocks as q4
-    exactly (float16 scales) on float activations, as its MatMulNBits compute (no accuracy level)."""
-    from artifact_cache import cpu_artifact
-
+@pytest.mark.parametrize("precision, provider", [("fp16", "cuda"), ("int4", "cuda"), ("fp16", "cpu")])
+def test_builder_float16_files_compiled_for_the_cpu_give_onnxruntime_logits(precision, provider):
+    """Compiled for the CPU with no flags: float32 on the float16 files' numbers; the int4 CUDA file's blocks as
+    q4 exactly (float16 scales) on float activations, as its MatMulNBits compute (no accuracy level)."""
     import json
-    folder = genai_model("llama", precision, provider="cuda")
+
+    from artifact_cache import cpu_artifact
+    folder = genai_model("llama", precision, provider=provider)
     artifact = cpu_artifact(folder)
     manifest = json.loads((artifact / "manifest.json").read_text())
     if precision == "int4":
         assert manifest["quantization"]["weights"] == "q4" and manifest["quantization"]["activation_block"] == 0
         assert list(manifest["source"]["treatments"]) == ["int4 blocks of 32 kept exactly (q4 in groups of 32)"]
-    _compiled_gives_onnxruntime_logits(folder, artifact, prompts(1, 4)[0] + [40] * 25, 8, tolerance=FLOAT16_TOLERANCE)
+    _compiled_gives_onnxruntime_logits(folder, artifact, prompts(1, 4)[0] + [40] * 25, 8, tolerance=FLOAT16_TOLERANCE,
+                                       optimized=provider == "cuda")
 
 
-def test_builder_bfloat16_file_gives_the_bfloat16_models_logits():
-    """onnxruntime's CPU kernels do not run the builder's bfloat16 file (no bfloat16 MatMul), so the reference is
-    transformers' model with its weights rounded to bfloat16, as the file stores them, computing in float32 as
-    kiln does; the file's bfloat16 rotation tables give back the model's frequencies."""
+@pytest.mark.parametrize("provider", ("cuda", "cpu"))
+def test_builder_bfloat16_files_give_the_bfloat16_models_logits(provider):
+    """onnxruntime's CPU kernels do not run the builder's bfloat16 files (no bfloat16 MatMul), so the reference is
+    transformers' model with its weights rounded to bfloat16, as the files store them, computing in float32 as
+    kiln does; the files' bfloat16 rotation tables give back the model's frequencies."""
     import torch
     import transformers
-    folder = genai_model("llama", "bf16", provider="cuda")
+    folder = genai_model("llama", "bf16", provider=provider)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_model("llama"), attn_implementation="eager").eval()
     ids = prompts(1, 3)[0] + [7, 9, 11]
     with torch.no_grad():
@@ -105,14 +109,15 @@ def test_builder_bfloat16_file_gives_the_bfloat16_models_logits():
         np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
 
 
-def _compiled_gives_onnxruntime_logits(folder, artifact, ids: list[int], decode: int, tolerance: float = 1e-4) -> None:
+def _compiled_gives_onnxruntime_logits(folder, artifact, ids: list[int], decode: int, tolerance: float = 1e-4,
+                                       optimized: bool = True) -> None:
     """The compiled artifact's logits equal onnxruntime's on the file, within `tolerance` of their range: a
     prefill, then `decode` single steps (past a page boundary, on pages out of order)."""
     from kiln.runtime.model import CompiledModel
     model = CompiledModel(artifact)
     model.allocate_kv(16 * model.bytes_per_page)
     pages = [5, 2, 9, 1]
-    ort = ORTDecoder(folder)
+    ort = ORTDecoder(folder, optimized)
     want = ort.step(ids[:-decode])[-1]
     got = model.forward(make_step_inputs([(ids[:-decode], 0, pages)], model.page_size))[0]
     np.testing.assert_allclose(got, want, atol=tolerance * np.ptp(want), rtol=0)
