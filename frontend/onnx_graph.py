@@ -9,9 +9,10 @@ A node maps onto kiln's ops where it is one (MatMul, MatMulNBits → linear; Gat
 SimplifiedLayerNormalization and RMSNormalization → rms_norm, the Skip form → add + rms_norm; Add, Mul, Sigmoid,
 Sqrt, Cos, …; GroupQueryAttention → rope + kv_append + paged_attend, frontend/onnx_attention.py; RotaryEmbedding →
 rope, frontend/onnx_rotary.py). Shapes and views of activations are followed by frontend/onnx_views.py, attention
-spelled as MatMul/Softmax, as opset 23's Attention or as MultiHeadAttention, becomes kiln's by frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised
-by the first pass of every pipeline, passes/raise_patterns.py. A node kiln cannot place is refused on one line
-naming it, its op and why.
+spelled as MatMul/Softmax, as opset 23's Attention or as MultiHeadAttention, becomes kiln's by
+frontend/onnx_sdpa.py. Exporters' spellings of kiln's fused ops (SiLU, RMSNorm, rotary embeddings) are raised by
+the first pass of every pipeline, passes/raise_patterns.py. A node kiln cannot place is refused on one line naming
+it, its op and why.
 """
 from __future__ import annotations
 
