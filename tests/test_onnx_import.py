@@ -143,6 +143,26 @@ def _float_compute(folder, out):
     return out
 
 
+@pytest.mark.build
+def test_the_builders_cuda_int4_file_compiles_for_cuda_with_its_blocks_kept(tmp_path):
+    """For --target cuda (built here with nvcc, run on the GPU machine): float16, the blocks as q4 exactly (their
+    float16 scales as the file has them) on float activations, kiln's tensor-core GEMM and GEMV reading them."""
+    import shutil
+
+    from kiln.compiler import compile_model
+    from kiln.options import CompileOptions
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    m = compile_model(genai_model("llama", "int4", provider="cuda"), tmp_path / "artifact",
+                      CompileOptions(target="cuda"), show=None)
+    q = m.quantization
+    assert (m.dtype, q.weights, q.group_size, q.activation_block, q.scale_dtype) == ("float16", "q4", 32, 0, None)
+    assert list(m.source["treatments"]) == ["int4 blocks of 32 kept exactly (q4 in groups of 32)"]
+    assert m.linear_kernels == {"mixed": ["mma"], "decode": ["gemv"], "decode_wide": ["mma"]}
+    library = (tmp_path / "artifact" / m.library).read_bytes()
+    assert all(f"{name}_kernel".encode() in library for name in m.kernels)
+
+
 def _weightless_int4_artifact(tmp_path):
     """(the int4 file's folder, its compiled artifact, a copy with the weights taken out, as compile --no-weights
     leaves one)."""
