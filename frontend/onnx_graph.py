@@ -27,7 +27,7 @@ from kiln.ir import GraphBuilder, named_inputs
 from .onnx_attention import group_query_attention
 from .onnx_file import ONNXFile
 from .onnx_names import rename_params, role_names
-from .onnx_rotary import rotary_embedding
+from .onnx_rotary import rope_tables_by_length, rotary_embedding
 from . import onnx_sdpa as sdpa
 from .onnx_translation import (KV, LOGITS, Const, Init, KVFull, Mask, NBitsNode, Reshaped, SymVec, Translation,
                                Transposed, _kind)
@@ -108,6 +108,8 @@ def _fold(t: Translation, node, a: dict) -> bool:
     """Shape arithmetic is followed (frontend/onnx_views.py); the mask's bookkeeping passes on as such (any op
     of bookkeeping and constants alone); ops of constants alone are computed here. False: none of these."""
     values = [t.value(n, node) for n in node.input if n]
+    if node.op_type == "If":                  # a choice between branches is never bookkeeping of its own
+        return False
     if sym_shape(t, node, a):
         return True
     if any(isinstance(v, (Mask, SymVec)) for v in values) and all(is_bookkeeping(v) for v in values):
@@ -370,7 +372,7 @@ def _translators() -> dict:
             "SimplifiedLayerNormalization": _simplified_norm, "SkipSimplifiedLayerNormalization": _skip_simplified_norm,
             "GroupQueryAttention": group_query_attention, "RMSNormalization": _simplified_norm,
             "RotaryEmbedding": rotary_embedding, "Attention": sdpa.attention,
-            "MultiHeadAttention": sdpa.multi_head_attention}
+            "MultiHeadAttention": sdpa.multi_head_attention, "If": rope_tables_by_length}
 
 
 # ---------------------------------------------------------------------- the whole graph

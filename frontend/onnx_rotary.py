@@ -8,8 +8,10 @@ param the Mul reads. kiln's rope takes the rows [tokens, H·D]; the op's input i
 [b, h, s, D], viewed as kiln's [tokens, H, D] (frontend/onnx_views.py)."""
 from __future__ import annotations
 
+import numpy as np
+
 from .onnx_attention import rope_param
-from .onnx_translation import Translation
+from .onnx_translation import Const, Mask, Translation
 from .onnx_views import ROWS
 
 
@@ -70,3 +72,34 @@ def rotary_embedding(t: Translation, node, a: dict) -> None:
     out = t.op("reshape", turned, shape=shape, node=node) if layout.heads else turned
     t.layout[out] = layout
     t.env[node.output[0]] = out
+
+
+def _branch_tables(graph) -> list[np.ndarray] | None:
+    """The tensors a branch of constants alone gives (Constant nodes), in its outputs' order; None otherwise."""
+    from onnx import numpy_helper
+    made = {}
+    for n in graph.node:
+        value = next((a.t for a in n.attribute if a.name == "value"), None)
+        if n.op_type != "Constant" or value is None:
+            return None
+        made[n.output[0]] = numpy_helper.to_array(value)
+    made |= {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    return [made.get(o.name) for o in graph.output] if all(o.name in made for o in graph.output) else None
+
+
+def rope_tables_by_length(t: Translation, node, a: dict) -> None:
+    """If(total length > c) choosing between two sets of tables: LongRoPE's caches as the builder writes them
+    (the long factors' past the original context c, the short ones' within it). kiln compiles LongRoPE as it
+    does from an HF directory: the short factors' tables, and a context of c (their rows)."""
+    condition = next((n for n in t.file.graph.node if node.input[0] in n.output), None)
+    limit = t.constant(condition.input[1], node) if condition is not None and len(condition.input) > 1 else None
+    tables = [_branch_tables(a[branch]) for branch in ("then_branch", "else_branch")]
+    if not (condition is not None and condition.op_type == "Greater" and isinstance(t.value(condition.input[0], node),
+                                                                                     Mask)
+            and limit is not None and limit.size == 1 and all(tables)
+            and all(len(x) == int(limit) for x in tables[1]) and all(len(x) > int(limit) for x in tables[0])):
+        raise t.fail(node, "is not a choice of rotation tables by the sequence's length (LongRoPE's); kiln raises "
+                           "no other control flow")
+    for name, table in zip(node.output, tables[1]):
+        t.env[name] = Const(table)
+        t.record[name, f"LongRoPE's short tables: contexts up to {int(limit)} tokens (the long ones not read)"] = True

@@ -23,14 +23,25 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
           "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                             "original_max_position_embeddings": 4096, "max_position_embeddings": 4096}),
-          "tied": ("llama", {"tie_word_embeddings": True})}
+          "tied": ("llama", {"tie_word_embeddings": True}),
+          # LongRoPE: the builder writes short and long tables and an If choosing by the sequence's length
+          "phi3_longrope": ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                         "short_factor": [1.0 + 0.1 * i for i in range(16)],
+                                                         "long_factor": [2.0 + 0.2 * i for i in range(16)]},
+                                     "original_max_position_embeddings": 64, "max_position_embeddings": 256})}
 
 
 def hf_model(family: str, seed: int = 0) -> Path:
     def build(folder: Path) -> None:
         from kiln.testing.tiny import make_tiny_model
+        import json
         name, overrides = MODELS[family]
         make_tiny_model(folder / "model", name, seed=seed, **SHAPE, **overrides)
+        config = json.loads((folder / "model" / "config.json").read_text())
+        rope = config.get("rope_parameters") or {}
+        if rope.get("rope_type") == "longrope":         # the builder reads the older key
+            config["rope_parameters"] = {**rope, "type": "longrope"}
+            (folder / "model" / "config.json").write_text(json.dumps(config, indent=1))
     return entry("onnx", f"hf-{family}-seed{seed}", build) / "model"
 
 

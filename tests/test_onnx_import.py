@@ -148,18 +148,23 @@ def test_the_builders_cuda_int4_file_compiles_for_cuda_with_its_blocks_kept(tmp_
     """For --target cuda (built here with nvcc, run on the GPU machine): float16, the blocks as q4 exactly (their
     float16 scales as the file has them) on float activations, kiln's tensor-core GEMM and GEMV reading them."""
     import shutil
+    import subprocess
+    import sys
 
-    from kiln.compiler import compile_model
-    from kiln.options import CompileOptions
+    from kiln.artifact import read_manifest
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")
-    m = compile_model(genai_model("llama", "int4", provider="cuda"), tmp_path / "artifact",
-                      CompileOptions(target="cuda"), show=None)
+    out = tmp_path / "artifact"        # kiln compiles CUDA in a process of its own (TVM's CUDA runtime)
+    folder = genai_model("llama", "int4", provider="cuda")
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(folder), "--target", "cuda", "-o", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    m = read_manifest(out)
     q = m.quantization
     assert (m.dtype, q.weights, q.group_size, q.activation_block, q.scale_dtype) == ("float16", "q4", 32, 0, None)
     assert list(m.source["treatments"]) == ["int4 blocks of 32 kept exactly (q4 in groups of 32)"]
     assert m.linear_kernels == {"mixed": ["mma"], "decode": ["gemv"], "decode_wide": ["mma"]}
-    library = (tmp_path / "artifact" / m.library).read_bytes()
+    library = (out / m.library).read_bytes()
     assert all(f"{name}_kernel".encode() in library for name in m.kernels)
 
 
@@ -320,6 +325,19 @@ def test_a_local_window_attends_as_onnxruntime_does(tmp_path):
     assert {spec.window for spec in load_model(folder).build_graph("float32", PAGE_SIZE).kv_specs.values()} == {7}
     ids = prompts(1, 11)[0] + list(range(20, 40))
     for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 4), ort_rows(folder, ids, len(ids) - 4)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
+
+
+def test_longrope_tables_chosen_by_length_compile_as_the_hf_directory_does():
+    """Phi-3's LongRoPE as the builder writes it (short and long tables, an If on the sequence's length): kiln
+    takes the short tables and the original context, as it compiles LongRoPE from the HF directory, and gives
+    onnxruntime's logits within that context."""
+    folder = genai_model("phi3_longrope", "fp32")
+    model = load_model(folder)
+    assert model.config.max_context == load_model(hf_model("phi3_longrope")).config.max_context == 64
+    assert any("LongRoPE's short tables: contexts up to 64 tokens" in what for _, what in model.translation.record)
+    ids = prompts(1, 3)[0][:24] + list(range(40, 60))       # within the three pages of 16 it interprets on
+    for got, want in zip(kiln_interpreted(folder, ids, len(ids) - 3), ort_rows(folder, ids, len(ids) - 3), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4 * np.ptp(want), rtol=0)
 
 
@@ -694,6 +712,16 @@ def test_onnx_attention_ops_kiln_cannot_follow_are_refused_by_name(tmp_path, op,
         next(a for a in node.attribute if a.name == attribute).i = value
     message = _refused(_edited(tmp_path, edit, source=torch_export("llama", 23)))
     assert f"({op})" in message and why in message
+
+
+def test_an_if_that_is_not_longropes_choice_is_refused(tmp_path):
+    """Branches swapped (the long tables while the sequence fits): no longer LongRoPE's choice, refused by name."""
+    def edit(proto):
+        node = _node(proto, "If")
+        for attr in node.attribute:
+            attr.name = {"then_branch": "else_branch", "else_branch": "then_branch"}[attr.name]
+    message = _refused(_edited(tmp_path, edit, source=genai_model("phi3_longrope", "fp32")))
+    assert "(If)" in message and "LongRoPE" in message
 
 
 def test_interleaved_rotary_is_refused_naming_the_attention(tmp_path):
