@@ -67,6 +67,18 @@ def masked(t: Translation, node, values) -> bool:
     return True
 
 
+def _one_layers(keys, values) -> bool:
+    """Keys and values of one layer, each concatenated to its past (KVFull)."""
+    return (isinstance(keys, KVFull) and keys.which == "key" and isinstance(values, KVFull)
+            and values.which == "value" and keys.layer == values.layer)
+
+
+def _causal(t: Translation, node, mask, causal_flag) -> None:
+    """An attention's mask must be the attention mask's bookkeeping, or absent where the op says it is causal."""
+    if not isinstance(mask, Mask) and not (mask is None and causal_flag):
+        raise t.fail(node, "masks with something other than the attention mask's causal bookkeeping")
+
+
 def attention(t: Translation, node, a: dict) -> None:
     """ONNX's Attention (opset 23) over a layer's keys and values as the graph concatenated them to its past,
     [b, h, s, d] views (the query too; grouped keys repeated or not)."""
@@ -78,12 +90,10 @@ def attention(t: Translation, node, a: dict) -> None:
     q, keys, values = (t.value(n, node) for n in names[:3])
     mask = t.value(names[3], node) if names[3] else None
     query = _query(t, q, node)
-    if query is None or not (isinstance(keys, KVFull) and keys.which == "key" and isinstance(values, KVFull)
-                             and values.which == "value" and keys.layer == values.layer):
+    if query is None or not _one_layers(keys, values):
         raise t.fail(node, "does not attend from [b, h, s, d] queries over one layer's keys and values "
                            "concatenated to its past")
-    if not (mask is None or isinstance(mask, Mask)) or not (mask is not None or a.get("is_causal", 0)):
-        raise t.fail(node, "masks with something other than the attention mask's causal bookkeeping")
+    _causal(t, node, mask, a.get("is_causal", 0))
     d = t.b.type_of(query[0]).shape[-1]
     scale = float(a.get("scale", 0.0) or d ** -0.5) * query[1] * keys.factor
     probs = Scores(query[0], keys.new, keys.layer, scale, probs=True)
@@ -100,13 +110,10 @@ def multi_head_attention(t: Translation, node, a: dict) -> None:
     q, keys, values = (t.value(n, node) for n in names[:3])
     mask = t.value(names[5], node) if names[5] else None
     heads = int(a["num_heads"])
-    if not (isinstance(q, str) and not t.layout.get(q, ROWS).heads and isinstance(keys, KVFull)
-            and keys.which == "key" and isinstance(values, KVFull) and values.which == "value"
-            and keys.layer == values.layer):
+    if not (isinstance(q, str) and not t.layout.get(q, ROWS).heads and _one_layers(keys, values)):
         raise t.fail(node, "does not attend from [b, s, H·D] queries over one layer's keys and values "
                            "concatenated to its past")
-    if not isinstance(mask, Mask) and not (mask is None and a.get("unidirectional", 0)):
-        raise t.fail(node, "masks with something other than the attention mask's causal bookkeeping")
+    _causal(t, node, mask, a.get("unidirectional", 0))
     d = t.b.type_of(q).shape[-1] // heads
     query = t.op("reshape", q, shape=("tokens", heads, d), node=node)
     probs = Scores(query, keys.new, keys.layer, float(a.get("scale", 0.0) or d ** -0.5) * keys.factor, probs=True)
