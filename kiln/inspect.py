@@ -79,6 +79,7 @@ def _quantization(m: Manifest) -> str:
         weights = f"weights not quantised ({dtype})"
     else:
         group = f" in groups of {q.group_size}" if q.group_size else ""
+        group += " with float32 scales" if q.scale_dtype == "float32" else ""
         head = (f"the LM head {q.lm_head_format}" if q.lm_head and q.lm_head_format
                 else "the LM head too" if q.lm_head else f"the LM head in {dtype}")
         table = f"the embedding table {q.embedding}" if q.embedding != "none" else f"the embedding table in {dtype}"

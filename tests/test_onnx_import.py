@@ -193,8 +193,10 @@ def test_attach_weights_writes_the_int4_files_bytes_as_compile_does(tmp_path):
     planned from the manifest keep the file's float32 scales, and the weights file has compile's bytes."""
     from kiln.artifact import WEIGHTS, read_manifest
     from kiln.weights.attach import attach_weights
+    from kiln.inspect import summary
     folder, artifact, bare = _weightless_int4_artifact(tmp_path)
     assert read_manifest(artifact).quantization.scale_dtype == "float32"
+    assert "weights q4 in groups of 32 with float32 scales" in summary(artifact)
     attach_weights(bare, folder)
     assert read_manifest(bare).files[WEIGHTS]["blake3"] == read_manifest(artifact).files[WEIGHTS]["blake3"]
 
