@@ -113,8 +113,8 @@ def weight_loader(graph: Graph, load: Callable[[str], np.ndarray], quantizers: d
                 quantized[key] = quantize(recipe)
             out = quantized[key][recipe["part"]]
             if recipe["part"] == "scale" and out.dtype != numpy_dtype(param.type.dtype):
-                out = out.astype(numpy_dtype(param.type.dtype))    # a file's float32 scales in a float16 table
-
+                # a quantiser's float16 scales in a float32 table (--group-scales float32): widened exactly
+                out = out.astype(numpy_dtype(param.type.dtype))
         elif "deinterleave" in recipe:
             out = get(recipe["of"]).copy()
             for start, width in recipe["deinterleave"]:

@@ -234,3 +234,19 @@ def test_q8g_is_q8_0s_format_and_rounds_to_the_nearest_stored_value():
     step = np.repeat(parts["scale"].T.astype(np.float32), 32, axis=1)
     assert np.all(np.abs(w - ours) <= step / 2 * (1 + 1e-6))
     assert parts["q"][1, :4].tolist() == [127, 0, 2, -2]           # ties to even (llama.cpp: 1, 2, -3)
+
+
+def test_float32_group_scales_widen_the_quantisers_float16_ones(make_model):
+    """--group-scales float32 on weights kiln quantises itself: the q4 scale tables are the float16 ones the
+    quantiser gives, widened exactly (an ONNX file's own float32 scales are kept as they are:
+    tests/test_onnx_import.py)."""
+    from kiln.frontend import load_model
+    from kiln.ir import weight_loader
+    from kiln.passes.quantize import Quantize
+    model = load_model(make_model("llama"))
+    wide = Quantize("q4", scale_dtype="float32")(model.build_graph("float32", 16))
+    narrow = Quantize("q4")(model.build_graph("float32", 16))
+    name = next(p for p in wide.params if p.endswith("q4_scale"))
+    got, rounded = (weight_loader(g, lambda n: model.weight(n, "float32"))(name) for g in (wide, narrow))
+    assert wide.params[name].type.dtype == "float32" and got.dtype == np.float32 and rounded.dtype == np.float16
+    assert np.array_equal(got, rounded.astype(np.float32))
