@@ -94,10 +94,11 @@ def rope_tables_by_length(t: Translation, node, a: dict) -> None:
     condition = next((n for n in t.file.graph.node if node.input[0] in n.output), None)
     limit = t.constant(condition.input[1], node) if condition is not None and len(condition.input) > 1 else None
     tables = [_branch_tables(a[branch]) for branch in ("then_branch", "else_branch")]
-    if not (condition is not None and condition.op_type == "Greater" and isinstance(t.value(condition.input[0], node),
-                                                                                     Mask)
-            and limit is not None and limit.size == 1 and all(tables)
-            and all(len(x) == int(limit) for x in tables[1]) and all(len(x) > int(limit) for x in tables[0])):
+    by_length = (condition is not None and condition.op_type == "Greater" and limit is not None and limit.size == 1
+                 and isinstance(t.value(condition.input[0], node), Mask))
+    long_then_short = all(tables) and by_length and all(len(x) > int(limit) for x in tables[0]) \
+        and all(len(x) == int(limit) for x in tables[1])
+    if not long_then_short:
         raise t.fail(node, "is not a choice of rotation tables by the sequence's length (LongRoPE's); kiln raises "
                            "no other control flow")
     for name, table in zip(node.output, tables[1]):
