@@ -4,9 +4,10 @@
     python bench/kernel_hashes.py --compare build/kernel-hashes/BEFORE.json build/kernel-hashes/HEAD.json
 
 For each case (the 1B-shaped Llama in bf16, q4 and fp8, a gemma2 with fp8 pages, the tiny MoE (also
-quantised) and MLA families, a quantised Qwen2 with biases; CUDA for sm_90 and the CPU for two fixed
-LLVM CPU models, so the host does not matter) it runs compile's front half (import, passes, codegen,
-the target's Relax pipeline, the build) and records, per function:
+quantised) and MLA families, a quantised Qwen2 with biases; CUDA for sm_90 and the CPU for fixed LLVM
+CPU models: znver3 (AVX2), znver4 (AVX-512 BF16, VNNI), sapphirerapids (AMX), so the host does not
+matter) it runs compile's front half (import, passes, codegen, the target's Relax pipeline, the build)
+and records, per function:
   - every TIR kernel's TVMScript after the Relax pipeline (what TVM lowers to machine code);
   - every Relax function's TVMScript (the calling sequence of a step);
   - from the built library, the CUDA source of each `__global__` kernel and the LLVM IR of each host
@@ -49,6 +50,8 @@ CASES = {
     "cpu-znver3-1b-bf16": (LLAMA_1B_2L, "cpu", "znver3", dict(dtype="bfloat16")),
     "cpu-znver3-1b-q4": (LLAMA_1B_2L, "cpu", "znver3", dict(quant="q4")),
     "cpu-spr-1b-q8-kv8": (LLAMA_1B_2L, "cpu", "sapphirerapids", dict(dtype="bfloat16", quant="q8", kv_dtype="int8")),
+    "cpu-znver4-1b-bf16": (LLAMA_1B_2L, "cpu", "znver4", dict(dtype="bfloat16")),
+    "cpu-spr-1b-bf16": (LLAMA_1B_2L, "cpu", "sapphirerapids", dict(dtype="bfloat16")),
     "cpu-znver3-moe": (TINY_MOE, "cpu", "znver3", {}),
     "cpu-znver3-moe-q8": (TINY_MOE, "cpu", "znver3", dict(quant="q8")),
     "cpu-znver3-qwen2-q4": (TINY_QWEN2, "cpu", "znver3", dict(quant="q4")),

@@ -12,7 +12,8 @@ without --artifacts, compiled here from the preset's random checkpoint; llama.cp
 converted from that checkpoint (bench/big_model.py). Each thread count runs kiln in a fresh process,
 as TVM sizes its worker pool once. The decode roofline is the streaming-read rate at that count
 (PyTorch summing 1 GiB: bench/bandwidth.py needs TVM's compiler, which a runtime-only TVM lacks) over
-the bytes a decode step reads.
+the bytes a decode step reads. An artifact with AMX tile kernels (kiln inspect's `tiles` line) is
+measured again with KILN_CPU_TILES=off, the same kernels on AVX-512 BF16 dots: `tiles / off`.
 """
 from __future__ import annotations
 
@@ -110,16 +111,23 @@ def main() -> None:
             print(f"kiln only: {missing}", file=sys.stderr)
     ggufs = gguf_files(model_dir, work, llama_cpp, modes) if llama_cpp else {}
 
+    from kiln.artifact import read_manifest
+    tiled = [m for m in modes if read_manifest(artifacts[m], verify=False).target.tiles]
     rows = {m: [] for m in modes}
     for threads in counts:
         read = torch_read_bandwidth(threads)
-        job = json.dumps({"artifacts": artifacts, "threads": threads})
-        proc = subprocess.run([sys.executable, __file__, "--worker", job, "--prompt-len", str(args.prompt_len),
-                               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
-                              capture_output=True, text=True, env={**os.environ, "TVM_NUM_THREADS": str(threads)})
-        if proc.returncode:
-            raise SystemExit(f"kiln at {threads} threads failed:\n{proc.stderr[-3000:]}")
-        kiln = json.loads(proc.stdout.splitlines()[-1])
+
+        def run_kiln(names: list[str], **env) -> dict:
+            job = json.dumps({"artifacts": {m: artifacts[m] for m in names}, "threads": threads})
+            proc = subprocess.run([sys.executable, __file__, "--worker", job, "--prompt-len", str(args.prompt_len),
+                                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
+                                  capture_output=True, text=True,
+                                  env={**os.environ, "TVM_NUM_THREADS": str(threads), **env})
+            if proc.returncode:
+                raise SystemExit(f"kiln at {threads} threads failed:\n{proc.stderr[-3000:]}")
+            return json.loads(proc.stdout.splitlines()[-1])
+        kiln = run_kiln(modes)
+        untiled = run_kiln(tiled, KILN_CPU_TILES="off") if tiled else {}
         for mode in modes:
             peer = {}
             if llama_cpp:
@@ -128,25 +136,30 @@ def main() -> None:
                         "tg": llama_bench(llama_cpp, gguf, 0, args.new_tokens, threads, args.repeats),
                         "b8": llama_batched_rate(llama_cpp, gguf, args.new_tokens, threads, 1)}
             roofline = read * 1e9 / decode_bytes(Path(artifacts[mode]))
-            rows[mode].append((threads, read, roofline, kiln[mode], peer))
-            print(f"{mode} {threads} threads: read {read:.1f} GB/s, kiln {kiln[mode]}, llama.cpp {peer}",
+            rows[mode].append((threads, read, roofline, kiln[mode], peer, untiled.get(mode)))
+            print(f"{mode} {threads} threads: read {read:.1f} GB/s, kiln {kiln[mode]}, llama.cpp {peer}"
+                  + (f", kiln with KILN_CPU_TILES=off {untiled[mode]}" if mode in untiled else ""),
                   file=sys.stderr, flush=True)
 
     print(f"\n{args.preset}, tok/s: prefill {args.prompt_len} tokens (median of {args.repeats}), decode "
           f"{args.new_tokens} tokens at batch 1 and 8; roofline: the read rate at that thread count over the bytes a "
           f"decode step reads; (xN): kiln's rate over its own at {min(counts)} thread(s)")
     for mode in modes:
+        off = " kiln pp, tiles off | tiles / off | kiln b8, tiles off | tiles / off |" if mode in tiled else ""
         print(f"\n{mode}\n\n| threads | read GB/s | kiln pp (xN) | llama.cpp pp | kiln / llama.cpp | kiln tg (xN) "
-              "| llama.cpp tg | kiln / llama.cpp | kiln / roofline | kiln b8 (xN) | llama.cpp b8 | kiln / llama.cpp |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| llama.cpp tg | kiln / llama.cpp | kiln / roofline | kiln b8 (xN) | llama.cpp b8 | kiln / llama.cpp |"
+              + off)
+        print("|---" * (12 + 4 * bool(off)) + "|")
         base = min(rows[mode])[3]
-        for threads, read, roofline, kiln, peer in sorted(rows[mode]):
+        for threads, read, roofline, kiln, peer, untiled in sorted(rows[mode]):
             cells = [str(threads), f"{read:.1f}"]
             for key in ("pp", "tg", "b8"):
                 cells += [f"{kiln[key]:.1f} ({kiln[key] / base[key]:.1f})"]
                 cells += [f"{peer[key]:.1f}", f"{kiln[key] / peer[key]:.2f}x"] if peer else ["", ""]
                 if key == "tg":
                     cells.append(f"{kiln['tg'] / roofline:.0%}")
+            for key in ("pp", "b8") if untiled else ():
+                cells += [f"{untiled[key]:.1f}", f"{kiln[key] / untiled[key]:.2f}x"]
             print("| " + " | ".join(cells) + " |")
 
 

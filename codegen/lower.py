@@ -31,6 +31,7 @@ from kiln.selection.layouts import GATED, GATED_COLUMNS, Q4_ZEROS, Q4_ZEROS_GATE
 from kiln.selection.linear import target_layout
 
 from .kernels.cpu.bf16_micro import micro_module
+from .kernels.cpu.tile_micro import tile_module
 from .kernels.gpu import flashinfer, hopper_gemm
 from .lowering import elementwise, lora, mla, moe
 from .lowering.attention import emit_paged_attention, emit_paged_attention_fused
@@ -62,7 +63,7 @@ class _Context:
     kind, symbolic dims, weights, and the kernels (shared by every entry)."""
 
     def __init__(self, graph: Graph, target, bb: relax.BlockBuilder, step: str, kernels: dict, micro_kernels: set,
-                 hopper_gemms: set):
+                 tile_kernels: set, hopper_gemms: set):
         self.graph, self.target, self.bb, self.step = graph, target, bb, step
         self.types = graph.value_types()
         self.dims: dict[str, tirx.Var] = {}
@@ -73,6 +74,7 @@ class _Context:
         # or "interleaved" (its gate and up columns alternate)
         self.gated: dict[str, str] = {}
         self.micro_kernels = micro_kernels     # (rows, vectors) of the bf16 micro-kernels kernels call
+        self.tile_kernels = tile_kernels       # (row tiles, column tiles) of the AMX bf16 micro-kernels they call
         self.hopper_gemms = hopper_gemms       # the Hopper GEMM variants linears call
 
     def shape(self, dims) -> list:
@@ -258,17 +260,20 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
     micro_kernels: set[tuple[int, int]] = set()
+    tile_kernels: set[tuple[int, int]] = set()
     hopper_gemms: set = set()
     fi_use = flashinfer_use(graph, entries)
     extra_inputs = fi_use.inputs() if fi_use else {}
     for step, name in entries.items():
-        ctx = _Context(graph, target, bb, step, kernels, micro_kernels, hopper_gemms)
+        ctx = _Context(graph, target, bb, step, kernels, micro_kernels, tile_kernels, hopper_gemms)
         _emit_entry(ctx, name, extra_inputs)
     module = bb.get()
     external = []
     if micro_kernels:
         # LLVM IR kiln writes itself (codegen/kernels/cpu/bf16_micro.py): the Relax build links it into the library
         external.append(micro_module(sorted(micro_kernels), target.tvm_target()))
+    if tile_kernels:        # and the AMX ones (codegen/kernels/cpu/tile_micro.py), with kiln_tiles_ready
+        external.append(tile_module(sorted(tile_kernels), target.tvm_target(), emulated=target.tiles == "emulated"))
     if fi_use:
         external += flashinfer.static_libraries(fi_use.variant, target.arch)
     if hopper_gemms:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.cpu_tiles import TILE_ISA
 from kiln.errors import KilnError
 
 # LLVM feature names of instruction sets (not tuning flags) a CPU artifact's kernels may use
@@ -23,16 +24,19 @@ def isa_features(reported: dict[str, bool]) -> list[str]:
 def missing_features(built_on: list[str], reported: dict[str, bool] | None) -> list[str]:
     """The instruction sets of the CPU an artifact was compiled on (its manifest's `cpu_features`)
     that this machine's CPU lacks, by LLVM's feature map of it (`reported`), or where there is none
-    (no LLVM), by /proc/cpuinfo: kernels built there could stop with SIGILL here."""
+    (no LLVM), by /proc/cpuinfo: kernels built there could stop with SIGILL here. AMX's are not
+    needed: kiln's tile kernels ask the OS for tiles first and run without them (kiln/cpu_tiles.py)."""
     if reported is None:
         return missing_in_cpuinfo(built_on, cpuinfo_features())
     here = set(isa_features(reported))
-    return [name for name in built_on if name not in here]
+    return [name for name in built_on if name not in here and not name.startswith(TILE_ISA)]
 
 
 def missing_in_cpuinfo(built_on: list[str], flags: set[str]) -> list[str]:
-    """The LLVM feature names in `built_on` that /proc/cpuinfo's `flags` (cpuinfo_features) lack."""
-    return [name for name in built_on if _plain(_CPUINFO_NAMES.get(name, name)) not in flags]
+    """The LLVM feature names in `built_on` that /proc/cpuinfo's `flags` (cpuinfo_features) lack
+    (AMX's not needed, as in missing_features)."""
+    return [name for name in built_on
+            if _plain(_CPUINFO_NAMES.get(name, name)) not in flags and not name.startswith(TILE_ISA)]
 
 
 # LLVM's feature names that /proc/cpuinfo spells otherwise (beyond "_", "-" and ".")

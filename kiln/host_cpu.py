@@ -74,6 +74,11 @@ def has_quad_dot(target: tvm.target.Target) -> bool:
     return x86_has(target, ["avx512vnni", "avx512bw"])
 
 
+def has_bf16_tiles(target: tvm.target.Target) -> bool:
+    """Intel AMX's tdpbf16ps: bf16 tiles into float32 tiles (codegen/kernels/cpu/tile_micro.py)."""
+    return x86_has(target, ["amx-tile", "amx-bf16"])
+
+
 def has_bf16_dot(target: tvm.target.Target) -> bool:
     """AVX-512 BF16's vdpbf16ps: bf16 pairs into float32 lanes (codegen/kernels/cpu/bf16_micro.py)."""
     return x86_has(target, ["avx512bf16", "avx512f"])

@@ -204,6 +204,7 @@ def summary(artifact_dir) -> str:
         "sampling   " + ("on the device, compiled with the model: token ids (and asked-for logprobs) come back"
                          if m.sampling == "device" else "on the host (NumPy), from the step's logits"),
         *_by_step("linears", m, m.linear_kernels),
+        *_tiles(m),
         *_by_step("experts", m, m.expert_kernels),
         f"kernels    {len(m.kernels)}: {', '.join(m.kernels)}",
         f"launches   {m.launches_per_step['total']} kernel launches per forward step: "
@@ -216,6 +217,16 @@ def summary(artifact_dir) -> str:
     lines += [f"  {name:<28} {info['bytes'] / 2**20:9.2f} MiB  {_digest(info)}"
               for name, info in sorted(m.files.items())]
     return "\n".join(lines)
+
+
+def _tiles(m: Manifest) -> list[str]:
+    """Which kernels use the CPU's matrix tiles, and what they do without them."""
+    tiled = sorted({name for names in (m.linear_kernels or {}).values() for name in names if name.startswith("amx_")})
+    if not m.target.tiles or not tiled:
+        return []
+    kind = "AMX" if m.target.tiles == "amx" else m.target.tiles
+    return [f"tiles      {kind} tiles in {', '.join(tiled)} (bf16 linears, in the steps above); where Linux grants "
+            "no tiles (a CPU or kernel without AMX, or KILN_CPU_TILES=off) they run AVX-512 BF16 dots"]
 
 
 def _lora(m: Manifest) -> list[str]:

@@ -200,6 +200,7 @@ class TargetRecord:
     runs_here: bool = True
     note: str | None = None
     cpu_features: tuple[str, ...] | None = None      # the instruction sets a CPU artifact's kernels use
+    tiles: str | None = None         # "amx": some kernels use AMX tiles where the OS grants them (kiln/cpu_tiles.py)
 
 
 @dataclass(frozen=True)

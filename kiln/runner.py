@@ -73,8 +73,11 @@ def run_prompt(artifact, prompt: str, params, config: EngineConfig, as_json: boo
     # The cache this one request needs (its prompt and every token it may write), not a server's.
     llm = _open(artifact, config, len(prompt_ids) + params.max_tokens, params, tokenizer)
     load_seconds = time.perf_counter() - t0
+    tiles = llm.model.tiles
     if not as_json:
         click.echo(llm.describe_kv(), err=True)
+        if tiles is not None and not tiles.granted:
+            click.echo(f"kiln: {tiles.describe()}", err=True)
     out = _generate_streaming(llm, prompt_ids, params, echo=not as_json)
     t = _timings(out, load_seconds, llm.threads)
     done = out.outputs[0]
@@ -85,7 +88,8 @@ def run_prompt(artifact, prompt: str, params, config: EngineConfig, as_json: boo
         print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
                           "output_token_ids": done.token_ids, "text": done.text,
                           "finish_reason": done.finish_reason, "timings": t,
-                          "kv_bytes_per_token": llm.model.bytes_per_token, **_speculation(llm)}))
+                          "kv_bytes_per_token": llm.model.bytes_per_token, **_speculation(llm),
+                          **({"cpu_tiles": tiles.as_json()} if tiles is not None else {})}))
     else:
         def rate(v):
             return f"{v:.1f} tok/s" if v else "n/a"

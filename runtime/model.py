@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.artifact import WEIGHTS, read_manifest, start_verify
+from kiln.cpu_tiles import request_tiles
 from kiln.dtypes import numpy_dtype
 from kiln.errors import KilnError
 from kiln.interface import GRAPH_ENTRIES, GRAPH_ENTRY, WIDE_GRAPH_ENTRY, KVSpec, is_prefill_step
@@ -60,6 +61,8 @@ class CompiledModel:
             if missing:
                 raise KilnError(f"artifact is compiled for a CPU with {', '.join(missing)}, which this CPU lacks: "
                                 f"compile it on this machine, or for this CPU with --arch")
+        # tile kernels ask Linux for AMX themselves and fall back; asking first makes the answer known
+        self.tiles = request_tiles(m.target.tiles) if m.target.tiles else None
         # one page pool for every layer: page p is page p of each layer's tensor (kiln/interface.py KVSpec)
         self.kv_specs = [KVSpec.from_json(layer) for layer in m.kv.layers]
         self.page_size = m.kv.page_size

@@ -12,7 +12,8 @@ CPUs: kiln's packed-weight kernel (packed_linear), weights stored [out/nb, in', 
 accumulates nb outputs in vector registers; in steps that bring chunks the register-blocked GEMM
 (gemm) over the same layout. Where the CPU has a dot product for the operands, weights are stored
 with its inputs side by side and one kernel serves every step: int8 activations (vnni; int8_gemv
-and int8_gemm with AVX2's pair dots), bf16 (bf16dot). Quantised weights are decoded inside the
+and int8_gemm with AVX2's pair dots), bf16 (bf16dot; on CPUs with AMX, amx_bf16's tiles in steps of
+many rows over the same layout). Quantised weights are decoded inside the
 reduction (q4) or scaled in the epilogue (q8, fp8): no dequantised copy of a weight ever exists.
 codegen/lowering/linear.py emits each by name.
 """
@@ -26,7 +27,7 @@ from kiln.ir import Graph, input_of, weight_format
 
 from .formats import WeightFormat
 from .layouts import in_byte_quads, interleave, packed_block, packed_layout
-from .shapes import gemv_takes, int8_gemv_takes, mma_takes, vnni_takes, wgmma_takes
+from .shapes import gemv_takes, int8_gemv_takes, mma_takes, tile_bf16_takes, vnni_takes, wgmma_takes
 from .tiles import tiles_for
 
 # the gated ops a linear's kernel may apply after it, by the activation it applies
@@ -80,6 +81,10 @@ class LinearKernel:
 
 
 LINEAR_KERNELS = {k.name: k for k in (
+    # bf16 weights in input pairs on CPUs with AMX: tiles in steps that bring many rows (the bf16 dots where
+    # the OS refuses tiles); decode steps, which stream the weights once, keep bf16dot
+    LinearKernel("amx_bf16", lambda s: s.nb is not None and s.fmt.kind == "float" and interleave(s.layout) == 2
+                 and s.target.tiles != "" and not s.decoding and tile_bf16_takes(s.n_in, s.nb)),
     # bf16 weights in input pairs (AVX-512 BF16): one kernel for every step
     LinearKernel("bf16dot", lambda s: s.nb is not None and s.fmt.kind == "float" and interleave(s.layout) == 2),
     # int8 activations on VNNI: one kernel for every step

@@ -70,6 +70,13 @@ def _groups_take(weight: str, group_size: int, multiple: int, n_in: int) -> bool
 VNNI_LANES = 16          # int32 lanes of a 512-bit register: the VNNI kernel's 16 output columns
 QUAD = 4                 # stored bytes per column in a row of the VNNI layout (vpdpbusd's quads)
 INT8_GEMV_GROUP = 16     # the int8 GEMV's output columns per step: 16 int16 lanes (q4), two pair dots (q8)
+TILE_BF16_INPUTS = 32    # inputs one AMX tdpbf16ps reduces over (a tile row of 32 bf16)
+
+
+def tile_bf16_takes(n_in: int, nb: int) -> bool:
+    """Whether the bf16 kernel with AMX tiles (codegen/kernels/cpu/bf16_linear.py) takes panels of nb
+    columns (whole 16-column tiles) over n_in inputs (whole tile rows)."""
+    return nb % VNNI_LANES == 0 and n_in % TILE_BF16_INPUTS == 0
 
 
 def vnni_takes(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:

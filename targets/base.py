@@ -39,6 +39,9 @@ class Target:
     # > 0: q8/q4 linears quantise their input rows to int8 in blocks of this many inputs and
     # multiply in integer dot products (codegen/kernels/cpu/int8_gemm.py); 0: float activations
     activation_block: int = 0
+    # the matrix tiles a CPU's kernels may use: "amx" (Intel AMX, asked of the OS at run time), "emulated"
+    # (tests: the same kernels with each tile instruction a scalar function), "" none
+    tiles: str = ""
 
     @classmethod
     def as_planned(cls, arch: str | None, activation_block: int):

@@ -149,7 +149,7 @@ def test_bf16_dot_kernel_equals_the_interpreter(bias, residual, tmp_path):
         pytest.skip("this CPU has no AVX-512 BF16 (vdpbf16ps)")
     check_against_interpreter("linear", "bfloat16", bias, residual, {}, lambda fmt, weight_dtype: bf16_linear_kernel(
         N_OUT, N_IN, NB, bias, residual), layout=f"packed{NB}x2",
-        link=(micro_module(micro_kernels(NB), host_cpu_target()), tmp_path))
+        link=([micro_module(micro_kernels(NB), host_cpu_target())], tmp_path))
 
 
 def test_bf16_micro_kernels_select_vdpbf16ps_for_a_bf16_cpu():
@@ -210,7 +210,7 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
                               scale_layout="nk", scales=np.float16):
     """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout` (its scales in
     `scale_layout`, group scales in `scales`), against interpret().
-    link: (a module the kernel calls into, a directory): the kernel is exported with it and loaded."""
+    link: (modules the kernel calls into, a directory): the kernel is exported with them and loaded."""
     import tvm
 
     from kiln.ir import GraphBuilder, interpret
@@ -233,7 +233,8 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
         built = tvm.compile(module, target=target)
     else:
         library, directory = tvm.tirx.build(module, target=target), link[1]
-        library.import_module(link[0])
+        for linked in link[0]:
+            library.import_module(linked)
         library.export_library(str(directory / "kernel.so"))
         built = tvm.runtime.load_module(str(directory / "kernel.so"))["main"]
 

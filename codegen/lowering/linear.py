@@ -13,7 +13,7 @@ from kiln.selection.layouts import nibble_span, packed_block
 from kiln.selection.linear import mma_tiles
 from kiln.selection.tiles import hopper_tiles
 
-from ..kernels.cpu.bf16_linear import bf16_linear_kernel, micro_kernels
+from ..kernels.cpu.bf16_linear import bf16_linear_kernel, micro_kernels, tile_kernels
 from ..kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
 from ..kernels.cpu.int8_gemm import int8_gemm_kernel
 from ..kernels.cpu.int8_gemv import int8_gemv_kernel
@@ -78,11 +78,14 @@ class LinearCall:
                                                                                self.dtype)))
 
 
-def _bf16dot(s: LinearCall) -> relax.Expr:
+def _bf16dot(s: LinearCall, tiles: bool = False) -> relax.Expr:
     if s.dtype != "bfloat16" or s.weight_dtype != "bfloat16":
         raise ValueError(f"the bf16 kernel multiplies bf16 activations and weights, not {s.dtype} and {s.weight_dtype}")
     s.ctx.micro_kernels.update(micro_kernels(s.nb))
-    return s.call(bf16_linear_kernel(s.n_out, s.n_in, s.nb, *s.epilogue), "bf16dot", scheduled=True)
+    if tiles:       # and its AMX micro-kernels, the bf16 dots' where the OS refuses tiles
+        s.ctx.tile_kernels.update(tile_kernels(s.nb))
+    return s.call(bf16_linear_kernel(s.n_out, s.n_in, s.nb, *s.epilogue, tiles=tiles),
+                  "amx_bf16" if tiles else "bf16dot", scheduled=True)
 
 
 def _vnni(s: LinearCall) -> relax.Expr:
@@ -146,7 +149,8 @@ def _te_linear(s: LinearCall) -> relax.Expr:
 
 
 # how each kernel of selection/linear.py's LINEAR_KERNELS is emitted
-EMITTERS = {"bf16dot": _bf16dot, "vnni": _vnni, "int8_gemv": _int8_gemv, "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
+EMITTERS = {"amx_bf16": lambda s: _bf16dot(s, tiles=True), "bf16dot": _bf16dot, "vnni": _vnni,
+            "int8_gemv": _int8_gemv, "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
             "packed_linear": _packed_linear, "wgmma": _wgmma, "mma": _mma, "gemv": _gemv, "dlight_gemv": _dlight_gemv,
             "own_linear": _own_linear, "te_linear": _te_linear}
 

@@ -1,0 +1,259 @@
+"""kiln's AMX tile micro-kernels, written as LLVM IR and linked into the artifact, and the check
+that comes before them.
+
+Intel AMX (Sapphire Rapids and later Xeons) holds eight tiles of up to 16 rows × 64 bytes and
+multiplies them whole: `tdpbf16ps` adds A [rows × 32 bf16] · B [16 pairs × 16 columns × 2 bf16]
+into C [rows × 16 float32], 8,192 multiply-adds per instruction, where AVX-512 BF16's `vdpbf16ps`
+does 32. B's rows are bf16 pairs of 16 columns side by side: layout packedNBx2's rows
+(selection/layouts.py), so a panel of the weights bf16dot reads is already a run of B tiles, 2·nb
+bf16 apart. TVM 0.27 has no tile types in TIR; its bundled LLVM compiles LLVM's tile intrinsics
+(`llvm.x86.*.internal`, values of type x86_amx) and configures the tiles itself (ldtilecfg,
+tilerelease). So kiln writes the micro-kernels as LLVM IR text, as it does the bf16 dots
+(codegen/kernels/cpu/bf16_micro.py), and its TIR kernels call them:
+
+    kiln_amx_bf16_{R}x{C}(acc, acc_stride, x, x_stride, w, w_stride, rows, steps):
+    acc[i, j] += Σ_k x[i, k] · w[k, j]   for i < rows (at most 16·R), j < 16·C, k < 32·steps
+
+with C tiles of acc held across the steps, R tiles of x rows and C tiles of w columns loaded per
+step (R = C = 2: all eight tiles; each tile loaded serves two products). Strides are in bytes.
+
+Linux hands a process the tile state only after it asks (kiln/cpu_tiles.py). `kiln_tiles_ready()`
+asks once (KILN_CPU_TILES=off answers no without asking), remembers the answer, and the kernels run
+their AVX-512 micro-kernels where it is no: an artifact with tile kernels runs on any CPU with the
+rest of its instruction sets.
+
+Both are hidden in the library (called by its kernels alone): each artifact loaded in a process
+asks through its own, emulated or not.
+
+Emulated tiles (`emulated=True`): the same IR with every tile instruction a call to a scalar
+function of the same meaning (a tile a <256 x i32> value), and kiln_tiles_ready() yes without asking
+Linux: the kernels' addressing, loops and fallbacks run and are tested on CPUs without AMX.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import tvm
+
+from kiln.cpu_tiles import ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, OFF, OFF_SWITCH, XFEATURE_XTILEDATA
+
+TILE_ROWS, TILE_BYTES = 16, 64            # a tile's most rows and bytes per row
+BF16_STEP = TILE_BYTES // 2               # inputs one tdpbf16ps reduces over (32 bf16)
+READY = "kiln_tiles_ready"
+TILE_FEATURES = "+amx-tile,+amx-bf16,+amx-int8"
+
+
+def bf16_name(row_tiles: int, col_tiles: int) -> str:
+    return f"kiln_amx_bf16_{row_tiles}x{col_tiles}"
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """How the IR spells a tile and its instructions: AMX's, or the emulation's."""
+    emulated: bool
+
+    @property
+    def type(self) -> str:
+        return "<256 x i32>" if self.emulated else "x86_amx"
+
+    def op(self, name: str) -> str:
+        return f"@kiln_emulated_{name}" if self.emulated else f"@llvm.x86.{name}.internal"
+
+    def load(self, out: str, rows: str, ptr: str, stride: str) -> str:
+        return f"  {out} = call {self.type} {self.op('tileloadd64')}(i16 {rows}, i16 {TILE_BYTES}, ptr {ptr}, " \
+               f"i64 {stride})"
+
+    def store(self, rows: str, ptr: str, stride: str, tile: str) -> str:
+        return f"  call void {self.op('tilestored64')}(i16 {rows}, i16 {TILE_BYTES}, ptr {ptr}, i64 {stride}, " \
+               f"{self.type} {tile})"
+
+    def dot(self, name: str, out: str, rows: str, acc: str, a: str, b: str) -> str:
+        t = self.type
+        return f"  {out} = call {t} {self.op(name)}(i16 {rows}, i16 {TILE_BYTES}, i16 {TILE_BYTES}, {t} {acc}, " \
+               f"{t} {a}, {t} {b})"
+
+    def declarations(self) -> list[str]:
+        if self.emulated:
+            return _EMULATION
+        t = self.type
+        return [f"declare {t} @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)",
+                f"declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, {t})",
+                f"declare {t} @llvm.x86.tdpbf16ps.internal(i16, i16, i16, {t}, {t}, {t})"]
+
+
+def bf16_micro_ir(row_tiles: int, col_tiles: int, tiles: _Tiles) -> str:
+    """The LLVM IR definition of bf16_name(row_tiles, col_tiles): rows ≥ 16·(row_tiles - 1) + 1,
+    steps ≥ 1."""
+    grid = [(r, c) for r in range(row_tiles) for c in range(col_tiles)]
+    t = tiles.type
+    lines = [f"define hidden void @{bf16_name(row_tiles, col_tiles)}(ptr noalias %acc, i64 %acc_stride, "
+             "ptr noalias %x, i64 %x_stride, ptr noalias %w, i64 %w_stride, i64 %rows, i64 %steps) #1 {", "entry:",
+             f"  %last64 = sub i64 %rows, {TILE_ROWS * (row_tiles - 1)}",
+             "  %last = trunc i64 %last64 to i16",
+             f"  %w_step = mul i64 %w_stride, {TILE_ROWS}"]
+    shape = {r: "%last" if r == row_tiles - 1 else str(TILE_ROWS) for r in range(row_tiles)}
+    for r in range(row_tiles):
+        lines += [f"  %acc_row{r} = mul i64 %acc_stride, {TILE_ROWS * r}",
+                  f"  %x_row{r} = mul i64 %x_stride, {TILE_ROWS * r}"]
+    for r, c in grid:
+        lines += [f"  %acc_at{r}_{c} = add i64 %acc_row{r}, {TILE_BYTES * c}",
+                  f"  %acc_ptr{r}_{c} = getelementptr i8, ptr %acc, i64 %acc_at{r}_{c}",
+                  tiles.load(f"%start{r}_{c}", shape[r], f"%acc_ptr{r}_{c}", "%acc_stride")]
+    lines += ["  br label %loop", "loop:", "  %k = phi i64 [ 0, %entry ], [ %k_next, %loop ]"]
+    lines += [f"  %sum{r}_{c} = phi {t} [ %start{r}_{c}, %entry ], [ %next{r}_{c}, %loop ]" for r, c in grid]
+    lines.append(f"  %x_k = mul i64 %k, {TILE_BYTES}")
+    for r in range(row_tiles):
+        lines += [f"  %x_at{r} = add i64 %x_row{r}, %x_k",
+                  f"  %x_ptr{r} = getelementptr i8, ptr %x, i64 %x_at{r}",
+                  tiles.load(f"%a{r}", shape[r], f"%x_ptr{r}", "%x_stride")]
+    lines.append("  %w_k = mul i64 %k, %w_step")
+    for c in range(col_tiles):
+        lines += [f"  %w_at{c} = add i64 %w_k, {TILE_BYTES * c}",
+                  f"  %w_ptr{c} = getelementptr i8, ptr %w, i64 %w_at{c}",
+                  tiles.load(f"%b{c}", str(TILE_ROWS), f"%w_ptr{c}", "%w_stride")]
+    lines += [tiles.dot("tdpbf16ps", f"%next{r}_{c}", shape[r], f"%sum{r}_{c}", f"%a{r}", f"%b{c}") for r, c in grid]
+    lines += ["  %k_next = add i64 %k, 1", "  %done = icmp eq i64 %k_next, %steps",
+              "  br i1 %done, label %exit, label %loop", "exit:"]
+    lines += [tiles.store(shape[r], f"%acc_ptr{r}_{c}", "%acc_stride", f"%next{r}_{c}") for r, c in grid]
+    lines += ["  ret void", "}"]
+    return "\n".join(lines)
+
+
+def ready_ir(emulated: bool) -> str:
+    """kiln_tiles_ready(): 1 where this process may run tile instructions, asked of Linux once
+    (emulated: granted without asking). State 0: not asked yet, 1: granted, 2: refused or switched off."""
+    ask = ["  %granted = icmp eq i32 0, 0"] if emulated else [
+        f"  %result = call i64 (i64, ...) @syscall(i64 {ARCH_PRCTL}, i64 {ARCH_REQ_XCOMP_PERM}, "
+        f"i64 {XFEATURE_XTILEDATA})",
+        "  %granted = icmp eq i64 %result, 0"]
+    return "\n".join([
+        f'@kiln_tiles_switch = private constant [{len(OFF_SWITCH) + 1} x i8] c"{OFF_SWITCH}\\00"',
+        f'@kiln_tiles_off = private constant [{len(OFF) + 1} x i8] c"{OFF}\\00"',
+        "@kiln_tiles_state = internal global i32 0, align 4",
+        "declare i64 @syscall(i64, ...)", "declare ptr @getenv(ptr)", "declare i32 @strcmp(ptr, ptr)",
+        f"define hidden i32 @{READY}() {{", "entry:",
+        "  %known = load atomic i32, ptr @kiln_tiles_state monotonic, align 4",
+        "  %asked = icmp ne i32 %known, 0",
+        "  br i1 %asked, label %done, label %switch",
+        "switch:",
+        "  %setting = call ptr @getenv(ptr @kiln_tiles_switch)",
+        "  %unset = icmp eq ptr %setting, null",
+        "  br i1 %unset, label %ask, label %compare",
+        "compare:",
+        "  %differs = call i32 @strcmp(ptr %setting, ptr @kiln_tiles_off)",
+        "  %on = icmp ne i32 %differs, 0",
+        "  br i1 %on, label %ask, label %answer",
+        "ask:",
+        *ask,
+        "  br label %answer",
+        "answer:",
+        "  %yes = phi i1 [ false, %compare ], [ %granted, %ask ]",
+        "  %state = select i1 %yes, i32 1, i32 2",
+        "  store atomic i32 %state, ptr @kiln_tiles_state monotonic, align 4",
+        "  br label %done",
+        "done:",
+        "  %now = phi i32 [ %known, %entry ], [ %state, %answer ]",
+        "  %ready = icmp eq i32 %now, 1",
+        "  %out = zext i1 %ready to i32",
+        "  ret i32 %out",
+        "}"])
+
+
+def tile_module_ir(bf16: list[tuple[int, int]], triple: str, cpu: str, emulated: bool = False) -> str:
+    """One LLVM IR module with kiln_tiles_ready and the bf16 tile micro-kernels `bf16` ((row tiles,
+    column tiles) each), for `triple` and `cpu` (with AMX's instruction sets, whatever the CPU's)."""
+    tiles = _Tiles(emulated)
+    parts = [f'target triple = "{triple}"', *tiles.declarations(), ready_ir(emulated)]
+    parts += [bf16_micro_ir(rows, cols, tiles) for rows, cols in sorted(set(bf16))]
+    features = "" if emulated else f' "target-features"="{TILE_FEATURES}"'
+    parts.append(f'attributes #1 = {{ nounwind "target-cpu"="{cpu}"{features} }}')
+    return "\n\n".join(parts) + "\n"
+
+
+def tile_module(bf16: list[tuple[int, int]], target, emulated: bool = False):
+    """The tile micro-kernels as a TVM runtime module (LLVM) for the LLVM `target`, for the Relax
+    build to link into the library."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tile_micro.ll")
+        with open(path, "w") as f:
+            f.write(tile_module_ir(bf16, str(target.attrs["mtriple"]), str(target.attrs["mcpu"]), emulated))
+        return tvm.runtime.load_module(path)
+
+
+def _bf16_to_float(out: str, bits: str) -> list[str]:
+    return [f"  {out}_w = zext i16 {bits} to i32", f"  {out}_s = shl i32 {out}_w, 16",
+            f"  {out} = bitcast i32 {out}_s to float"]
+
+
+# Scalar functions with the tile instructions' meaning (Intel's pseudo-code: rows × bytes of a
+# tile, row i at byte 64·i; tdpbf16ps adds each pair's two products in turn). Their attributes are
+# the micro-kernels' (#1): LLVM passes a <256 x i32> in registers only where both sides agree on
+# the vector registers there are.
+_EMULATION = [
+    "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)",
+    "\n".join([
+        "define internal <256 x i32> @kiln_emulated_tileloadd64(i16 %rows, i16 %bytes, ptr %p, i64 %stride) #1 {",
+        "entry:",
+        "  %t = alloca <256 x i32>, align 64",
+        "  store <256 x i32> zeroinitializer, ptr %t",
+        "  %n = zext i16 %rows to i64", "  %width = zext i16 %bytes to i64",
+        "  br label %loop", "loop:",
+        "  %i = phi i64 [ 0, %entry ], [ %i_next, %loop ]",
+        "  %from_at = mul i64 %i, %stride", "  %from = getelementptr i8, ptr %p, i64 %from_at",
+        "  %to_at = mul i64 %i, 64", "  %to = getelementptr i8, ptr %t, i64 %to_at",
+        "  call void @llvm.memcpy.p0.p0.i64(ptr %to, ptr %from, i64 %width, i1 false)",
+        "  %i_next = add i64 %i, 1", "  %more = icmp ult i64 %i_next, %n",
+        "  br i1 %more, label %loop, label %exit", "exit:",
+        "  %v = load <256 x i32>, ptr %t", "  ret <256 x i32> %v", "}"]),
+    "\n".join([
+        "define internal void @kiln_emulated_tilestored64(i16 %rows, i16 %bytes, ptr %p, i64 %stride, "
+        "<256 x i32> %v) #1 {",
+        "entry:",
+        "  %t = alloca <256 x i32>, align 64", "  store <256 x i32> %v, ptr %t",
+        "  %n = zext i16 %rows to i64", "  %width = zext i16 %bytes to i64",
+        "  br label %loop", "loop:",
+        "  %i = phi i64 [ 0, %entry ], [ %i_next, %loop ]",
+        "  %to_at = mul i64 %i, %stride", "  %to = getelementptr i8, ptr %p, i64 %to_at",
+        "  %from_at = mul i64 %i, 64", "  %from = getelementptr i8, ptr %t, i64 %from_at",
+        "  call void @llvm.memcpy.p0.p0.i64(ptr %to, ptr %from, i64 %width, i1 false)",
+        "  %i_next = add i64 %i, 1", "  %more = icmp ult i64 %i_next, %n",
+        "  br i1 %more, label %loop, label %exit", "exit:", "  ret void", "}"]),
+    "\n".join([
+        "define internal <256 x i32> @kiln_emulated_tdpbf16ps(i16 %m, i16 %n, i16 %k, <256 x i32> %c, "
+        "<256 x i32> %a, <256 x i32> %b) #1 {",
+        "entry:",
+        "  %ct = alloca <256 x i32>, align 64", "  store <256 x i32> %c, ptr %ct",
+        "  %at = alloca <256 x i32>, align 64", "  store <256 x i32> %a, ptr %at",
+        "  %bt = alloca <256 x i32>, align 64", "  store <256 x i32> %b, ptr %bt",
+        "  %rows = zext i16 %m to i64",
+        "  %n64 = zext i16 %n to i64", "  %cols = udiv i64 %n64, 4",
+        "  %k64 = zext i16 %k to i64", "  %pairs = udiv i64 %k64, 4",
+        "  br label %row", "row:",
+        "  %i = phi i64 [ 0, %entry ], [ %i_next, %row_end ]", "  br label %col", "col:",
+        "  %j = phi i64 [ 0, %row ], [ %j_next, %col_end ]",
+        "  %c_at = mul i64 %i, 16", "  %c_idx = add i64 %c_at, %j",
+        "  %c_ptr = getelementptr float, ptr %ct, i64 %c_idx",
+        "  %c0 = load float, ptr %c_ptr", "  br label %pair", "pair:",
+        "  %p = phi i64 [ 0, %col ], [ %p_next, %pair ]",
+        "  %sum = phi float [ %c0, %col ], [ %sum2, %pair ]",
+        "  %a_row = mul i64 %i, 32", "  %p2 = mul i64 %p, 2", "  %a_idx = add i64 %a_row, %p2",
+        "  %a_ptr0 = getelementptr i16, ptr %at, i64 %a_idx", "  %a_ptr1 = getelementptr i16, ptr %a_ptr0, i64 1",
+        "  %b_row = mul i64 %p, 32", "  %j2 = mul i64 %j, 2", "  %b_idx = add i64 %b_row, %j2",
+        "  %b_ptr0 = getelementptr i16, ptr %bt, i64 %b_idx", "  %b_ptr1 = getelementptr i16, ptr %b_ptr0, i64 1",
+        "  %a0b = load i16, ptr %a_ptr0", "  %a1b = load i16, ptr %a_ptr1",
+        "  %b0b = load i16, ptr %b_ptr0", "  %b1b = load i16, ptr %b_ptr1",
+        *_bf16_to_float("%a0", "%a0b"), *_bf16_to_float("%a1", "%a1b"),
+        *_bf16_to_float("%b0", "%b0b"), *_bf16_to_float("%b1", "%b1b"),
+        "  %prod0 = fmul float %a0, %b0", "  %sum1 = fadd float %sum, %prod0",
+        "  %prod1 = fmul float %a1, %b1", "  %sum2 = fadd float %sum1, %prod1",
+        "  %p_next = add i64 %p, 1", "  %more_p = icmp ult i64 %p_next, %pairs",
+        "  br i1 %more_p, label %pair, label %col_end", "col_end:",
+        "  store float %sum2, ptr %c_ptr",
+        "  %j_next = add i64 %j, 1", "  %more_j = icmp ult i64 %j_next, %cols",
+        "  br i1 %more_j, label %col, label %row_end", "row_end:",
+        "  %i_next = add i64 %i, 1", "  %more_i = icmp ult i64 %i_next, %rows",
+        "  br i1 %more_i, label %row, label %exit", "exit:",
+        "  %v = load <256 x i32>, ptr %ct", "  ret <256 x i32> %v", "}"]),
+]
