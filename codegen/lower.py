@@ -74,7 +74,7 @@ class _Context:
         # or "interleaved" (its gate and up columns alternate)
         self.gated: dict[str, str] = {}
         self.micro_kernels = micro_kernels     # (rows, vectors) of the bf16 micro-kernels kernels call
-        self.tile_kernels = tile_kernels       # (row tiles, column tiles) of the AMX bf16 micro-kernels they call
+        self.tile_kernels = tile_kernels       # the AMX micro-kernels they call (codegen/kernels/cpu/tile_micro.py)
         self.hopper_gemms = hopper_gemms       # the Hopper GEMM variants linears call
 
     def shape(self, dims) -> list:
@@ -260,7 +260,7 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
     bb = relax.BlockBuilder()
     kernels: dict[str, tvm.ir.GlobalVar] = {}
     micro_kernels: set[tuple[int, int]] = set()
-    tile_kernels: set[tuple[int, int]] = set()
+    tile_kernels: set[tuple] = set()
     hopper_gemms: set = set()
     fi_use = flashinfer_use(graph, entries)
     extra_inputs = fi_use.inputs() if fi_use else {}
@@ -273,7 +273,7 @@ def lower_graph(graph: Graph, target) -> LoweredModel:
         # LLVM IR kiln writes itself (codegen/kernels/cpu/bf16_micro.py): the Relax build links it into the library
         external.append(micro_module(sorted(micro_kernels), target.tvm_target()))
     if tile_kernels:        # and the AMX ones (codegen/kernels/cpu/tile_micro.py), with kiln_tiles_ready
-        external.append(tile_module(sorted(tile_kernels), target.tvm_target(), emulated=target.tiles == "emulated"))
+        external.append(tile_module(sorted(tile_kernels), target.tvm_target(), target.tiles == "emulated"))
     if fi_use:
         external += flashinfer.static_libraries(fi_use.variant, target.arch)
     if hopper_gemms:

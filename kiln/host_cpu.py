@@ -74,9 +74,9 @@ def has_quad_dot(target: tvm.target.Target) -> bool:
     return x86_has(target, ["avx512vnni", "avx512bw"])
 
 
-def has_bf16_tiles(target: tvm.target.Target) -> bool:
-    """Intel AMX's tdpbf16ps: bf16 tiles into float32 tiles (codegen/kernels/cpu/tile_micro.py)."""
-    return x86_has(target, ["amx-tile", "amx-bf16"])
+def has_tiles(target: tvm.target.Target) -> bool:
+    """Intel AMX's tdpbf16ps and tdpbssd: bf16 and int8 tiles (codegen/kernels/cpu/tile_micro.py)."""
+    return x86_has(target, ["amx-tile", "amx-bf16", "amx-int8"])
 
 
 def has_bf16_dot(target: tvm.target.Target) -> bool:

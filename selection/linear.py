@@ -13,7 +13,7 @@ accumulates nb outputs in vector registers; in steps that bring chunks the regis
 (gemm) over the same layout. Where the CPU has a dot product for the operands, weights are stored
 with its inputs side by side and one kernel serves every step: int8 activations (vnni; int8_gemv
 and int8_gemm with AVX2's pair dots), bf16 (bf16dot; on CPUs with AMX, amx_bf16's tiles in steps of
-many rows over the same layout). Quantised weights are decoded inside the
+many rows over the same layout, and amx_int8's beside vnni). Quantised weights are decoded inside the
 reduction (q4) or scaled in the epilogue (q8, fp8): no dequantised copy of a weight ever exists.
 codegen/lowering/linear.py emits each by name.
 """
@@ -27,7 +27,7 @@ from kiln.ir import Graph, input_of, weight_format
 
 from .formats import WeightFormat
 from .layouts import in_byte_quads, interleave, packed_block, packed_layout
-from .shapes import gemv_takes, int8_gemv_takes, mma_takes, tile_bf16_takes, vnni_takes, wgmma_takes
+from .shapes import gemv_takes, int8_gemv_takes, mma_takes, tile_bf16_takes, tile_int8_takes, vnni_takes, wgmma_takes
 from .tiles import tiles_for
 
 # the gated ops a linear's kernel may apply after it, by the activation it applies
@@ -87,6 +87,9 @@ LINEAR_KERNELS = {k.name: k for k in (
                  and s.target.tiles != "" and not s.decoding and tile_bf16_takes(s.n_in, s.nb)),
     # bf16 weights in input pairs (AVX-512 BF16): one kernel for every step
     LinearKernel("bf16dot", lambda s: s.nb is not None and s.fmt.kind == "float" and interleave(s.layout) == 2),
+    # int8 levels or nibbles in byte quads on CPUs with AMX: tiles in steps of many rows (vnni where refused)
+    LinearKernel("amx_int8", lambda s: in_byte_quads(s.layout, s.fmt.act_block) and s.target.tiles != ""
+                 and not s.decoding and tile_int8_takes(s.fmt)),
     # int8 activations on VNNI: one kernel for every step
     LinearKernel("vnni", lambda s: in_byte_quads(s.layout, s.fmt.act_block)),
     # int8 activations elsewhere: exact integer dots per block, the same float steps in both kernels

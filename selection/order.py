@@ -46,9 +46,9 @@ CPU_KERNELS = KernelOrder(
     name="cpu",
     attention={"mixed": ("kiln_cpu",), "decode": ("kiln_cpu",)},
     latent=("kiln_latent",),
-    # packed layouts take the first seven, in this order; 'nk' weights (no panel width divides the
+    # packed layouts take the first eight, in this order; 'nk' weights (no panel width divides the
     # outputs) the TE matmul the CPU pipeline schedules
-    linear=("amx_bf16", "bf16dot", "vnni", "int8_gemv", "int8_gemm", "gemm", "packed_linear", "te_linear"),
+    linear=("amx_bf16", "bf16dot", "amx_int8", "vnni", "int8_gemv", "int8_gemm", "gemm", "packed_linear", "te_linear"),
     experts=("packed", "te"),
 )
 

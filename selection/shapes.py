@@ -71,6 +71,13 @@ VNNI_LANES = 16          # int32 lanes of a 512-bit register: the VNNI kernel's 
 QUAD = 4                 # stored bytes per column in a row of the VNNI layout (vpdpbusd's quads)
 INT8_GEMV_GROUP = 16     # the int8 GEMV's output columns per step: 16 int16 lanes (q4), two pair dots (q8)
 TILE_BF16_INPUTS = 32    # inputs one AMX tdpbf16ps reduces over (a tile row of 32 bf16)
+TILE_INT8_BLOCKS = (32, 64)   # activation blocks one AMX tdpbssd takes: a tile row of at most 64 bytes
+
+
+def tile_int8_takes(fmt: WeightFormat) -> bool:
+    """Whether the VNNI kernel's tiles (codegen/kernels/cpu/vnni_linear.py) take a format: int8 activation
+    blocks of a tile row's bytes."""
+    return fmt.int8_levels and fmt.act_block in TILE_INT8_BLOCKS
 
 
 def tile_bf16_takes(n_in: int, nb: int) -> bool:

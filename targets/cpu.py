@@ -9,9 +9,9 @@ import tvm
 from kiln.host_cpu import (
     cpu_target,
     has_bf16_dot,
-    has_bf16_tiles,
     has_pair_dot,
     has_quad_dot,
+    has_tiles,
     host_cpu_features,
     host_llvm_target,
     missing_cpu_features,
@@ -63,15 +63,15 @@ class CPUTarget(Target):
     int8_dot: str | None = None        # None: the CPU's, asked of LLVM (_int8_dot)
     bf16_dot: bool | None = None
     activation_block: int = -1         # llama.cpp's Q8_0 block where there is an int8 dot, else 0
-    tiles: str | None = None           # None: "amx" where the CPU has AMX's bf16 tiles (and bf16 dots), else ""
+    tiles: str | None = None           # None: "amx" where the CPU has AMX (and the dots it falls back on), else ""
 
     def __post_init__(self):
         if self.int8_dot is None or self.bf16_dot is None or self.tiles is None:
             target = self.tvm_target()
             self.int8_dot = _int8_dot(target) if self.int8_dot is None else self.int8_dot
             self.bf16_dot = _bf16_dot(target) if self.bf16_dot is None else self.bf16_dot
-            if self.tiles is None:     # tile kernels fall back on the bf16 dots where the OS refuses tiles
-                self.tiles = "amx" if has_bf16_tiles(target) and self.bf16_dot else ""
+            if self.tiles is None:     # tile kernels fall back on these dots where the OS refuses tiles
+                self.tiles = "amx" if has_tiles(target) and self.bf16_dot and self.int8_dot == "vnni" else ""
         if self.activation_block < 0:
             self.activation_block = 32 if self.int8_dot else 0
 

@@ -1,9 +1,9 @@
-"""Intel AMX tiles on CPUs: the bf16 tile micro-kernels (codegen/kernels/cpu/tile_micro.py) as LLVM
-compiles them for Sapphire Rapids, the bf16 kernel with tiles (codegen/kernels/cpu/bf16_linear.py)
-against the reference interpreter on emulated tiles, on real ones where the CPU has AMX and on its
-AVX-512 fallback where Linux refuses them (every CPU without AMX), where it is chosen, and a bf16
-artifact whose prompts run it against the interpreter, with what `kiln run --json` and `kiln inspect`
-say of it."""
+"""Intel AMX tiles on CPUs: the tile micro-kernels (codegen/kernels/cpu/tile_micro.py) as LLVM
+compiles them for Sapphire Rapids, the bf16 kernel and the q8 (VNNI) kernel with tiles
+(codegen/kernels/cpu/bf16_linear.py, vnni_linear.py) against the reference interpreter on emulated
+tiles, on real ones where the CPU has AMX and on their AVX-512 fallback where Linux refuses them
+(every CPU without AMX), where they are chosen, and a bf16 artifact whose prompts run them against
+the interpreter, with what `kiln run --json` and `kiln inspect` say of it."""
 from __future__ import annotations
 
 import json
@@ -35,13 +35,28 @@ def test_tile_micro_kernels_select_amx_for_sapphire_rapids(row_tiles, col_tiles)
     step, loads each A and B tile once per step, keeps every tile in a register (no tile goes through
     the stack), and configures and releases the tiles itself."""
     from kiln.codegen.kernels.cpu.tile_micro import bf16_name, tile_module
-    asm = tile_module([(row_tiles, col_tiles)], _sapphire_rapids()).inspect_source("asm")
+    asm = tile_module([("bf16", row_tiles, col_tiles)], _sapphire_rapids()).inspect_source("asm")
     body = _function(asm, bf16_name(row_tiles, col_tiles))
     products = row_tiles * col_tiles
     assert body.count("tdpbf16ps") == products
     assert body.count("tileloadd") == products + row_tiles + col_tiles     # C once, A and B per step
     assert body.count("tilestored") == products
     assert body.count("ldtilecfg") == 1 and body.count("tilerelease") == 1
+    assert not [line for line in body.splitlines() if line.strip().startswith(("tileloadd", "tilestored"))
+                and "(%rsp" in line]
+
+
+@pytest.mark.skipif(not X86, reason="x86-64 only: AMX is Intel's")
+@pytest.mark.parametrize("row_tiles,col_tiles,block", [(2, 2, 32), (1, 2, 32), (1, 1, 64)])
+def test_int8_tile_micro_kernels_select_amx_for_sapphire_rapids(row_tiles, col_tiles, block):
+    """Per activation block: one tilezero and tdpbssd per C tile, each A and B tile loaded once and
+    every C tile stored, no tile through the stack."""
+    from kiln.codegen.kernels.cpu.tile_micro import int8_name, tile_module
+    asm = tile_module([("s8", row_tiles, col_tiles, block)], _sapphire_rapids()).inspect_source("asm")
+    body = _function(asm, int8_name(row_tiles, col_tiles, block))
+    products = row_tiles * col_tiles
+    assert body.count("tdpbssd") == products and body.count("tilezero") == products
+    assert body.count("tileloadd") == row_tiles + col_tiles and body.count("tilestored") == products
     assert not [line for line in body.splitlines() if line.strip().startswith(("tileloadd", "tilestored"))
                 and "(%rsp" in line]
 
@@ -99,10 +114,43 @@ def test_bf16_tile_kernel_equals_the_interpreter(tiles, bias, residual, tmp_path
         N_OUT, N_IN, NB, bias, residual, tiles=True), layout=f"packed{NB}x2", link=(linked, tmp_path))
 
 
-def test_tile_kernel_is_chosen_for_bf16_steps_of_many_rows():
+INT8_CASES = [("linear_q8", "float32", False, False), ("linear_q8", "bfloat16", True, True),
+              ("linear_q8g", "float32", True, True), ("linear_q4", "float32", False, True),
+              ("linear_q4", "bfloat16", True, False), ("linear_q4a", "float32", True, True),
+              ("linear_q4k", "bfloat16", False, True)]
+
+
+@pytest.mark.parametrize("tiles", ["emulated", "amx", "amx-switched-off"])
+@pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
+def test_int8_tile_kernel_equals_the_interpreter(tiles, op, dtype, bias, residual, tmp_path, monkeypatch):
+    """codegen/kernels/cpu/vnni_linear.py with tiles on q8 and q8g weights in byte quads and q4, q4a, q4k
+    nibbles in them, as the bf16 kernel's test runs it: the interpreter's int8-activation scheme."""
+    from test_gemm import GROUPED, N_IN, N_OUT, NB, NIBBLES, check_against_interpreter
+
+    from kiln.codegen.kernels.cpu.tile_micro import tile_module
+    from kiln.codegen.kernels.cpu.vnni_linear import tile_kernels, vnni_linear_kernel
+    from kiln.host_cpu import has_quad_dot
+    from kiln.selection.formats import WeightFormat
+    from kiln.targets.cpu import host_cpu_target
+    if not has_quad_dot(host_cpu_target()):
+        pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd), which the tile kernel falls back on")
+    if tiles == "amx-switched-off":
+        monkeypatch.setenv("KILN_CPU_TILES", "off")
+    fmt = WeightFormat(op.partition("_")[2], act_block=32)
+    linked = [tile_module(tile_kernels(NB, fmt), host_cpu_target(), tiles == "emulated")]
+    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
+        N_OUT, N_IN, NB, dtype, fmt, bias, residual, tiles=True),
+        layout=f"packed{NB}x4" + ("n32" if op in NIBBLES else ""),
+        scale_layout=f"panels{NB}" if op in GROUPED else "nk", link=(linked, tmp_path))
+
+
+def test_tile_kernels_are_chosen_for_steps_of_many_rows():
     """amx_bf16 runs bf16 linears in steps that bring many rows (prompts, chunks, wide decode steps) on
     a target with tiles and whole tile rows of inputs; decode steps, targets without tiles and inputs
-    that are not a multiple of 32 keep bf16dot."""
+    that are not a multiple of 32 keep bf16dot. amx_int8 likewise runs q8 and q4 linears, vnni their
+    decode steps."""
+    import dataclasses
+
     from kiln.selection.formats import WeightFormat
     from kiln.selection.linear import LINEAR_KERNELS, LinearSite
     from kiln.selection.order import CPU_KERNELS
@@ -116,6 +164,13 @@ def test_tile_kernel_is_chosen_for_bf16_steps_of_many_rows():
     assert [chosen("amx", step) for step in ("mixed", "prefill", "decode")] == ["amx_bf16", "amx_bf16", "bf16dot"]
     assert [chosen("", step) for step in ("mixed", "decode")] == ["bf16dot", "bf16dot"]
     assert chosen("amx", "mixed", n_in=272) == "bf16dot"
+    for fmt, layout in ((WeightFormat("q8", act_block=32), "packed64x4"),
+                        (WeightFormat("q4", group_size=32, act_block=32), "packed64x4n32")):
+        site = LinearSite(CPUTarget(int8_dot="vnni", bf16_dot=True, tiles="amx"), "mixed", layout, 128, 256,
+                          "float32", "int8", fmt)
+        assert next(n for n in CPU_KERNELS.linear if LINEAR_KERNELS[n].supports(site)) == "amx_int8"
+        assert next(n for n in CPU_KERNELS.linear if LINEAR_KERNELS[n].supports(
+            dataclasses.replace(site, step="decode"))) == "vnni"
 
 
 def test_artifacts_with_tile_kernels_need_no_amx():
@@ -171,6 +226,30 @@ def test_tiled_artifact_equals_the_interpreter(tiled_llama):
         assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
 
 
+def test_q4_tiles_give_the_vnni_kernels_logits_exactly(make_model, tmp_path):
+    """A q4 artifact whose prompts' linears run amx_int8 on emulated tiles gives the same logits, bit for
+    bit, as one built without tiles (vnni's vpdpbusd): the same integer dots per block, the same float
+    steps in the same order."""
+    from paging import make_step_inputs
+    from test_compiled_families import open_artifact
+
+    from kiln.compiler import compile_model
+    from kiln.options import CompileOptions
+    from kiln.targets.cpu import CPUTarget
+    if CPUTarget().int8_dot != "vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI (vpdpbusd), which the tile kernels fall back on")
+    model_dir = make_model("llama")
+    logits = {}
+    for tiles in ("emulated", ""):
+        out = tmp_path / f"q4{tiles}"
+        compile_model(model_dir, out, CompileOptions(target=CPUTarget(tiles=tiles), quant="q4"), show=None)
+        model = open_artifact(out)
+        assert model.manifest.linear_kernels["mixed"] == (["amx_int8"] if tiles else ["vnni"])
+        ids = np.random.default_rng(5).integers(3, 500, 45).tolist()
+        logits[tiles] = model.forward(make_step_inputs([(ids, 0, [3, 1, 4])], model.page_size))[0]
+    np.testing.assert_array_equal(logits["emulated"], logits[""])
+
+
 def test_run_json_and_inspect_say_what_the_tiles_did(tiled_llama):
     """`kiln run --json` reports the tiles granted, or switched off (KILN_CPU_TILES=off); `kiln inspect`
     names the kernels with tiles."""
@@ -187,4 +266,4 @@ def test_run_json_and_inspect_say_what_the_tiles_did(tiled_llama):
     shown = subprocess.run([*kiln, "inspect", str(artifact)], capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr
     line = next(line for line in shown.stdout.splitlines() if line.startswith("tiles"))
-    assert "emulated tiles in amx_bf16" in line and "AVX-512 BF16" in line
+    assert "emulated tiles in amx_bf16" in line and "KILN_CPU_TILES=off" in line

@@ -18,6 +18,7 @@ from ..kernels.cpu.gemm import packed_gemm_kernel, vector_lanes
 from ..kernels.cpu.int8_gemm import int8_gemm_kernel
 from ..kernels.cpu.int8_gemv import int8_gemv_kernel
 from ..kernels.cpu.packed_linear import packed_linear_kernel
+from ..kernels.cpu.vnni_linear import tile_kernels as int8_tile_kernels
 from ..kernels.cpu.vnni_linear import vnni_linear_kernel
 from ..kernels.gpu.dlight_gemv import decode_kernel
 from ..kernels.gpu.gemv import gemv_kernel
@@ -88,10 +89,13 @@ def _bf16dot(s: LinearCall, tiles: bool = False) -> relax.Expr:
                   "amx_bf16" if tiles else "bf16dot", scheduled=True)
 
 
-def _vnni(s: LinearCall) -> relax.Expr:
+def _vnni(s: LinearCall, tiles: bool = False) -> relax.Expr:
     if s.fmt.nibbles and nibble_span(s.layout) != s.fmt.act_block:
         raise ValueError(f"the VNNI kernel reads q4 bytes of inputs {s.fmt.act_block} apart, not layout {s.layout}")
-    return s.call(vnni_linear_kernel(s.n_out, s.n_in, s.nb, s.dtype, s.fmt, *s.epilogue), "vnni", scheduled=True)
+    if tiles:       # and its AMX micro-kernels, the vpdpbusd ones' where the OS refuses tiles
+        s.ctx.tile_kernels.update(int8_tile_kernels(s.nb, s.fmt))
+    return s.call(vnni_linear_kernel(s.n_out, s.n_in, s.nb, s.dtype, s.fmt, *s.epilogue, tiles=tiles),
+                  "amx_int8" if tiles else "vnni", scheduled=True)
 
 
 def _int8_gemv(s: LinearCall) -> relax.Expr:
@@ -149,8 +153,8 @@ def _te_linear(s: LinearCall) -> relax.Expr:
 
 
 # how each kernel of selection/linear.py's LINEAR_KERNELS is emitted
-EMITTERS = {"amx_bf16": lambda s: _bf16dot(s, tiles=True), "bf16dot": _bf16dot, "vnni": _vnni,
-            "int8_gemv": _int8_gemv, "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
+EMITTERS = {"amx_bf16": lambda s: _bf16dot(s, tiles=True), "bf16dot": _bf16dot,
+            "amx_int8": lambda s: _vnni(s, tiles=True), "vnni": _vnni, "int8_gemv": _int8_gemv, "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
             "packed_linear": _packed_linear, "wgmma": _wgmma, "mma": _mma, "gemv": _gemv, "dlight_gemv": _dlight_gemv,
             "own_linear": _own_linear, "te_linear": _te_linear}
 

@@ -40,10 +40,11 @@ def supports_tiles(n_out: int, n_in: int, nb: int) -> bool:
     return supports(n_out, n_in, nb) and tile_bf16_takes(n_in, nb)
 
 
-def tile_kernels(nb: int) -> list[tuple[int, int]]:
-    """The (row tiles, column tiles) tile micro-kernels the kernel with tiles calls for panels of nb columns."""
+def tile_kernels(nb: int) -> list[tuple]:
+    """The tile micro-kernels ("bf16", row tiles, column tiles) the kernel with tiles calls for panels of
+    nb columns."""
     cols = min(TILE_COLUMNS, nb // LANES)
-    return [(2, cols), (1, cols)]
+    return [("bf16", 2, cols), ("bf16", 1, cols)]
 
 
 def micro_kernels(nb: int) -> list[tuple[int, int]]:

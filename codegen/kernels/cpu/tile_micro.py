@@ -41,12 +41,21 @@ from kiln.cpu_tiles import ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, OFF, OFF_SWITCH, XFE
 
 TILE_ROWS, TILE_BYTES = 16, 64            # a tile's most rows and bytes per row
 BF16_STEP = TILE_BYTES // 2               # inputs one tdpbf16ps reduces over (32 bf16)
+QUAD_BYTES = 4                            # a B tile row of tdpbssd: 4 bytes (inputs) of each of 16 columns
 READY = "kiln_tiles_ready"
 TILE_FEATURES = "+amx-tile,+amx-bf16,+amx-int8"
 
 
 def bf16_name(row_tiles: int, col_tiles: int) -> str:
     return f"kiln_amx_bf16_{row_tiles}x{col_tiles}"
+
+
+def int8_name(row_tiles: int, col_tiles: int, block: int, weights: str = "s8") -> str:
+    """weights "s8": signed bytes (tdpbssd), "u8": unsigned (tdpbsud); x's are signed in both."""
+    return f"kiln_amx_{weights}_{row_tiles}x{col_tiles}_k{block}"
+
+
+INT8_DOTS = {"s8": "tdpbssd", "u8": "tdpbsud"}
 
 
 @dataclass(frozen=True)
@@ -61,17 +70,21 @@ class _Tiles:
     def op(self, name: str) -> str:
         return f"@kiln_emulated_{name}" if self.emulated else f"@llvm.x86.{name}.internal"
 
-    def load(self, out: str, rows: str, ptr: str, stride: str) -> str:
-        return f"  {out} = call {self.type} {self.op('tileloadd64')}(i16 {rows}, i16 {TILE_BYTES}, ptr {ptr}, " \
+    def load(self, out: str, rows: str, ptr: str, stride: str, width: int = TILE_BYTES) -> str:
+        return f"  {out} = call {self.type} {self.op('tileloadd64')}(i16 {rows}, i16 {width}, ptr {ptr}, " \
                f"i64 {stride})"
+
+    def zero(self, out: str, rows: str) -> str:
+        return f"  {out} = call {self.type} {self.op('tilezero')}(i16 {rows}, i16 {TILE_BYTES})"
 
     def store(self, rows: str, ptr: str, stride: str, tile: str) -> str:
         return f"  call void {self.op('tilestored64')}(i16 {rows}, i16 {TILE_BYTES}, ptr {ptr}, i64 {stride}, " \
                f"{self.type} {tile})"
 
-    def dot(self, name: str, out: str, rows: str, acc: str, a: str, b: str) -> str:
+    def dot(self, name: str, out: str, rows: str, acc: str, a: str, b: str, depth: int = TILE_BYTES) -> str:
+        """out = acc + a · b, a's rows `depth` bytes wide."""
         t = self.type
-        return f"  {out} = call {t} {self.op(name)}(i16 {rows}, i16 {TILE_BYTES}, i16 {TILE_BYTES}, {t} {acc}, " \
+        return f"  {out} = call {t} {self.op(name)}(i16 {rows}, i16 {TILE_BYTES}, i16 {depth}, {t} {acc}, " \
                f"{t} {a}, {t} {b})"
 
     def declarations(self) -> list[str]:
@@ -80,7 +93,9 @@ class _Tiles:
         t = self.type
         return [f"declare {t} @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)",
                 f"declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, {t})",
-                f"declare {t} @llvm.x86.tdpbf16ps.internal(i16, i16, i16, {t}, {t}, {t})"]
+                f"declare {t} @llvm.x86.tilezero.internal(i16, i16)",
+                f"declare {t} @llvm.x86.tdpbf16ps.internal(i16, i16, i16, {t}, {t}, {t})",
+                *[f"declare {t} @llvm.x86.{dot}.internal(i16, i16, i16, {t}, {t}, {t})" for dot in INT8_DOTS.values()]]
 
 
 def bf16_micro_ir(row_tiles: int, col_tiles: int, tiles: _Tiles) -> str:
@@ -118,6 +133,44 @@ def bf16_micro_ir(row_tiles: int, col_tiles: int, tiles: _Tiles) -> str:
               "  br i1 %done, label %exit, label %loop", "exit:"]
     lines += [tiles.store(shape[r], f"%acc_ptr{r}_{c}", "%acc_stride", f"%next{r}_{c}") for r, c in grid]
     lines += ["  ret void", "}"]
+    return "\n".join(lines)
+
+
+def int8_micro_ir(weights: str, row_tiles: int, col_tiles: int, block: int, tiles: _Tiles) -> str:
+    """The LLVM IR definition of int8_name(row_tiles, col_tiles, block, weights): per activation block
+    k < blocks, dots[k] = x's levels of the block · w's bytes (INT8_DOTS[weights]), each block's int32
+    dots stored for the caller to scale (rows ≥ 16·(row_tiles - 1) + 1, blocks ≥ 1)."""
+    grid = [(r, c) for r in range(row_tiles) for c in range(col_tiles)]
+    lines = [f"define hidden void @{int8_name(row_tiles, col_tiles, block, weights)}(ptr noalias %dots, "
+             "i64 %dots_stride, "
+             "i64 %block_stride, ptr noalias %x, i64 %x_stride, ptr noalias %w, i64 %w_stride, i64 %rows, "
+             "i64 %blocks) #1 {", "entry:",
+             f"  %last64 = sub i64 %rows, {TILE_ROWS * (row_tiles - 1)}",
+             "  %last = trunc i64 %last64 to i16",
+             f"  %w_step = mul i64 %w_stride, {block // QUAD_BYTES}"]
+    shape = {r: "%last" if r == row_tiles - 1 else str(TILE_ROWS) for r in range(row_tiles)}
+    for r in range(row_tiles):
+        lines += [f"  %dots_row{r} = mul i64 %dots_stride, {TILE_ROWS * r}",
+                  f"  %x_row{r} = mul i64 %x_stride, {TILE_ROWS * r}"]
+    lines += ["  br label %loop", "loop:", "  %k = phi i64 [ 0, %entry ], [ %k_next, %loop ]",
+              f"  %x_k = mul i64 %k, {block}", "  %w_k = mul i64 %k, %w_step", "  %dots_k = mul i64 %k, %block_stride"]
+    for r in range(row_tiles):
+        lines += [f"  %x_at{r} = add i64 %x_row{r}, %x_k",
+                  f"  %x_ptr{r} = getelementptr i8, ptr %x, i64 %x_at{r}",
+                  tiles.load(f"%a{r}", shape[r], f"%x_ptr{r}", "%x_stride", block)]
+    for c in range(col_tiles):
+        lines += [f"  %w_at{c} = add i64 %w_k, {TILE_BYTES * c}",
+                  f"  %w_ptr{c} = getelementptr i8, ptr %w, i64 %w_at{c}",
+                  tiles.load(f"%b{c}", str(block // QUAD_BYTES), f"%w_ptr{c}", "%w_stride")]
+    for r, c in grid:
+        lines += [tiles.zero(f"%zero{r}_{c}", shape[r]),
+                  tiles.dot(INT8_DOTS[weights], f"%dot{r}_{c}", shape[r], f"%zero{r}_{c}", f"%a{r}", f"%b{c}", block),
+                  f"  %dots_at{r}_{c} = add i64 %dots_row{r}, {TILE_BYTES * c}",
+                  f"  %dots_in{r}_{c} = add i64 %dots_at{r}_{c}, %dots_k",
+                  f"  %dots_ptr{r}_{c} = getelementptr i8, ptr %dots, i64 %dots_in{r}_{c}",
+                  tiles.store(shape[r], f"%dots_ptr{r}_{c}", "%dots_stride", f"%dot{r}_{c}")]
+    lines += ["  %k_next = add i64 %k, 1", "  %done = icmp eq i64 %k_next, %blocks",
+              "  br i1 %done, label %exit, label %loop", "exit:", "  ret void", "}"]
     return "\n".join(lines)
 
 
@@ -161,30 +214,70 @@ def ready_ir(emulated: bool) -> str:
         "}"])
 
 
-def tile_module_ir(bf16: list[tuple[int, int]], triple: str, cpu: str, emulated: bool = False) -> str:
-    """One LLVM IR module with kiln_tiles_ready and the bf16 tile micro-kernels `bf16` ((row tiles,
-    column tiles) each), for `triple` and `cpu` (with AMX's instruction sets, whatever the CPU's)."""
+def tile_module_ir(kernels: list[tuple], triple: str, cpu: str, emulated: bool = False) -> str:
+    """One LLVM IR module with kiln_tiles_ready and the tile micro-kernels `kernels` (("bf16", row tiles,
+    column tiles) or ("s8" / "u8", row tiles, column tiles, block) each), for `triple` and `cpu` (with
+    AMX's instruction sets, whatever the CPU's)."""
     tiles = _Tiles(emulated)
     parts = [f'target triple = "{triple}"', *tiles.declarations(), ready_ir(emulated)]
-    parts += [bf16_micro_ir(rows, cols, tiles) for rows, cols in sorted(set(bf16))]
+    parts += [bf16_micro_ir(*shape, tiles) if kind == "bf16" else int8_micro_ir(kind, *shape, tiles)
+              for kind, *shape in sorted(set(kernels))]
     features = "" if emulated else f' "target-features"="{TILE_FEATURES}"'
     parts.append(f'attributes #1 = {{ nounwind "target-cpu"="{cpu}"{features} }}')
     return "\n\n".join(parts) + "\n"
 
 
-def tile_module(bf16: list[tuple[int, int]], target, emulated: bool = False):
+def tile_module(kernels: list[tuple], target, emulated: bool = False):
     """The tile micro-kernels as a TVM runtime module (LLVM) for the LLVM `target`, for the Relax
     build to link into the library."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tile_micro.ll")
         with open(path, "w") as f:
-            f.write(tile_module_ir(bf16, str(target.attrs["mtriple"]), str(target.attrs["mcpu"]), emulated))
+            f.write(tile_module_ir(kernels, str(target.attrs["mtriple"]), str(target.attrs["mcpu"]), emulated))
         return tvm.runtime.load_module(path)
 
 
 def _bf16_to_float(out: str, bits: str) -> list[str]:
     return [f"  {out}_w = zext i16 {bits} to i32", f"  {out}_s = shl i32 {out}_w, 16",
             f"  {out} = bitcast i32 {out}_s to float"]
+
+
+def _int8_dot_emulation(dot: str, extend: str) -> str:
+    """tdpbssd (x and w signed bytes) or tdpbsud (w unsigned): `extend` widens w's bytes."""
+    return "\n".join([
+        f"define internal <256 x i32> @kiln_emulated_{dot}(i16 %m, i16 %n, i16 %k, <256 x i32> %c, "
+        "<256 x i32> %a, <256 x i32> %b) #1 {",
+        "entry:",
+        "  %ct = alloca <256 x i32>, align 64", "  store <256 x i32> %c, ptr %ct",
+        "  %at = alloca <256 x i32>, align 64", "  store <256 x i32> %a, ptr %at",
+        "  %bt = alloca <256 x i32>, align 64", "  store <256 x i32> %b, ptr %bt",
+        "  %rows = zext i16 %m to i64",
+        "  %n64 = zext i16 %n to i64", "  %cols = udiv i64 %n64, 4",
+        "  %depth = zext i16 %k to i64",
+        "  br label %row", "row:",
+        "  %i = phi i64 [ 0, %entry ], [ %i_next, %row_end ]", "  br label %col", "col:",
+        "  %j = phi i64 [ 0, %row ], [ %j_next, %col_end ]",
+        "  %c_at = mul i64 %i, 16", "  %c_idx = add i64 %c_at, %j",
+        "  %c_ptr = getelementptr i32, ptr %ct, i64 %c_idx",
+        "  %c0 = load i32, ptr %c_ptr", "  br label %byte", "byte:",
+        "  %q = phi i64 [ 0, %col ], [ %q_next, %byte ]",
+        "  %sum = phi i32 [ %c0, %col ], [ %sum1, %byte ]",
+        "  %a_row = mul i64 %i, 64", "  %a_idx = add i64 %a_row, %q",
+        "  %a_ptr = getelementptr i8, ptr %at, i64 %a_idx",
+        "  %p = udiv i64 %q, 4", "  %in_quad = urem i64 %q, 4",
+        "  %b_row = mul i64 %p, 64", "  %j4 = mul i64 %j, 4", "  %b_col = add i64 %j4, %in_quad",
+        "  %b_idx = add i64 %b_row, %b_col", "  %b_ptr = getelementptr i8, ptr %bt, i64 %b_idx",
+        "  %a8 = load i8, ptr %a_ptr", "  %b8 = load i8, ptr %b_ptr",
+        "  %a32 = sext i8 %a8 to i32", f"  %b32 = {extend} i8 %b8 to i32",
+        "  %prod = mul i32 %a32, %b32", "  %sum1 = add i32 %sum, %prod",
+        "  %q_next = add i64 %q, 1", "  %more_q = icmp ult i64 %q_next, %depth",
+        "  br i1 %more_q, label %byte, label %col_end", "col_end:",
+        "  store i32 %sum1, ptr %c_ptr",
+        "  %j_next = add i64 %j, 1", "  %more_j = icmp ult i64 %j_next, %cols",
+        "  br i1 %more_j, label %col, label %row_end", "row_end:",
+        "  %i_next = add i64 %i, 1", "  %more_i = icmp ult i64 %i_next, %rows",
+        "  br i1 %more_i, label %row, label %exit", "exit:",
+        "  %v = load <256 x i32>, ptr %ct", "  ret <256 x i32> %v", "}"])
 
 
 # Scalar functions with the tile instructions' meaning (Intel's pseudo-code: rows × bytes of a
@@ -256,4 +349,7 @@ _EMULATION = [
         "  %i_next = add i64 %i, 1", "  %more_i = icmp ult i64 %i_next, %rows",
         "  br i1 %more_i, label %row, label %exit", "exit:",
         "  %v = load <256 x i32>, ptr %ct", "  ret <256 x i32> %v", "}"]),
+    "define internal <256 x i32> @kiln_emulated_tilezero(i16 %rows, i16 %bytes) #1 {\n"
+    "  ret <256 x i32> zeroinitializer\n}",
+    *[_int8_dot_emulation(dot, extend) for dot, extend in (("tdpbssd", "sext"), ("tdpbsud", "zext"))],
 ]
