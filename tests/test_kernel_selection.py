@@ -64,7 +64,7 @@ def test_cuda_linears_the_tensor_cores_cannot_take():
 
 
 def test_cpu_linears_by_layout_and_step():
-    cpu = target_defaults("cpu")
+    cpu = replace(target_defaults("cpu"), tiles="")         # AMX's tile kernels: tests/test_cpu_tiles.py
     assert chosen(cpu, "mixed", "packed16", dtype="float32") == "gemm"
     assert chosen(cpu, "decode", "packed16", dtype="float32") == "packed_linear"
     assert chosen(cpu, "decode", "packed16x2") == "bf16dot"

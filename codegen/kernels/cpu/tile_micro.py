@@ -98,79 +98,76 @@ class _Tiles:
                 *[f"declare {t} @llvm.x86.{dot}.internal(i16, i16, i16, {t}, {t}, {t})" for dot in INT8_DOTS.values()]]
 
 
+def _prologue(name: str, parameters: str, row_tiles: int, b_rows: int) -> tuple[list[str], dict]:
+    """A micro-kernel's entry block, and each row tile's row count: 16, the last one's rows - 16·(R - 1)."""
+    lines = [f"define hidden void @{name}({parameters}, ptr noalias %x, i64 %x_stride, ptr noalias %w, "
+             "i64 %w_stride, i64 %rows, i64 %steps) #1 {", "entry:",
+             f"  %last64 = sub i64 %rows, {TILE_ROWS * (row_tiles - 1)}",
+             "  %last = trunc i64 %last64 to i16",
+             f"  %w_step = mul i64 %w_stride, {b_rows}"]
+    lines += [f"  %x_row{r} = mul i64 %x_stride, {TILE_ROWS * r}" for r in range(row_tiles)]
+    return lines, {r: "%last" if r == row_tiles - 1 else str(TILE_ROWS) for r in range(row_tiles)}
+
+
+def _operands(tiles: _Tiles, shape: dict, col_tiles: int, a_width: int, b_rows: int) -> list[str]:
+    """Step %k's A tiles (rows of x, a_width bytes from byte k·a_width) and B tiles (b_rows rows of w
+    from row k·b_rows, 64 bytes each: 16 columns)."""
+    lines = [f"  %x_k = mul i64 %k, {a_width}", "  %w_k = mul i64 %k, %w_step"]
+    for r in shape:
+        lines += [f"  %x_at{r} = add i64 %x_row{r}, %x_k",
+                  f"  %x_ptr{r} = getelementptr i8, ptr %x, i64 %x_at{r}",
+                  tiles.load(f"%a{r}", shape[r], f"%x_ptr{r}", "%x_stride", a_width)]
+    for c in range(col_tiles):
+        lines += [f"  %w_at{c} = add i64 %w_k, {TILE_BYTES * c}",
+                  f"  %w_ptr{c} = getelementptr i8, ptr %w, i64 %w_at{c}",
+                  tiles.load(f"%b{c}", str(b_rows), f"%w_ptr{c}", "%w_stride")]
+    return lines
+
+
+_LOOP_END = ["  %k_next = add i64 %k, 1", "  %done = icmp eq i64 %k_next, %steps",
+             "  br i1 %done, label %exit, label %loop", "exit:"]
+
+
 def bf16_micro_ir(row_tiles: int, col_tiles: int, tiles: _Tiles) -> str:
     """The LLVM IR definition of bf16_name(row_tiles, col_tiles): rows ≥ 16·(row_tiles - 1) + 1,
     steps ≥ 1."""
     grid = [(r, c) for r in range(row_tiles) for c in range(col_tiles)]
     t = tiles.type
-    lines = [f"define hidden void @{bf16_name(row_tiles, col_tiles)}(ptr noalias %acc, i64 %acc_stride, "
-             "ptr noalias %x, i64 %x_stride, ptr noalias %w, i64 %w_stride, i64 %rows, i64 %steps) #1 {", "entry:",
-             f"  %last64 = sub i64 %rows, {TILE_ROWS * (row_tiles - 1)}",
-             "  %last = trunc i64 %last64 to i16",
-             f"  %w_step = mul i64 %w_stride, {TILE_ROWS}"]
-    shape = {r: "%last" if r == row_tiles - 1 else str(TILE_ROWS) for r in range(row_tiles)}
-    for r in range(row_tiles):
-        lines += [f"  %acc_row{r} = mul i64 %acc_stride, {TILE_ROWS * r}",
-                  f"  %x_row{r} = mul i64 %x_stride, {TILE_ROWS * r}"]
+    lines, shape = _prologue(bf16_name(row_tiles, col_tiles), "ptr noalias %acc, i64 %acc_stride", row_tiles,
+                             TILE_ROWS)
     for r, c in grid:
-        lines += [f"  %acc_at{r}_{c} = add i64 %acc_row{r}, {TILE_BYTES * c}",
+        lines += [f"  %acc_at{r}_{c} = mul i64 %acc_stride, {TILE_ROWS * r}",
                   f"  %acc_ptr{r}_{c} = getelementptr i8, ptr %acc, i64 %acc_at{r}_{c}",
-                  tiles.load(f"%start{r}_{c}", shape[r], f"%acc_ptr{r}_{c}", "%acc_stride")]
+                  f"  %acc_tile{r}_{c} = getelementptr i8, ptr %acc_ptr{r}_{c}, i64 {TILE_BYTES * c}",
+                  tiles.load(f"%start{r}_{c}", shape[r], f"%acc_tile{r}_{c}", "%acc_stride")]
     lines += ["  br label %loop", "loop:", "  %k = phi i64 [ 0, %entry ], [ %k_next, %loop ]"]
     lines += [f"  %sum{r}_{c} = phi {t} [ %start{r}_{c}, %entry ], [ %next{r}_{c}, %loop ]" for r, c in grid]
-    lines.append(f"  %x_k = mul i64 %k, {TILE_BYTES}")
-    for r in range(row_tiles):
-        lines += [f"  %x_at{r} = add i64 %x_row{r}, %x_k",
-                  f"  %x_ptr{r} = getelementptr i8, ptr %x, i64 %x_at{r}",
-                  tiles.load(f"%a{r}", shape[r], f"%x_ptr{r}", "%x_stride")]
-    lines.append("  %w_k = mul i64 %k, %w_step")
-    for c in range(col_tiles):
-        lines += [f"  %w_at{c} = add i64 %w_k, {TILE_BYTES * c}",
-                  f"  %w_ptr{c} = getelementptr i8, ptr %w, i64 %w_at{c}",
-                  tiles.load(f"%b{c}", str(TILE_ROWS), f"%w_ptr{c}", "%w_stride")]
+    lines += _operands(tiles, shape, col_tiles, TILE_BYTES, TILE_ROWS)
     lines += [tiles.dot("tdpbf16ps", f"%next{r}_{c}", shape[r], f"%sum{r}_{c}", f"%a{r}", f"%b{c}") for r, c in grid]
-    lines += ["  %k_next = add i64 %k, 1", "  %done = icmp eq i64 %k_next, %steps",
-              "  br i1 %done, label %exit, label %loop", "exit:"]
-    lines += [tiles.store(shape[r], f"%acc_ptr{r}_{c}", "%acc_stride", f"%next{r}_{c}") for r, c in grid]
+    lines += _LOOP_END
+    lines += [tiles.store(shape[r], f"%acc_tile{r}_{c}", "%acc_stride", f"%next{r}_{c}") for r, c in grid]
     lines += ["  ret void", "}"]
     return "\n".join(lines)
 
 
 def int8_micro_ir(weights: str, row_tiles: int, col_tiles: int, block: int, tiles: _Tiles) -> str:
     """The LLVM IR definition of int8_name(row_tiles, col_tiles, block, weights): per activation block
-    k < blocks, dots[k] = x's levels of the block · w's bytes (INT8_DOTS[weights]), each block's int32
-    dots stored for the caller to scale (rows ≥ 16·(row_tiles - 1) + 1, blocks ≥ 1)."""
+    k < steps, dots[k] = x's levels of the block · w's bytes (INT8_DOTS[weights]), each block's int32
+    dots stored for the caller to scale (rows ≥ 16·(row_tiles - 1) + 1, steps ≥ 1)."""
     grid = [(r, c) for r in range(row_tiles) for c in range(col_tiles)]
-    lines = [f"define hidden void @{int8_name(row_tiles, col_tiles, block, weights)}(ptr noalias %dots, "
-             "i64 %dots_stride, "
-             "i64 %block_stride, ptr noalias %x, i64 %x_stride, ptr noalias %w, i64 %w_stride, i64 %rows, "
-             "i64 %blocks) #1 {", "entry:",
-             f"  %last64 = sub i64 %rows, {TILE_ROWS * (row_tiles - 1)}",
-             "  %last = trunc i64 %last64 to i16",
-             f"  %w_step = mul i64 %w_stride, {block // QUAD_BYTES}"]
-    shape = {r: "%last" if r == row_tiles - 1 else str(TILE_ROWS) for r in range(row_tiles)}
-    for r in range(row_tiles):
-        lines += [f"  %dots_row{r} = mul i64 %dots_stride, {TILE_ROWS * r}",
-                  f"  %x_row{r} = mul i64 %x_stride, {TILE_ROWS * r}"]
+    lines, shape = _prologue(int8_name(row_tiles, col_tiles, block, weights),
+                             "ptr noalias %dots, i64 %dots_stride, i64 %block_stride", row_tiles, block // QUAD_BYTES)
     lines += ["  br label %loop", "loop:", "  %k = phi i64 [ 0, %entry ], [ %k_next, %loop ]",
-              f"  %x_k = mul i64 %k, {block}", "  %w_k = mul i64 %k, %w_step", "  %dots_k = mul i64 %k, %block_stride"]
-    for r in range(row_tiles):
-        lines += [f"  %x_at{r} = add i64 %x_row{r}, %x_k",
-                  f"  %x_ptr{r} = getelementptr i8, ptr %x, i64 %x_at{r}",
-                  tiles.load(f"%a{r}", shape[r], f"%x_ptr{r}", "%x_stride", block)]
-    for c in range(col_tiles):
-        lines += [f"  %w_at{c} = add i64 %w_k, {TILE_BYTES * c}",
-                  f"  %w_ptr{c} = getelementptr i8, ptr %w, i64 %w_at{c}",
-                  tiles.load(f"%b{c}", str(block // QUAD_BYTES), f"%w_ptr{c}", "%w_stride")]
+              "  %dots_k = mul i64 %k, %block_stride", "  %dots_block = getelementptr i8, ptr %dots, i64 %dots_k"]
+    lines += _operands(tiles, shape, col_tiles, block, block // QUAD_BYTES)
     for r, c in grid:
         lines += [tiles.zero(f"%zero{r}_{c}", shape[r]),
                   tiles.dot(INT8_DOTS[weights], f"%dot{r}_{c}", shape[r], f"%zero{r}_{c}", f"%a{r}", f"%b{c}", block),
-                  f"  %dots_at{r}_{c} = add i64 %dots_row{r}, {TILE_BYTES * c}",
-                  f"  %dots_in{r}_{c} = add i64 %dots_at{r}_{c}, %dots_k",
-                  f"  %dots_ptr{r}_{c} = getelementptr i8, ptr %dots, i64 %dots_in{r}_{c}",
+                  f"  %dots_at{r}_{c} = mul i64 %dots_stride, {TILE_ROWS * r}",
+                  f"  %dots_row{r}_{c} = getelementptr i8, ptr %dots_block, i64 %dots_at{r}_{c}",
+                  f"  %dots_ptr{r}_{c} = getelementptr i8, ptr %dots_row{r}_{c}, i64 {TILE_BYTES * c}",
                   tiles.store(shape[r], f"%dots_ptr{r}_{c}", "%dots_stride", f"%dot{r}_{c}")]
-    lines += ["  %k_next = add i64 %k, 1", "  %done = icmp eq i64 %k_next, %blocks",
-              "  br i1 %done, label %exit, label %loop", "exit:", "  ret void", "}"]
+    lines += [*_LOOP_END, "  ret void", "}"]
     return "\n".join(lines)
 
 
@@ -242,8 +239,9 @@ def _bf16_to_float(out: str, bits: str) -> list[str]:
             f"  {out} = bitcast i32 {out}_s to float"]
 
 
-def _int8_dot_emulation(dot: str, extend: str) -> str:
-    """tdpbssd (x and w signed bytes) or tdpbsud (w unsigned): `extend` widens w's bytes."""
+def _emulated_dot(dot: str, acc: str, per_step: int, body: list[str]) -> str:
+    """A tile product's scalar function: each C element (`acc`: float or i32) at row %i < m, column
+    %j < n/4, summed over steps %q < k / per_step by `body` (from %sum to %sum_next)."""
     return "\n".join([
         f"define internal <256 x i32> @kiln_emulated_{dot}(i16 %m, i16 %n, i16 %k, <256 x i32> %c, "
         "<256 x i32> %a, <256 x i32> %b) #1 {",
@@ -253,31 +251,52 @@ def _int8_dot_emulation(dot: str, extend: str) -> str:
         "  %bt = alloca <256 x i32>, align 64", "  store <256 x i32> %b, ptr %bt",
         "  %rows = zext i16 %m to i64",
         "  %n64 = zext i16 %n to i64", "  %cols = udiv i64 %n64, 4",
-        "  %depth = zext i16 %k to i64",
+        "  %k64 = zext i16 %k to i64", f"  %steps = udiv i64 %k64, {per_step}",
         "  br label %row", "row:",
         "  %i = phi i64 [ 0, %entry ], [ %i_next, %row_end ]", "  br label %col", "col:",
         "  %j = phi i64 [ 0, %row ], [ %j_next, %col_end ]",
         "  %c_at = mul i64 %i, 16", "  %c_idx = add i64 %c_at, %j",
-        "  %c_ptr = getelementptr i32, ptr %ct, i64 %c_idx",
-        "  %c0 = load i32, ptr %c_ptr", "  br label %byte", "byte:",
-        "  %q = phi i64 [ 0, %col ], [ %q_next, %byte ]",
-        "  %sum = phi i32 [ %c0, %col ], [ %sum1, %byte ]",
-        "  %a_row = mul i64 %i, 64", "  %a_idx = add i64 %a_row, %q",
-        "  %a_ptr = getelementptr i8, ptr %at, i64 %a_idx",
-        "  %p = udiv i64 %q, 4", "  %in_quad = urem i64 %q, 4",
-        "  %b_row = mul i64 %p, 64", "  %j4 = mul i64 %j, 4", "  %b_col = add i64 %j4, %in_quad",
-        "  %b_idx = add i64 %b_row, %b_col", "  %b_ptr = getelementptr i8, ptr %bt, i64 %b_idx",
-        "  %a8 = load i8, ptr %a_ptr", "  %b8 = load i8, ptr %b_ptr",
-        "  %a32 = sext i8 %a8 to i32", f"  %b32 = {extend} i8 %b8 to i32",
-        "  %prod = mul i32 %a32, %b32", "  %sum1 = add i32 %sum, %prod",
-        "  %q_next = add i64 %q, 1", "  %more_q = icmp ult i64 %q_next, %depth",
-        "  br i1 %more_q, label %byte, label %col_end", "col_end:",
-        "  store i32 %sum1, ptr %c_ptr",
+        f"  %c_ptr = getelementptr {acc}, ptr %ct, i64 %c_idx",
+        f"  %c0 = load {acc}, ptr %c_ptr", "  br label %step", "step:",
+        "  %q = phi i64 [ 0, %col ], [ %q_next, %step ]",
+        f"  %sum = phi {acc} [ %c0, %col ], [ %sum_next, %step ]",
+        *body,
+        "  %q_next = add i64 %q, 1", "  %more_q = icmp ult i64 %q_next, %steps",
+        "  br i1 %more_q, label %step, label %col_end", "col_end:",
+        f"  store {acc} %sum_next, ptr %c_ptr",
         "  %j_next = add i64 %j, 1", "  %more_j = icmp ult i64 %j_next, %cols",
         "  br i1 %more_j, label %col, label %row_end", "row_end:",
         "  %i_next = add i64 %i, 1", "  %more_i = icmp ult i64 %i_next, %rows",
         "  br i1 %more_i, label %row, label %exit", "exit:",
         "  %v = load <256 x i32>, ptr %ct", "  ret <256 x i32> %v", "}"])
+
+
+def _bf16_pair_products() -> list[str]:
+    """tdpbf16ps's step %q: pair q of row %i of A times pair q of column %j of B, the two products added
+    in turn."""
+    return ["  %a_row = mul i64 %i, 32", "  %q2 = mul i64 %q, 2", "  %a_idx = add i64 %a_row, %q2",
+            "  %a_ptr0 = getelementptr i16, ptr %at, i64 %a_idx", "  %a_ptr1 = getelementptr i16, ptr %a_ptr0, i64 1",
+            "  %b_row = mul i64 %q, 32", "  %j2 = mul i64 %j, 2", "  %b_idx = add i64 %b_row, %j2",
+            "  %b_ptr0 = getelementptr i16, ptr %bt, i64 %b_idx", "  %b_ptr1 = getelementptr i16, ptr %b_ptr0, i64 1",
+            "  %a0b = load i16, ptr %a_ptr0", "  %a1b = load i16, ptr %a_ptr1",
+            "  %b0b = load i16, ptr %b_ptr0", "  %b1b = load i16, ptr %b_ptr1",
+            *_bf16_to_float("%a0", "%a0b"), *_bf16_to_float("%a1", "%a1b"),
+            *_bf16_to_float("%b0", "%b0b"), *_bf16_to_float("%b1", "%b1b"),
+            "  %prod0 = fmul float %a0, %b0", "  %sum1 = fadd float %sum, %prod0",
+            "  %prod1 = fmul float %a1, %b1", "  %sum_next = fadd float %sum1, %prod1"]
+
+
+def _byte_product(extend: str) -> list[str]:
+    """tdpbssd's or tdpbsud's step %q: byte q of row %i of A (signed) times byte q % 4 of quad q / 4 of
+    column %j of B (widened by `extend`: sext signed, zext unsigned)."""
+    return ["  %a_row = mul i64 %i, 64", "  %a_idx = add i64 %a_row, %q",
+            "  %a_ptr = getelementptr i8, ptr %at, i64 %a_idx",
+            "  %p = udiv i64 %q, 4", "  %in_quad = urem i64 %q, 4",
+            "  %b_row = mul i64 %p, 64", "  %j4 = mul i64 %j, 4", "  %b_col = add i64 %j4, %in_quad",
+            "  %b_idx = add i64 %b_row, %b_col", "  %b_ptr = getelementptr i8, ptr %bt, i64 %b_idx",
+            "  %a8 = load i8, ptr %a_ptr", "  %b8 = load i8, ptr %b_ptr",
+            "  %a32 = sext i8 %a8 to i32", f"  %b32 = {extend} i8 %b8 to i32",
+            "  %prod = mul i32 %a32, %b32", "  %sum_next = add i32 %sum, %prod"]
 
 
 # Scalar functions with the tile instructions' meaning (Intel's pseudo-code: rows × bytes of a
@@ -313,43 +332,9 @@ _EMULATION = [
         "  call void @llvm.memcpy.p0.p0.i64(ptr %to, ptr %from, i64 %width, i1 false)",
         "  %i_next = add i64 %i, 1", "  %more = icmp ult i64 %i_next, %n",
         "  br i1 %more, label %loop, label %exit", "exit:", "  ret void", "}"]),
-    "\n".join([
-        "define internal <256 x i32> @kiln_emulated_tdpbf16ps(i16 %m, i16 %n, i16 %k, <256 x i32> %c, "
-        "<256 x i32> %a, <256 x i32> %b) #1 {",
-        "entry:",
-        "  %ct = alloca <256 x i32>, align 64", "  store <256 x i32> %c, ptr %ct",
-        "  %at = alloca <256 x i32>, align 64", "  store <256 x i32> %a, ptr %at",
-        "  %bt = alloca <256 x i32>, align 64", "  store <256 x i32> %b, ptr %bt",
-        "  %rows = zext i16 %m to i64",
-        "  %n64 = zext i16 %n to i64", "  %cols = udiv i64 %n64, 4",
-        "  %k64 = zext i16 %k to i64", "  %pairs = udiv i64 %k64, 4",
-        "  br label %row", "row:",
-        "  %i = phi i64 [ 0, %entry ], [ %i_next, %row_end ]", "  br label %col", "col:",
-        "  %j = phi i64 [ 0, %row ], [ %j_next, %col_end ]",
-        "  %c_at = mul i64 %i, 16", "  %c_idx = add i64 %c_at, %j",
-        "  %c_ptr = getelementptr float, ptr %ct, i64 %c_idx",
-        "  %c0 = load float, ptr %c_ptr", "  br label %pair", "pair:",
-        "  %p = phi i64 [ 0, %col ], [ %p_next, %pair ]",
-        "  %sum = phi float [ %c0, %col ], [ %sum2, %pair ]",
-        "  %a_row = mul i64 %i, 32", "  %p2 = mul i64 %p, 2", "  %a_idx = add i64 %a_row, %p2",
-        "  %a_ptr0 = getelementptr i16, ptr %at, i64 %a_idx", "  %a_ptr1 = getelementptr i16, ptr %a_ptr0, i64 1",
-        "  %b_row = mul i64 %p, 32", "  %j2 = mul i64 %j, 2", "  %b_idx = add i64 %b_row, %j2",
-        "  %b_ptr0 = getelementptr i16, ptr %bt, i64 %b_idx", "  %b_ptr1 = getelementptr i16, ptr %b_ptr0, i64 1",
-        "  %a0b = load i16, ptr %a_ptr0", "  %a1b = load i16, ptr %a_ptr1",
-        "  %b0b = load i16, ptr %b_ptr0", "  %b1b = load i16, ptr %b_ptr1",
-        *_bf16_to_float("%a0", "%a0b"), *_bf16_to_float("%a1", "%a1b"),
-        *_bf16_to_float("%b0", "%b0b"), *_bf16_to_float("%b1", "%b1b"),
-        "  %prod0 = fmul float %a0, %b0", "  %sum1 = fadd float %sum, %prod0",
-        "  %prod1 = fmul float %a1, %b1", "  %sum2 = fadd float %sum1, %prod1",
-        "  %p_next = add i64 %p, 1", "  %more_p = icmp ult i64 %p_next, %pairs",
-        "  br i1 %more_p, label %pair, label %col_end", "col_end:",
-        "  store float %sum2, ptr %c_ptr",
-        "  %j_next = add i64 %j, 1", "  %more_j = icmp ult i64 %j_next, %cols",
-        "  br i1 %more_j, label %col, label %row_end", "row_end:",
-        "  %i_next = add i64 %i, 1", "  %more_i = icmp ult i64 %i_next, %rows",
-        "  br i1 %more_i, label %row, label %exit", "exit:",
-        "  %v = load <256 x i32>, ptr %ct", "  ret <256 x i32> %v", "}"]),
     "define internal <256 x i32> @kiln_emulated_tilezero(i16 %rows, i16 %bytes) #1 {\n"
     "  ret <256 x i32> zeroinitializer\n}",
-    *[_int8_dot_emulation(dot, extend) for dot, extend in (("tdpbssd", "sext"), ("tdpbsud", "zext"))],
+    _emulated_dot("tdpbf16ps", "float", 4, _bf16_pair_products()),
+    _emulated_dot("tdpbssd", "i32", 1, _byte_product("sext")),
+    _emulated_dot("tdpbsud", "i32", 1, _byte_product("zext")),
 ]
