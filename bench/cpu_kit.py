@@ -2,7 +2,7 @@
 kiln's CPU kernels scale with threads beside llama.cpp (bench/threads_cpu.py).
 
     python bench/cpu_kit.py [--out build/cpu-kit] [--preset llama-3.2-1b] [--modes bf16 q8 q4]
-                            [--arch CPU] [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp]
+                            [--arch CPU] [--llama-cpp build/peers/llama_cpp_python-*/vendor/llama.cpp | none]
 
 That machine has PyTorch and transformers but no TVM compiler, no llama.cpp and no internet, and
 takes at most 64 MiB per transfer:
@@ -11,7 +11,7 @@ takes at most 64 MiB per transfer:
                 that machine's CPU model, e.g. emeraldrapids; default: this machine's CPU). An
                 artifact checks at load that the CPU it runs on has every instruction set it uses
   llama.cpp/    llama.cpp's built binaries and libraries (with OpenMP's), its GGUF converter and
-                gguf-py, as ../shared/PEERS.md builds them
+                gguf-py, as ../shared/PEERS.md builds them (--llama-cpp none: left out, kiln alone)
   run.sh        installs kiln, draws the weights and runs bench/threads_cpu.py; results go to $OUT
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | 
 (lscpu; free -g) > $OUT/cpu.txt
 for m in ${MODES//,/ }; do timeout 120 python3 -m kiln.cli fill-weights $KIT/cpu/$m --seed 0 --force || exit 1; done
 PEER=$KIT/llama.cpp
-if ldd $PEER/build/bin/llama-bench | grep "not found"; then PEER=none; fi     # kiln alone
+if [ ! -x $PEER/build/bin/llama-bench ] || ldd $PEER/build/bin/llama-bench | grep "not found"; then PEER=none; fi
 timeout $BUDGET python3 bench/threads_cpu.py --artifacts $KIT/cpu --llama-cpp $PEER --threads $THREADS \\
   --modes $MODES --workdir /tmp/threads-work 2>&1 | tee $OUT/threads_cpu.md
 """
@@ -78,7 +78,7 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     make_site(out, RUNTIME_WHEELS)
-    if not (out / "llama.cpp" / "build" / "bin" / "llama-bench").exists():
+    if args.llama_cpp != "none" and not (out / "llama.cpp" / "build" / "bin" / "llama-bench").exists():
         copy_llama_cpp(built_llama_cpp(args.llama_cpp), out / "llama.cpp")
     model = preset_model(args.preset, Path("build/bench") / args.preset / "model")
     for mode in args.modes:
