@@ -181,8 +181,9 @@ def open_engine(config: ServerConfig) -> tuple:
     speculating = "" if spec is None else (f"; speculative decoding: {spec.method}"
                                            f"{f' ({spec.draft})' if spec.draft else ''}, "
                                            f"up to {spec.num_tokens} tokens")
+    tiles = "" if llm.model.tiles is None else f"; {llm.model.tiles.describe()}"
     return (llm, kiln.AsyncEngine(llm.engine, max_waiting=engine.max_waiting),
-            f"{llm.describe_kv()}; {describe_threads(llm.threads)}{speculating}")
+            f"{llm.describe_kv()}; {describe_threads(llm.threads)}{speculating}{tiles}")
 
 
 def create_app(config: ServerConfig, load_now: bool = False, opener: Callable[[ServerConfig], tuple] | None = None

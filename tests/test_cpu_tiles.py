@@ -138,7 +138,7 @@ def test_int8_tile_kernel_equals_the_interpreter(tiles, op, dtype, bias, residua
         monkeypatch.setenv("KILN_CPU_TILES", "off")
     fmt = WeightFormat(op.partition("_")[2], act_block=32)
     linked = [tile_module(tile_kernels(NB, fmt), host_cpu_target(), tiles == "emulated")]
-    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, weight_dtype: vnni_linear_kernel(
+    check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, _: vnni_linear_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual, tiles=True),
         layout=f"packed{NB}x4" + ("n32" if op in NIBBLES else ""),
         scale_layout=f"panels{NB}" if op in GROUPED else "nk", link=(linked, tmp_path))
@@ -251,8 +251,8 @@ def test_q4_tiles_give_the_vnni_kernels_logits_exactly(make_model, tmp_path):
 
 
 def test_run_json_and_inspect_say_what_the_tiles_did(tiled_llama):
-    """`kiln run --json` reports the tiles granted, or switched off (KILN_CPU_TILES=off); `kiln inspect`
-    names the kernels with tiles."""
+    """`kiln run --json` reports the tiles granted, or switched off (KILN_CPU_TILES=off); `kiln serve`'s
+    start line says what they are; `kiln inspect` names the kernels with tiles."""
     _, artifact = tiled_llama
     kiln = [sys.executable, "-m", "kiln.cli"]
     args = ["run", str(artifact), "--prompt", "def main():", "--max-tokens", "4", "--json"]
@@ -263,6 +263,9 @@ def test_run_json_and_inspect_say_what_the_tiles_did(tiled_llama):
                          env={**os.environ, "KILN_CPU_TILES": "off"})
     assert off.returncode == 0, off.stderr
     assert json.loads(off.stdout)["cpu_tiles"] == {"kind": "emulated", "granted": False, "reason": "KILN_CPU_TILES=off"}
+    from kiln.serve.app import ServerConfig, open_engine
+    started = open_engine(ServerConfig(artifact=str(artifact)))[2]          # kiln serve's start line
+    assert started.endswith("; CPU tiles: emulated")
     shown = subprocess.run([*kiln, "inspect", str(artifact)], capture_output=True, text=True, timeout=600)
     assert shown.returncode == 0, shown.stderr
     line = next(line for line in shown.stdout.splitlines() if line.startswith("tiles"))

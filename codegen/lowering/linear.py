@@ -154,7 +154,8 @@ def _te_linear(s: LinearCall) -> relax.Expr:
 
 # how each kernel of selection/linear.py's LINEAR_KERNELS is emitted
 EMITTERS = {"amx_bf16": lambda s: _bf16dot(s, tiles=True), "bf16dot": _bf16dot,
-            "amx_int8": lambda s: _vnni(s, tiles=True), "vnni": _vnni, "int8_gemv": _int8_gemv, "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
+            "amx_int8": lambda s: _vnni(s, tiles=True), "vnni": _vnni, "int8_gemv": _int8_gemv,
+            "int8_gemm": _int8_gemm, "gemm": _chunk_gemm,
             "packed_linear": _packed_linear, "wgmma": _wgmma, "mma": _mma, "gemv": _gemv, "dlight_gemv": _dlight_gemv,
             "own_linear": _own_linear, "te_linear": _te_linear}
 
