@@ -193,7 +193,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
             micro(xq, sx, x_sums, w, acc, dots, sums, scale, jo, row0, full * MICRO_ROWS + r, kbo, s,
                   1, single_vectors)
 
-    def tile_operand(w, wb, jo, kbo, c, s):   # evaluated while parsing: the chunk's B tiles, and their row stride
+    def tile_operand(w, wb, jo, kbo, c, s):   # evaluated while parsing: where the chunk's B tiles start
         if q4:        # the bytes written for this K block: block b's stored rows at wb[b]
             return T.address_of(wb[c * chunk, 0, s * cols * LANES * QUAD])
         return T.address_of(w[jo, (kbo * k_block + c * chunk * block) // QUAD, s * cols * LANES * QUAD])
