@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # modules of the `kiln` folder every layer may import: the contracts and helpers at the bottom
 LEAVES = ("kiln.errors", "kiln.dtypes", "kiln.interface", "kiln.options", "kiln.artifact", "kiln.safetensors_io",
-          "kiln.cpu_features", "kiln.host_cpu")
+          "kiln.cpu_features", "kiln.cpu_tiles", "kiln.host_cpu")
 # layer -> the layers it may import (besides itself and LEAVES); the `kiln` folder's other modules
 # (the CLI, the compile driver, inspect, weights) sit on top and may import any layer
 BELOW = {
