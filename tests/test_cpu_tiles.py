@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 X86 = platform.machine() == "x86_64"
+# partial tiles, a last row group of one and of two tiles, a second task of a panel and its leftover rows
+TILE_ROW_COUNTS = (1, 13, 50, 97, 177)
 
 
 def _sapphire_rapids():
@@ -111,7 +113,8 @@ def test_bf16_tile_kernel_equals_the_interpreter(tiles, bias, residual, tmp_path
     target = host_cpu_target()
     linked = [micro_module(micro_kernels(NB), target), tile_module(tile_kernels(NB), target, tiles == "emulated")]
     check_against_interpreter("linear", "bfloat16", bias, residual, {}, lambda fmt, weight_dtype: bf16_linear_kernel(
-        N_OUT, N_IN, NB, bias, residual, tiles=True), layout=f"packed{NB}x2", link=(linked, tmp_path))
+        N_OUT, N_IN, NB, bias, residual, tiles=True), layout=f"packed{NB}x2", link=(linked, tmp_path),
+        row_counts=TILE_ROW_COUNTS)
 
 
 INT8_CASES = [("linear_q8", "float32", False, False), ("linear_q8", "bfloat16", True, True),
@@ -141,7 +144,7 @@ def test_int8_tile_kernel_equals_the_interpreter(tiles, op, dtype, bias, residua
     check_against_interpreter(op, dtype, bias, residual, {"act_block": 32}, lambda fmt, _: vnni_linear_kernel(
         N_OUT, N_IN, NB, dtype, fmt, bias, residual, tiles=True),
         layout=f"packed{NB}x4" + ("n32" if op in NIBBLES else ""),
-        scale_layout=f"panels{NB}" if op in GROUPED else "nk", link=(linked, tmp_path))
+        scale_layout=f"panels{NB}" if op in GROUPED else "nk", link=(linked, tmp_path), row_counts=TILE_ROW_COUNTS)
 
 
 def test_tile_kernels_are_chosen_for_steps_of_many_rows():

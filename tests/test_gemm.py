@@ -207,7 +207,7 @@ def test_float32_group_scales_are_read_as_stored(kernel, op):
 
 
 def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, layout=f"packed{NB}", link=None,
-                              scale_layout="nk", scales=np.float16):
+                              scale_layout="nk", scales=np.float16, row_counts=ROW_COUNTS):
     """make_kernel(fmt, weight_dtype) on the op's weights stored in `layout` (its scales in
     `scale_layout`, group scales in `scales`), against interpret().
     link: (modules the kernel calls into, a directory): the kernel is exported with them and loaded."""
@@ -250,7 +250,7 @@ def check_against_interpreter(op, dtype, bias, residual, attrs, make_kernel, lay
     graph = b.output(b.op("linear", x, *params, *no_scale, *extra, name="y", **attrs))
     bias_value = rng.standard_normal(N_OUT).astype(np_dtype)
     values = {f"w{i}": w for i, w in enumerate(weights)} | {"bias": bias_value}
-    for rows in ROW_COUNTS:
+    for rows in row_counts:
         inputs = {"x": rng.standard_normal((rows, N_IN)).astype(np_dtype),
                   "residual": rng.standard_normal((rows, N_OUT)).astype(np_dtype)}
         want = interpret(graph, {k: v for k, v in inputs.items() if k in graph.inputs}, values.__getitem__)["y"]

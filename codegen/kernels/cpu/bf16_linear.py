@@ -29,7 +29,9 @@ from .gemm import panel_and_tile, signature, tile_output
 from .tile_micro import BF16_STEP, READY, TILE_ROWS, bf16_name
 
 ROWS, K_BLOCK, MICRO_ROWS = 48, 1024, 6
-TILE_TASK_ROWS, TILE_COLUMNS = 64, 2     # with tiles: rows of a task; column tiles of a micro-kernel
+# with tiles: rows of a task (128: a prompt of 128 tokens reads each weight panel from memory once, where
+# AMX's products leave the step bound by the weights' reads; not yet tuned on AMX), column tiles of a micro-kernel
+TILE_TASK_ROWS, TILE_COLUMNS = 128, 2
 
 
 def supports(n_out: int, n_in: int, nb: int) -> bool:

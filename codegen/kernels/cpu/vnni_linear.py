@@ -59,7 +59,8 @@ QUAD_DOT = "llvm.x86.avx512.vpdpbusd.512"  # unsigned × signed bytes, four per 
 LANES = VNNI_LANES                         # int32 lanes of a 512-bit register: 16 output columns
 ROWS, K_BLOCK, MICRO_ROWS = 48, 512, 6
 MICRO_VECTORS, SINGLE_VECTORS = 2, 4       # vectors of 16 columns per step: a micro-tile's, one row's
-TILE_TASK_ROWS, TILE_COLUMNS, TILE_BLOCKS = 64, 2, 4   # with tiles: a task's rows; column tiles and blocks a call
+# with tiles: a task's rows (as bf16_linear.py's), column tiles and activation blocks of a micro-kernel call
+TILE_TASK_ROWS, TILE_COLUMNS, TILE_BLOCKS = 128, 2, 4
 
 
 def supports_tiles(n_out: int, n_in: int, nb: int, fmt: WeightFormat) -> bool:
