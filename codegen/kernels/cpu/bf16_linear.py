@@ -12,8 +12,9 @@ row. The epilogue (bias, rounding, residual) is codegen/kernels/weight_format.py
 With `tiles` (CPUs with AMX, in steps that bring many rows): tasks of TILE_TASK_ROWS rows, whose
 groups of 32 rows × 32 columns run AMX's tile micro-kernels (codegen/kernels/cpu/tile_micro.py)
 over the same panels, K blocks of up to 1,024 inputs held in tiles; where the process may not use
-tiles (kiln_tiles_ready: a CPU, kernel or setting without them) the same tasks run the
-AVX-512 micro-kernels above.
+tiles (kiln_tiles_ready: a CPU, kernel or setting without them), or the step has fewer rows than a
+tile (a tile's product costs the same for 1 row as for 16), the same tasks run the AVX-512
+micro-kernels above.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def bf16_linear_kernel(n_out: int, n_in: int, nb: int, has_bias: bool, has_resid
                         acc[r, c] = T.float32(0)
                 for kbo in range(n_in // k_block):
                     if tiles:
-                        if T.call_extern("int32", READY) != 0:
+                        if m >= TILE_ROWS and T.call_extern("int32", READY) != 0:
                             tile_dots(acc, x, w, io * task_rows, rows, jo, kbo)
                         else:
                             vector_dots(acc, x, w, io * task_rows, rows, full, jo, kbo)

@@ -39,7 +39,8 @@ as above: the same integers and float steps, so the same outputs.
   - q4, q4a, q4k: per K block the task first writes its panel's nibbles as the bytes above (AND
     0x0F for a stored row's first block, 0xF0 for its second), which tdpbsud takes unsigned; the
     dots start from the same -offset · Σx.
-Where the process may not use tiles (kiln_tiles_ready), the same tasks run the vpdpbusd micro-kernels.
+Where the process may not use tiles (kiln_tiles_ready), or the step has fewer rows than a tile, the
+same tasks run the vpdpbusd micro-kernels.
 """
 from __future__ import annotations
 
@@ -266,7 +267,7 @@ def vnni_linear_kernel(n_out: int, n_in: int, nb: int, dtype: str, fmt: WeightFo
                         acc[r, c] = T.float32(0)
                 for kbo in range(n_in // k_block):
                     if tiles:
-                        if T.call_extern("int32", READY) != 0:
+                        if m >= TILE_ROWS and T.call_extern("int32", READY) != 0:
                             tile_dots(xq, sx, x_sums, w, wb, acc, tdots, scale, jo, io * task_rows, rows, kbo)
                         else:
                             vector_dots(xq, sx, x_sums, w, acc, dots, sums, scale, jo, io * task_rows, rows, full, kbo)
