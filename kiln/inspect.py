@@ -225,8 +225,8 @@ def _tiles(m: Manifest) -> list[str]:
     if not m.target.tiles or not tiled:
         return []
     kind = "AMX" if m.target.tiles == "amx" else m.target.tiles
-    return [f"tiles      {kind} tiles in {', '.join(tiled)} (in the steps above); where Linux grants no tiles (a CPU "
-            "or kernel without AMX, or KILN_CPU_TILES=off) they run AVX-512's dots (bf16dot's, vnni's)"]
+    return [f"tiles      {kind} tiles in {', '.join(tiled)} (in those steps of 16 rows or more); where Linux grants "
+            "no tiles (a CPU or kernel without AMX, or KILN_CPU_TILES=off) they run AVX-512's dots (bf16dot's, vnni's)"]
 
 
 def _lora(m: Manifest) -> list[str]:
