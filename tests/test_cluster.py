@@ -155,20 +155,28 @@ def test_a_bad_request_gets_a_4xx_from_the_ingress_and_the_cluster_goes_on(two_r
 # -- prefix-aware routing ------------------------------------------------------------------------------
 def test_prefix_routing_hits_the_prefix_cache_at_least_twice_as_often_as_round_robin(ray_serve, artifact):
     """8 system prompts × 8 questions over 3 replicas whose caches hold about 3 system prompts
-    each: routed by prefix, each replica keeps its own few; in turn, each sees all 8 and evicts."""
+    each: routed by prefix, each replica keeps its own few; in turn, each sees all 8 and evicts.
+    Which replica a system prompt first lands on depends on the queues of the moment (on a loaded
+    machine one replica may get four and evict): where a round falls short, a second round's counts
+    are pooled with it (prefix routing that did nothing would fall short in both)."""
     from kiln.runtime.model import CompiledModel
     from kiln.runtime.tokenizer import Tokenizer
     prompts = load.shared_prefix_prompts(systems=8, questions=8, system_words=120)
     model, tok = CompiledModel(artifact, verify=False), Tokenizer(artifact)
     pages = int(3.3 * (max(len(tok.encode(p)) for p in prompts) // model.page_size + 1))
-    rates = {}
-    for routing in ("prefix", "round-robin"):
-        deploy(artifact, kv_memory=str(pages * model.bytes_per_page), name=routing, replicas=3, routing=routing)
-        outcomes = asyncio.run(load.prefix_load(ray_serve, prompts, clients=4))
-        assert outcomes.kinds["completed"] == len(prompts), outcomes.errors[:3]
-        gauges = [g for _, g in ops.settled_gauges(routing, replicas=3).values()]
-        rates[routing] = sum(g.prefix_hits for g in gauges) / sum(g.prefix_queried for g in gauges)
-        serve.delete(routing)
+    counts = {"prefix": [0, 0], "round-robin": [0, 0]}          # hits, queried
+    for _ in range(2):
+        for routing, count in counts.items():
+            deploy(artifact, kv_memory=str(pages * model.bytes_per_page), name=routing, replicas=3, routing=routing)
+            outcomes = asyncio.run(load.prefix_load(ray_serve, prompts, clients=4))
+            assert outcomes.kinds["completed"] == len(prompts), outcomes.errors[:3]
+            gauges = [g for _, g in ops.settled_gauges(routing, replicas=3).values()]
+            count[0] += sum(g.prefix_hits for g in gauges)
+            count[1] += sum(g.prefix_queried for g in gauges)
+            serve.delete(routing)
+        rates = {routing: hits / queried for routing, (hits, queried) in counts.items()}
+        if rates["prefix"] >= 2 * rates["round-robin"]:
+            break
     assert rates["prefix"] >= 2 * rates["round-robin"], rates
 
 
