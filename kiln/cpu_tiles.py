@@ -47,7 +47,8 @@ def request_tiles(kind: str) -> TileState:
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return TileState(kind, False, f"AMX is Linux x86-64's, not {platform.system()} {platform.machine()}'s")
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0:
+    libc.syscall.restype = ctypes.c_long          # syscall(long number, ...): every argument a long
+    if libc.syscall(*map(ctypes.c_long, (ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA))) == 0:
         return TileState(kind, True)
     code = ctypes.get_errno()
     return TileState(kind, False, f"Linux refused AMX's tile state: {errno.errorcode.get(code, code)}, "
