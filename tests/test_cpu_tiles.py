@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 X86 = platform.machine() == "x86_64"
+builds = pytest.mark.build      # builds with TVM or LLVM, or runs what it built (not in make test-fast)
 # partial tiles, a last row group of one and of two tiles, a second task of a panel and its leftover rows
 TILE_ROW_COUNTS = (1, 13, 50, 97, 177)
 
@@ -30,6 +31,7 @@ def _function(asm: str, name: str) -> str:
     return body[:body.index(".Lfunc_end")]
 
 
+@builds
 @pytest.mark.skipif(not X86, reason="x86-64 only: AMX is Intel's")
 @pytest.mark.parametrize("row_tiles,col_tiles", [(2, 2), (1, 2), (2, 1), (1, 1)])
 def test_tile_micro_kernels_select_amx_for_sapphire_rapids(row_tiles, col_tiles):
@@ -48,6 +50,7 @@ def test_tile_micro_kernels_select_amx_for_sapphire_rapids(row_tiles, col_tiles)
                 and "(%rsp" in line]
 
 
+@builds
 @pytest.mark.skipif(not X86, reason="x86-64 only: AMX is Intel's")
 @pytest.mark.parametrize("row_tiles,col_tiles,block", [(2, 2, 32), (1, 2, 32), (1, 1, 64)])
 def test_int8_tile_micro_kernels_select_amx_for_sapphire_rapids(row_tiles, col_tiles, block):
@@ -63,6 +66,7 @@ def test_int8_tile_micro_kernels_select_amx_for_sapphire_rapids(row_tiles, col_t
                 and "(%rsp" in line]
 
 
+@builds
 @pytest.mark.skipif(not X86, reason="x86-64 only: AMX is Intel's")
 def test_tiles_ready_asks_linux_for_the_tile_state():
     """kiln_tiles_ready asks arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) through syscall(2),
@@ -92,6 +96,7 @@ def test_linux_grants_tiles_exactly_where_the_cpu_has_amx(monkeypatch):
     assert not request_tiles("emulated").granted
 
 
+@builds
 @pytest.mark.parametrize("tiles", ["emulated", "amx", "amx-switched-off"])
 @pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
 def test_bf16_tile_kernel_equals_the_interpreter(tiles, bias, residual, tmp_path, monkeypatch):
@@ -123,6 +128,7 @@ INT8_CASES = [("linear_q8", "float32", False, False), ("linear_q8", "bfloat16", 
               ("linear_q4k", "bfloat16", False, True)]
 
 
+@builds
 @pytest.mark.parametrize("tiles", ["emulated", "amx", "amx-switched-off"])
 @pytest.mark.parametrize("op,dtype,bias,residual", INT8_CASES)
 def test_int8_tile_kernel_equals_the_interpreter(tiles, op, dtype, bias, residual, tmp_path, monkeypatch):
@@ -200,6 +206,7 @@ def tiled_llama(make_model, tmp_path_factory):
     return model_dir, out
 
 
+@builds
 def test_tiled_artifact_equals_the_interpreter(tiled_llama):
     """A prompt (amx_bf16's emulated tiles) and the decode steps after it (bf16dot) against the
     interpreter on the same bfloat16 graph, within the bound tests/test_compiled_families.py measured
@@ -229,6 +236,7 @@ def test_tiled_artifact_equals_the_interpreter(tiled_llama):
         assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
 
 
+@builds
 def test_q4_tiles_give_the_vnni_kernels_logits_exactly(make_model, tmp_path):
     """A q4 artifact whose prompts' linears run amx_int8 on emulated tiles gives the same logits, bit for
     bit, as one built without tiles (vnni's vpdpbusd): the same integer dots per block, the same float
@@ -253,6 +261,7 @@ def test_q4_tiles_give_the_vnni_kernels_logits_exactly(make_model, tmp_path):
     np.testing.assert_array_equal(logits["emulated"], logits[""])
 
 
+@builds
 def test_run_json_and_inspect_say_what_the_tiles_did(tiled_llama):
     """`kiln run --json` reports the tiles granted, or switched off (KILN_CPU_TILES=off); `kiln serve`'s
     start line says what they are; `kiln inspect` names the kernels with tiles."""
